@@ -1,0 +1,164 @@
+"""Run a function on N gloo ranks and collect what each rank returns.
+
+    from tests.harness import run_ranks
+
+    def _check(ctx_rank, world_size, x):        # module level, so it pickles
+        ...                                      # torch.distributed is initialised
+        return something_picklable
+
+    results = run_ranks(_check, 8, 3.0)          # [rank0_result, ..., rank7_result]
+
+Why it looks like this (ENVIRONMENT.md): importing torch in 8 fresh processes costs
+~7 s on 2 cores, and a plain ``fork`` of a parent that already ran an OpenMP matmul
+hangs. So children come from a *forkserver* that imported torch once and never
+computes: every launch is a cheap fork of a clean process. Rendezvous goes through a
+``FileStore`` in a temp dir (no port races between concurrent test runs).
+
+On failure every rank's traceback is shown; ranks still running when another rank
+failed, or when the timeout hits, have their Python stacks dumped (faulthandler) so a
+deadlock says where each rank was waiting.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_CTX = None
+
+
+def _context():
+    global _CTX  # a cache of the forkserver context, not parallel state
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megareshard"])
+        _CTX = ctx
+    return _CTX
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, crashed or timed out; the message holds every rank's story."""
+
+
+def _child(rank: int, world_size: int, store_path: str, stack_path: str,
+           payload: bytes, sys_path: list[str], env: dict[str, str], queue) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    stack_file = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report everything, including DCP's BaseException subclasses
+        queue.put((rank, False, traceback.format_exc()))
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    value: Any
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns the list of per-rank return values. Raises ``RankFailure`` with every rank's
+    traceback (and the stacks of ranks that were still running) if any rank fails or the
+    whole run exceeds ``timeout`` seconds.
+    """
+    if not 1 <= world_size <= 16:
+        raise ValueError(f"world_size {world_size} is outside 1..16")
+    ctx = _context()
+    payload = pickle.dumps((fn, args, kwargs))
+    child_env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    child_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="mr-ranks-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        queue = ctx.Queue()
+        procs = []
+        for rank in range(world_size):
+            p = ctx.Process(target=_child, name=f"rank{rank}",
+                            args=(rank, world_size, store_path, os.path.join(tmp, f"stack{rank}"),
+                                  payload, list(sys.path), child_env, queue), daemon=True)
+            p.start()
+            procs.append(p)
+        outcomes: dict[int, _Outcome] = {}
+        deadline = time.monotonic() + timeout
+        first_failure_at = None
+        timed_out = False
+        try:
+            while len(outcomes) < world_size:
+                now = time.monotonic()
+                if now > deadline:
+                    timed_out = True
+                    break
+                # after one rank fails, the others usually block in a collective: give them
+                # a short grace period to fail on their own, then dump their stacks.
+                if first_failure_at is not None and now - first_failure_at > 5.0:
+                    break
+                try:
+                    rank, ok, value = queue.get(timeout=0.2)
+                except Exception:
+                    for r, p in enumerate(procs):
+                        if r not in outcomes and not p.is_alive() and p.exitcode not in (0, None):
+                            # died without reporting (segfault, os._exit, OOM kill)
+                            time.sleep(0.2)  # its queue message may still be in flight
+                            if r not in outcomes and queue.empty():
+                                outcomes[r] = _Outcome(False, f"process exited with code {p.exitcode} "
+                                                              "without reporting (crash or kill)")
+                                first_failure_at = first_failure_at or time.monotonic()
+                    continue
+                outcomes[rank] = _Outcome(ok, pickle.loads(value) if ok else value)
+                if not ok and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+            stuck = [r for r in range(world_size) if r not in outcomes]
+            for r in stuck:
+                if procs[r].is_alive():
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+            if stuck:
+                time.sleep(0.5)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            queue.close()
+        if stuck:
+            for r in stuck:
+                try:
+                    with open(os.path.join(tmp, f"stack{r}")) as f:
+                        stack = f.read().strip()
+                except OSError:
+                    stack = ""
+                why = "timed out" if timed_out else "still running after another rank failed"
+                outcomes[r] = _Outcome(False, f"{why}; stack at that moment:\n{stack or '(no stack dumped)'}")
+    failed = {r: o.value for r, o in sorted(outcomes.items()) if not o.ok}
+    if failed:
+        head = (f"{len(failed)} of {world_size} ranks failed running {getattr(fn, '__qualname__', fn)}"
+                + (f" (timeout {timeout:.0f}s)" if timed_out else ""))
+        body = "\n".join(f"----- rank {r} -----\n{msg}" for r, msg in failed.items())
+        raise RankFailure(f"{head}\n{body}")
+    return [outcomes[r].value for r in range(world_size)]
