@@ -1,0 +1,282 @@
+"""Megatron-style command-line flags parsed into typed config dataclasses, validated up front.
+
+Each field's ``help`` metadata is its one-line docstring and its ``--flag`` help at once:
+the flag name is the field name with dashes (``micro_batch_size`` -> ``--micro-batch-size``)
+unless the field names another. Validation runs before anything is built and every
+error names the values and the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .parallel.topology import TopologyError, parse_order
+
+
+class ConfigError(ValueError):
+    """Invalid or inconsistent arguments; the message names the values and why."""
+
+
+def _f(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
+       metavar: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT."""
+
+    num_layers: int = _f(4, "number of Transformer layers")
+    hidden_size: int = _f(256, "hidden size h")
+    num_attention_heads: int = _f(4, "attention heads (divisible by tp)")
+    ffn_hidden_size: int | None = _f(None, "MLP inner size (default 4·h)")
+    seq_length: int = _f(256, "tokens per sample")
+    max_position_embeddings: int | None = _f(None, "learned positions (default seq-length)")
+    vocab_size: int | None = _f(None, "vocabulary size (default: the tokenizer's; required with --mock-data)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this × tp")
+    hidden_dropout: float = _f(0.0, "dropout on hidden states (0 makes runs comparable across layouts)")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    init_method_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees and placement of the parallel axes."""
+
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel degree (tp)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel degree (pp)")
+    sequence_parallel: bool = _f(False, "shard activations along the sequence over tp between blocks")
+    rank_order: str | None = _f(None, "placement order, innermost first, e.g. tp-dp-pp (default: by volume)")
+    nproc_per_node: int | None = _f(None, "processes per host (default: torchrun's LOCAL_WORLD_SIZE)")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, optimiser and schedule."""
+
+    micro_batch_size: int = _f(4, "samples per microbatch per dp rank")
+    global_batch_size: int | None = _f(None, "samples per iteration (default micro-batch-size × dp)")
+    train_iters: int = _f(100, "iterations to train")
+    lr: float = _f(3e-4, "peak learning rate")
+    min_lr: float = _f(3e-5, "learning rate at the end of the cosine decay")
+    lr_warmup_iters: int = _f(10, "linear warm-up iterations")
+    lr_decay_iters: int | None = _f(None, "iterations of the cosine decay (default train-iters)")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.95, "AdamW beta2")
+    adam_eps: float = _f(1e-8, "AdamW epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
+    seed: int = _f(1234, "seed for weights, data order and dropout")
+    device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=("cpu", "cuda"))
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from."""
+
+    data_path: str | None = _f(None, "prefix of a preprocessed dataset (.bin/.idx)")
+    tokenizer_model: str | None = _f(None, "sentencepiece model file")
+    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
+    mock_data: bool = _f(False, "synthetic deterministic data (no files needed)")
+
+
+@dataclass
+class LoggingConfig:
+    """What is reported, where and how often."""
+
+    log_interval: int = _f(10, "iterations between log lines")
+    eval_interval: int = _f(0, "iterations between evaluations (0 disables)")
+    eval_iters: int = _f(10, "batches per evaluation")
+    metrics_file: str | None = _f(None, "write one JSON object per iteration to this file")
+    wandb_project: str | None = _f(None, "W&B project (offline when there is no network)")
+    wandb_exp_name: str | None = _f(None, "W&B run name")
+    wandb_save_dir: str | None = _f(None, "directory for W&B files")
+
+
+@dataclass
+class Config:
+    """Everything a training run is configured with."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def tp(self) -> int:
+        return self.parallel.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pipeline_model_parallel_size
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def num_microbatches(self, world_size: int) -> int:
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.dp(world_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+             "data": DataConfig, "logging": LoggingConfig}
+
+# old or alternative flag -> (its replacement, why)
+DEPRECATED = {
+    "--batch-size": ("--micro-batch-size", "Megatron renamed it; the global batch is --global-batch-size"),
+    "--model-parallel-size": ("--tensor-model-parallel-size", "model parallelism is tp × pp here"),
+    "--warmup": ("--lr-warmup-iters", "warm-up is counted in iterations"),
+}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    text = str(annotation)
+    for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if text.startswith(name):
+            return t
+    raise TypeError(f"unsupported config field type {annotation!r}")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add every config field as a flag (grouped by section) plus the deprecated spellings."""
+    parser = parser or argparse.ArgumentParser(description="megareshard training", allow_abbrev=False)
+    for section, cls in _SECTIONS.items():
+        group = parser.add_argument_group(section, cls.__doc__)
+        for f in dataclasses.fields(cls):
+            kind = _base_type(f.type)
+            dest = f"{section}.{f.name}"
+            if kind is bool:
+                group.add_argument(_flag(f), dest=dest, action="store_true", default=f.default, help=f.metadata["help"])
+            else:
+                group.add_argument(_flag(f), dest=dest, type=kind, default=f.default, help=f.metadata["help"],
+                                   choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
+    for old, (new, _) in DEPRECATED.items():
+        parser.add_argument(old, dest=f"deprecated{old}", default=None, help=f"deprecated: use {new}")
+    return parser
+
+
+def config_from_namespace(ns: argparse.Namespace) -> Config:
+    values = vars(ns)
+    used = [old for old in DEPRECATED if values.get(f"deprecated{old}") is not None]
+    if used:
+        old = used[0]
+        new, why = DEPRECATED[old]
+        raise ConfigError(f"{old} is deprecated: use {new} ({why})")
+    kwargs = {}
+    for section, cls in _SECTIONS.items():
+        kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
+    return Config(**kwargs)
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
+    """Parse Megatron-style flags and validate them for ``world_size`` (default: ``$WORLD_SIZE`` or 1)."""
+    ns = build_parser().parse_args(argv)
+    cfg = config_from_namespace(ns)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Check every constraint before anything is built; fills derived defaults (global batch)."""
+    m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
+    positive = [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+                ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
+                ("--log-interval", lg.log_interval), ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
+    for name, value in positive:
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    tp, pp = cfg.tp, cfg.pp
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
+                          f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = cfg.dp(world_size)
+    if m.num_layers % pp:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                          f"{m.num_attention_heads}")
+    if m.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
+                          f"--seq-length {m.seq_length}")
+    for name, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    if p.sequence_parallel:
+        if tp == 1:
+            warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
+                          "it has no effect", stacklevel=2)
+        elif m.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+    if p.rank_order is not None:
+        try:
+            parse_order(p.rank_order)
+        except TopologyError as e:
+            raise ConfigError(f"--rank-order: {e}") from None
+    if p.nproc_per_node is not None and (p.nproc_per_node < 1 or world_size % p.nproc_per_node):
+        raise ConfigError(f"world size {world_size} is not a multiple of --nproc-per-node {p.nproc_per_node}")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
+                          f"{t.micro_batch_size} × dp {dp} = {t.micro_batch_size * dp}")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"learning rates must satisfy 0 <= --min-lr <= --lr and --lr > 0, got "
+                          f"--lr {t.lr}, --min-lr {t.min_lr}")
+    if t.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}")
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if t.lr_warmup_iters > t.lr_decay_iters:
+        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} is longer than the decay "
+                          f"(--lr-decay-iters {t.lr_decay_iters})")
+    if t.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {t.clip_grad}")
+    if d.mock_data and d.data_path:
+        raise ConfigError(f"--mock-data and --data-path {d.data_path} conflict: use one of them")
+    if not d.mock_data and not d.data_path:
+        raise ConfigError("no training data: give --data-path PREFIX (with --tokenizer-model) or --mock-data")
+    if d.mock_data and m.vocab_size is None:
+        raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
+    if d.data_path and not d.tokenizer_model and m.vocab_size is None:
+        raise ConfigError(f"--data-path {d.data_path} needs --tokenizer-model (or --vocab-size)")
+    parts = d.split.split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        raise ConfigError(f"--split {d.split!r} must be comma-separated numbers such as 969,30,1") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {d.split!r} must be 1 to 3 non-negative numbers with a positive sum")
+    if lg.eval_interval < 0 or lg.eval_iters < 0:
+        raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
+    return cfg

@@ -1,0 +1,7 @@
+"""Parallel layout: pure topology (rank <-> coordinates, hosts, placement order) and the
+ParallelContext that owns the process groups."""
+from .context import ParallelContext
+from .topology import AXES, CommVolume, RankCoords, Topology, TopologyError, hosts_spanned, parse_order
+
+__all__ = ["AXES", "CommVolume", "ParallelContext", "RankCoords", "Topology", "TopologyError",
+           "hosts_spanned", "parse_order"]

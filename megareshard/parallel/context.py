@@ -1,0 +1,147 @@
+"""ParallelContext: the one explicit object holding this process's parallel state.
+
+No module-level globals (Megatron's ``parallel_state`` getters are what we avoid): code
+that needs a group receives the context. All process groups are created eagerly, in
+one global order, identical on every rank — lazily created communicators in
+rank-dependent order are a classic source of deadlocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .topology import RankCoords, Topology
+
+# Group families, in creation order. Each maps to the axes along which members differ.
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "dp": ("dp",),
+    "mp": ("tp", "pp"),       # model parallel: together they hold one full model replica
+    "stage": ("tp", "dp"),    # all ranks of one pipeline stage (SageMaker's DP_GROUP)
+}
+
+
+@dataclass
+class ParallelContext:
+    """Process groups and rank queries for one process of a (tp, dp, pp) layout."""
+
+    topology: Topology
+    rank: int
+    groups: dict[str, object] = field(default_factory=dict, repr=False)
+    group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, topology: Topology) -> "ParallelContext":
+        """Collective over the default group: every rank must call it, with the same topology."""
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelContext.create needs torch.distributed initialised first "
+                               "(torchrun sets it up through megareshard.training or dist.init_process_group)")
+        world = dist.get_world_size()
+        if world != topology.world_size:
+            raise ValueError(f"the process group has {world} ranks but the topology describes "
+                             f"{topology.world_size} ({topology.describe()})")
+        ctx = cls(topology=topology, rank=dist.get_rank())
+        # middle pipeline stages belong to no embedding group
+        ctx.groups["embedding"], ctx.group_ranks["embedding"] = None, ()
+        families = {name: topology.groups(axes) for name, axes in _FAMILIES.items()}
+        families["embedding"] = topology.embedding_groups()
+        # Every rank walks every group of every family in the same order; new_group is
+        # collective over the default group even for ranks that are not members.
+        for name, all_groups in families.items():
+            for members in all_groups:
+                handle = dist.new_group(list(members))
+                if ctx.rank in members:
+                    ctx.groups[name] = handle
+                    ctx.group_ranks[name] = members
+        return ctx
+
+    @classmethod
+    def single_process(cls) -> "ParallelContext":
+        """A context for one process without torch.distributed (reference runs, tools)."""
+        topo = Topology(world_size=1)
+        ranks = {name: (0,) for name in (*_FAMILIES, "embedding")}
+        return cls(topology=topo, rank=0, groups={name: None for name in ranks}, group_ranks=ranks)
+
+    # ---- coordinates --------------------------------------------------------------
+    @property
+    def coords(self) -> RankCoords:
+        return self.topology.coords(self.rank)
+
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    def mp_rank(self) -> int:
+        """Rank inside the model-parallel (tp × pp) group."""
+        return self.group_ranks["mp"].index(self.rank)
+
+    def rdp_rank(self) -> int:
+        """SageMaker's reduced-data-parallel rank: same as our ``dp_rank``."""
+        return self.dp_rank()
+
+    def smp_dp_rank(self) -> int:
+        """SageMaker's ``dp_rank``: rank among all ranks of the same pipeline stage."""
+        return self.group_ranks["stage"].index(self.rank)
+
+    # ---- sizes and groups -------------------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def mp_group(self):
+        return self.groups["mp"]
+
+    @property
+    def stage_group(self):
+        return self.groups["stage"]
+
+    @property
+    def embedding_group(self):
+        """First + last stage of this pipeline (tied embeddings); None on middle stages."""
+        return self.groups["embedding"]
+
+    def is_first_stage(self) -> bool:
+        return self.pp_rank() == 0
+
+    def is_last_stage(self) -> bool:
+        return self.pp_rank() == self.pp_size - 1
+
+    def stage_neighbour(self, offset: int) -> int | None:
+        """Global rank of the same (tp, dp) position ``offset`` stages away, or None past the ends."""
+        pp = self.pp_rank() + offset
+        if not 0 <= pp < self.pp_size:
+            return None
+        c = self.coords
+        return self.topology.rank_of(tp=c.tp, dp=c.dp, pp=pp)

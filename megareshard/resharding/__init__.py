@@ -1,0 +1,29 @@
+"""Cross-mesh resharding (paper §2.2-§3): pure planning here, execution in `executor`.
+
+Planning pipeline: `decompose` a (shape, src mesh/spec, dst mesh/spec) into unit tasks,
+cost each under a strategy (`network.task_cost`), and schedule sending hosts and order
+(`schedulers`); `NetworkModel` predicts the plan's time and its lower bound.
+"""
+
+from .decompose import UnitTask, decompose
+from .mesh import Mesh
+from .network import STRATEGIES, NetworkModel, TaskCost, task_cost
+from .plan import ReshardingPlan, plan_resharding
+from .schedulers import SCHEDULERS
+from .spec import ShardingSpec, local_slices, split_bounds
+
+__all__ = [
+    "Mesh",
+    "ShardingSpec",
+    "local_slices",
+    "split_bounds",
+    "UnitTask",
+    "decompose",
+    "ReshardingPlan",
+    "plan_resharding",
+    "NetworkModel",
+    "TaskCost",
+    "task_cost",
+    "STRATEGIES",
+    "SCHEDULERS",
+]

@@ -1,0 +1,202 @@
+"""Host-level network model: one full-duplex NIC per host plus a fast intra-host link.
+
+`task_cost` is the single place that says what a unit task does to the NICs under each
+strategy (paper §3.1); the schedulers use it (in bytes) to balance load, and
+`NetworkModel` uses it (in seconds) to predict a plan's time and its lower bound.
+
+Model, kept deliberately simple so predictions can be compared with measurements:
+* a task occupies, for its whole duration, the send side of every host that sends for it
+  and the receive side of every host that receives for it; a NIC side serves one task at
+  a time; tasks are list-scheduled in plan order (each starts once every NIC side it
+  needs is free);
+* durations: t = bytes / NIC bandwidth, t_intra = bytes / intra-host bandwidth
+  - sendrecv:  (remote receiver ranks)·t + (local receiver ranks)·t_intra
+  - allgather: (remote receiving hosts)·t + t_intra if any host fans out to >1 device
+  - broadcast: max(t·(1 + (A-1)/K), t_intra·(1 + (hops-1)/K)), pipelined in K chunks along
+    the chain, hops = A (+1 when some host fans the slice out to more devices)
+  - signal:    1 byte, sent like a broadcast;
+  plus a fixed `latency_s` per task;
+* a task whose receivers all sit on the sender's host uses no NIC; such intra-host
+  copies are serialised per host on an "intra" resource.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import ReshardingPlan
+
+STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
+
+SEND, RECV, INTRA = 0, 1, 2  # NIC directions / resources of a host
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    return strategy
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """What one unit task does to the hosts, for a given sending host and strategy.
+
+    `nic_bytes` is the task's NIC duration expressed in bytes (divide by bandwidth for
+    seconds); `intra_bytes` the intra-host work on its critical path; `pipelined` tells
+    whether the two overlap (broadcast) or add up (sendrecv, allgather).
+    """
+
+    nic_bytes: float
+    intra_bytes: float
+    pipelined: bool
+    out_bytes: Mapping[int, int] = field(default_factory=dict)  # host -> bytes out of its NIC
+    in_bytes: Mapping[int, int] = field(default_factory=dict)  # host -> bytes into its NIC
+    chain: tuple[int, ...] = ()  # sender host then receiving hosts (broadcast/signal order)
+
+    def resources(self, sender_host: int) -> tuple[tuple[int, int], ...]:
+        """(host, SEND/RECV/INTRA) sides this task occupies."""
+        res = [(h, SEND) for h in sorted(self.out_bytes)] + [(h, RECV) for h in sorted(self.in_bytes)]
+        if not res:
+            res = [(sender_host, INTRA)]
+        return tuple(res)
+
+    def seconds(self, nic_Bps: float, intra_Bps: float, latency_s: float = 0.0) -> float:
+        nic = self.nic_bytes / nic_Bps
+        intra = self.intra_bytes / intra_Bps
+        return (max(nic, intra) if self.pipelined else nic + intra) + latency_s
+
+
+def task_cost(
+    strategy: str,
+    nbytes: int,
+    sender_host: int,
+    receivers_per_host: Mapping[int, int],
+    chunks: int = 16,
+) -> TaskCost:
+    """Cost of sending one slice of `nbytes` from `sender_host` to the receivers.
+
+    `receivers_per_host` maps each host to its number of receiving ranks; receivers on
+    the sender's host are served by intra-host copies.
+    """
+    check_strategy(strategy)
+    remote = {h: c for h, c in sorted(receivers_per_host.items()) if h != sender_host and c > 0}
+    local = receivers_per_host.get(sender_host, 0)
+    fanout = local > 0 or any(c > 1 for c in remote.values())
+    b = 1 if strategy == "signal" else nbytes
+    if strategy == "sendrecv":
+        n = sum(remote.values())
+        return TaskCost(
+            nic_bytes=float(b * n),
+            intra_bytes=float(b * local),
+            pipelined=False,
+            out_bytes={sender_host: b * n} if n else {},
+            in_bytes={h: b * c for h, c in remote.items()},
+            chain=(sender_host, *remote),
+        )
+    if strategy == "allgather":
+        a = len(remote)
+        return TaskCost(
+            nic_bytes=float(b * a),
+            intra_bytes=float(b) if fanout else 0.0,
+            pipelined=False,
+            out_bytes={sender_host: b * a} if a else {},
+            in_bytes={h: b for h in remote},
+            chain=(sender_host, *remote),
+        )
+    # broadcast and signal: a pipelined chain sender host -> remote hosts (ascending id)
+    chain = (sender_host, *remote)
+    a = len(remote)
+    out = {h: b for h in chain[:-1]} if a else {}
+    hops = a + (1 if fanout else 0)
+    return TaskCost(
+        nic_bytes=float(b * (1 + (a - 1) / chunks)) if a else 0.0,
+        intra_bytes=float(b) * ((1 + (hops - 1) / chunks) if a else 1.0) if fanout else 0.0,
+        pipelined=True,
+        out_bytes=out,
+        in_bytes={h: b for h in remote},
+        chain=chain,
+    )
+
+
+class NetworkModel:
+    """Hosts with one full-duplex NIC each (`nic_gbps` each way) and `intra_gbps` inside."""
+
+    def __init__(self, nic_gbps: float, intra_gbps: float = 100.0, *, latency_s: float = 0.0) -> None:
+        if nic_gbps <= 0 or intra_gbps <= 0:
+            raise ValueError(f"bandwidths must be > 0, got nic {nic_gbps} Gbit/s, intra {intra_gbps} Gbit/s")
+        if latency_s < 0:
+            raise ValueError(f"latency must be >= 0, got {latency_s}")
+        self.nic_gbps = float(nic_gbps)
+        self.intra_gbps = float(intra_gbps)
+        self.latency_s = float(latency_s)
+
+    @property
+    def nic_Bps(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+    @property
+    def intra_Bps(self) -> float:
+        return self.intra_gbps * 1e9 / 8
+
+    def task_times(self, plan: "ReshardingPlan") -> list[tuple[float, float]]:
+        """(start, end) seconds of each task of `plan.tasks`, by list scheduling in plan order."""
+        free: dict[tuple[int, int], float] = {}
+        out = []
+        for task in plan.tasks:
+            cost = plan.task_cost(task)
+            res = cost.resources(plan.sender_host(task))
+            start = max((free.get(r, 0.0) for r in res), default=0.0)
+            end = start + cost.seconds(self.nic_Bps, self.intra_Bps, self.latency_s)
+            for r in res:
+                free[r] = end
+            out.append((start, end))
+        return out
+
+    def predict(self, plan: "ReshardingPlan") -> float:
+        """Predicted seconds for the plan under its strategy (see module docstring)."""
+        return max((end for _, end in self.task_times(plan)), default=0.0)
+
+    def host_bytes(self, plan: "ReshardingPlan") -> dict[int, tuple[int, int]]:
+        """Per host: (bytes out of, bytes into) its NIC under the plan's strategy and senders."""
+        acc: dict[int, list[int]] = {}
+        for task in plan.tasks:
+            cost = plan.task_cost(task)
+            for h, b in cost.out_bytes.items():
+                acc.setdefault(h, [0, 0])[0] += b
+            for h, b in cost.in_bytes.items():
+                acc.setdefault(h, [0, 0])[1] += b
+        return {h: (o, i) for h, (o, i) in sorted(acc.items())}
+
+    def lower_bound(self, plan: "ReshardingPlan") -> float:
+        """max over hosts of max(bytes in, bytes out) / NIC bandwidth, whatever the schedule.
+
+        In: every receiving host that holds no copy of a slice must receive it once.
+        Out: a slice that some receiving host lacks must leave one of its source hosts;
+        for any set H of source hosts, the busiest host of H sends at least
+        (bytes of slices whose sources all lie in H) / |H|. Under `signal` a task counts
+        as 1 byte, so the bound stays below the prediction for every strategy.
+        """
+        bytes_in: dict[int, int] = {}
+        forced: dict[frozenset[int], int] = {}
+        for task in plan.tasks:
+            b = 1 if plan.strategy == "signal" else task.nbytes
+            src_hosts = frozenset(plan.host_of(r) for r in task.senders)
+            needy = {plan.host_of(r) for r in task.receivers} - src_hosts
+            for h in needy:
+                bytes_in[h] = bytes_in.get(h, 0) + b
+            if needy:
+                forced[src_hosts] = forced.get(src_hosts, 0) + b
+        best = max(bytes_in.values(), default=0)
+        universe = sorted(set().union(*forced)) if forced else []
+        if len(universe) <= 12:
+            groups = [frozenset(c) for k in range(1, len(universe) + 1) for c in combinations(universe, k)]
+        else:
+            groups = [frozenset([h]) for h in universe] + list(forced) + [frozenset(universe)]
+        for g in groups:
+            total = sum(b for s, b in forced.items() if s <= g)
+            best = max(best, total / len(g))
+        return best / self.nic_Bps

@@ -1,0 +1,178 @@
+"""Plan a cross-mesh resharding: decompose, cost each task per strategy, schedule.
+
+Pure data, no processes: the executor turns a `ReshardingPlan` into communication, the
+network model predicts its time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .decompose import UnitTask, decompose
+from .mesh import Mesh
+from .network import TaskCost, check_strategy, task_cost
+from .schedulers import Option, SchedTask, check_scheduler, run_scheduler
+from .spec import ShardingSpec
+
+__all__ = ["UnitTask", "ReshardingPlan", "plan_resharding"]
+
+
+def _fmt_slice(sl: tuple[slice, ...]) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in sl) + "]"
+
+
+def _fmt_ranks(ranks: Sequence[int]) -> str:
+    rs = list(ranks)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+@dataclass
+class ReshardingPlan:
+    shape: tuple[int, ...]
+    src_mesh: Mesh
+    src_spec: ShardingSpec
+    dst_mesh: Mesh
+    dst_spec: ShardingSpec
+    strategy: str  # "sendrecv" | "allgather" | "broadcast" | "signal"
+    scheduler: str  # the scheduler actually used: naive, loadbalance, dfs, greedy
+    itemsize: int
+    tasks: list[UnitTask]  # in execution order, each with .sender set
+    rounds: list[list[int]]  # UnitTask.index grouped; concatenation == order of .tasks
+    optimal: bool  # True when dfs finished its search
+    broadcast_chunks: int = 16  # K of the pipelined broadcast chain, as costed
+    makespan_bytes: float = 0.0  # the scheduler's makespan, in bytes over one NIC
+    _costs: dict[int, TaskCost] = field(default_factory=dict, repr=False, compare=False)
+
+    # --- host views the executor and network model share ------------------------------
+    def host_of(self, rank: int) -> int:
+        if rank in self.src_mesh:
+            return self.src_mesh.host_of(rank)
+        return self.dst_mesh.host_of(rank)
+
+    def sender_host(self, task: UnitTask) -> int:
+        if task.sender is None:
+            raise ValueError(f"task {task.index} has no sender chosen")
+        return self.host_of(task.sender)
+
+    def receivers_by_host(self, task: UnitTask) -> dict[int, tuple[int, ...]]:
+        """Receiver ranks grouped by host (hosts ascending)."""
+        out: dict[int, list[int]] = {}
+        for r in task.receivers:
+            out.setdefault(self.host_of(r), []).append(r)
+        return {h: tuple(rs) for h, rs in sorted(out.items())}
+
+    def remote_hosts(self, task: UnitTask) -> tuple[int, ...]:
+        """Receiving hosts other than the sender's, ascending: the broadcast chain order."""
+        sh = self.sender_host(task)
+        return tuple(h for h in self.receivers_by_host(task) if h != sh)
+
+    def task_cost(self, task: UnitTask) -> TaskCost:
+        cost = self._costs.get(task.index)
+        if cost is None:
+            counts = {h: len(rs) for h, rs in self.receivers_by_host(task).items()}
+            cost = task_cost(self.strategy, task.nbytes, self.sender_host(task), counts, self.broadcast_chunks)
+            self._costs[task.index] = cost
+        return cost
+
+    def round_of(self) -> dict[int, int]:
+        """UnitTask.index -> round number."""
+        return {t: k for k, rnd in enumerate(self.rounds) for t in rnd}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tasks)
+
+    def __str__(self) -> str:
+        head = (
+            f"resharding {tuple(self.shape)} x{self.itemsize}B: {self.src_mesh} {self.src_spec} "
+            f"-> {self.dst_mesh} {self.dst_spec}; strategy={self.strategy} scheduler={self.scheduler}"
+            f"{' (optimal)' if self.optimal else ''}; {len(self.tasks)} tasks in {len(self.rounds)} rounds"
+        )
+        rnd = self.round_of()
+        rows = [("task", "slice", "senders", "receivers", "sender@host", "bytes", "round")]
+        for t in self.tasks:
+            rows.append((
+                str(t.index), _fmt_slice(t.slice), _fmt_ranks(t.senders), _fmt_ranks(t.receivers),
+                f"{t.sender}@{self.sender_host(t)}", str(t.nbytes), str(rnd[t.index]),
+            ))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+def _check_meshes(src: Mesh, dst: Mesh) -> None:
+    for r in set(src.flat_ranks) & set(dst.flat_ranks):
+        if src.host_of(r) != dst.host_of(r):
+            raise ValueError(
+                f"rank {r} is on host {src.host_of(r)} in the source mesh but on host "
+                f"{dst.host_of(r)} in the destination mesh"
+            )
+
+
+def plan_resharding(
+    shape: Sequence[int],
+    src_mesh: Mesh,
+    src_spec: ShardingSpec,
+    dst_mesh: Mesh,
+    dst_spec: ShardingSpec,
+    strategy: str = "broadcast",
+    scheduler: str = "auto",
+    itemsize: int = 4,
+    *,
+    time_budget_s: float = 1.0,
+    seed: int = 0,
+    broadcast_chunks: int = 16,
+) -> ReshardingPlan:
+    """Decompose, then choose one sending host per task and an order (see schedulers).
+
+    Scheduling is at host granularity, in bytes over one NIC (uniform NIC bandwidth is
+    assumed, so bytes order schedules as time does); the concrete sender is the lowest
+    sending rank on the chosen host.
+    """
+    check_strategy(strategy)
+    check_scheduler(scheduler)
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be >= 1 byte, got {itemsize}")
+    if broadcast_chunks < 1:
+        raise ValueError(f"broadcast_chunks must be >= 1, got {broadcast_chunks}")
+    shp = src_spec.check(shape)
+    dst_spec.check(shp)
+    _check_meshes(src_mesh, dst_mesh)
+    tasks = decompose(shp, src_mesh, src_spec, dst_mesh, dst_spec, itemsize)
+
+    def host(r: int) -> int:
+        return src_mesh.host_of(r) if r in src_mesh else dst_mesh.host_of(r)
+
+    sched_tasks = []
+    for t in tasks:
+        counts = Counter(host(r) for r in t.receivers)
+        cand = sorted({src_mesh.host_of(r) for r in t.senders})
+        opts = []
+        for h in cand:
+            cost = task_cost(strategy, t.nbytes, h, counts, broadcast_chunks)
+            opts.append(Option(h, cost.nic_bytes, frozenset(cost.resources(h))))
+        sched_tasks.append(SchedTask(tuple(opts), naive=cand.index(src_mesh.host_of(t.senders[0]))))
+    sched = run_scheduler(scheduler, sched_tasks, time_budget_s=time_budget_s, seed=seed)
+    for pos, t in enumerate(tasks):
+        h = sched_tasks[pos].options[sched.choice[pos]].host
+        t.sender = min(r for r in t.senders if src_mesh.host_of(r) == h)
+    return ReshardingPlan(
+        shape=shp,
+        src_mesh=src_mesh,
+        src_spec=src_spec,
+        dst_mesh=dst_mesh,
+        dst_spec=dst_spec,
+        strategy=strategy,
+        scheduler=sched.scheduler,
+        itemsize=itemsize,
+        tasks=[tasks[p] for p in sched.order],
+        rounds=[[tasks[p].index for p in rnd] for rnd in sched.rounds],
+        optimal=sched.optimal,
+        broadcast_chunks=broadcast_chunks,
+        makespan_bytes=sched.makespan,
+    )
+

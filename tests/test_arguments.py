@@ -1,0 +1,83 @@
+"""Flags parse into typed configs; every validation error names the values and the reason."""
+import pytest
+
+from megareshard.arguments import ConfigError, ModelConfig, TrainingConfig, build_parser, parse_args
+
+BASE = ["--mock-data", "--vocab-size", "1000"]
+
+
+def test_flags_parse_into_typed_sections():
+    cfg = parse_args(BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                             "--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
+                             "--micro-batch-size", "2", "--global-batch-size", "16", "--sequence-parallel",
+                             "--lr", "1e-3", "--rank-order", "tp-dp-pp"], world_size=8)
+    assert cfg.tp == 2 and cfg.pp == 2 and cfg.dp(8) == 2
+    assert cfg.model.ffn_hidden_size == 512 and cfg.model.max_position_embeddings == 256
+    assert cfg.parallel.sequence_parallel is True and cfg.training.lr == 1e-3
+    assert cfg.num_microbatches(8) == 4
+    assert cfg.training.lr_decay_iters == cfg.training.train_iters
+    assert cfg.to_dict()["model"]["hidden_size"] == 128
+
+
+def test_global_batch_defaults_to_micro_times_dp():
+    cfg = parse_args(BASE + ["--micro-batch-size", "3"], world_size=4)
+    assert cfg.training.global_batch_size == 12
+
+
+def test_every_field_has_help():
+    for cls in (ModelConfig, TrainingConfig):
+        for f in cls.__dataclass_fields__.values():
+            assert f.metadata["help"], f.name
+    assert "--micro-batch-size" in build_parser().format_help()
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--global-batch-size", "30", "--micro-batch-size", "4"], 2, "global batch 30 is not divisible by micro batch 4 × dp 2 = 8"),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "4"], 4, "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4, "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--hidden-size", "100", "--num-attention-heads", "8"], 1, "--hidden-size 100 is not divisible by --num-attention-heads 8"),
+    (["--tensor-model-parallel-size", "4"], 6, "world size 6 is not divisible by tensor-model-parallel-size 4"),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"], 4, "--ffn-hidden-size 30 is not divisible"),
+    (["--sequence-parallel", "--seq-length", "30", "--tensor-model-parallel-size", "4"], 4, "--seq-length 30 divisible"),
+    (["--max-position-embeddings", "64", "--seq-length", "128"], 1, "--max-position-embeddings 64 is smaller than --seq-length 128"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in"),
+    (["--rank-order", "tp-xp-pp"], 1, "unknown axis 'xp'"),
+    (["--nproc-per-node", "3"], 4, "world size 4 is not a multiple of --nproc-per-node 3"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], 1, "--min-lr 0.001"),
+    (["--lr-warmup-iters", "50", "--train-iters", "10"], 1, "--lr-warmup-iters 50 is longer than the decay"),
+    (["--split", "a,b"], 1, "--split 'a,b' must be comma-separated numbers"),
+    (["--micro-batch-size", "0"], 1, "--micro-batch-size must be at least 1, got 0"),
+    (["--clip-grad", "-1"], 1, "--clip-grad must be >= 0"),
+])
+def test_validation_errors(argv, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_args(BASE + argv, world_size=world)
+
+
+def test_data_source_conflicts():
+    with pytest.raises(ConfigError, match="--mock-data and --data-path d conflict"):
+        parse_args(BASE + ["--data-path", "d"], world_size=1)
+    with pytest.raises(ConfigError, match="no training data"):
+        parse_args([], world_size=1)
+    with pytest.raises(ConfigError, match="--mock-data needs --vocab-size"):
+        parse_args(["--mock-data"], world_size=1)
+    with pytest.raises(ConfigError, match="--data-path d needs --tokenizer-model"):
+        parse_args(["--data-path", "d"], world_size=1)
+
+
+@pytest.mark.parametrize("old, new", [("--batch-size", "--micro-batch-size"),
+                                      ("--model-parallel-size", "--tensor-model-parallel-size"),
+                                      ("--warmup", "--lr-warmup-iters")])
+def test_deprecated_flags_name_the_replacement(old, new):
+    with pytest.raises(ConfigError, match=f"{old} is deprecated: use {new}"):
+        parse_args(BASE + [old, "2"], world_size=1)
+
+
+def test_sequence_parallel_without_tp_warns():
+    with pytest.warns(UserWarning, match="shards nothing"):
+        parse_args(BASE + ["--sequence-parallel"], world_size=1)
+
+
+def test_no_abbreviations():
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--micro", "2"], world_size=1)

@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Print the rank map of a parallel layout: which host, tp, pp and dp rank every global rank gets.
+
+    python tools/show_topology.py --world-size 16 --nproc-per-node 8 --tp 2 --pp 4
+    python tools/show_topology.py --world-size 8 --tp 2 --pp 2 --order pp-tp-dp --sagemaker
+    python tools/show_topology.py ... --json              # machine-readable records
+
+Without --order the order comes from per-layer communication volume (seed 003) for the
+model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, default=None, help="processes per host (default: all on one host)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--order", default=None, help="e.g. tp-dp-pp (innermost first); default: by volume")
+    p.add_argument("--hidden-size", type=int, default=4096, help="model shape used to choose the order")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--keep-tp-in-host", action="store_true", help="fail unless every tp group sits in one host")
+    p.add_argument("--sagemaker", action="store_true", help="seed 001's names: pp/tp/rdp/dp/mp ranks")
+    p.add_argument("--json", action="store_true", help="print a JSON list of per-rank records")
+    a = p.parse_args(argv)
+    try:
+        if a.world_size < 1 or a.tp < 1 or a.pp < 1:
+            raise TopologyError(f"degrees must be positive: world size {a.world_size}, tp {a.tp}, pp {a.pp}")
+        dp = max(a.world_size // (a.tp * a.pp), 1)
+        volume = CommVolume.for_gpt(a.hidden_size, a.seq_length, a.micro_batch_size, tp=a.tp, dp=dp, pp=a.pp)
+        order = a.order or volume.order()
+        topo = Topology(a.world_size, tp=a.tp, pp=a.pp, nproc_per_node=a.nproc_per_node, order=order,
+                        keep_tp_in_host=a.keep_tp_in_host)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(topo.records(sagemaker=a.sagemaker), indent=1))
+        return 0
+    if a.order is None:
+        print(f"order chosen by {volume.describe()} "
+              f"(hidden {a.hidden_size}, seq {a.seq_length}, micro batch {a.micro_batch_size})")
+    print(topo.table(sagemaker=a.sagemaker))
+    spans = {axis: hosts_spanned(topo, axis) for axis in ("tp", "dp", "pp")}
+    print("hosts spanned by the widest group: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
