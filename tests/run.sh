@@ -3,23 +3,11 @@
 # constraints, run the test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$(pwd)
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
-fi
-# keep caches inside the tree (nothing written outside it but temp dirs)
-export PIP_CACHE_DIR="$root/.venv/pip-cache"
-stamp=.venv/.installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-cpu.txt -nt "$stamp" ]; then
-    echo "[tests/run.sh] installing megareshard[test] into .venv (torch pinned by constraints-cpu.txt)"
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
-    touch "$stamp"
-fi
+source tools/ensure_venv.sh
 tmp=$(mktemp -d -t megareshard-tests.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
+# nothing is written outside the tree but this temp dir
 export WANDB_MODE=offline WANDB_DIR="$tmp/wandb" WANDB_CACHE_DIR="$tmp/wandb-cache" \
-       WANDB_CONFIG_DIR="$tmp/wandb-config" TORCH_EXTENSIONS_DIR="$tmp/torch-ext" \
+       WANDB_CONFIG_DIR="$tmp/wandb-config" WANDB_DATA_DIR="$tmp/wandb-data" TORCH_EXTENSIONS_DIR="$tmp/torch-ext" \
        MPLCONFIGDIR="$tmp/mpl" TMPDIR="$tmp"
-exec .venv/bin/python -m pytest "$@"
+"$VENV_PY" -m pytest "$@"

@@ -122,13 +122,14 @@ def preprocess(files: Sequence[str], tokenizer_model: str, output_prefix: str, w
     batches = iter_batches(iter_documents(files, json_key, skip_invalid))
     t0 = last = time.monotonic()
     in_bytes = 0
+    last_docs = -1
 
     def report(w: IndexedDatasetWriter, final: bool = False) -> None:
-        nonlocal last
+        nonlocal last, last_docs
         now = time.monotonic()
-        if quiet or (not final and now - last < 2.0):
+        if quiet or (not final and now - last < 2.0) or (final and last_docs == w.num_documents):
             return
-        last = now
+        last, last_docs = now, w.num_documents
         mb = in_bytes / 2**20
         print(f"[preprocess_data] {w.num_documents} documents, {w.num_tokens} tokens, {mb:.1f} MB read, "
               f"{mb / max(now - t0, 1e-9):.2f} MB/s", file=sys.stderr, flush=True)

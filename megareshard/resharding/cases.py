@@ -79,15 +79,15 @@ def one_to_many_cases(scale: float = 1.0, max_devices: int = 4, max_hosts: int =
                       devices_per_host: int = 2) -> list[NamedCase]:
     """Paper §5.1.1: one source device (host 0) sends a 1 GiB fp32 tensor, replicated,
     to 1..max_devices devices of one host, then to 1..max_hosts hosts of
-    `devices_per_host` devices each."""
+    `devices_per_host` devices each. Names: `intra:1->1xK` and `inter:1->HxD`."""
     shape = (1024, 1024, 256)  # 2^28 fp32 = 1 GiB
     spec = ShardingSpec.parse("R,R,R")
     shp = _scaled(shape, spec, spec, scale)
     src = Mesh.grid(1, 1)
     out = []
     for k in range(1, max_devices + 1):
-        out.append(NamedCase(f"1->1x{k}", shp, src, spec, Mesh.grid(1, k, first_rank=1, first_host=1), spec))
+        out.append(NamedCase(f"intra:1->1x{k}", shp, src, spec, Mesh.grid(1, k, first_rank=1, first_host=1), spec))
     for h in range(1, max_hosts + 1):
         dst = Mesh.grid(h, devices_per_host, first_rank=1, first_host=1)
-        out.append(NamedCase(f"1->{h}x{devices_per_host}", shp, src, spec, dst, spec))
+        out.append(NamedCase(f"inter:1->{h}x{devices_per_host}", shp, src, spec, dst, spec))
     return out

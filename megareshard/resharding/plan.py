@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .decompose import UnitTask, decompose
 from .mesh import Mesh
-from .network import TaskCost, check_strategy, task_cost
+from .network import INTRA, TaskCost, check_strategy, task_cost
 from .schedulers import Option, SchedTask, check_scheduler, run_scheduler
 from .spec import ShardingSpec
 
@@ -147,6 +147,7 @@ def plan_resharding(
     def host(r: int) -> int:
         return src_mesh.host_of(r) if r in src_mesh else dst_mesh.host_of(r)
 
+    # the scheduler sees NIC sides only: intra-host copies never wait for a NIC
     sched_tasks = []
     for t in tasks:
         counts = Counter(host(r) for r in t.receivers)
@@ -154,7 +155,7 @@ def plan_resharding(
         opts = []
         for h in cand:
             cost = task_cost(strategy, t.nbytes, h, counts, broadcast_chunks)
-            opts.append(Option(h, cost.nic_bytes, frozenset(cost.resources(h))))
+            opts.append(Option(h, cost.nic_bytes, frozenset((x, d) for x, d in cost.resources(h) if d != INTRA)))
         sched_tasks.append(SchedTask(tuple(opts), naive=cand.index(src_mesh.host_of(t.senders[0]))))
     sched = run_scheduler(scheduler, sched_tasks, time_budget_s=time_budget_s, seed=seed)
     for pos, t in enumerate(tasks):

@@ -127,51 +127,75 @@ def schedule_loadbalance(tasks: Sequence[SchedTask]) -> Schedule:
 def schedule_greedy(tasks: Sequence[SchedTask], seed: int = 0) -> Schedule:
     """Rounds of non-overlapping tasks, each the heaviest of several randomised trials.
 
-    A trial walks the remaining tasks in a random order and keeps every task that has an
-    option not overlapping the tasks kept so far (shortest such option first). The whole
-    construction is restarted a few times and the best makespan kept. Deterministic for
-    a given seed: the work done is fixed by counts, never by the clock.
+    Event driven: at time `now`, the candidates are the remaining tasks with an allowed
+    option whose NIC sides are all free; a trial walks them in a random order and keeps
+    each one that has such an option (cheapest first) not overlapping those kept so far.
+    The heaviest kept set (useful work = each task's cheapest duration, then count) over
+    the trials starts now and forms a round; `now` then moves to the next time a NIC side
+    frees up. The construction is restarted a few times, alternately allowing only the
+    cheapest options (waiting for a busy host beats a slower path, e.g. a remote copy
+    instead of a local one) and any option (a slower host can balance load), and the
+    best makespan is kept. Deterministic for a given seed: the work is fixed by counts, never by
+    the clock.
     """
     n = len(tasks)
     if n == 0:
         return _finish(tasks, [], [], "greedy", rounds=[])
     rng = random.Random(seed)
-    restarts = 4 if n <= 64 else (2 if n <= 256 else 1)
+    mindur = [_min_duration(t) for t in tasks]
+    efficient = [[i for i, o in enumerate(t.options) if o.duration <= mindur[t_]] for t_, t in enumerate(tasks)]
+    by_cost = [sorted(range(len(t.options)), key=lambda i, t=t: t.options[i].duration) for t in tasks]
+    restarts = 6 if n <= 64 else (2 if n <= 256 else 1)
     best: Schedule | None = None
-    for _ in range(restarts):
-        remaining = list(range(n))
+    for restart in range(restarts):
+        # even restarts use cheapest options only, odd ones any option (cheapest first)
+        allowed = efficient if restart % 2 == 0 else by_cost
+        remaining = set(range(n))
+        free: dict[Hashable, float] = {}
+        now = 0.0
         order: list[int] = []
         choice = [0] * n
         rounds: list[list[int]] = []
         while remaining:
-            trials = max(2, min(16, 4096 // len(remaining)))
-            best_set: list[tuple[int, int]] = []
-            best_score = (-1.0, -1)
-            for _trial in range(trials):
-                perm = remaining[:]
-                rng.shuffle(perm)
-                used: set[Hashable] = set()
-                chosen: list[tuple[int, int]] = []
-                weight = 0.0
-                for t in perm:
-                    opts = tasks[t].options
-                    idx = sorted(range(len(opts)), key=lambda i: (opts[i].duration, rng.random()))
-                    for i in idx:
-                        if used.isdisjoint(opts[i].resources):
-                            chosen.append((t, i))
-                            used |= opts[i].resources
-                            weight += opts[i].duration
-                            break
-                score = (weight, len(chosen))
-                if score > best_score:
-                    best_score, best_set = score, chosen
-            best_set.sort()
-            for t, i in best_set:
-                choice[t] = i
-            rounds.append([t for t, _ in best_set])
-            order.extend(t for t, _ in best_set)
-            picked = {t for t, _ in best_set}
-            remaining = [t for t in remaining if t not in picked]
+            avail = [
+                (t, [i for i in allowed[t]
+                     if all(free.get(r, 0.0) <= now for r in tasks[t].options[i].resources)])
+                for t in sorted(remaining)
+            ]
+            avail = [(t, opts) for t, opts in avail if opts]
+            if avail:
+                trials = max(2, min(16, 4096 // len(avail)))
+                best_set: list[tuple[int, int]] = []
+                best_score = (-1.0, -1)
+                for _trial in range(trials):
+                    perm = avail[:]
+                    rng.shuffle(perm)
+                    used: set[Hashable] = set()
+                    chosen: list[tuple[int, int]] = []
+                    weight = 0.0
+                    for t, opts in perm:
+                        for i in opts:
+                            res = tasks[t].options[i].resources
+                            if used.isdisjoint(res):
+                                chosen.append((t, i))
+                                used |= res
+                                weight += mindur[t]  # useful work: a slow option earns no more
+                                break
+                    score = (weight, len(chosen))
+                    if score > best_score:
+                        best_score, best_set = score, chosen
+                best_set.sort()
+                for t, i in best_set:
+                    choice[t] = i
+                    o = tasks[t].options[i]
+                    for r in o.resources:
+                        free[r] = now + o.duration
+                    remaining.discard(t)
+                    order.append(t)
+                rounds.append([t for t, _ in best_set])
+            later = [v for v in free.values() if v > now]
+            if later:
+                now = min(later)
         cand = _finish(tasks, order, choice, "greedy", rounds=rounds)
         if best is None or cand.makespan < best.makespan:
             best = cand

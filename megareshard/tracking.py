@@ -1,0 +1,90 @@
+"""Where training metrics go: the log line, a JSON-lines metrics file, and Weights & Biases.
+
+Only one rank reports (the caller decides which: the last pipeline stage holds the loss).
+W&B runs offline when ``WANDB_MODE=offline`` is set or no API key is configured, and says
+so; it never blocks on a missing network.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, TextIO
+
+
+def format_log_line(rec: dict[str, Any], train_iters: int) -> str:
+    """A Megatron-like iteration line."""
+    parts = [f" iteration {rec['iteration']:8d}/{train_iters:8d}",
+             f"consumed samples: {rec['consumed_samples']:10d}",
+             f"elapsed time per iteration (ms): {rec['ms_per_iter']:.1f}",
+             f"learning rate: {rec['lr']:.6E}",
+             f"lm loss: {rec['loss']:.6E}",
+             f"grad norm: {rec['grad_norm']:.3f}",
+             f"tokens/s: {rec['tokens_per_s']:.1f}",
+             f"TFLOP/s per rank: {rec['tflops_per_rank']:.3f}"]
+    return " | ".join(parts) + " |"
+
+
+class MetricsFile:
+    """One JSON object per line, flushed each write so a crash loses at most one record."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f: TextIO | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def wandb_mode() -> tuple[str, str]:
+    """(mode, why): respects WANDB_MODE; without it, offline unless an API key is configured."""
+    env = os.environ.get("WANDB_MODE")
+    if env:
+        return env, f"WANDB_MODE={env}"
+    if os.environ.get("WANDB_API_KEY"):
+        return "online", "WANDB_API_KEY is set"
+    netrc = os.path.expanduser("~/.netrc")
+    if os.path.exists(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="replace").read():
+        return "online", "a W&B login is configured"
+    return "offline", "no W&B API key is configured (sync later with `wandb sync`)"
+
+
+class WandbTracker:
+    """A W&B run on the reporting rank; a no-op elsewhere or without --wandb-project."""
+
+    def __init__(self, project: str | None, name: str | None, save_dir: str | None, config: dict[str, Any],
+                 enabled: bool, run_id: str | None = None, log: TextIO = sys.stdout) -> None:
+        self.run = None
+        if not (enabled and project):
+            return
+        import wandb
+
+        mode, why = wandb_mode()
+        save_dir = save_dir or os.path.join(os.getcwd(), "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode,
+                              id=run_id, resume="allow" if run_id else None)
+        where = getattr(self.run, "dir", save_dir)
+        print(f"W&B: run {self.run.id} ({mode}: {why}) writing to {where}", file=log, flush=True)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
+
+    def log(self, rec: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,257 @@
+"""The training loop: microbatches, AdamW, LR schedule, clipping, DP averaging, eval, logging.
+
+One iteration = one global batch = ``global_batch / (micro_batch × dp)`` microbatches per dp
+rank. The loss of a global batch is the mean per-token loss over all of its tokens, so
+every layout (tp, dp, sequence parallel) computes the same number as one process does.
+The forward/backward over the microbatches is a replaceable function
+(``forward_backward``): the pipeline engine supplies its own.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, TextIO
+
+import torch
+import torch.distributed as dist
+
+from .arguments import Config, ConfigError
+from .data.gpt_dataset import build_train_valid_test_datasets
+from .data.mock import MockGPTDataset
+from .data.sampler import GlobalBatchSampler, collate
+from .models.gpt import GPTModel
+from .optim import LRScheduler, WarmupCosine, build_adamw, clip_grad_norm_
+from .parallel import CommVolume, ParallelContext, Topology
+from .parallel.data_parallel import GradAverager
+from .tensor_parallel import sync_sequence_parallel_grads
+from .tracking import MetricsFile, WandbTracker, format_log_line
+
+
+def pick_device(requested: str | None) -> torch.device:
+    """cuda when available unless told otherwise; asking for cuda without one is an error."""
+    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was requested but torch.cuda.is_available() is False")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> int:
+    """Initialise torch.distributed from torchrun's environment (nccl on GPU, gloo on CPU); returns world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return world
+
+
+def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
+    """The ParallelContext for this run and a line saying how ranks were placed and why."""
+    nproc = cfg.parallel.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    m, t = cfg.model, cfg.training
+    volume = CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size, tp=cfg.tp,
+                                dp=cfg.dp(world_size), pp=cfg.pp)
+    order = cfg.parallel.rank_order or volume.order()
+    why = "given by --rank-order" if cfg.parallel.rank_order else f"chosen by {volume.describe()}"
+    topo = Topology(world_size, tp=cfg.tp, pp=cfg.pp, nproc_per_node=nproc, order=order)
+    if world_size == 1:
+        return ParallelContext.single_process(), topo.describe()
+    return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
+
+
+def flops_per_iteration(cfg: Config, global_batch: int) -> float:
+    """Model FLOPs of one iteration (forward + backward, no recomputation), Megatron's formula
+    generalised to any MLP width: per layer 2·(4h² + 2·h·f)·tokens ×3, attention 4·s·h per token ×3."""
+    m = cfg.model
+    tokens = global_batch * m.seq_length
+    per_token_layer = 2 * (4 * m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_hidden_size) \
+        + 2 * m.seq_length * m.hidden_size  # QK^T and AV, causal half counted fully as SDPA computes it
+    logits = 2 * m.hidden_size * (m.vocab_size or 0)
+    return 3.0 * tokens * (m.num_layers * per_token_layer + logits)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
+                     autocast_dtype: torch.dtype | None = None, backward: bool = True) -> torch.Tensor:
+    """Run the microbatches through the model; returns this rank's mean loss (detached).
+
+    Each microbatch's mean token loss is divided by the number of microbatches, so the
+    gradients accumulate to those of the mean over this rank's share of the global batch.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    n = len(microbatches)
+    for mb in microbatches:
+        tokens = mb["tokens"].to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            losses = model(tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
+        loss = losses.float().mean() / n
+        if backward:
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+@dataclass
+class Trainer:
+    """Owns the model, optimizer, data and reporting of one run on one rank."""
+
+    cfg: Config
+    ctx: ParallelContext
+    device: torch.device
+    out: TextIO = sys.stdout
+    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.world_size = ctx.world_size
+        self.dp = ctx.dp_size
+        self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
+        self._resolve_vocab()
+        torch.manual_seed(cfg.training.seed)
+        self.model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
+                              seed=cfg.training.seed, device=self.device)
+        t = cfg.training
+        self.optimizer = build_adamw(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps)
+        self.scheduler = LRScheduler(self.optimizer, WarmupCosine(t.lr, t.min_lr, t.lr_warmup_iters,
+                                                                  t.lr_decay_iters))
+        self.averager = GradAverager(list(self.model.parameters()), ctx.dp_group, ctx.dp_size)
+        self._build_data()
+        self.iteration = 0
+        self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
+        self.tracker = WandbTracker(cfg.logging.wandb_project, cfg.logging.wandb_exp_name,
+                                    cfg.logging.wandb_save_dir,
+                                    {**cfg.to_dict(), "layout": ctx.topology.describe()},
+                                    enabled=self.reporting, log=self.out)
+
+    # ---- set-up ---------------------------------------------------------------------
+    def _resolve_vocab(self) -> None:
+        m, d = self.cfg.model, self.cfg.data
+        if d.tokenizer_model:
+            from .data.tokenizer import SentencePieceTokenizer
+
+            tok = SentencePieceTokenizer(d.tokenizer_model)
+            if m.vocab_size is not None and m.vocab_size != tok.vocab_size:
+                raise ConfigError(f"--vocab-size {m.vocab_size} differs from the vocabulary of tokenizer "
+                                  f"{d.tokenizer_model} ({tok.vocab_size} pieces); drop --vocab-size or use "
+                                  "the tokenizer the data was made with")
+            m.vocab_size = tok.vocab_size
+
+    def _build_data(self) -> None:
+        cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
+        gb = t.global_batch_size
+        n_train = t.train_iters * gb
+        n_evals = (t.train_iters // lg.eval_interval + 1) if lg.eval_interval > 0 else 0
+        n_valid = n_evals * lg.eval_iters * gb
+        if cfg.data.mock_data:
+            train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_train, seed=t.seed)
+            valid = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_valid, seed=t.seed + 1) \
+                if n_valid else None
+        else:
+            train, valid, _ = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split,
+                                                              cfg.model.seq_length, [n_train, n_valid, 0], t.seed)
+            if n_valid and valid is None:
+                raise ConfigError(f"--eval-interval {lg.eval_interval} needs a validation split, but --split "
+                                  f"{cfg.data.split} leaves no validation documents in {cfg.data.data_path}")
+        self.train_data, self.valid_data = train, valid
+        # "megatron" order: global microbatch k is the same samples whatever the dp, which pipeline
+        # stages with different dp sizes rely on
+        self.sampler = GlobalBatchSampler(len(train), gb, t.micro_batch_size, self.dp, self.ctx.dp_rank(),
+                                          order="megatron")
+        self._train_iter: Iterator[list[list[int]]] = iter(self.sampler)
+
+    # ---- one iteration -------------------------------------------------------------------
+    def _microbatches(self, dataset, indices: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        return [collate([dataset[i] for i in mb]) for mb in indices]
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.dp > 1:
+            dist.all_reduce(value, group=self.ctx.dp_group)
+            value = value / self.dp
+        return value.item()
+
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
+        lr = self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward_fn(self.model, microbatches, self.device)
+        if self.model.sequence_parallel:
+            sync_sequence_parallel_grads(self.model, self.ctx)
+        self.averager.average()
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.clip_grad, self.ctx)
+        self.optimizer.step()
+        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        lg, t = self.cfg.logging, self.cfg.training
+        start = (self.iteration // lg.eval_interval) * lg.eval_iters * t.global_batch_size \
+            if lg.eval_interval else 0
+        sampler = GlobalBatchSampler(len(self.valid_data), t.global_batch_size, t.micro_batch_size, self.dp,
+                                     self.ctx.dp_rank(), consumed_samples=start, order="megatron")
+        total = torch.zeros((), device=self.device)
+        for _, indices in zip(range(lg.eval_iters), sampler):
+            total += self.forward_backward_fn(self.model, self._microbatches(self.valid_data, indices),
+                                              self.device, backward=False)
+        self.model.train()
+        return self._dp_mean(total / max(lg.eval_iters, 1))
+
+    # ---- the loop --------------------------------------------------------------------------
+    def train(self) -> list[dict[str, Any]]:
+        cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
+        tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+        flops = flops_per_iteration(cfg, t.global_batch_size)
+        self.model.train()
+        while self.iteration < t.train_iters:
+            indices = next(self._train_iter)
+            start = time.perf_counter()
+            res = self.train_step(self._microbatches(self.train_data, indices))
+            elapsed = time.perf_counter() - start
+            self.iteration += 1
+            rec = {"iteration": self.iteration, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                   "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
+                   "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12}
+            if not math.isfinite(res.loss):
+                raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
+            if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
+                rec["eval_loss"] = self.evaluate()
+                rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+            self.records.append(rec)
+            if self.reporting:
+                self.metrics.write(rec)
+                self.tracker.log(rec, step=self.iteration)
+                if self.iteration % lg.log_interval == 0 or self.iteration == 1:
+                    print(format_log_line(rec, t.train_iters), file=self.out, flush=True)
+                if "eval_loss" in rec:
+                    print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
+                          f"lm loss PPL: {rec['eval_ppl']:.3f}", file=self.out, flush=True)
+        return self.records
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.tracker.finish()
+
+
+def pretrain(cfg: Config, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
+    """Entry point shared by ``pretrain_gpt.py`` and tests: set up, train, tear down."""
+    device = pick_device(cfg.training.device)
+    world = init_distributed(device)
+    ctx, placement = build_context(cfg, world)
+    if dist.is_initialized() and dist.get_rank() == 0 or world == 1:
+        print(f"megareshard: {placement}; device {device}, {cfg.num_microbatches(world)} microbatch(es) "
+              f"per iteration", file=out, flush=True)
+    trainer = Trainer(cfg, ctx, device, out=out)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

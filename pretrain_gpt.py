@@ -1,0 +1,28 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with tensor, sequence and data parallelism. Launch with torchrun:
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 \
+        --micro-batch-size 4 --global-batch-size 16 --train-iters 100 \
+        --data-path data/stdlib_text_document --tokenizer-model data/tokenizer.model
+
+`--help` lists every flag. Runs on CPU processes (gloo) or GPUs (NCCL, --device cuda).
+"""
+import sys
+
+from megareshard.arguments import ConfigError, parse_args
+from megareshard.training import pretrain
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        pretrain(cfg)
+    except ConfigError as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

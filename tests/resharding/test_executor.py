@@ -1,0 +1,272 @@
+"""Resharder on 8 gloo ranks: every destination rank gets exactly global[local_slices(...)].
+
+Start-up is the expensive part on 2 cores, so each `run_ranks` launch checks many cases:
+the worker loops over them and returns per-case failure strings instead of asserting.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megareshard.resharding import Mesh, ShardingSpec, local_slices, plan_resharding
+from megareshard.resharding.cases import paper_case
+from megareshard.resharding.executor import Resharder, build_messages
+from tests.harness import run_ranks
+
+WORLD = 8
+STRATEGIES = ("sendrecv", "allgather", "broadcast")
+SCHEDULERS = ("naive", "loadbalance", "dfs", "greedy")
+SPECS = ("R", "S0", "S1", "S01", "S10")
+
+
+def _global(shape, dtype=torch.float32) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.arange(n, dtype=torch.float64).reshape(shape).to(dtype)
+
+
+def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=3,
+                dtype=torch.float32, label="") -> list[str]:
+    """Plan, build, run; returns this rank's failure messages (empty when correct)."""
+    plan = plan_resharding(shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
+                           scheduler=scheduler, itemsize=torch.empty(0, dtype=dtype).element_size(),
+                           time_budget_s=0.05)
+    res = Resharder(plan, dtype, chunks=chunks)
+    full = _global(shape, dtype)
+    src_sl = local_slices(shape, src_mesh, src_spec, rank)
+    local = None if src_sl is None else full[src_sl].clone()
+    out = res.run(local)
+    dst_sl = local_slices(shape, dst_mesh, dst_spec, rank)
+    tag = f"{label} {src_mesh}{tuple(src_mesh.flat_ranks)} {src_spec} -> {dst_mesh}{tuple(dst_mesh.flat_ranks)} " \
+          f"{dst_spec} shape {tuple(shape)} {strategy}/{scheduler}/K={chunks} rank {rank}"
+    if dst_sl is None:
+        return [] if out is None else [f"{tag}: expected None, got a tensor"]
+    if out is None:
+        return [f"{tag}: got None"]
+    want = full[dst_sl]
+    if out.shape != want.shape or out.dtype != want.dtype:
+        return [f"{tag}: got {tuple(out.shape)} {out.dtype}, want {tuple(want.shape)} {want.dtype}"]
+    if not torch.equal(out, want):
+        bad = (out != want).nonzero()
+        return [f"{tag}: {len(bad)} wrong elements, first at {bad[0].tolist()}"]
+    return []
+
+
+def _grid(ranks_by_host: list[list[int]], first_host: int) -> Mesh:
+    return Mesh(ranks_by_host, {r: first_host + h for h, row in enumerate(ranks_by_host) for r in row})
+
+
+def _paper_meshes(n: int) -> tuple[Mesh, ShardingSpec, Mesh, ShardingSpec]:
+    """Paper case n's specs on meshes that fit 8 ranks (2 devices per host when it fits)."""
+    for dph in (2, 1):
+        _, sm, ss, dm, ds = paper_case(n, devices_per_host=dph)
+        if max(sm.flat_ranks + dm.flat_ranks) < WORLD:
+            return sm, ss, dm, ds
+    raise AssertionError(f"case {n} does not fit {WORLD} ranks")
+
+
+def _worker_paper(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    fails: list[str] = []
+    shape = (8, 6, 4)
+    for n in range(1, 10):
+        sm, ss, dm, ds = _paper_meshes(n)
+        for strategy in STRATEGIES:
+            for scheduler in SCHEDULERS:
+                fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, label=f"case {n}")
+    return fails
+
+
+def _random_case(rng: random.Random) -> tuple:
+    """Random meshes (disjoint or overlapping), specs and a small uneven shape."""
+    ndim = rng.choice((2, 3))
+    shape = tuple(rng.randint(1, 7) for _ in range(ndim))
+
+    def spec() -> ShardingSpec:
+        while True:
+            toks = [rng.choice(SPECS) for _ in range(ndim)]
+            axes = [a for t in toks if t != "R" for a in t[1:]]
+            if len(axes) == len(set(axes)):
+                return ShardingSpec.parse(",".join(toks))
+
+    ranks = list(range(WORLD))
+    rng.shuffle(ranks)
+    a0, a1 = rng.choice(((1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (1, 4), (2, 4)))
+    b0, b1 = rng.choice(((1, 1), (1, 2), (2, 1), (2, 2), (1, 3), (1, 4), (2, 3), (4, 2)))
+    src_ranks = ranks[:a0 * a1]
+    overlap = rng.random() < 0.4
+    pool = ranks if overlap else ranks[a0 * a1:] or ranks
+    if len(pool) < b0 * b1:
+        pool = ranks
+    dst_ranks = rng.sample(pool, b0 * b1)
+    host = {r: r // 2 for r in range(WORLD)}  # 4 hosts x 2 ranks, whatever the mesh rows say
+    sm = Mesh([src_ranks[i * a1:(i + 1) * a1] for i in range(a0)], host)
+    dm = Mesh([dst_ranks[i * b1:(i + 1) * b1] for i in range(b0)], host)
+    return shape, sm, spec(), dm, spec()
+
+
+def _worker_random(rank: int, world: int, seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    fails: list[str] = []
+    for i in range(count):
+        shape, sm, ss, dm, ds = _random_case(rng)
+        strategy = ("sendrecv", "allgather", "broadcast", "broadcast")[i % 4]
+        scheduler = SCHEDULERS[(i // 4) % len(SCHEDULERS)]
+        chunks = rng.choice((1, 2, 5, 64))
+        dtype = rng.choice((torch.float32, torch.float64, torch.int64, torch.bfloat16))
+        fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, chunks, dtype,
+                             label=f"random#{i}")
+    return fails
+
+
+def _worker_special(rank: int, world: int) -> dict:
+    """Overlap, uneven, signal, start/wait with compute, reuse, validation errors."""
+    out: dict = {"fails": []}
+    host = {r: r // 2 for r in range(WORLD)}
+    # overlapping meshes: src ranks 0-5, dst ranks 2-7 (4 shared ranks)
+    sm = Mesh([[0, 1], [2, 3], [4, 5]], host)
+    dm = Mesh([[2, 3, 4], [5, 6, 7]], {r: host[r] for r in range(WORLD)})
+    for strategy in STRATEGIES:
+        out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("S0,S1,R"), dm,
+                                    ShardingSpec.parse("R,S10,R"), strategy, "auto", label="overlap")
+        out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("R,R,R"), dm,
+                                    ShardingSpec.parse("S1,R,S0"), strategy, "loadbalance", label="overlap-rep")
+    # identical meshes and specs: everything is a local copy
+    g = Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], host)
+    out["fails"] += _check_once(rank, (7, 5, 3), g, ShardingSpec.parse("S0,S1,R"), g,
+                                ShardingSpec.parse("S0,S1,R"), "broadcast", "auto", label="identity")
+    # uneven shapes, 1 -> many with more chunks than elements
+    src1 = Mesh([[0]], host)
+    dst7 = Mesh([[1, 2, 3, 4, 5, 6, 7]], host)
+    for strategy in STRATEGIES:
+        out["fails"] += _check_once(rank, (7, 5, 3), src1, ShardingSpec.parse("R,R,R"), dst7,
+                                    ShardingSpec.parse("R,R,R"), strategy, "auto", chunks=200, label="1->7")
+        out["fails"] += _check_once(rank, (3,), src1, ShardingSpec.parse("R"), dst7,
+                                    ShardingSpec.parse("S1"), strategy, "auto", chunks=4, label="empty-shards")
+
+    # signal: right shape, values undefined
+    shape = (8, 6)
+    src = Mesh([[0, 1], [2, 3]], host)
+    dst = Mesh([[4, 5], [6, 7]], host)
+    s_spec, d_spec = ShardingSpec.parse("S0,R"), ShardingSpec.parse("R,S1")
+    plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy="signal")
+    res = Resharder(plan, torch.float32)
+    full = _global(shape)
+    sl = local_slices(shape, src, s_spec, rank)
+    got = res.run(None if sl is None else full[sl])
+    dsl = local_slices(shape, dst, d_spec, rank)
+    out["signal_shape"] = None if got is None else tuple(got.shape)
+    out["signal_want"] = None if dsl is None else tuple(full[dsl].shape)
+
+    # start()/wait() with compute in between; two runs in flight; reuse of one Resharder
+    plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy="broadcast")
+    res = Resharder(plan, torch.float32, chunks=4)
+    local = None if sl is None else full[sl].clone()
+    h1 = res.start(local)
+    h2 = res.start(None if local is None else local * 2)
+    a = torch.randn(64, 64)
+    for _ in range(20):
+        a = torch.tanh(a @ a)
+    o2, o1 = h2.wait(), h1.wait()
+    o3 = res.run(None if local is None else local + 1)
+    if dsl is not None:
+        for got_t, want in ((o1, full[dsl]), (o2, full[dsl] * 2), (o3, full[dsl] + 1)):
+            if not torch.equal(got_t, want):
+                out["fails"].append(f"start/wait rank {rank}: wrong values")
+    elif (o1, o2, o3) != (None, None, None):
+        out["fails"].append(f"start/wait rank {rank}: expected None outside the dst mesh")
+
+    # validation errors, raised before any communication (so no other rank is needed)
+    errors = {}
+    bad_inputs = {
+        "wrong_shape": torch.zeros(3, 3),
+        "wrong_dtype": None if sl is None else full[sl].double(),
+        "none_in_src": None,
+        "tensor_outside_src": torch.zeros(1),
+    }
+    for name, value in bad_inputs.items():
+        in_src = sl is not None
+        if (name in ("wrong_shape", "wrong_dtype", "none_in_src")) != in_src:
+            continue
+        try:
+            res.start(value)
+            errors[name] = "no error"
+        except (ValueError, TypeError) as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    dist.barrier()
+    return out
+
+
+def test_build_messages_orders() -> None:
+    host = {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 0}
+    # broadcast: chain 0 -> 1 -> 3 per chunk, fan-out 1->2, 3->4, local 5 fed by the sender
+    msgs = build_messages("broadcast", 10, 0, [1, 2, 3, 4, 5], host, chunks=2)
+    assert [(m.src, m.dst, m.start, m.stop, m.forward) for m in msgs[:5]] == [
+        (0, 5, 0, 5, False), (0, 1, 0, 5, False), (1, 3, 0, 5, True), (1, 2, 0, 5, True), (3, 4, 0, 5, True)]
+    assert len(msgs) == 10
+    # allgather: host 1 gets halves from the sender, then exchanges them
+    msgs = build_messages("allgather", 5, 0, [1, 2], host, chunks=4)
+    assert [(m.src, m.dst, m.start, m.stop, m.forward) for m in msgs] == [
+        (0, 1, 0, 3, False), (0, 2, 3, 5, False), (1, 2, 0, 3, True), (2, 1, 3, 5, True)]
+    assert [m.dst for m in build_messages("sendrecv", 5, 0, [1, 2, 3], host, 4)] == [1, 2, 3]
+    assert build_messages("signal", 5, 0, [1, 2], host, 4)[0].stop == 1
+
+
+@pytest.mark.slow
+def test_paper_cases_all_strategies_and_schedulers() -> None:
+    t0 = time.monotonic()
+    fails = [f for per_rank in run_ranks(_worker_paper, WORLD, timeout=120) for f in per_rank]
+    assert not fails, "\n".join(fails[:20])
+    print(f"paper cases: {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.slow
+def test_random_spec_pairs() -> None:
+    fails = [f for per_rank in run_ranks(_worker_random, WORLD, 1234, 48, timeout=120) for f in per_rank]
+    assert not fails, "\n".join(fails[:20])
+
+
+@pytest.mark.slow
+def test_overlap_uneven_signal_async_and_validation() -> None:
+    results = run_ranks(_worker_special, WORLD, timeout=120)
+    fails = [f for r in results for f in r["fails"]]
+    assert not fails, "\n".join(fails[:20])
+    for rank, r in enumerate(results):
+        assert r["signal_shape"] == r["signal_want"], (rank, r)
+        errs = r["errors"]
+        if rank < 4:  # source ranks
+            assert "shape (3, 3), expected (4, 6)" in errs["wrong_shape"] and f"rank {rank}" in errs["wrong_shape"]
+            assert "dtype torch.float64, expected torch.float32" in errs["wrong_dtype"]
+            assert "must pass its shard of shape (4, 6)" in errs["none_in_src"]
+        else:
+            assert "is not in the source mesh" in errs["tensor_outside_src"], errs
+
+
+def _worker_bad_plan(rank: int, world: int) -> str:
+    plan = plan_resharding((4, 4), Mesh.grid(1, 2), ShardingSpec.parse("S0,R"), Mesh.grid(1, 2, 2, 1),
+                           ShardingSpec.parse("R,R"), strategy="broadcast")
+    try:
+        plan.strategy = "scatter"
+        Resharder(plan, torch.float32)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    plan.strategy = "broadcast"
+    try:
+        Resharder(plan, torch.float32, chunks=0)
+    except ValueError as e:
+        msg += " | " + str(e)
+    return msg
+
+
+@pytest.mark.slow
+def test_bad_strategy_and_chunks_rejected_before_communication() -> None:
+    for msg in run_ranks(_worker_bad_plan, 4, timeout=60):
+        assert "strategy 'scatter' cannot be executed" in msg and "chunks must be an integer >= 1" in msg
