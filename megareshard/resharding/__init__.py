@@ -11,6 +11,7 @@ from .network import STRATEGIES, NetworkModel, TaskCost, task_cost
 from .plan import ReshardingPlan, plan_resharding
 from .schedulers import SCHEDULERS
 from .spec import ShardingSpec, local_slices, split_bounds
+from .cases import one_to_many_cases, paper_case
 
 __all__ = [
     "Mesh",
@@ -26,4 +27,6 @@ __all__ = [
     "task_cost",
     "STRATEGIES",
     "SCHEDULERS",
+    "paper_case",
+    "one_to_many_cases",
 ]

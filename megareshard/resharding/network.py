@@ -14,7 +14,7 @@ Model, kept deliberately simple so predictions can be compared with measurements
   - allgather: (remote receiving hosts)·t + t_intra if any host fans out to >1 device
   - broadcast: max(t·(1 + (A-1)/K), t_intra·(1 + (hops-1)/K)), pipelined in K chunks along
     the chain, hops = A (+1 when some host fans the slice out to more devices)
-  - signal:    1 byte, sent like a broadcast;
+  - signal:    1 byte to every receiver, sent like sendrecv;
   plus a fixed `latency_s` per task;
 * a task whose receivers all sit on the sender's host uses no NIC; such intra-host
   copies are serialised per host on an "intra" resource.
@@ -79,15 +79,16 @@ def task_cost(
 ) -> TaskCost:
     """Cost of sending one slice of `nbytes` from `sender_host` to the receivers.
 
-    `receivers_per_host` maps each host to its number of receiving ranks; receivers on
-    the sender's host are served by intra-host copies.
+    `receivers_per_host` maps each host to its number of receiving ranks that need the
+    data moved (not those already holding it); receivers on the sender's host are
+    served by intra-host copies. Signal sends 1 byte to each receiver (as sendrecv).
     """
     check_strategy(strategy)
     remote = {h: c for h, c in sorted(receivers_per_host.items()) if h != sender_host and c > 0}
     local = receivers_per_host.get(sender_host, 0)
     fanout = local > 0 or any(c > 1 for c in remote.values())
     b = 1 if strategy == "signal" else nbytes
-    if strategy == "sendrecv":
+    if strategy in ("sendrecv", "signal"):
         n = sum(remote.values())
         return TaskCost(
             nic_bytes=float(b * n),
@@ -107,7 +108,7 @@ def task_cost(
             in_bytes={h: b for h in remote},
             chain=(sender_host, *remote),
         )
-    # broadcast and signal: a pipelined chain sender host -> remote hosts (ascending id)
+    # broadcast: a pipelined chain sender host -> remote hosts (ascending id)
     chain = (sender_host, *remote)
     a = len(remote)
     out = {h: b for h in chain[:-1]} if a else {}

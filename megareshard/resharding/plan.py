@@ -65,15 +65,28 @@ class ReshardingPlan:
             out.setdefault(self.host_of(r), []).append(r)
         return {h: tuple(rs) for h, rs in sorted(out.items())}
 
+    def wire_counts(self, task: UnitTask) -> dict[int, int]:
+        """Per host, the receivers that need the data moved to them: a receiver that is
+        also a source rank of the slice copies from its own source shard (as the
+        executor does) and costs nothing."""
+        held = set(task.senders)
+        out: dict[int, int] = {}
+        for r in task.receivers:
+            if r not in held:
+                h = self.host_of(r)
+                out[h] = out.get(h, 0) + 1
+        return dict(sorted(out.items()))
+
     def remote_hosts(self, task: UnitTask) -> tuple[int, ...]:
-        """Receiving hosts other than the sender's, ascending: the broadcast chain order."""
+        """Hosts the slice crosses a NIC to, ascending: the broadcast chain order."""
         sh = self.sender_host(task)
-        return tuple(h for h in self.receivers_by_host(task) if h != sh)
+        return tuple(h for h in self.wire_counts(task) if h != sh)
 
     def task_cost(self, task: UnitTask) -> TaskCost:
+        """NIC/intra cost of `task` under the plan's strategy (cached: set senders first)."""
         cost = self._costs.get(task.index)
         if cost is None:
-            counts = {h: len(rs) for h, rs in self.receivers_by_host(task).items()}
+            counts = self.wire_counts(task)
             cost = task_cost(self.strategy, task.nbytes, self.sender_host(task), counts, self.broadcast_chunks)
             self._costs[task.index] = cost
         return cost
@@ -150,7 +163,8 @@ def plan_resharding(
     # the scheduler sees NIC sides only: intra-host copies never wait for a NIC
     sched_tasks = []
     for t in tasks:
-        counts = Counter(host(r) for r in t.receivers)
+        held = set(t.senders)
+        counts = Counter(host(r) for r in t.receivers if r not in held)
         cand = sorted({src_mesh.host_of(r) for r in t.senders})
         opts = []
         for h in cand:

@@ -200,7 +200,52 @@ def schedule_greedy(tasks: Sequence[SchedTask], seed: int = 0) -> Schedule:
         if best is None or cand.makespan < best.makespan:
             best = cand
     assert best is not None
-    return best
+    return _polish(tasks, best)
+
+
+def _polish(tasks: Sequence[SchedTask], sched: Schedule, work: int = 100_000) -> Schedule:
+    """First-improvement local search: move one task elsewhere in the order and/or give
+    it another option, while the makespan drops; bounded by a count of evaluations
+    (about `work` task placements), so it is deterministic.
+
+    Event-driven greedy starts big tasks as early as it can, which can strand a small
+    task behind them; one relocation usually repairs that.
+    """
+    n = len(tasks)
+    if n < 2 or n > 200:
+        return sched
+    order, choice = list(sched.order), list(sched.choice)
+    best = sched.makespan
+    eps = 1e-9 * max(best, 1.0)
+    if best <= lower_bound(tasks) + eps:
+        return sched  # already optimal
+    max_evals = min(4000, work // n)  # each evaluation costs O(n)
+    evals = 0
+    improved = True
+    while improved and evals < max_evals:
+        improved = False
+        for p in range(n):
+            t = order[p]
+            rest = order[:p] + order[p + 1:]
+            for q in range(n):
+                cand_order = rest[:q] + [t] + rest[q:]
+                for i in range(len(tasks[t].options)):
+                    if q == p and i == choice[t]:
+                        continue
+                    cand_choice = choice[:]
+                    cand_choice[t] = i
+                    evals += 1
+                    ms = simulate(tasks, cand_order, cand_choice)
+                    if ms < best - eps:
+                        order, choice, best, improved = cand_order, cand_choice, ms, True
+                        break
+                if improved or evals >= max_evals:
+                    break
+            if improved or evals >= max_evals:
+                break
+    if order == sched.order and choice == sched.choice:
+        return sched
+    return _finish(tasks, order, choice, "greedy")
 
 
 class _Timeout(Exception):
