@@ -22,7 +22,7 @@ from .arguments import Config, ConfigError
 from .data.gpt_dataset import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
-from .models.gpt import GPTModel
+from .models.gpt import GPTModel, model_flops_per_iteration
 from .optim import LRScheduler, WarmupCosine, build_adamw, clip_grad_norm_
 from .parallel import CommVolume, ParallelContext, Topology
 from .parallel.data_parallel import GradAverager
@@ -61,17 +61,6 @@ def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
     if world_size == 1:
         return ParallelContext.single_process(), topo.describe()
     return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
-
-
-def flops_per_iteration(cfg: Config, global_batch: int) -> float:
-    """Model FLOPs of one iteration (forward + backward, no recomputation), Megatron's formula
-    generalised to any MLP width: per layer 2·(4h² + 2·h·f)·tokens ×3, attention 4·s·h per token ×3."""
-    m = cfg.model
-    tokens = global_batch * m.seq_length
-    per_token_layer = 2 * (4 * m.hidden_size ** 2 + 2 * m.hidden_size * m.ffn_hidden_size) \
-        + 2 * m.seq_length * m.hidden_size  # QK^T and AV, causal half counted fully as SDPA computes it
-    logits = 2 * m.hidden_size * (m.vocab_size or 0)
-    return 3.0 * tokens * (m.num_layers * per_token_layer + logits)
 
 
 @dataclass
@@ -210,7 +199,7 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-        flops = flops_per_iteration(cfg, t.global_batch_size)
+        flops = model_flops_per_iteration(cfg.model, t.global_batch_size)
         self.model.train()
         while self.iteration < t.train_iters:
             indices = next(self._train_iter)

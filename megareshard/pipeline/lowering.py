@@ -1,0 +1,205 @@
+"""Lowering: insert the communication of every edge into a compute-only schedule.
+
+Receives are derived from the *graph* (the edges a compute consumes), never from
+peeking at a neighbour's action list, so skip edges between non-adjacent stages are
+lowered exactly like chain edges.
+
+Rules (for every edge e and microbatch mb; "F-direction" = e's activation from e.src to
+e.dst, "B-direction" = its gradient from e.dst back to e.src):
+
+* **Send as soon as the tensor exists.** SEND_F(e, mb) immediately after F(mb) on
+  e.src; SEND_B(e, mb) immediately after B(mb) or I(mb) on e.dst. Several edges leaving
+  one compute are sent in graph edge order.
+* **Wait right before the consumer.** WAIT_F(e, mb) immediately before F(mb) on e.dst,
+  for every incoming edge; WAIT_B(e, mb) immediately before B(mb)/I(mb) on e.src, for
+  every outgoing edge. (The last stage's B/I needs no wait: its gradient is the loss.)
+* **Post receives early, in the sender's order.** Per (edge, direction) the receiver
+  posts RECV in exactly the order the sender issues SEND (its compute order). With
+  `lookahead` L (default 1), the receive of the j-th item is posted right after the
+  WAIT of the (j-L)-th item; the first L are posted at the start of the list. So at
+  most L receives per (edge, direction) are outstanding (bounded buffers), and the
+  transfer of the next microbatch overlaps everything the receiver computes between
+  two waits. If a hand-written schedule consumes in another order than it is sent,
+  a receive is moved earlier (never later than its own WAIT nor than any later item's
+  WAIT), so posts stay FIFO and always precede their waits.
+
+What the runtime must do per action (every rank of the stage runs the same list):
+
+=========  ================================================================================
+F(mb)      run the stage forward on mb; inputs = the tensors returned by this stage's
+           WAIT_F(e, mb) for each incoming e (stage 0: the data batch). Keep the outputs
+           per outgoing edge for SEND_F and the autograd graph for B/I.
+B(mb)      backward of mb: output gradients = WAIT_B results for each outgoing edge (last
+           stage: the loss); produces input and weight gradients; release mb's graph.
+I(mb)      backward for input gradients only (weight-gradient GEMMs enqueued in the
+           stage's weight-grad store under mb); keep what W needs.
+W(mb)      run the weight-gradient work queued for mb; release mb's activations.
+SEND_F     ``h = fwd_resharder[e].start(out[e][mb])``; keep h (and the tensor) until
+           h.wait(); wait all pending send handles at the latest at the end of the step
+           (or earlier, e.g. to free the buffer: a send completes without any further
+           action of the sender, so waiting it never deadlocks once the receiver posted).
+RECV_F     ``recv[(e, 'F', mb)] = fwd_resharder[e].start(None)`` on the receiver ranks —
+           non-blocking post.
+WAIT_F     ``x = recv.pop((e, 'F', mb)).wait()`` — the only blocking comm action.
+SEND_B/RECV_B/WAIT_B  the same with bwd_resharder[e] (e.dst's mesh -> e.src's mesh) and
+           the gradient of e's tensor.
+=========  ================================================================================
+
+Guarantees checked by `validate`: for every (edge, direction) the sender's SENDs and the
+receiver's RECVs list the microbatches in the same order, so a matched-pair/collective
+executor that pairs the n-th start() on the sender ranks with the n-th start() on the
+receiver ranks (per-Resharder FIFO, e.g. gloo's (pair, tag) matching) pairs the right
+tensors; every RECV precedes its WAIT, every WAIT precedes its consumer, every SEND
+follows its producer. With non-blocking SEND/RECV, only WAITs block, and the dry run in
+`validate` proves every WAIT is eventually satisfied (no deadlock). `validate(...,
+rendezvous=True)` additionally proves it when a SEND blocks until its receiver has
+posted the matching RECV (an executor whose send is a synchronous matched pair).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Mapping
+
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
+
+__all__ = ["lower"]
+
+_K = ActionKind
+
+
+def _consumes(a: Action, graph: PipelineGraph) -> list[tuple[Edge, str]]:
+    """(edge, direction) pairs whose received tensor compute action `a` needs."""
+    if a.kind == _K.F:
+        return [(e, "F") for e in graph.in_edges(a.stage)]
+    if a.kind in (_K.B, _K.I):
+        return [(e, "B") for e in graph.out_edges(a.stage)]
+    return []
+
+
+def _produces(a: Action, graph: PipelineGraph) -> list[tuple[Edge, str]]:
+    """(edge, direction) pairs whose tensor compute action `a` produces (to send)."""
+    if a.kind == _K.F:
+        return [(e, "F") for e in graph.out_edges(a.stage)]
+    if a.kind in (_K.B, _K.I):
+        return [(e, "B") for e in graph.in_edges(a.stage)]
+    return []
+
+
+_SEND = {"F": _K.SEND_F, "B": _K.SEND_B}
+_RECV = {"F": _K.RECV_F, "B": _K.RECV_B}
+_WAIT = {"F": _K.WAIT_F, "B": _K.WAIT_B}
+
+
+def lower(schedule: Schedule, graph: PipelineGraph | None = None,
+          lookahead: int | None | Mapping[tuple[Edge, str], int] = 1,
+          rendezvous_safe: bool = False) -> Schedule:
+    """Return a new schedule with SEND/RECV/WAIT actions for every edge and microbatch.
+
+    `graph` defaults to `schedule.graph` (if given it must be the same graph).
+    `lookahead=None` posts every receive at the start of the list (unbounded buffers,
+    but then no SEND can ever wait for a post). A mapping gives it per (edge, 'F'|'B'),
+    default 1. `rendezvous_safe=True` starts from `lookahead` and raises the lookahead of
+    whichever (edge, direction) has a SEND stuck in a rendezvous dry run until none is:
+    the smallest buffers for an executor whose sends block until the receive is posted
+    (chain-only 1f1b/eager-1f1b need lookahead 1 anyway; skip edges need more, about
+    the number of microbatches in flight between the skip's two ends).
+    """
+    if rendezvous_safe:
+        return _lower_rendezvous_safe(schedule, graph, lookahead)
+    graph = graph if graph is not None else schedule.graph
+    if graph != schedule.graph:
+        raise ScheduleError(f"lower(): graph {graph} differs from the schedule's {schedule.graph}")
+    if schedule.is_lowered:
+        raise ScheduleError("lower(): schedule already contains communication actions")
+    everything = schedule.num_microbatches * (1 + max(
+        (a.chunk for acts in schedule.actions for a in acts), default=0))
+    per_edge: dict[tuple[Edge, str], int] = {}
+    if lookahead is None:
+        default = everything
+    elif isinstance(lookahead, int):
+        default = lookahead
+    else:
+        default, per_edge = 1, dict(lookahead)
+    for k, v in [("default", default), *per_edge.items()]:
+        if v < 1:
+            raise ScheduleError(f"lower(): lookahead {v} for {k} must be >= 1")
+    P = graph.num_stages
+
+    # Sender order per (edge, dir): the order in which the producing stage computes.
+    send_order: dict[tuple[Edge, str], list[tuple[int, int]]] = defaultdict(list)
+    for acts in schedule.actions:
+        for a in acts:
+            for ed in _produces(a, graph):
+                send_order[ed].append((a.mb, a.chunk))
+
+    out: list[list[Action]] = []
+    for s in range(P):
+        acts = schedule.actions[s]
+        # Skeleton: compute actions with their waits before and sends after.
+        # slots[i] holds actions inserted *before* skeleton position i (RECV posts).
+        skel: list[Action] = []
+        wait_pos: dict[tuple[Edge, str, int, int], int] = {}
+        for a in acts:
+            for e, d in _consumes(a, graph):
+                wait_pos[(e, d, a.mb, a.chunk)] = len(skel)
+                skel.append(Action(_WAIT[d], a.mb, s, a.chunk, e))
+            skel.append(a)
+            for e, d in _produces(a, graph):
+                skel.append(Action(_SEND[d], a.mb, s, a.chunk, e))
+        posts: dict[int, list[Action]] = defaultdict(list)  # before skeleton index
+        for (e, d), order in send_order.items():
+            if (e.dst if d == "F" else e.src) != s:
+                continue
+            # Earliest later wait (suffix minimum), so posts stay FIFO and before waits.
+            missing = [(mb, c) for mb, c in order if (e, d, mb, c) not in wait_pos]
+            if missing:
+                mb, c = missing[0]
+                raise ScheduleError(
+                    f"stage {s}: stage {e.src if d == 'F' else e.dst} sends "
+                    f"{'activation' if d == 'F' else 'gradient'} of mb {mb} on edge {e} "
+                    f"but stage {s} never consumes it")
+            wp = [wait_pos[(e, d, mb, c)] for mb, c in order]
+            suffix_min = wp[:]
+            for j in range(len(wp) - 2, -1, -1):
+                suffix_min[j] = min(wp[j], suffix_min[j + 1])
+            prev = 0
+            L = per_edge.get((e, d), default)
+            for j, (mb, c) in enumerate(order):
+                want = 0 if j < L else wp[j - L] + 1
+                pos = min(suffix_min[j], max(want, prev))
+                posts[pos].append(Action(_RECV[d], mb, s, c, e))
+                prev = pos
+        lowered: list[Action] = []
+        for i, a in enumerate(skel):
+            lowered.extend(posts.get(i, ()))
+            lowered.append(a)
+        lowered.extend(posts.get(len(skel), ()))
+        out.append(lowered)
+    return Schedule(graph, schedule.num_microbatches, out, schedule.name)
+
+
+def _lower_rendezvous_safe(schedule: Schedule, graph: PipelineGraph | None,
+                           lookahead: int | None | Mapping[tuple[Edge, str], int]) -> Schedule:
+    from .validate import dry_run  # validate imports this module
+
+    graph = graph if graph is not None else schedule.graph
+    if lookahead is None or isinstance(lookahead, int):
+        base = 1 if lookahead is None else lookahead
+        per: dict[tuple[Edge, str], int] = {(e, d): base for e in graph.edges for d in "FB"}
+    else:
+        per = {(e, d): 1 for e in graph.edges for d in "FB"} | dict(lookahead)
+    cap = schedule.num_microbatches * (1 + max(
+        (a.chunk for acts in schedule.actions for a in acts), default=0))
+    while True:
+        low = lower(schedule, graph, per)
+        stuck = dry_run(low, graph, rendezvous=True)
+        blocked = {(a.edge, a.kind.direction) for _, _, a, _ in stuck
+                   if a.kind in (_K.SEND_F, _K.SEND_B)}
+        if not stuck:
+            return low
+        grow = [k for k in blocked if per[k] < cap]
+        if not grow:  # not caused by receive posting: the compute order itself deadlocks
+            return low
+        for k in grow:
+            per[k] += 1

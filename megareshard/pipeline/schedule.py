@@ -1,0 +1,391 @@
+"""Pipeline schedule IR: actions, the stage graph, per-stage action lists, text form.
+
+A schedule is *data* (DESIGN.md §4): for every stage, the ordered list of actions its
+ranks execute. Generators produce compute-only lists (F, B, I, W); `lowering.lower`
+adds the communication actions; `validate` checks them; `simulate` times them; the
+runtime executes them. Keeping it data means every one of those steps can be unit
+tested on CPU without processes.
+
+Text form of one action (``str(action)`` / `parse_action`)::
+
+    F3  B3  I3  W3            compute on microbatch 3 (chunk 0)
+    F3c1                      the same on virtual-stage chunk 1 (room for `interleaved`)
+    SF3->1                    SEND_F: send mb 3's activation along edge <me>->1
+    RF3<-0   WF3<-0           RECV_F (post a non-blocking receive) / WAIT_F (block on it)
+    SB3->0                    SEND_B: send mb 3's gradient back along edge 0-><me>
+    RB3<-1   WB3<-1           RECV_B / WAIT_B: the gradient of edge <me>->1
+    SF3->3:skip               a named (skip) edge; chain edges have the empty name
+
+The arrow always points the way the data moves; the number after it is the *peer*
+stage, the executing stage is the line's stage, so the edge is recoverable.
+
+Schedule text (`Schedule.dumps` / `Schedule.loads`)::
+
+    # megareshard pipeline schedule
+    stages 4 microbatches 8
+    edge 0->3:skip
+    stage 0: F0 F1 ...
+    stage 1: ...
+
+Chain edges i->i+1 are implicit; only skip edges are listed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+__all__ = [
+    "ActionKind",
+    "Edge",
+    "PipelineGraph",
+    "Action",
+    "Schedule",
+    "ScheduleError",
+    "parse_action",
+    "COMPUTE_KINDS",
+    "COMM_KINDS",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule is malformed, inconsistent with its graph, or deadlocks."""
+
+
+class ActionKind(str, Enum):
+    """What one action does. Compute kinds first, then communication kinds."""
+
+    F = "F"  # forward of one microbatch
+    B = "B"  # full backward (input + weight gradients)
+    I = "I"  # input-gradient backward: what the previous stage waits for  # noqa: E741
+    W = "W"  # weight-gradient backward (delayed, runs the weight-grad store)
+    SEND_F = "SEND_F"  # start sending an activation downstream (non-blocking)
+    RECV_F = "RECV_F"  # post a receive of an activation from upstream (non-blocking)
+    WAIT_F = "WAIT_F"  # block until that activation has arrived
+    SEND_B = "SEND_B"  # start sending a gradient upstream (non-blocking)
+    RECV_B = "RECV_B"  # post a receive of a gradient from downstream (non-blocking)
+    WAIT_B = "WAIT_B"  # block until that gradient has arrived
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+    @property
+    def direction(self) -> str:
+        """'F' for activations (src->dst), 'B' for gradients (dst->src); '' for compute."""
+        return "" if self.is_compute else self.value[-1]
+
+
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+COMM_KINDS = frozenset(k for k in ActionKind if k not in COMPUTE_KINDS)
+
+_COMM_PREFIX = {
+    ActionKind.SEND_F: "SF", ActionKind.RECV_F: "RF", ActionKind.WAIT_F: "WF",
+    ActionKind.SEND_B: "SB", ActionKind.RECV_B: "RB", ActionKind.WAIT_B: "WB",
+}
+_PREFIX_COMM = {v: k for k, v in _COMM_PREFIX.items()}
+# Which end of the edge executes each comm kind: True = the edge's src stage.
+_ON_SRC = {
+    ActionKind.SEND_F: True, ActionKind.RECV_F: False, ActionKind.WAIT_F: False,
+    ActionKind.SEND_B: False, ActionKind.RECV_B: True, ActionKind.WAIT_B: True,
+}
+
+
+@dataclass(frozen=True, order=True)
+class Edge:
+    """A tensor that crosses stages: produced by `src`'s F, consumed by `dst`'s F.
+
+    Its gradient flows back: produced by `dst`'s B/I, consumed by `src`'s B/I.
+    Chain edges (i -> i+1) have the empty name; skip edges carry a name so that
+    several tensors between the same pair of stages stay distinguishable.
+    """
+
+    src: int
+    dst: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.src < 0 or self.dst <= self.src:
+            raise ScheduleError(
+                f"edge {self.src}->{self.dst}: need 0 <= src < dst (stages are in "
+                f"topological order; a pipeline edge never points backwards)")
+        if self.name and not re.fullmatch(r"\w+", self.name):
+            raise ScheduleError(f"edge {self.src}->{self.dst}: name {self.name!r} must be "
+                                f"a word ([A-Za-z0-9_]+)")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.name == "" and self.dst == self.src + 1
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}" + (f":{self.name}" if self.name else "")
+
+
+def _as_edge(e: "Edge | Sequence") -> Edge:
+    if isinstance(e, Edge):
+        return e
+    t = tuple(e)
+    if len(t) == 2:
+        return Edge(int(t[0]), int(t[1]), f"skip{t[0]}_{t[1]}")
+    if len(t) == 3:
+        return Edge(int(t[0]), int(t[1]), str(t[2]))
+    raise ScheduleError(f"skip edge {e!r}: expected (src, dst) or (src, dst, name)")
+
+
+@dataclass(frozen=True)
+class PipelineGraph:
+    """The DAG of stages: chain edges i->i+1 plus optional skip edges.
+
+    `skip_edges` accepts `Edge`s or (src, dst[, name]) tuples; an unnamed tuple gets
+    the name ``skip{src}_{dst}``. Edges are kept sorted so that every consumer of the
+    graph (lowering, runtime) sees them in one deterministic order.
+    """
+
+    num_stages: int
+    skip_edges: tuple[Edge, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ScheduleError(f"num_stages={self.num_stages}: need at least 1 stage")
+        skips = tuple(sorted(_as_edge(e) for e in self.skip_edges))
+        for e in skips:
+            if e.dst >= self.num_stages:
+                raise ScheduleError(f"skip edge {e}: stage {e.dst} does not exist "
+                                    f"(num_stages={self.num_stages})")
+            if e.name == "":
+                raise ScheduleError(f"skip edge {e}: skip edges need a non-empty name")
+        if len(set(skips)) != len(skips):
+            raise ScheduleError(f"duplicate skip edges in {[str(e) for e in skips]}")
+        object.__setattr__(self, "skip_edges", skips)
+
+    @property
+    def edges(self) -> tuple[Edge, ...]:
+        chain = tuple(Edge(i, i + 1) for i in range(self.num_stages - 1))
+        return tuple(sorted(chain + self.skip_edges))
+
+    def in_edges(self, stage: int) -> tuple[Edge, ...]:
+        """Edges whose activation stage `stage`'s F needs."""
+        return tuple(e for e in self.edges if e.dst == stage)
+
+    def out_edges(self, stage: int) -> tuple[Edge, ...]:
+        """Edges whose gradient stage `stage`'s B/I needs (none on the last stage)."""
+        return tuple(e for e in self.edges if e.src == stage)
+
+    def find_edge(self, src: int, dst: int, name: str = "") -> Edge:
+        e = Edge(src, dst, name)
+        if e not in self.edges:
+            raise ScheduleError(f"edge {e} is not in the graph (edges: "
+                                f"{', '.join(map(str, self.edges)) or 'none'})")
+        return e
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one stage's program.
+
+    `stage` is the executing stage; `edge` is set for communication actions only;
+    `chunk` is the virtual-stage index for interleaved schedules (0 otherwise).
+    """
+
+    kind: ActionKind
+    mb: int
+    stage: int
+    chunk: int = 0
+    edge: Edge | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.mb < 0:
+            raise ScheduleError(f"action {self.kind.value}{self.mb}: negative microbatch")
+        if self.kind.is_comm:
+            if self.edge is None:
+                raise ScheduleError(f"{self.kind.value} mb {self.mb}: comm action needs an edge")
+            end = self.edge.src if _ON_SRC[self.kind] else self.edge.dst
+            if end != self.stage:
+                raise ScheduleError(
+                    f"{self.kind.value} mb {self.mb} on edge {self.edge} runs on stage "
+                    f"{end}, not on stage {self.stage}")
+        elif self.edge is not None:
+            raise ScheduleError(f"compute action {self.kind.value}{self.mb} has an edge")
+
+    @property
+    def peer(self) -> int | None:
+        """The stage at the other end of a comm action's edge."""
+        if self.edge is None:
+            return None
+        return self.edge.dst if self.stage == self.edge.src else self.edge.src
+
+    @property
+    def key(self) -> tuple[Edge | None, str, int, int]:
+        """(edge, direction, mb, chunk): what a SEND/RECV/WAIT triple has in common."""
+        return (self.edge, self.kind.direction, self.mb, self.chunk)
+
+    def __str__(self) -> str:
+        c = f"c{self.chunk}" if self.chunk else ""
+        if self.kind.is_compute:
+            return f"{self.kind.value}{self.mb}{c}"
+        arrow = "->" if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<-"
+        name = f":{self.edge.name}" if self.edge.name else ""
+        return f"{_COMM_PREFIX[self.kind]}{self.mb}{c}{arrow}{self.peer}{name}"
+
+
+_COMPUTE_RE = re.compile(r"([FBIW])(\d+)(?:c(\d+))?")
+_COMM_RE = re.compile(r"([SRW][FB])(\d+)(?:c(\d+))?(->|<-)(\d+)(?::(\w+))?")
+
+
+def parse_action(text: str, stage: int) -> Action:
+    """Inverse of `str(Action)` for an action executed by `stage`."""
+    t = text.strip()
+    m = _COMPUTE_RE.fullmatch(t)
+    if m:
+        return Action(ActionKind(m[1]), int(m[2]), stage, int(m[3] or 0))
+    m = _COMM_RE.fullmatch(t)
+    if not m:
+        raise ScheduleError(f"stage {stage}: cannot parse action {text!r} (expected e.g. "
+                            f"F3, I3, W3, B3, SF3->1, RF3<-0, WF3<-0, SB3->0, RB3<-1)")
+    kind = _PREFIX_COMM[m[1]]
+    arrow_ok = (m[4] == "->") == (kind in (ActionKind.SEND_F, ActionKind.SEND_B))
+    if not arrow_ok:
+        raise ScheduleError(f"stage {stage}: {text!r}: sends use '->', receives '<-'")
+    peer, name = int(m[5]), m[6] or ""
+    src, dst = (stage, peer) if _ON_SRC[kind] else (peer, stage)
+    return Action(kind, int(m[2]), stage, int(m[3] or 0), Edge(src, dst, name))
+
+
+@dataclass
+class Schedule:
+    """Per-stage action lists plus the graph they run on.
+
+    `actions[s]` is stage s's program, executed in order by every rank of stage s.
+    A schedule is *lowered* once it contains communication actions.
+    """
+
+    graph: PipelineGraph
+    num_microbatches: int
+    actions: list[list[Action]] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches < 1:
+            raise ScheduleError(f"num_microbatches={self.num_microbatches}: need >= 1")
+        if not self.actions:
+            self.actions = [[] for _ in range(self.num_stages)]
+        if len(self.actions) != self.num_stages:
+            raise ScheduleError(f"schedule has {len(self.actions)} stage lists but the "
+                                f"graph has {self.num_stages} stages")
+
+    @property
+    def num_stages(self) -> int:
+        return self.graph.num_stages
+
+    @property
+    def is_lowered(self) -> bool:
+        return any(a.kind.is_comm for acts in self.actions for a in acts)
+
+    def compute_only(self) -> "Schedule":
+        """The schedule with every comm action removed (undoes `lower`)."""
+        return Schedule(self.graph, self.num_microbatches,
+                        [[a for a in acts if a.kind.is_compute] for acts in self.actions],
+                        self.name)
+
+    def __iter__(self) -> Iterator[list[Action]]:
+        return iter(self.actions)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        return (self.graph == other.graph and self.num_microbatches == other.num_microbatches
+                and self.actions == other.actions)
+
+    # ---------------------------------------------------------------- text form
+    def dumps(self) -> str:
+        lines = ["# megareshard pipeline schedule" + (f": {self.name}" if self.name else ""),
+                 f"stages {self.num_stages} microbatches {self.num_microbatches}"]
+        lines += [f"edge {e}" for e in self.graph.skip_edges]
+        lines += [f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.actions)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def loads(cls, text: str) -> "Schedule":
+        header: tuple[int, int] | None = None
+        name = ""
+        skips: list[Edge] = []
+        rows: dict[int, list[str]] = {}
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if line.startswith("# megareshard pipeline schedule:"):
+                name = line.split(":", 1)[1].strip()
+            if not line or line.startswith("#"):
+                continue
+            m = re.fullmatch(r"stages\s+(\d+)\s+microbatches\s+(\d+)", line)
+            if m:
+                header = (int(m[1]), int(m[2]))
+                continue
+            m = re.fullmatch(r"edge\s+(\d+)->(\d+):(\w+)", line)
+            if m:
+                skips.append(Edge(int(m[1]), int(m[2]), m[3]))
+                continue
+            m = re.fullmatch(r"stage\s+(\d+):(.*)", line)
+            if m:
+                s = int(m[1])
+                if s in rows:
+                    raise ScheduleError(f"line {lineno}: stage {s} listed twice")
+                rows[s] = m[2].split()
+                continue
+            raise ScheduleError(f"line {lineno}: cannot parse {raw!r}")
+        if header is None:
+            raise ScheduleError("missing 'stages P microbatches M' line")
+        graph = PipelineGraph(header[0], tuple(skips))
+        if set(rows) != set(range(graph.num_stages)):
+            raise ScheduleError(f"expected lines for stages 0..{graph.num_stages - 1}, "
+                                f"got {sorted(rows)}")
+        acts = [[parse_action(t, s) for t in rows[s]] for s in range(graph.num_stages)]
+        return cls(graph, header[1], acts, name)
+
+    def to_csv(self) -> str:
+        """CSV: ``#``-comment header, then one row per stage: stage,action,action,..."""
+        lines = [f"#stages,{self.num_stages},microbatches,{self.num_microbatches}"]
+        lines += [f"#edge,{e.src},{e.dst},{e.name}" for e in self.graph.skip_edges]
+        lines += [",".join([str(s)] + [str(a) for a in acts]) for s, acts in enumerate(self.actions)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_csv(cls, text: str) -> "Schedule":
+        out = []
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.split(",")]
+            if not cells or cells == [""]:
+                continue
+            if cells[0] == "#stages":
+                out.append(f"stages {cells[1]} microbatches {cells[3]}")
+            elif cells[0] == "#edge":
+                out.append(f"edge {cells[1]}->{cells[2]}:{cells[3]}")
+            elif cells[0].startswith("#"):
+                continue
+            else:
+                out.append(f"stage {cells[0]}: " + " ".join(c for c in cells[1:] if c))
+        return cls.loads("\n".join(out))
+
+    def save(self, path: str | Path) -> None:
+        """Write CSV if the suffix is .csv, else the `dumps` text."""
+        p = Path(path)
+        p.write_text(self.to_csv() if p.suffix == ".csv" else self.dumps())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Schedule":
+        p = Path(path)
+        text = p.read_text()
+        return cls.from_csv(text) if p.suffix == ".csv" else cls.loads(text)
+
+
+def actions_of(schedule: Schedule, kinds: Iterable[ActionKind]) -> list[list[Action]]:
+    """Per-stage lists filtered to `kinds` (helper for tests and tools)."""
+    ks = set(kinds)
+    return [[a for a in acts if a.kind in ks] for acts in schedule.actions]

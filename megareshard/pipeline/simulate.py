@@ -1,0 +1,291 @@
+"""Discrete-event simulation of a (lowered) schedule: timeline, bubble, peak activations.
+
+Model (deliberately simple, so that the numbers can be checked by hand):
+
+* Each stage executes its list in order. Compute actions (F, B, I, W) take
+  `costs.<kind>[stage]`; comm actions take no compute time. Only WAIT blocks: the stage
+  idles until the tensor has arrived.
+* Each stage has one send channel ("NIC") that runs in parallel with its compute. A
+  transfer of edge e for mb becomes *ready* when its SEND executed (the tensor exists)
+  — and, with ``costs.rendezvous=True``, also the receiver posted the matching RECV —;
+  it starts when it is ready and the sender's NIC is free (ready transfers are served in
+  the order they became ready), lasts `costs.comm` of the edge (both directions), and
+  arrives at its end. Receiving is free (the receiver's NIC is not modelled).
+* Bubble fraction = 1 - (sum of compute busy time) / (num_stages x makespan).
+* Live activations: the activation of mb on stage s is live from the start of F(mb)
+  until the end of B(mb), or with delayed weight gradients until the end of W(mb),
+  since W still needs the layer inputs (I alone does not free them). Intervals are
+  half-open, so a B ending when the next F starts does not overlap it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from .lowering import lower
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
+
+__all__ = ["Costs", "Interval", "CommInterval", "Timeline", "simulate"]
+
+_K = ActionKind
+PerStage = float | Sequence[float] | Mapping[int, float]
+
+
+def _per_stage(v: PerStage, stage: int, what: str) -> float:
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        return float(v[stage])  # type: ignore[index]
+    except (KeyError, IndexError):
+        raise ScheduleError(f"costs.{what} has no entry for stage {stage}") from None
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Compute cost per kind (a number, or per stage: list or {stage: cost}) and comm.
+
+    `i` and `w` default to half of `b` each (B = I + W). `comm` is a number for every
+    edge, or a mapping keyed by `Edge` or its text (``"0->1"``, ``"0->3:skip"``) with an
+    optional ``"*"`` default.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 2.0
+    i: PerStage | None = None
+    w: PerStage | None = None
+    comm: float | Mapping[Any, float] = 0.0
+    rendezvous: bool = False
+
+    def compute(self, kind: ActionKind, stage: int) -> float:
+        if kind == _K.F:
+            return _per_stage(self.f, stage, "f")
+        b = _per_stage(self.b, stage, "b")
+        if kind == _K.B:
+            return b
+        if kind == _K.I:
+            return b / 2 if self.i is None else _per_stage(self.i, stage, "i")
+        if kind == _K.W:
+            if self.w is not None:
+                return _per_stage(self.w, stage, "w")
+            i = b / 2 if self.i is None else _per_stage(self.i, stage, "i")
+            return b - i
+        raise ScheduleError(f"{kind.value} is not a compute kind")
+
+    def edge(self, e: Edge) -> float:
+        if isinstance(self.comm, (int, float)):
+            return float(self.comm)
+        for k in (e, str(e), "*"):
+            if k in self.comm:
+                return float(self.comm[k])
+        raise ScheduleError(f"costs.comm has no entry for edge {e} (keys: {list(self.comm)})")
+
+
+@dataclass(frozen=True)
+class Interval:
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class CommInterval:
+    """A transfer on `sender`'s send channel; `direction` 'F' = activation, 'B' = gradient."""
+
+    start: float
+    end: float
+    edge: Edge
+    direction: str
+    mb: int
+    sender: int
+    receiver: int
+
+
+@dataclass
+class Timeline:
+    """Per-stage compute intervals, transfers, and the derived metrics."""
+
+    num_stages: int
+    compute: list[list[Interval]]
+    comm: list[CommInterval] = field(default_factory=list)
+    name: str = ""
+
+    @property
+    def makespan(self) -> float:
+        ends = [iv.end for row in self.compute for iv in row] + [c.end for c in self.comm]
+        starts = [iv.start for row in self.compute for iv in row] + [c.start for c in self.comm]
+        return (max(ends) - min(starts)) if ends else 0.0
+
+    def busy(self, stage: int) -> float:
+        return sum(iv.end - iv.start for iv in self.compute[stage])
+
+    @property
+    def bubble_fraction(self) -> float:
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / (self.num_stages * span)
+
+    @property
+    def peak_activations(self) -> list[int]:
+        """Max number of microbatches whose activations are live at once, per stage."""
+        out = []
+        for row in self.compute:
+            start: dict[tuple[int, int], float] = {}
+            end: dict[tuple[int, int], float] = {}
+            for iv in row:
+                k = (iv.action.mb, iv.action.chunk)
+                if iv.action.kind == _K.F:
+                    start[k] = iv.start
+                elif iv.action.kind in (_K.B, _K.W):
+                    end[k] = iv.end
+            ev = sorted([(t, 1) for t in start.values()] + [(end.get(k, float("inf")), -1)
+                                                             for k in start], key=lambda x: (x[0], x[1]))
+            cur = peak = 0
+            for _, d in ev:
+                cur += d
+                peak = max(peak, cur)
+            out.append(peak)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "makespan": round(self.makespan, 6),
+                "bubble_fraction": round(self.bubble_fraction, 6),
+                "peak_activations": self.peak_activations}
+
+    def to_trace(self) -> list[dict[str, Any]]:
+        """The runtime's trace format: {stage, kind, mb, start, end} (+ edge/peer for comm)."""
+        out: list[dict[str, Any]] = [
+            {"stage": s, "kind": iv.action.kind.value, "mb": iv.action.mb,
+             "start": iv.start, "end": iv.end}
+            for s, row in enumerate(self.compute) for iv in row]
+        out += [{"stage": c.sender, "kind": "SEND_" + c.direction, "mb": c.mb, "start": c.start,
+                 "end": c.end, "edge": str(c.edge), "peer": c.receiver} for c in self.comm]
+        return out
+
+    @classmethod
+    def from_trace(cls, records: Iterable[Mapping[str, Any]], name: str = "") -> "Timeline":
+        """Build a timeline from a measured trace (compute kinds F/B/I/W; SEND_F/SEND_B
+        records with optional 'edge' text and 'peer' become transfers; others ignored)."""
+        recs = list(records)
+        if not recs:
+            raise ScheduleError("empty trace")
+        P = 1 + max(int(r["stage"]) for r in recs)
+        compute: list[list[Interval]] = [[] for _ in range(P)]
+        comm: list[CommInterval] = []
+        for r in recs:
+            s, kind, mb = int(r["stage"]), str(r["kind"]), int(r["mb"])
+            t0, t1 = float(r["start"]), float(r["end"])
+            if kind in ("F", "B", "I", "W"):
+                compute[s].append(Interval(t0, t1, Action(_K(kind), mb, s, int(r.get("chunk", 0)))))
+            elif kind in ("SEND_F", "SEND_B"):
+                d = kind[-1]
+                peer = int(r.get("peer", s + 1 if d == "F" else max(s - 1, 0)))
+                text = str(r.get("edge", ""))
+                if text:
+                    src, rest = text.split("->")
+                    dst, _, nm = rest.partition(":")
+                    edge = Edge(int(src), int(dst), nm)
+                else:
+                    edge = Edge(min(s, peer), max(s, peer)) if s != peer else Edge(s, s + 1)
+                comm.append(CommInterval(t0, t1, edge, d, mb, s, peer))
+        for row in compute:
+            row.sort(key=lambda iv: iv.start)
+        return cls(P, compute, comm, name)
+
+
+def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
+             costs: Costs | Mapping[str, Any] | None = None, lookahead: int = 1) -> Timeline:
+    """Simulate `schedule` (lowered first if it has no comm actions) under `costs`.
+
+    `costs` may be a `Costs` or a mapping with keys f/b/i/w/comm/rendezvous (upper-case
+    F/B/I/W accepted).
+    """
+    graph = graph if graph is not None else schedule.graph
+    if costs is None:
+        costs = Costs()
+    elif not isinstance(costs, Costs):
+        costs = Costs(**{str(k).lower(): v for k, v in costs.items()})
+    sched = schedule if schedule.is_lowered else lower(schedule, graph, lookahead=lookahead)
+    P = graph.num_stages
+    acts = sched.actions
+
+    pc = [0] * P
+    compute: list[list[Interval]] = [[] for _ in range(P)]
+    comm: list[CommInterval] = []
+    sent: dict[tuple, float] = {}
+    posted: dict[tuple, float] = {}
+    arrived: dict[tuple, float] = {}
+    waiting: dict[tuple, int] = {}
+    nic_free = [0.0] * P
+    nic_queue: list[list[tuple[float, int, tuple, Action]]] = [[] for _ in range(P)]
+    events: list[tuple[float, int, int, str, Any]] = []
+    seq = 0
+
+    def push(t: float, prio: int, kind: str, arg: Any) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, prio, seq, kind, arg))
+        seq += 1
+
+    def try_ready(key: tuple, t: float, send: Action) -> None:
+        if key in sent and (key in posted or not costs.rendezvous):
+            heapq.heappush(nic_queue[send.stage], (t, seq, key, send))
+            push(t, 1, "nic", send.stage)
+
+    def run(s: int, t: float) -> None:
+        while pc[s] < len(acts[s]):
+            a = acts[s][pc[s]]
+            if a.kind.is_compute:
+                end = t + costs.compute(a.kind, s)
+                compute[s].append(Interval(t, end, a))
+                pc[s] += 1
+                push(end, 2, "run", s)
+                return
+            key = a.key
+            if a.kind in (_K.SEND_F, _K.SEND_B):
+                sent[key] = t
+                sender_of[key] = a
+                try_ready(key, t, a)
+            elif a.kind in (_K.RECV_F, _K.RECV_B):
+                posted[key] = t
+                if key in sent:
+                    try_ready(key, t, sender_of[key])
+            elif key in arrived:
+                if arrived[key] > t:  # in flight: resume when it lands
+                    push(arrived[key], 2, "run", s)
+                    return
+            else:
+                waiting[key] = s
+                return
+            pc[s] += 1
+
+    sender_of: dict[tuple, Action] = {}
+    for s in range(P):
+        push(0.0, 2, "run", s)
+    while events:
+        t, _, _, kind, arg = heapq.heappop(events)
+        if kind == "run":
+            run(arg, t)
+        elif kind == "nic":
+            s = arg
+            if nic_free[s] <= t and nic_queue[s]:
+                _, _, key, send = heapq.heappop(nic_queue[s])
+                dur = costs.edge(send.edge)
+                end = t + dur
+                nic_free[s] = end
+                comm.append(CommInterval(t, end, send.edge, send.kind.direction, send.mb,
+                                         s, send.peer))
+                arrived[key] = end
+                push(end, 0, "arrive", key)
+                push(end, 1, "nic", s)
+        elif kind == "arrive":
+            if arg in waiting:
+                push(t, 2, "run", waiting.pop(arg))
+    stuck = [s for s in range(P) if pc[s] < len(acts[s])]
+    if stuck:
+        raise ScheduleError("simulate: deadlock; " + "; ".join(
+            f"stage {s} step {pc[s]}: {acts[s][pc[s]]}" for s in stuck)
+            + " (run validate() for a full report)")
+    return Timeline(P, compute, comm, schedule.name)
