@@ -161,7 +161,14 @@ class Trainer:
 
     # ---- one iteration -------------------------------------------------------------------
     def _microbatches(self, dataset, indices: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-        return [collate([dataset[i] for i in mb]) for mb in indices]
+        mbs = [collate([dataset[i] for i in mb]) for mb in indices]
+        vocab = self.cfg.model.vocab_size
+        for mb in mbs:  # data made with another tokenizer would index past the embedding
+            top = int(mb["tokens"].max())
+            if top >= vocab:
+                raise ConfigError(f"token id {top} in {self.cfg.data.data_path or 'the data'} is outside the "
+                                  f"model's vocabulary of {vocab}: was the dataset made with another tokenizer?")
+        return mbs
 
     def _dp_mean(self, value: torch.Tensor) -> float:
         if self.dp > 1:

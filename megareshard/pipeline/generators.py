@@ -29,8 +29,10 @@ a couple of W's are pending at a time, which bounds the extra activation memory
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from collections import deque
-from typing import Callable
+from typing import Callable, Mapping
 
 from .schedule import Action, ActionKind, PipelineGraph, Schedule, ScheduleError
 
@@ -49,11 +51,11 @@ def _k_eager(P: int, m: int, i: int) -> int:
     return min(m, 2 * (P - i) - 1)
 
 
-_WARMUP: dict[str, Callable[[int, int, int], int]] = {
+_WARMUP: Mapping[str, Callable[[int, int, int], int]] = MappingProxyType({
     "gpipe": _k_gpipe,
     "1f1b": _k_1f1b,
     "eager-1f1b": _k_eager,
-}
+})
 SCHEDULES: tuple[str, ...] = tuple(_WARMUP)
 _PLANNED = ("interleaved",)
 

@@ -58,6 +58,8 @@ posted the matching RECV (an executor whose send is a synchronous matched pair).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from collections import defaultdict
 from typing import Mapping
 
@@ -86,9 +88,9 @@ def _produces(a: Action, graph: PipelineGraph) -> list[tuple[Edge, str]]:
     return []
 
 
-_SEND = {"F": _K.SEND_F, "B": _K.SEND_B}
-_RECV = {"F": _K.RECV_F, "B": _K.RECV_B}
-_WAIT = {"F": _K.WAIT_F, "B": _K.WAIT_B}
+_SEND = MappingProxyType({"F": _K.SEND_F, "B": _K.SEND_B})
+_RECV = MappingProxyType({"F": _K.RECV_F, "B": _K.RECV_B})
+_WAIT = MappingProxyType({"F": _K.WAIT_F, "B": _K.WAIT_B})
 
 
 def lower(schedule: Schedule, graph: PipelineGraph | None = None,

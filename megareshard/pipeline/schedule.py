@@ -32,6 +32,8 @@ Chain edges i->i+1 are implicit; only skip edges are listed.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -86,16 +88,16 @@ class ActionKind(str, Enum):
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 COMM_KINDS = frozenset(k for k in ActionKind if k not in COMPUTE_KINDS)
 
-_COMM_PREFIX = {
+_COMM_PREFIX = MappingProxyType({
     ActionKind.SEND_F: "SF", ActionKind.RECV_F: "RF", ActionKind.WAIT_F: "WF",
     ActionKind.SEND_B: "SB", ActionKind.RECV_B: "RB", ActionKind.WAIT_B: "WB",
-}
-_PREFIX_COMM = {v: k for k, v in _COMM_PREFIX.items()}
+})
+_PREFIX_COMM = MappingProxyType({v: k for k, v in _COMM_PREFIX.items()})
 # Which end of the edge executes each comm kind: True = the edge's src stage.
-_ON_SRC = {
+_ON_SRC = MappingProxyType({
     ActionKind.SEND_F: True, ActionKind.RECV_F: False, ActionKind.WAIT_F: False,
     ActionKind.SEND_B: False, ActionKind.RECV_B: True, ActionKind.WAIT_B: True,
-}
+})
 
 
 @dataclass(frozen=True, order=True)

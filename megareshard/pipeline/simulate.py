@@ -230,7 +230,10 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         seq += 1
 
     def try_ready(key: tuple, t: float, send: Action) -> None:
+        if key in queued:
+            return
         if key in sent and (key in posted or not costs.rendezvous):
+            queued.add(key)
             heapq.heappush(nic_queue[send.stage], (t, seq, key, send))
             push(t, 1, "nic", send.stage)
 
@@ -262,6 +265,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
             pc[s] += 1
 
     sender_of: dict[tuple, Action] = {}
+    queued: set[tuple] = set()
     for s in range(P):
         push(0.0, 2, "run", s)
     while events:

@@ -162,8 +162,10 @@ class ReshardHandle:
 
     def __init__(self, owner: "Resharder", out: torch.Tensor | None, works: list[Any],
                  copies: list[tuple[torch.Tensor, torch.Tensor]], thread: threading.Thread | None,
-                 errors: list[BaseException], keep: list[Any], bufs: dict[int, torch.Tensor] | None) -> None:
+                 errors: list[BaseException], keep: list[Any], bufs: dict[int, torch.Tensor] | None,
+                 waited: set[int]) -> None:
         self._owner = owner
+        self._waited = waited  # ids of works the progress thread already waited on
         self._out = out
         self._works = works
         self._copies = copies  # (destination view, flat receive buffer) after the data is in
@@ -181,7 +183,8 @@ class ReshardHandle:
         if self._errors:
             raise RuntimeError(f"rank {self._owner.rank}: resharding progress thread failed") from self._errors[0]
         for w in self._works:
-            w.wait()
+            if id(w) not in self._waited:  # gloo counts completions: a second wait() blocks forever
+                w.wait()
         for view, buf in self._copies:
             view.copy_(buf.view(view.shape))
         self._done = True
@@ -412,15 +415,17 @@ class Resharder:
                 out[rt.dst_view].copy_(local_src[rt.src_view])
         thread = None
         errors: list[BaseException] = []
+        waited: set[int] = set()
         if forwards:
-            thread = threading.Thread(target=self._forward, args=(forwards, works, errors, self._last_thread),
+            thread = threading.Thread(target=self._forward,
+                                      args=(forwards, works, errors, waited, self._last_thread),
                                       name=f"reshard-forward-r{self.rank}", daemon=True)
             thread.start()
             self._last_thread = thread
-        return ReshardHandle(self, out, works, copies, thread, errors, keep, bufs)
+        return ReshardHandle(self, out, works, copies, thread, errors, keep, bufs, waited)
 
     def _forward(self, forwards: list[tuple[_Msg, int, torch.Tensor, Any]], works: list[Any],
-                 errors: list[BaseException], previous: threading.Thread | None) -> None:
+                 errors: list[BaseException], waited: set[int], previous: threading.Thread | None) -> None:
         """Pass on each chunk as soon as it has arrived, in global order (progress thread)."""
         try:
             if previous is not None:
@@ -429,7 +434,9 @@ class Resharder:
             for m, tag, flat, rw in forwards:
                 if rw is None:
                     raise AssertionError(f"rank {self.rank}: forward of [{m.start},{m.stop}) without a matching receive")
-                rw.wait()
+                if id(rw) not in waited:
+                    rw.wait()
+                    waited.add(id(rw))
                 sent.append(dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
             works.extend(sent)
         except BaseException as e:  # surfaced by wait()

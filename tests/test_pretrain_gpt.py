@@ -1,0 +1,76 @@
+"""pretrain_gpt.py end to end: real tokenizer and dataset, torchrun, metrics file, W&B offline, eval."""
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py", "string.py", "shutil.py", "glob.py",
+                                   "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input", *FILES,
+                    "--model-prefix", str(d / "tok"), "--vocab-size", "800", "--quiet"], check=True)
+    subprocess.run([sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", *FILES,
+                    "--tokenizer-model", str(d / "tok.model"), "--output-prefix", str(d / "text"),
+                    "--append-eod", "--quiet"], check=True)
+    return d
+
+
+def _args(data, *extra):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "1",
+            "--data-path", str(data / "text"), "--tokenizer-model", str(data / "tok.model"), "--split", "80,20,0",
+            "--device", "cpu", *extra]
+
+
+def test_torchrun_tp2_dp2_with_eval_metrics_and_wandb(data, tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", TMPDIR=str(tmp_path))
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(ROOT / "pretrain_gpt.py"), *_args(data, "--tensor-model-parallel-size", "2", "--train-iters", "6",
+                                              "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "2",
+                                              "--metrics-file", str(metrics), "--wandb-project", "mr-test",
+                                              "--wandb-save-dir", str(tmp_path / "wb"))],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "tp 2 × dp 2" in out and "order tp-dp-pp" in out
+    logged = [int(m) for m in re.findall(r"^ iteration +(\d+)/", out, flags=re.M)]
+    assert logged == [1, 2, 4, 6], out  # first and every --log-interval, from one rank only
+    assert "validation at iteration 3" in out and "W&B: run" in out and "offline" in out
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in recs] == list(range(1, 7))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "ms_per_iter"} <= recs[0].keys()
+    assert "eval_loss" in recs[2] and "eval_loss" in recs[5]
+    assert any((tmp_path / "wb").rglob("*.wandb")), "the offline W&B run was written where asked"
+
+
+def _run_single(args, tmp_path):
+    env = dict(os.environ, WANDB_MODE="disabled", TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+
+
+def test_bad_input_is_reported(data, tmp_path):
+    p = _run_single(_args(data, "--vocab-size", "999", "--train-iters", "1"), tmp_path)
+    assert p.returncode == 2 and "--vocab-size 999 differs from the vocabulary of tokenizer" in p.stderr
+    p = _run_single(_args(data, "--global-batch-size", "7", "--train-iters", "1"), tmp_path)
+    assert p.returncode == 2 and "global batch 7 is not divisible by micro batch 2 × dp 1" in p.stderr
+    # a dataset made with a bigger tokenizer than the model's
+    p = _run_single(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+                     "--data-path", str(data / "text"), "--vocab-size", "100", "--train-iters", "1", "--lr-warmup-iters", "0",
+                     "--device", "cpu"], tmp_path)
+    assert p.returncode == 2 and "outside the model's vocabulary of 100" in p.stderr
+    p = _run_single(_args(data, "--train-iters", "1", "--data-path", str(tmp_path / "missing")), tmp_path)
+    assert p.returncode != 0 and "missing" in p.stderr
