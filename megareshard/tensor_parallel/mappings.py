@@ -41,13 +41,6 @@ __all__ = [
 
 
 # ---- raw collectives over the tp group (no autograd) --------------------------------------
-def _is_nccl(group) -> bool:
-    try:
-        return dist.get_backend(group) == "nccl"
-    except Exception:
-        return False
-
-
 def _check_divisible(size: int, tp: int, dim: int, what: str) -> int:
     if size % tp:
         raise ValueError(f"{what}: dimension {dim} has size {size}, not divisible by tensor-parallel size {tp}")
@@ -63,37 +56,38 @@ def split_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
     return x.narrow(dim, ctx.tp_rank() * chunk, chunk).contiguous()
 
 
+def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renamed all_gather_into_tensor; both gloo and NCCL implement it
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
 def all_gather_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
-    """Concatenate every tp rank's ``x`` along ``dim`` (tp-rank order)."""
+    """Concatenate every tp rank's ``x`` along ``dim`` (tp-rank order).
+
+    One all-gather into a flat buffer along dim 0 (gloo and NCCL both have it); other dims
+    are moved to the front and back, which costs a copy but no extra traffic.
+    """
     tp = ctx.tp_size
     if tp == 1:
         return x
-    x = x.contiguous()
-    group = ctx.tp_group
-    if _is_nccl(group) and dim == 0:
-        out = torch.empty((x.size(0) * tp, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out
-    parts = [torch.empty_like(x) for _ in range(tp)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.size(0) * tp, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_into(out, front, ctx.tp_group)
+    return out.movedim(0, dim) if dim != 0 else out
 
 
 def reduce_scatter_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
-    """Sum ``x`` over tp ranks and keep this rank's chunk along ``dim``."""
+    """Sum ``x`` over tp ranks and keep this rank's chunk along ``dim`` (one reduce-scatter)."""
     tp = ctx.tp_size
     if tp == 1:
         return x
     chunk = _check_divisible(x.size(dim), tp, dim, "reduce-scatter across tp")
-    group = ctx.tp_group
-    if _is_nccl(group) and dim == 0:
-        x = x.contiguous()
-        out = torch.empty((chunk, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x, group=group)
-        return out
-    full = x.clone()  # all_reduce is in place; never modify the caller's tensor
-    dist.all_reduce(full, group=group)
-    return full.narrow(dim, ctx.tp_rank() * chunk, chunk).contiguous()
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, front, group=ctx.tp_group)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def _all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
