@@ -62,6 +62,37 @@ class ParallelConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
+
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "eager-1f1b"))
+    delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
+    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage (default: even split)")
+    reshard_strategy: str = _f("broadcast", "how tensors cross stages",
+                               choices=("sendrecv", "allgather", "broadcast", "signal"))
+    reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
+                                choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
+    reshard_chunks: int = _f(4, "chunks per pipelined broadcast")
+
+
+@dataclass
+class MemoryConfig:
+    """ZeRO, mixed precision and activation recomputation."""
+
+    zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
+    bf16: bool = _f(False, "bf16 compute with fp32 master weights")
+    fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
+    loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
+    initial_loss_scale: float = _f(2.0 ** 16, "initial dynamic loss scale")
+    min_loss_scale: float = _f(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = _f(1000, "overflow-free iterations before the scale doubles")
+    hysteresis: int = _f(2, "overflows tolerated before the scale halves")
+    recompute_activations: bool = _f(False, "selective recomputation: the attention core")
+    recompute_granularity: str | None = _f(None, "full: recompute whole layers", choices=("full", "selective"))
+    recompute_num_layers: int | None = _f(None, "layers per stage recomputed with --recompute-granularity full")
+
+
+@dataclass
 class TrainingConfig:
     """Batch sizes, optimiser and schedule."""
 
@@ -110,6 +141,8 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -133,7 +166,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+_SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
+             "memory": MemoryConfig, "training": TrainingConfig,
              "data": DataConfig, "logging": LoggingConfig}
 
 # old or alternative flag -> (its replacement, why)
@@ -200,6 +234,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
 def validate(cfg: Config, world_size: int) -> Config:
     """Check every constraint before anything is built; fills derived defaults (global batch)."""
     m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
+    pl, mem = cfg.pipeline, cfg.memory
     positive = [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                 ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
                 ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
@@ -214,8 +249,6 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
                           f"pipeline-model-parallel-size {pp} = {tp * pp}")
     dp = cfg.dp(world_size)
-    if m.num_layers % pp:
-        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
                           f"{m.num_attention_heads}")
@@ -270,6 +303,33 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
     if d.data_path and not d.tokenizer_model and m.vocab_size is None:
         raise ConfigError(f"--data-path {d.data_path} needs --tokenizer-model (or --vocab-size)")
+    if pl.num_layers_per_stage is not None:
+        try:
+            per_stage = [int(x) for x in pl.num_layers_per_stage.split(",")]
+        except ValueError:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage!r} must be comma-separated "
+                              "integers, one per pipeline stage") from None
+        if len(per_stage) != pp or sum(per_stage) != m.num_layers or min(per_stage) < 1:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {pp} positive numbers "
+                              f"(one per stage) adding up to --num-layers {m.num_layers}")
+    elif m.num_layers % pp:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                          "give --num-layers-per-stage for an uneven split")
+    if pl.reshard_chunks < 1:
+        raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    if mem.bf16 and mem.fp16:
+        raise ConfigError("--bf16 and --fp16 conflict: choose one")
+    if mem.loss_scale is not None and not mem.fp16:
+        raise ConfigError(f"--loss-scale {mem.loss_scale} only applies with --fp16 (bf16 and fp32 need no scaling)")
+    if mem.recompute_activations and mem.recompute_granularity == "full":
+        raise ConfigError("--recompute-activations (selective) conflicts with --recompute-granularity full: "
+                          "choose one")
+    if mem.recompute_activations:
+        mem.recompute_granularity = "selective"
+    if mem.recompute_num_layers is not None and mem.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-num-layers {mem.recompute_num_layers} needs --recompute-granularity full")
+    if mem.recompute_granularity == "full" and mem.recompute_num_layers is None:
+        mem.recompute_num_layers = m.num_layers // pp
     parts = d.split.split(",")
     try:
         weights = [float(x) for x in parts]

@@ -106,6 +106,7 @@ class Trainer:
         self.world_size = ctx.world_size
         self.dp = ctx.dp_size
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
+        self._refuse_unbuilt()
         self._resolve_vocab()
         torch.manual_seed(cfg.training.seed)
         self.model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
@@ -124,6 +125,19 @@ class Trainer:
                                     enabled=self.reporting, log=self.out)
 
     # ---- set-up ---------------------------------------------------------------------
+    def _refuse_unbuilt(self) -> None:
+        """Flags whose machinery is not in this trainer yet fail loudly instead of doing nothing."""
+        cfg = self.cfg
+        unbuilt = {
+            "--pipeline-model-parallel-size > 1": cfg.pp > 1,
+            "--zero-stage 1/2": cfg.memory.zero_stage > 0,
+            "--bf16/--fp16": cfg.memory.bf16 or cfg.memory.fp16,
+            "activation recomputation": cfg.memory.recompute_granularity is not None,
+        }
+        for flag, asked in unbuilt.items():
+            if asked:
+                raise ConfigError(f"{flag} is not supported by this trainer yet")
+
     def _resolve_vocab(self) -> None:
         m, d = self.cfg.model, self.cfg.data
         if d.tokenizer_model:
