@@ -136,6 +136,15 @@ class LoggingConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """Start-up checks and hang protection on real clusters."""
+
+    preflight_timeout: float = _f(300.0, "seconds to wait for every rank to join before naming the missing ones")
+    comm_timeout: float = _f(600.0, "seconds one collective or pipeline action may take before the watchdog "
+                                    "dumps every rank's activity and exits")
+
+
+@dataclass
 class Config:
     """Everything a training run is configured with."""
 
@@ -146,6 +155,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def tp(self) -> int:
@@ -168,7 +178,7 @@ class Config:
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
              "memory": MemoryConfig, "training": TrainingConfig,
-             "data": DataConfig, "logging": LoggingConfig}
+             "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig}
 
 # old or alternative flag -> (its replacement, why)
 DEPRECATED = {
@@ -337,6 +347,9 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--split {d.split!r} must be comma-separated numbers such as 969,30,1") from None
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split {d.split!r} must be 1 to 3 non-negative numbers with a positive sum")
+    if cfg.launch.preflight_timeout <= 0 or cfg.launch.comm_timeout <= 0:
+        raise ConfigError(f"--preflight-timeout {cfg.launch.preflight_timeout} and --comm-timeout "
+                          f"{cfg.launch.comm_timeout} must be positive seconds")
     if lg.eval_interval < 0 or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
     return cfg

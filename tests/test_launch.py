@@ -1,0 +1,129 @@
+"""Pre-flight rendezvous (missing ranks named, not a hang), rank map, placement check, watchdog."""
+import io
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megareshard.launch import RankInfo, Watchdog, rank_map_table, tp_placement_warnings
+from megareshard.parallel import Topology
+from tests.harness import RankFailure, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from megareshard.launch import preflight_rendezvous
+    infos = preflight_rendezvous("gloo", timeout_s=float(sys.argv[1]), comm_timeout_s=30)
+    t = torch.ones(1); dist.all_reduce(t)
+    print("joined", len(infos), int(t.item()), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(ranks, world, timeout_s, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    procs = []
+    for r in ranks:
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if r == ranks[0]:
+            time.sleep(0.3)  # let the store's host come up first
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    return outs
+
+
+def test_all_ranks_join(tmp_path):
+    for code, out, err in _launch([0, 1, 2], 3, 20, tmp_path):
+        assert code == 0, err
+        assert "joined 3 3" in out
+
+
+def test_missing_rank_is_named_not_a_hang(tmp_path):
+    start = time.monotonic()
+    outs = _launch([0, 1], 3, 3, tmp_path)
+    assert time.monotonic() - start < 30
+    for code, _, err in outs:
+        assert code != 0
+        assert "1 of 3 ranks did not join within 3s: missing ranks 2" in err, err[-2000:]
+        assert "joined: " in err
+
+
+def test_missing_store_host_is_named(tmp_path):
+    outs = _launch([1], 2, 3, tmp_path)
+    code, _, err = outs[0]
+    assert code != 0 and "could not reach the rendezvous store" in err, err[-2000:]
+
+
+def test_rank_map_and_tp_placement():
+    topo = Topology(8, tp=2, pp=2, nproc_per_node=4)
+    good = [RankInfo(r, f"node{r // 4}", r % 4, 100 + r) for r in range(8)]
+    table = rank_map_table(good, topo)
+    assert "node0: r0[pp0 tp0 dp0] r1[pp0 tp1 dp0]" in table and "node1:" in table
+    assert tp_placement_warnings(good, topo) == []
+    # a cluster whose nodes run 3 ranks: tp pairs straddle hosts, and the counts differ
+    bad = [RankInfo(r, f"node{r // 3}", r % 3, 100 + r) for r in range(8)]
+    warnings = tp_placement_warnings(bad, topo)
+    assert any("tensor-parallel group [2, 3] spans hosts node0, node1" in w for w in warnings)
+    assert any("different numbers of ranks" in w for w in warnings)
+
+
+def _stall(rank, world_size, log_dir):
+    import torch.distributed as dist
+
+    with open(os.path.join(log_dir, f"rank{rank}.log"), "w") as log:
+        dog = Watchdog(1.0, rank, out=log)
+        if rank == 1:
+            with dog.activity("stage 1 compute F mb 3 (injected stall)"):
+                time.sleep(30)
+        with dog.activity(f"stage {rank} WAIT_F mb 3 from stage 1"):
+            dist.barrier()
+    return rank
+
+
+def test_watchdog_fires_on_injected_stall(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_stall, 2, str(tmp_path), timeout=60)
+    assert time.monotonic() - start < 20  # the watchdog, not the harness timeout, ended it
+    assert "exited with code 1" in str(info.value)
+    log0 = (tmp_path / "rank0.log").read_text()
+    log1 = (tmp_path / "rank1.log").read_text()
+    assert "rank 0: 'stage 0 WAIT_F mb 3 from stage 1' has run for" in log0 and "_stall" in log0
+    assert "rank 1: 'stage 1 compute F mb 3 (injected stall)'" in log1
+
+
+def test_watchdog_quiet_when_activities_finish():
+    fired = []
+    dog = Watchdog(0.3, 0, out=io.StringIO(), on_fire=fired.append)
+    for _ in range(5):
+        with dog.activity("short"):
+            time.sleep(0.05)
+    time.sleep(0.5)
+    dog.stop()
+    assert fired == []
+    with pytest.raises(ValueError, match="--comm-timeout must be positive"):
+        Watchdog(0, 0)
