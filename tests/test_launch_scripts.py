@@ -1,0 +1,67 @@
+"""The shell launch scripts assemble the right torchrun commands and refuse to guess addresses."""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script, env, **kw):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full.update(env)
+    return subprocess.run(["bash", str(ROOT / script)], env=full, capture_output=True, text=True, timeout=60, **kw)
+
+
+def _argv(out):
+    return shlex.split(out.strip().splitlines()[-1])
+
+
+def test_distributed_dry_run_static_rendezvous():
+    p = _run("examples/pretrain_gpt_distributed.sh", {"DRY_RUN": "1", "NNODES": "2", "NODE_RANK": "1",
+                                                      "MASTER_ADDR": "10.1.2.3", "GPUS_PER_NODE": "4", "TP": "4",
+                                                      "PP": "2", "DATA_PATH": "/d/text", "TOKENIZER_MODEL": "/d/t.model"})
+    assert p.returncode == 0, p.stderr
+    argv = _argv(p.stdout)
+    joined = " ".join(argv)
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.1.2.3 --master-port 29500" in joined
+    assert "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2" in joined
+    assert "--data-path /d/text --tokenizer-model /d/t.model" in joined
+    assert "--preflight-timeout 300 --comm-timeout 600" in joined
+    assert argv.index("pretrain_gpt.py") > argv.index("--master-port")
+
+
+def test_distributed_dry_run_c10d_and_cpu():
+    p = _run("examples/pretrain_gpt_distributed.sh", {"DRY_RUN": "1", "NNODES": "3", "MASTER_ADDR": "head",
+                                                      "RDZV": "c10d", "DEVICE": "cpu", "SEQUENCE_PARALLEL": "1"})
+    joined = " ".join(_argv(p.stdout))
+    assert "--rdzv-backend c10d --rdzv-endpoint head:29500" in joined and "--node-rank" not in joined
+    assert "--device cpu" in joined and "--sequence-parallel" in joined and "--mock-data" in joined
+
+
+def test_distributed_refuses_localhost_fallback():
+    p = _run("examples/pretrain_gpt_distributed.sh", {"DRY_RUN": "1", "NNODES": "2"})
+    assert p.returncode == 2 and "MASTER_ADDR must name node 0's address" in p.stderr
+
+
+def test_sbatch_needs_slurm():
+    p = _run("examples/slurm/pretrain_gpt.sbatch", {})
+    assert p.returncode == 2 and "submit with sbatch" in p.stderr
+
+
+def test_sbatch_takes_master_from_allocation(tmp_path):
+    # stand-ins for scontrol and srun: srun runs its command once per node, as SLURM would
+    (tmp_path / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-a17\\ngpu-a18\\n'\n")
+    (tmp_path / "srun").write_text("#!/bin/bash\nshift\nfor n in 0 1; do SLURM_NODEID=$n DRY_RUN=1 \"$@\"; done\n")
+    for f in ("scontrol", "srun"):
+        (tmp_path / f).chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_NNODES": "2",
+           "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "8"}
+    p = _run("examples/slurm/pretrain_gpt.sbatch", env)
+    assert p.returncode == 0, p.stderr
+    lines = [line for line in p.stdout.splitlines() if "torch.distributed.run" in line]
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        assert f"--nnodes 2 --node-rank {node} --nproc-per-node 8 --master-addr gpu-a17 --master-port 24242" in line
+    assert "rendezvous gpu-a17:24242" in p.stdout
