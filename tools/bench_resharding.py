@@ -183,7 +183,7 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
                  scheduler_used=plan.scheduler, shape=list(case.shape), mbytes=nbytes * itemsize / 2**20,
                  tasks=len(plan.tasks), chunks=args.chunks, simulated=args.simulate)
     if args.simulate:
-        rec.ratio_to_bound = pred / lb if lb > 0 else None
+        rec.ratio_to_bound = pred / lb if lb > 0 and strategy != "signal" else None
         return rec
 
     import torch.distributed as dist
@@ -218,7 +218,7 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     dist.all_reduce(have)
     rec.repeats = times
     rec.seconds = statistics.median(times)
-    rec.ratio_to_bound = rec.seconds / lb if lb > 0 else None
+    rec.ratio_to_bound = rec.seconds / lb if lb > 0 and strategy != "signal" else None  # signal: 1 B/task
     hosts_used = len(set(src.host_ids()) | set(dst.host_ids()))
     if have.item() >= hosts_used:
         rec.measured_nic_bytes = int(tx.item()) // args.repeat

@@ -18,10 +18,12 @@ Why it is built this way:
 * **Asynchronous.** Direct messages (the holder of the data sending it, receivers
   receiving) are posted as async `isend`/`irecv` in `start()`. A rank that *forwards*
   data it receives (broadcast chain hop, intra-host fan-out, allgather exchange) must
-  wait for each chunk before passing it on; a per-run progress thread does that, so
-  `start()` returns at once and the pipeline keeps flowing while the caller computes.
-  Threads of successive runs are chained, which keeps forward posting order FIFO across
-  runs of one Resharder.
+  wait for each chunk before passing it on; progress threads do that, one per task this
+  rank forwards for (a single thread in global order would hold back a task whose
+  chunks arrive while an earlier task is still arriving), so `start()` returns at once
+  and the pipeline keeps flowing while the caller computes. A task's thread of one run
+  first joins the same task's thread of the previous run, which keeps the posting order
+  of every (pair, tag) FIFO across runs of one Resharder.
 * **Strategies** (paper §3.1): `sendrecv` (sender → every receiver), `allgather` (sender
   → 1/B of the slice to each of a host's B receivers, which then exchange pieces
   inside the host), `broadcast` (the slice in `chunks` pieces along the chain sender →
@@ -161,7 +163,7 @@ class ReshardHandle:
     """An in-flight resharding run; `wait()` returns the destination shard (or None)."""
 
     def __init__(self, owner: "Resharder", out: torch.Tensor | None, works: list[Any],
-                 copies: list[tuple[torch.Tensor, torch.Tensor]], thread: threading.Thread | None,
+                 copies: list[tuple[torch.Tensor, torch.Tensor]], threads: list[threading.Thread],
                  errors: list[BaseException], keep: list[Any], bufs: dict[int, torch.Tensor] | None,
                  waited: set[int]) -> None:
         self._owner = owner
@@ -169,7 +171,7 @@ class ReshardHandle:
         self._out = out
         self._works = works
         self._copies = copies  # (destination view, flat receive buffer) after the data is in
-        self._thread = thread
+        self._threads = threads
         self._errors = errors
         self._keep = keep  # send payloads must live until the sends complete
         self._bufs = bufs
@@ -178,8 +180,8 @@ class ReshardHandle:
     def wait(self) -> torch.Tensor | None:
         if self._done:
             return self._out
-        if self._thread is not None:
-            self._thread.join()
+        for t in self._threads:
+            t.join()
         if self._errors:
             raise RuntimeError(f"rank {self._owner.rank}: resharding progress thread failed") from self._errors[0]
         for w in self._works:
@@ -287,7 +289,7 @@ class Resharder:
         # receive buffers for slices that are not contiguous inside the output (cached, pooled)
         self._pool: list[dict[int, torch.Tensor]] = [self._new_buffers()]
         self._lock = threading.Lock()
-        self._last_thread: threading.Thread | None = None
+        self._last_threads: dict[int, threading.Thread] = {}  # task position -> latest forward thread
 
     # ------------------------------------------------------------------ construction helpers
     def _global(self, rank: int) -> int:
@@ -374,7 +376,7 @@ class Resharder:
         works: list[Any] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         keep: list[Any] = []
-        forwards: list[tuple[_Msg, int, torch.Tensor, Any]] = []  # (msg, tag, flat buffer, recv work)
+        forwards: dict[int, list[tuple[_Msg, int, torch.Tensor, Any]]] = {}  # pos -> (msg, tag, buffer, recv work)
         signal_byte = torch.zeros(1, dtype=torch.uint8)
         for rt in self._mine:
             p = rt.prog
@@ -408,25 +410,25 @@ class Resharder:
                 elif m.src == self.rank and not m.forward:
                     works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
                 elif m.src == self.rank:
-                    forwards.append((m, tag, recv_flat, recv_work.get((m.start, m.stop))))
+                    forwards.setdefault(p.pos, []).append((m, tag, recv_flat, recv_work.get((m.start, m.stop))))
         # local copies (overlapping meshes) while the network works
         for rt in self._mine:
             if rt.copy_local and self.strategy != "signal":
                 out[rt.dst_view].copy_(local_src[rt.src_view])
-        thread = None
+        threads: list[threading.Thread] = []
         errors: list[BaseException] = []
         waited: set[int] = set()
-        if forwards:
-            thread = threading.Thread(target=self._forward,
-                                      args=(forwards, works, errors, waited, self._last_thread),
-                                      name=f"reshard-forward-r{self.rank}", daemon=True)
-            thread.start()
-            self._last_thread = thread
-        return ReshardHandle(self, out, works, copies, thread, errors, keep, bufs, waited)
+        for pos, fw in forwards.items():
+            t = threading.Thread(target=self._forward, args=(fw, works, errors, waited, self._last_threads.get(pos)),
+                                 name=f"reshard-fwd-r{self.rank}-t{pos}", daemon=True)
+            t.start()
+            self._last_threads[pos] = t
+            threads.append(t)
+        return ReshardHandle(self, out, works, copies, threads, errors, keep, bufs, waited)
 
     def _forward(self, forwards: list[tuple[_Msg, int, torch.Tensor, Any]], works: list[Any],
                  errors: list[BaseException], waited: set[int], previous: threading.Thread | None) -> None:
-        """Pass on each chunk as soon as it has arrived, in global order (progress thread)."""
+        """Pass on each chunk of one task as soon as it has arrived, in message order (progress thread)."""
         try:
             if previous is not None:
                 previous.join()  # FIFO across runs of this Resharder
