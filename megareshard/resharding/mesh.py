@@ -58,6 +58,10 @@ class Mesh:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Mesh is immutable")
 
+    def __reduce__(self):
+        # rebuild through __init__ (slots + a raising __setattr__ defeat default pickling)
+        return (Mesh, (self._ranks, self._host_of))
+
     # --- basic views -------------------------------------------------------------------
     @property
     def ranks(self) -> tuple[tuple[int, ...], ...]:

@@ -41,6 +41,9 @@ class ShardingSpec:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ShardingSpec is immutable")
 
+    def __reduce__(self):
+        return (ShardingSpec, (self._entries,))
+
     @property
     def entries(self) -> tuple[tuple[int, ...], ...]:
         return self._entries

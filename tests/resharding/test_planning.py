@@ -552,3 +552,16 @@ def test_more_shards_than_elements_gives_empty_shards_and_no_empty_tasks():
     plan = plan_resharding((4,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("S01"), scheduler="naive")
     assert [t.slice for t in plan.tasks] == [(slice(k, k + 1),) for k in range(4)]
     assert [t.receivers for t in plan.tasks] == [(1,), (2,), (3,), (4,)]  # ranks 5, 6 hold empty shards
+
+
+def test_plans_pickle_round_trip():
+    """Plans travel between processes (tools, multiprocessing): meshes and specs must pickle."""
+    import pickle
+
+    from megareshard.resharding import Mesh, ShardingSpec, plan_resharding
+
+    src, dst = Mesh.grid(2, 2), Mesh.grid(2, 2, first_rank=4, first_host=2)
+    plan = plan_resharding((8, 6), src, ShardingSpec.parse("S0,R"), dst, ShardingSpec.parse("R,S1"))
+    again = pickle.loads(pickle.dumps(plan))
+    assert again.src_mesh == src and again.dst_spec == ShardingSpec.parse("R,S1")
+    assert [(t.slice, t.sender, t.receivers) for t in again.tasks] == [(t.slice, t.sender, t.receivers) for t in plan.tasks]
