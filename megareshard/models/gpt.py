@@ -26,6 +26,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLine
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import scaled_init_std
 from ..tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM
+from .recompute import RECOMPUTE_GRANULARITIES, checkpoint as recompute_checkpoint
 
 __all__ = ["GPTModel", "check_gpt_config", "gpt_flops_per_token", "model_flops_per_iteration",
            "param_init_generator", "WORD_EMBEDDING_NAME"]
@@ -98,6 +99,7 @@ class ParallelAttention(nn.Module):
         self.head_dim = h // cfg.num_attention_heads
         self.dropout = cfg.attention_dropout
         self.streams = streams
+        self.recompute_core = False   # selective recomputation: GPTModel(recompute_granularity="selective")
         self.qkv = ColumnParallelLinear(h, 3 * h, ctx, sequence_parallel=sequence_parallel,
                                         init_method=_normal_init(seed, f"{prefix}.qkv.weight", cfg.init_method_std),
                                         device=device, dtype=dtype)
@@ -111,14 +113,20 @@ class ParallelAttention(nn.Module):
         s, b, _ = qkv.shape
         q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d]
+        if self.recompute_core:
+            ctx = recompute_checkpoint(self._core, q, k, v, streams=self.streams)
+        else:
+            ctx = self._core(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
+        return self.proj(ctx)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QKᵀ/√d)V with dropout on the probabilities: the selectively recomputed part."""
         p = self.dropout if self.training else 0.0
         if p > 0.0:
             with self.streams.fork(MODEL_PARALLEL_STREAM):       # heads differ per tp rank
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
-        return self.proj(ctx)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class ParallelMLP(nn.Module):
@@ -218,13 +226,23 @@ class GPTModel(nn.Module):
     its own copy, ``output_layer.weight``, initialised identically (keeping the copies in
     sync across stages is the pipeline's job). ``layer_range=(start, stop)`` selects
     global layers ``start..stop-1`` (default: all).
+
+    Activation recomputation (``models/recompute.py``): ``recompute_granularity="selective"``
+    recomputes the attention core of every layer; ``"full"`` recomputes whole layers, the
+    first ``recompute_num_layers`` of this stage (default: all of them). None: off.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, sequence_parallel: bool = False,
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, device: torch.device | str | None = None,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32, recompute_granularity: str | None = None,
+                 recompute_num_layers: int | None = None) -> None:
         super().__init__()
+        if recompute_granularity is not None and recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ConfigError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, "
+                              f"got {recompute_granularity!r}")
+        if recompute_num_layers is not None and recompute_num_layers < 0:
+            raise ConfigError(f"recompute_num_layers must be >= 0, got {recompute_num_layers}")
         tp = ctx.tp_size
         check_gpt_config(cfg, tp, sequence_parallel, layer_range)
         self.cfg, self.ctx, self.seed = cfg, ctx, seed
@@ -253,6 +271,13 @@ class GPTModel(nn.Module):
                                              init_method=_normal_init(seed, WORD_EMBEDDING_NAME, cfg.init_method_std),
                                              device=dev, dtype=dt)
                 self.output_layer.weight = own.weight
+        self.recompute_granularity = recompute_granularity
+        n_local = len(self.layers)
+        self.recompute_num_layers = (0 if recompute_granularity != "full" else
+                                     n_local if recompute_num_layers is None else min(recompute_num_layers, n_local))
+        if recompute_granularity == "selective":
+            for layer in self.layers.values():
+                layer.attention.recompute_core = True
 
     # ---- helpers ------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -288,8 +313,11 @@ class GPTModel(nn.Module):
             if hidden is None:
                 raise ValueError("a stage without pre_process needs hidden [s(/tp), b, h] from the previous stage")
             x = hidden
-        for layer in self.layers.values():
-            x = layer(x)
+        for i, layer in enumerate(self.layers.values()):
+            if i < self.recompute_num_layers:
+                x = recompute_checkpoint(layer, x, streams=self.streams)
+            else:
+                x = layer(x)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

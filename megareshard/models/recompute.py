@@ -1,0 +1,61 @@
+"""Activation recomputation (Megatron's ``--recompute-activations`` / ``--recompute-granularity full``).
+
+``checkpoint(fn, *args, streams=...)`` runs ``fn`` without keeping its intermediate
+activations; backward runs it again (``torch.utils.checkpoint``, non-reentrant) to get
+them back. For the replay to be the same computation, every random draw must repeat:
+
+* torch's global RNG (CPU, and the CUDA device's) is restored by checkpoint's
+  ``preserve_rng_state=True``;
+* our named dropout streams (``RNGStreams``) live outside torch's global state — ``fork``
+  swaps a stream's state in and stores the advanced one back — so the wrapper snapshots
+  the streams at the first forward, loads the snapshot for the replay and puts the
+  streams' *current* state back afterwards (later forwards are unaffected).
+
+Granularities (``GPTModel(recompute_granularity=…)``):
+
+* ``"selective"``: only the attention core (``softmax(QKᵀ)V`` with its dropout) of every
+  layer — the part whose activations grow with ``s²`` and cost few FLOPs to redo;
+* ``"full"``: whole Transformer layers, the first ``recompute_num_layers`` layers of the
+  stage (Megatron's "block" method): only each layer's input is kept.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint as _cp
+
+__all__ = ["checkpoint", "RECOMPUTE_GRANULARITIES"]
+
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+
+# Activation meters (megareshard.memory.ActivationMeter) currently measuring: a checkpointed
+# region keeps its inputs alive outside autograd's saved tensors, so it reports them here.
+_meters: list = []
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, streams=None) -> Any:
+    """``fn(*args)`` with its activations recomputed in backward; dropout masks identical.
+
+    ``streams``: the ``RNGStreams`` that ``fn`` forks (None when it draws no random numbers).
+    Without grad (evaluation) it is a plain call.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    for meter in _meters:
+        meter.keep(*[a for a in args if torch.is_tensor(a)])
+    snapshot = streams.state_dict() if streams is not None else None
+    calls = [0]
+
+    def run(*a):
+        calls[0] += 1
+        if calls[0] == 1 or snapshot is None:
+            return fn(*a)
+        current = streams.state_dict()
+        streams.load_state_dict(snapshot)
+        try:
+            return fn(*a)
+        finally:
+            streams.load_state_dict(current)
+
+    return _cp.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -1,0 +1,511 @@
+"""ZeRO stages 0/1/2 as one optimizer wrapper, with fp32 master weights and loss scaling.
+
+Layout (FSDP2-style, per parameter). Every parameter ``p`` (this rank's tp slice) is
+viewed as ``rows × row_size`` with ``rows = p.shape[0]`` (a 0-d parameter is one row).
+Over the dp group of size ``D`` it is split along dim 0 into ``D`` chunks of
+``chunk = ceil(rows / D)`` rows (``torch.chunk`` semantics): dp rank ``r`` owns rows
+``[r·chunk, min((r+1)·chunk, rows))`` — the last ranks may own fewer rows, or none.
+In the communication buffers every chunk is padded with zero rows to ``chunk`` rows,
+so a bucket is ``D`` equal segments and one ``reduce_scatter_tensor`` /
+``all_gather_into_tensor`` moves it; the padding never reaches optimizer state. Each
+piece of optimizer state is therefore a regular box of the full parameter: global
+shape + offset along dim 0 (combined with the tp slice for the full-model view, see
+``ShardInfo``), which is what reshardable checkpoints need.
+
+Stages (``stage`` argument):
+
+* 0 — no sharding: gradients all-reduced (averaged) over dp, every rank steps the full
+  parameter. Same numbers as ``build_adamw`` + ``GradAverager``.
+* 1 — optimizer state (fp32 master, exp_avg, exp_avg_sq) only for this rank's shard.
+  Gradients are reduce-scattered into the shard (the full local ``param.grad`` buffers
+  stay allocated, as in DeepSpeed stage 1 / Megatron's distributed optimizer); after the
+  step the updated shards are all-gathered into the model parameters.
+* 2 — as 1, and the full gradients are freed as soon as their bucket is packed for the
+  reduce-scatter: only the fp32 shard gradient remains. With ``overlap_grad_reduce`` the
+  reduce-scatter of a bucket starts from a post-accumulate-grad hook as soon as all of
+  its gradients are produced (every microbatch, accumulating into the shard), so full
+  gradients never pile up during backward.
+
+Master weights: when the model parameter is fp32, the master shard IS a view of the
+parameter's own rows (no copy); when it is bf16/fp16 (mixed precision with low-precision
+parameters) the master is a separate fp32 copy of the shard and the model's rows are
+refreshed from it after every step. The inner optimizer is ``torch.optim.AdamW`` on the
+master shards (fused on GPU, foreach on CPU; apex ``FusedAdam`` when importable on GPU
+and asked for), with the decay / no-decay groups of ``build_adamw`` — so the step
+semantics are exactly AdamW's.
+
+Per iteration::
+
+    opt.zero_grad()
+    for mb in microbatches: opt.scale_loss(loss(mb)).backward()   # scale_loss: ×loss scale (fp16), else identity
+    sync_sequence_parallel_grads(model, ctx)   # (and tied-embedding all-reduce) BEFORE the dp reduction
+    opt.finish_grad_sync()                     # dp reduction (bucketed), unscale, fp32 shard grads
+    grad_norm = opt.clip_grad_norm(max_norm)   # fp32, across dp shards and model-parallel ranks
+    stepped = opt.step()                       # False when an overflow skipped it on every rank
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, asdict
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelContext
+from .grad_scaler import LossScaler
+
+__all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "build_zero_optimizer"]
+
+logger = logging.getLogger("megareshard")
+
+
+def apex_fused_adam_available() -> bool:
+    """True when apex's FusedAdam can be imported and a GPU is present (never required)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from apex.optimizers import FusedAdam  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where this rank's optimizer shard of one parameter lies.
+
+    ``local_shape``: the parameter on this rank (its tp slice). ``dp_offset``/``dp_rows``:
+    the shard's rows along dim 0 of ``local_shape``. ``global_shape``/``global_offset``/
+    ``shard_shape``: the same box in the FULL model tensor (tp slice composed with the dp
+    rows; for a vocab-parallel embedding the global shape includes the vocabulary padding).
+    """
+
+    name: str
+    local_shape: tuple[int, ...]
+    dp_offset: int
+    dp_rows: int
+    chunk_rows: int
+    shard_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    decay: bool
+
+
+class _Entry:
+    """Book-keeping for one parameter."""
+
+    __slots__ = ("name", "param", "rows", "row_size", "chunk", "start", "stop", "master", "master_is_view",
+                 "info", "defer")
+
+    def __init__(self, name: str, param: torch.nn.Parameter, dp: int, dp_rank: int, tp: int, tp_rank: int,
+                 decay: bool) -> None:
+        self.name, self.param = name, param
+        shape = tuple(param.shape)
+        self.rows = shape[0] if shape else 1
+        self.row_size = param.numel() // self.rows if self.rows else 0
+        self.chunk = -(-self.rows // dp)
+        self.start = min(dp_rank * self.chunk, self.rows)
+        self.stop = min(self.start + self.chunk, self.rows)
+        n = self.stop - self.start
+        shard_shape = (n, *shape[1:]) if shape else (n,)
+        gshape, goff = list(shape) or [1], [0] * max(len(shape), 1)
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            d = param.partition_dim
+            goff[d] = tp_rank * gshape[d]
+            gshape[d] *= tp
+        goff[0] += self.start
+        self.info = ShardInfo(name, shape, self.start, n, self.chunk, shard_shape, tuple(gshape), tuple(goff), decay)
+        rows_view = param.detach().view(self.rows, self.row_size)[self.start:self.stop]
+        if param.dtype == torch.float32:
+            self.master = rows_view.view(shard_shape)       # shares the parameter's storage
+            self.master_is_view = True
+        else:
+            self.master = rows_view.float().view(shard_shape).clone()
+            self.master_is_view = False
+        self.defer = False
+
+    def param_rows(self) -> torch.Tensor:
+        return self.param.detach().view(self.rows, self.row_size)
+
+
+class _Bucket:
+    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched")
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self.entries = entries
+        self.offsets, off = [], 0
+        for e in entries:
+            self.offsets.append(off)
+            off += e.chunk * e.row_size
+        self.seg = off                      # elements per dp rank
+        self.dtype = entries[0].param.dtype
+        self.ready: set[int] = set()
+        self.defer = any(e.defer for e in entries)
+        self.launched = 0
+
+
+class ZeroOptimizer:
+    """AdamW over dp-sharded fp32 master weights (ZeRO stage 0, 1 or 2). See the module docstring."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], ctx: ParallelContext, *,
+                 stage: int = 1, lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 bucket_bytes: int = 25 * 2 ** 20, grad_reduce_dtype: torch.dtype = torch.float32,
+                 loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
+                 is_no_decay: Callable[[str, torch.nn.Parameter], bool] | None = None,
+                 defer_grad_reduce: Callable[[str, torch.nn.Parameter], bool] | None = None,
+                 use_apex: bool = False) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
+        if overlap_grad_reduce and stage != 2:
+            raise ValueError("overlap_grad_reduce needs ZeRO stage 2 (it frees each gradient once reduced; "
+                             "stages 0/1 reduce once, in finish_grad_sync)")
+        self.ctx, self.stage = ctx, stage
+        self.dp = ctx.dp_size
+        self.shard_dp = self.dp if stage >= 1 else 1
+        self.shard_rank = ctx.dp_rank() if stage >= 1 else 0
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.loss_scaler = loss_scaler
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.num_skipped_steps = 0
+        self.last_step_skipped = False
+        is_no_decay = is_no_decay or (lambda name, p: p.ndim < 2)
+        # by default, gradients that get another all-reduce before the dp reduction (sequence-parallel
+        # params over tp, the tied embedding across the first/last stage) never start early
+        defer_grad_reduce = defer_grad_reduce or (
+            lambda name, p: bool(getattr(p, "sequence_parallel", False)) or "word_embeddings" in name
+            or name.startswith("output_layer"))
+        tp, tp_rank = ctx.tp_size, ctx.tp_rank()
+        self.entries: list[_Entry] = []
+        for name, p in named_params:
+            if not p.requires_grad:
+                continue
+            e = _Entry(name, p, self.shard_dp, self.shard_rank, tp, tp_rank, decay=not is_no_decay(name, p))
+            e.defer = defer_grad_reduce(name, p)
+            self.entries.append(e)
+        if not self.entries:
+            raise ValueError("ZeroOptimizer got no trainable parameters")
+        self.by_name = {e.name: e for e in self.entries}
+        # buckets in reverse registration order (roughly the order backward produces gradients)
+        self.buckets: list[_Bucket] = []
+        current: list[_Entry] = []
+        size = 0
+        esize = torch.empty((), dtype=grad_reduce_dtype).element_size()
+        for e in reversed(self.entries):
+            nbytes = e.chunk * e.row_size * self.shard_dp * esize
+            if current and (size + nbytes > bucket_bytes or e.param.dtype != current[0].param.dtype):
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(e)
+            size += nbytes
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(e): (bi, k) for bi, b in enumerate(self.buckets) for k, e in enumerate(b.entries)}
+        self._pending: list[tuple[_Bucket, torch.Tensor, object]] = []
+
+        decay = [e.master for e in self.entries if e.info.decay]
+        no_decay = [e.master for e in self.entries if not e.info.decay]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        on_gpu = self.entries[0].param.is_cuda
+        if use_apex and on_gpu and apex_fused_adam_available():
+            from apex.optimizers import FusedAdam
+            self.inner = FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
+        else:
+            self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu or None,
+                                           foreach=None if on_gpu else True)
+        self._hooks = []
+        if overlap_grad_reduce:
+            for e in self.entries:
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._make_hook(e)))
+
+    # ---- torch.optim-like surface (LRScheduler sets param_groups[i]["lr"]) ---------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def shard_infos(self) -> dict[str, ShardInfo]:
+        return {e.name: e.info for e in self.entries}
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply by the loss scale (fp16); identity otherwise. Call on the loss before backward."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for e in self.entries:
+            e.param.grad = None
+            e.master.grad = None
+        for b in self.buckets:
+            b.ready.clear()
+            b.launched = 0
+        if self._pending:
+            raise RuntimeError("zero_grad with gradient reductions still in flight: call finish_grad_sync() first")
+
+    # ---- gradient reduction -------------------------------------------------------------------
+    def _make_hook(self, entry: _Entry):
+        def hook(param: torch.Tensor) -> None:
+            bi, k = self._bucket_of[id(entry)]
+            b = self.buckets[bi]
+            if b.defer:
+                return
+            b.ready.add(k)
+            if len(b.ready) == len(b.entries):
+                self._launch(b)
+        return hook
+
+    def _launch(self, b: _Bucket) -> None:
+        """Pack the bucket's local gradients (zero-padded chunks), start its async reduction."""
+        D = self.shard_dp
+        flat = torch.zeros(D * b.seg, dtype=self.grad_reduce_dtype, device=b.entries[0].param.device)
+        grid = flat.view(D, b.seg)
+        for e, off in zip(b.entries, b.offsets):
+            g = e.param.grad
+            if g is None or e.row_size == 0:
+                continue
+            g2 = g.detach().reshape(e.rows, e.row_size)
+            region = grid[:, off:off + e.chunk * e.row_size].view(D, e.chunk, e.row_size)
+            for r in range(D):
+                lo, hi = r * e.chunk, min((r + 1) * e.chunk, e.rows)
+                if hi > lo:
+                    region[r, :hi - lo].copy_(g2[lo:hi])
+            if self.stage != 1:
+                e.param.grad = None         # stage 2 (and 0): the reduced buffer replaces it
+        b.ready.clear()
+        b.launched += 1
+        if self.dp == 1:
+            out, work = flat, None
+        elif D == 1:                        # stage 0: all-reduce
+            out, work = flat, dist.all_reduce(flat, group=self.ctx.dp_group, async_op=True)
+        else:
+            out = torch.empty(b.seg, dtype=flat.dtype, device=flat.device)
+            work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.dp_group, async_op=True)
+        self._pending.append((b, out, work))
+
+    def _unpack(self, b: _Bucket, out: torch.Tensor) -> None:
+        if self.dp > 1:
+            out.div_(self.dp)
+        if self.loss_scaler is not None:
+            out.mul_(self.loss_scaler.inv_scale)
+        for e, off in zip(b.entries, b.offsets):
+            n = e.stop - e.start
+            piece = out[off:off + e.chunk * e.row_size].view(e.chunk, e.row_size)[:n].view(e.master.shape)
+            if e.master.grad is None:
+                e.master.grad = piece.to(torch.float32) if piece.dtype != torch.float32 else piece
+            else:
+                e.master.grad.add_(piece)
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket holding gradients not yet launched (non-blocking)."""
+        for b in self.buckets:
+            if any(e.param.grad is not None for e in b.entries) and (self.stage != 1 or b.launched == 0):
+                self._launch(b)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce all remaining gradients over dp and wait: afterwards every master shard has its fp32,
+        dp-averaged, unscaled gradient (zeros for parameters that got none). Call once per iteration,
+        after the last backward (under delayed weight gradients: after the stage's last W)."""
+        self.start_grad_sync()
+        pending, self._pending = self._pending, []
+        for b, out, work in pending:
+            if work is not None:
+                work.wait()
+            self._unpack(b, out)
+        for e in self.entries:
+            if e.master.grad is None:
+                e.master.grad = torch.zeros_like(e.master)
+
+    # ---- norm, overflow, step -------------------------------------------------------------------
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [e.master.grad for e in self.entries if e.master.grad is not None]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm (fp32) of the gradients of the full model, each element counted once:
+        summed over this rank's shards, over dp (stage>=1: shards are disjoint) and over the
+        model-parallel group with the tp rules of ``clip_grads`` (replicated-over-tp params only on
+        tp rank 0, a tied-embedding duplicate never)."""
+        tp_rank = self.ctx.tp_rank()
+        dev = self.entries[0].master.device
+        sq = torch.zeros((), dtype=torch.float32, device=dev)
+        for e in self.entries:
+            p = e.param
+            if getattr(p, "shared_embedding_duplicate", False):
+                continue
+            if not (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+                continue
+            if e.master.grad is not None and e.master.grad.numel():
+                sq += e.master.grad.float().pow(2).sum()
+        if self.shard_dp > 1:
+            dist.all_reduce(sq, group=self.ctx.dp_group)
+        if self.ctx.tp_size * self.ctx.pp_size > 1:
+            dist.all_reduce(sq, group=self.ctx.mp_group)
+        return sq.sqrt().item()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the sharded gradients to ``max_norm`` (0 disables); returns the norm before clipping.
+        A non-finite norm (fp16 overflow) leaves the gradients alone: ``step()`` will skip."""
+        total = self.grad_norm()
+        if max_norm > 0 and math.isfinite(total) and total > max_norm:
+            torch._foreach_mul_(self._master_grads(), max_norm / (total + 1e-6))
+        return total
+
+    def found_inf(self) -> bool:
+        """Any inf/nan in any rank's gradient shard (all-reduced MAX over the whole world)."""
+        grads = self._master_grads()
+        dev = self.entries[0].master.device
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+        for g in grads:
+            if g.numel() and not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One AdamW step on the shards, then refresh the model parameters (all-gather for stage>=1).
+        With a loss scaler: an overflow anywhere skips the step on every rank, lowers the scale and
+        returns False."""
+        if self._pending:
+            raise RuntimeError("step() with gradient reductions in flight: call finish_grad_sync() first")
+        if self.loss_scaler is not None:
+            overflow = self.found_inf()
+            old = self.loss_scaler.scale
+            self.loss_scaler.update(overflow)
+            if overflow:
+                self.num_skipped_steps += 1
+                self.last_step_skipped = True
+                logger.warning("gradient overflow: step skipped on all ranks; loss scale %g -> %g",
+                               old, self.loss_scaler.scale)
+                for e in self.entries:
+                    e.master.grad = None
+                return False
+        self.last_step_skipped = False
+        self.inner.step()
+        self._refresh_params()
+        return True
+
+    def _refresh_params(self) -> None:
+        """Copy master shards into the model's rows (when not views) and all-gather over dp."""
+        for e in self.entries:
+            if not e.master_is_view and e.stop > e.start:
+                e.param_rows()[e.start:e.stop].copy_(e.master.view(e.stop - e.start, e.row_size))
+        if self.shard_dp == 1:
+            return
+        D = self.shard_dp
+        pending = []
+        for b in self.buckets:
+            dev = b.entries[0].param.device
+            send = torch.zeros(b.seg, dtype=b.dtype, device=dev)
+            for e, off in zip(b.entries, b.offsets):
+                n = e.stop - e.start
+                if n:
+                    send[off:off + n * e.row_size].copy_(e.param_rows()[e.start:e.stop].reshape(-1))
+            recv = torch.empty(D * b.seg, dtype=b.dtype, device=dev)
+            pending.append((b, recv, dist.all_gather_into_tensor(recv, send, group=self.ctx.dp_group,
+                                                                 async_op=True)))
+        for b, recv, work in pending:
+            work.wait()
+            grid = recv.view(D, b.seg)
+            for e, off in zip(b.entries, b.offsets):
+                region = grid[:, off:off + e.chunk * e.row_size].view(D, e.chunk, e.row_size)
+                rows = e.param_rows()
+                for r in range(D):
+                    lo, hi = r * e.chunk, min((r + 1) * e.chunk, e.rows)
+                    if hi > lo and r != self.shard_rank:
+                        rows[lo:hi].copy_(region[r, :hi - lo])
+
+    @torch.no_grad()
+    def reload_master_from_model(self) -> None:
+        """After loading model weights into low-precision params: refresh the separate fp32 masters."""
+        for e in self.entries:
+            if not e.master_is_view:
+                e.master.copy_(e.param_rows()[e.start:e.stop].reshape(e.master.shape))
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors that exist only for the optimizer: separate fp32 masters and the Adam state."""
+        out = [e.master for e in self.entries if not e.master_is_view]
+        for st in self.inner.state.values():
+            out.extend(v for v in st.values() if torch.is_tensor(v))
+        return out
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient this optimizer holds: model ``.grad`` buffers and the fp32 shard grads."""
+        seen, out = set(), []
+        for e in self.entries:
+            for g in (e.param.grad, e.master.grad):
+                if g is not None and id(g) not in seen:
+                    seen.add(id(g))
+                    out.append(g)
+        return out
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Keyed by parameter NAME; every tensor is this rank's shard, described by ``shards[name]``
+        (global shape and offset of the box, see ``ShardInfo``) so it can be resharded."""
+        state = {}
+        for e in self.entries:
+            st = self.inner.state.get(e.master, {})
+            entry = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            entry["master"] = e.master.detach().clone()
+            state[e.name] = entry
+        groups = []
+        for g in self.inner.param_groups:
+            names = [e.name for e in self.entries if any(e.master is q for q in g["params"])]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return {"zero_stage": self.stage, "dp_size": self.shard_dp, "state": state, "param_groups": groups,
+                "shards": {e.name: asdict(e.info) for e in self.entries},
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "num_skipped_steps": self.num_skipped_steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Load a state dict of the SAME sharding (names and shard shapes must match); also writes the
+        masters into the model parameters and all-gathers them. Resharding to another layout is the
+        checkpoint layer's job (it uses ``shards`` / ``shard_infos``)."""
+        missing = [e.name for e in self.entries if e.name not in sd["state"]]
+        if missing:
+            raise KeyError(f"optimizer state lacks parameters {missing[:5]}{'…' if len(missing) > 5 else ''}")
+        for e in self.entries:
+            st = sd["state"][e.name]
+            if tuple(st["master"].shape) != tuple(e.master.shape):
+                raise ValueError(f"{e.name}: saved shard shape {tuple(st['master'].shape)} != this rank's "
+                                 f"{tuple(e.master.shape)} (different dp/tp layout: reshard first)")
+            e.master.copy_(st["master"])
+            new = {}
+            for k, v in st.items():
+                if k == "master":
+                    continue
+                new[k] = v.detach().clone().to(e.master.device) if torch.is_tensor(v) and k != "step" else \
+                    (v.detach().clone() if torch.is_tensor(v) else v)
+            if new:
+                self.inner.state[e.master] = new
+        for g, sg in zip(self.inner.param_groups, sd["param_groups"]):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v
+        if self.loss_scaler is not None and sd.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.num_skipped_steps = int(sd.get("num_skipped_steps", 0))
+        self._refresh_params()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def build_zero_optimizer(model: torch.nn.Module, ctx: ParallelContext, training_cfg, memory_cfg,
+                         loss_scaler: LossScaler | None = None, **kwargs) -> ZeroOptimizer:
+    """The trainer's constructor: hyper-parameters from ``TrainingConfig``, stage from ``MemoryConfig``."""
+    t = training_cfg
+    return ZeroOptimizer(model.named_parameters(), ctx, stage=memory_cfg.zero_stage, lr=t.lr,
+                         weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                         loss_scaler=loss_scaler, **kwargs)
