@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from ..parallel.collectives import all_gather_into, reduce_scatter_into
 from .grad_scaler import LossScaler
 
 __all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "build_zero_optimizer"]
@@ -284,7 +285,7 @@ class ZeroOptimizer:
             out, work = flat, dist.all_reduce(flat, group=self.ctx.dp_group, async_op=True)
         else:
             out = torch.empty(b.seg, dtype=flat.dtype, device=flat.device)
-            work = dist.reduce_scatter_tensor(out, flat, group=self.ctx.dp_group, async_op=True)
+            work = reduce_scatter_into(out, flat, group=self.ctx.dp_group, async_op=True)
         self._pending.append((b, out, work))
 
     def _unpack(self, b: _Bucket, out: torch.Tensor) -> None:
@@ -408,7 +409,7 @@ class ZeroOptimizer:
                 if n:
                     send[off:off + n * e.row_size].copy_(e.param_rows()[e.start:e.stop].reshape(-1))
             recv = torch.empty(D * b.seg, dtype=b.dtype, device=dev)
-            pending.append((b, recv, dist.all_gather_into_tensor(recv, send, group=self.ctx.dp_group,
+            pending.append((b, recv, all_gather_into(recv, send, group=self.ctx.dp_group,
                                                                  async_op=True)))
         for b, recv, work in pending:
             work.wait()

@@ -21,9 +21,8 @@ layout): chunks along dim 0 are contiguous, so gathers and scatters need no copi
 With ``ctx.tp_size == 1`` every mapping is the identity and torch.distributed is never
 touched, so single-process reference runs need no process group.
 
-On gloo (CPU) ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are not reliably
-available, so the list-based all-gather and all-reduce + chunk are used there; NCCL
-gets the fused single-buffer collectives.
+Gathers and reduce-scatters are single flat-buffer collectives on gloo and NCCL alike
+(``parallel/collectives.py``): no all-reduce-then-slice fallback that would double traffic.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from ..parallel.collectives import all_gather_into, reduce_scatter_into
 
 __all__ = [
     "all_gather_dim", "reduce_scatter_dim", "split_dim",
@@ -56,12 +56,6 @@ def split_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
     return x.narrow(dim, ctx.tp_rank() * chunk, chunk).contiguous()
 
 
-def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    # torch 2.13 renamed all_gather_into_tensor; both gloo and NCCL implement it
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
-
-
 def all_gather_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Tensor:
     """Concatenate every tp rank's ``x`` along ``dim`` (tp-rank order).
 
@@ -73,7 +67,7 @@ def all_gather_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch.Ten
         return x
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.size(0) * tp, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_into(out, front, ctx.tp_group)
+    all_gather_into(out, front, ctx.tp_group)
     return out.movedim(0, dim) if dim != 0 else out
 
 
@@ -85,8 +79,7 @@ def reduce_scatter_dim(x: torch.Tensor, ctx: ParallelContext, dim: int) -> torch
     chunk = _check_divisible(x.size(dim), tp, dim, "reduce-scatter across tp")
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((chunk, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, front, group=ctx.tp_group)
+    reduce_scatter_into(out, front, ctx.tp_group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
