@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, for MFU (H100 bf16 dense: 989)")
     p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--plot", default=None, help="bar chart PNG: time per iteration split into tp comm and the rest")
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     worker_argv = os.environ.get("MR_BENCH_TRAIN_ARGV")
     if worker_argv is not None:  # inside torchrun: arguments come through the environment, since
@@ -185,7 +186,31 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(records, f, indent=1)
+    if a.plot:
+        _plot(records, a.plot)
+        print(f"[bench_train] picture: {a.plot}", file=sys.stderr)
     return 0
+
+
+def _plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["layout"] for r in records]
+    ms = [r["ms_per_iter"] for r in records]
+    comm = [m * r["tp_comm_share"] for m, r in zip(ms, records)]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(records), 3.6))
+    ax.bar(names, [m - c for m, c in zip(ms, comm)], color="#4c72b0", label="compute + other")
+    ax.bar(names, comm, bottom=[m - c for m, c in zip(ms, comm)], color="#dd8452", label="tp collectives")
+    for i, r in enumerate(records):
+        ax.text(i, ms[i], f"{r['tokens_per_s']:.0f} tok/s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per iteration (median)")
+    ax.set_title(f"GPT training by layout ({records[0]['world_size']} ranks, {records[0]['device']})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _strip_json(argv: list[str]) -> list[str]:
