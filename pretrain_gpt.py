@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Pretrain a GPT with tensor, sequence and data parallelism. Launch with torchrun:
+"""Pretrain a GPT with tensor, sequence, pipeline and data parallelism. Launch with torchrun:
 
     torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \
         --num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256 \
         --micro-batch-size 4 --global-batch-size 16 --train-iters 100 \
         --data-path data/stdlib_text_document --tokenizer-model data/tokenizer.model
+
+Pipeline parallelism (stages on dp × tp meshes, boundaries resharded across meshes):
+add e.g. ``--pipeline-model-parallel-size 2 --pipeline-schedule eager-1f1b
+--delay-wgrad-compute --reshard-strategy broadcast`` (``--num-layers-per-stage 1,3`` for
+an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's timeline).
 
 `--help` lists every flag. Runs on CPU processes (gloo) or GPUs (NCCL, --device cuda).
 """

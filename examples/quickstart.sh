@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # Quick start: build a tokenizer and a dataset from the Python standard library's sources
-# (cached under data/), then pretrain a small GPT on CPU processes with torchrun,
-# tp 2 × dp 2, and show the loss falling. Everything is overridable from the environment:
+# (cached under data/), then pretrain a small GPT on 8 CPU processes with torchrun,
+# tp 2 · pp 2 · dp 2: two pipeline stages (each a 2x2 dp × tp mesh) under eager-1F1B with
+# delayed weight gradients, stage boundaries resharded by pipelined broadcast. Shows the
+# loss falling, the peak memory per stage, and draws the measured pipeline timeline of
+# the last iteration. Everything is overridable from the environment:
 #
-#   TRAIN_ITERS=200 NPROC=4 TP=2 bash examples/quickstart.sh
+#   TRAIN_ITERS=200 NPROC=4 TP=2 PP=1 bash examples/quickstart.sh
+#   SCHEDULE=1f1b DELAY_WGRAD=0 RESHARD_STRATEGY=sendrecv bash examples/quickstart.sh
 #   EXTRA_ARGS="--sequence-parallel" bash examples/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/ensure_venv.sh
 
-NPROC=${NPROC:-4}
+NPROC=${NPROC:-8}
 TP=${TP:-2}
-PP=${PP:-1}
+PP=${PP:-2}
+SCHEDULE=${SCHEDULE:-eager-1f1b}
+DELAY_WGRAD=${DELAY_WGRAD:-1}
+RESHARD_STRATEGY=${RESHARD_STRATEGY:-broadcast}
 TRAIN_ITERS=${TRAIN_ITERS:-60}
 VOCAB=${VOCAB:-4096}
 SEQ=${SEQ:-128}
-MICRO_BATCH=${MICRO_BATCH:-4}
+MICRO_BATCH=${MICRO_BATCH:-2}
 GLOBAL_BATCH=${GLOBAL_BATCH:-16}
 LAYERS=${LAYERS:-4}
 HIDDEN=${HIDDEN:-128}
@@ -39,8 +46,12 @@ if [ ! -f "$DATA_DIR/stdlib_text_document.idx" ]; then
         --output-prefix "$DATA_DIR/stdlib_text_document" --append-eod --workers 2
 fi
 
-echo "== pretraining: $NPROC CPU processes, tp $TP, pp $PP, $TRAIN_ITERS iterations (metrics: $RUN_DIR/metrics.jsonl)"
-rm -f "$RUN_DIR/metrics.jsonl"
+PIPELINE_ARGS="--pipeline-schedule $SCHEDULE --reshard-strategy $RESHARD_STRATEGY --pipeline-trace $RUN_DIR/trace.json"
+if [ "$DELAY_WGRAD" = "1" ]; then PIPELINE_ARGS="$PIPELINE_ARGS --delay-wgrad-compute"; fi
+
+echo "== pretraining: $NPROC CPU processes, tp $TP, pp $PP ($SCHEDULE, delayed W $DELAY_WGRAD, $RESHARD_STRATEGY" \
+     "resharding), $TRAIN_ITERS iterations (metrics: $RUN_DIR/metrics.jsonl)"
+rm -f "$RUN_DIR/metrics.jsonl" "$RUN_DIR/trace.json"
 # torchrun's own scratch files go to a temp dir we remove
 export TMPDIR=$(mktemp -d -t megareshard-quickstart.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
@@ -54,7 +65,7 @@ trap 'rm -rf "$TMPDIR"' EXIT
     --split 98,2,0 --eval-interval 20 --eval-iters 2 --log-interval 5 \
     --metrics-file "$RUN_DIR/metrics.jsonl" \
     --wandb-project megareshard-quickstart --wandb-exp-name quickstart --wandb-save-dir "$RUN_DIR" \
-    $EXTRA_ARGS
+    $PIPELINE_ARGS $EXTRA_ARGS
 
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys
@@ -62,4 +73,11 @@ recs = [json.loads(l) for l in open(sys.argv[1])]
 first, last = recs[0]["loss"], recs[-1]["loss"]
 print(f"== loss {first:.3f} (iteration 1) -> {last:.3f} (iteration {recs[-1]['iteration']}): "
       + ("falling" if last < first else "NOT falling"))
+mem = recs[-1].get("peak_mem_mb_per_stage")
+if mem:
+    print("== peak memory per pipeline stage (MiB): " + ", ".join(f"stage {i} {v:.0f}" for i, v in enumerate(mem)))
 PY
+if [ -f "$RUN_DIR/trace.json" ]; then
+    "$VENV_PY" tools/plot_schedule.py --trace "$RUN_DIR/trace.json" -o "$RUN_DIR/timeline.png" \
+        && echo "== measured pipeline timeline of the last iteration: $RUN_DIR/timeline.png"
+fi

@@ -73,6 +73,8 @@ class PipelineConfig:
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
                                 choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
     reshard_chunks: int = _f(4, "chunks per pipelined broadcast")
+    pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
+                                          "for tools/plot_schedule.py --trace")
 
 
 @dataclass
@@ -313,6 +315,9 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
     if d.data_path and not d.tokenizer_model and m.vocab_size is None:
         raise ConfigError(f"--data-path {d.data_path} needs --tokenizer-model (or --vocab-size)")
+    if pp > m.num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every "
+                          "pipeline stage needs at least one Transformer layer")
     if pl.num_layers_per_stage is not None:
         try:
             per_stage = [int(x) for x in pl.num_layers_per_stage.split(",")]

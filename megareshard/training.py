@@ -4,12 +4,15 @@ One iteration = one global batch = ``global_batch / (micro_batch × dp)`` microb
 rank. The loss of a global batch is the mean per-token loss over all of its tokens, so
 every layout (tp, dp, sequence parallel) computes the same number as one process does.
 The forward/backward over the microbatches is a replaceable function
-(``forward_backward``): the pipeline engine supplies its own.
+(``forward_backward``): with pp > 1 the pipeline runtime (``megareshard.pipeline.runtime``)
+is that function; it also starts the gradient reductions after each stage's last
+backward, so the trainer does not reduce again.
 """
 from __future__ import annotations
 
 import math
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,8 @@ from .models.gpt import GPTModel, model_flops_per_iteration
 from .optim import LRScheduler, WarmupCosine, build_adamw, clip_grad_norm_
 from .parallel import CommVolume, ParallelContext, Topology
 from .parallel.data_parallel import GradAverager
+from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
+from .pipeline.stage import build_stage_model, check_pipeline_config, stage_layouts
 from .tensor_parallel import sync_sequence_parallel_grads
 from .tracking import MetricsFile, WandbTracker, format_log_line
 
@@ -61,6 +66,26 @@ def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
     if world_size == 1:
         return ParallelContext.single_process(), topo.describe()
     return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory: allocator peak on GPU, max resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def peak_memory_per_stage(ctx: ParallelContext, device: torch.device) -> list[float]:
+    """Peak memory (MiB) of every pipeline stage, MAX over the stage's ranks — on every rank.
+
+    One MAX all-reduce over the world of a pp-long vector holding this rank's peak in its
+    stage's slot (the first stage usually runs out first: it holds the most activations).
+    """
+    vec = torch.zeros(ctx.pp_size, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    vec[ctx.pp_rank()] = peak_memory_mb(device)
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    return [round(v, 1) for v in vec.tolist()]
 
 
 @dataclass
@@ -107,15 +132,32 @@ class Trainer:
         self.dp = ctx.dp_size
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         self._refuse_unbuilt()
+        if cfg.pp > 1:
+            check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
         torch.manual_seed(cfg.training.seed)
-        self.model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
-                              seed=cfg.training.seed, device=self.device)
+        self.pipeline: PipelineRuntime | None = None
+        if cfg.pp > 1:
+            layouts = stage_layouts(cfg, ctx.topology)
+            self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
+                                           device=self.device)
+        else:
+            self.model = GPTModel(cfg.model, ctx,
+                                  sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
+                                  seed=cfg.training.seed, device=self.device)
         t = cfg.training
         self.optimizer = build_adamw(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps)
         self.scheduler = LRScheduler(self.optimizer, WarmupCosine(t.lr, t.min_lr, t.lr_warmup_iters,
                                                                   t.lr_decay_iters))
         self.averager = GradAverager(list(self.model.parameters()), ctx.dp_group, ctx.dp_size)
+        if cfg.pp > 1:
+            # collective over all ranks: every edge's resharders, built once
+            self.pipeline = PipelineRuntime.for_gpt(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
+                                                    record_trace=cfg.pipeline.pipeline_trace is not None)
+            if self.forward_backward_fn is forward_backward:
+                self.forward_backward_fn = self.pipeline
+            if ctx.rank == 0:
+                print(self.pipeline.describe(), file=self.out, flush=True)
         self._build_data()
         self.iteration = 0
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
@@ -129,7 +171,6 @@ class Trainer:
         """Flags whose machinery is not in this trainer yet fail loudly instead of doing nothing."""
         cfg = self.cfg
         unbuilt = {
-            "--pipeline-model-parallel-size > 1": cfg.pp > 1,
             "--zero-stage 1/2": cfg.memory.zero_stage > 0,
             "--bf16/--fp16": cfg.memory.bf16 or cfg.memory.fp16,
             "activation recomputation": cfg.memory.recompute_granularity is not None,
@@ -190,13 +231,36 @@ class Trainer:
             value = value / self.dp
         return value.item()
 
+    def finalize_grads(self) -> None:
+        """Gradient reductions after the backward: sequence-parallel (tp), data-parallel, tied embedding.
+
+        With pp > 1 the pipeline runtime calls this right after the stage's last W (or B).
+        """
+        if self.model.sequence_parallel:
+            sync_sequence_parallel_grads(self.model, self.ctx)
+        self.averager.average()
+        self._reduce_tied_embedding()
+
+    def _reduce_tied_embedding(self) -> None:
+        """Sum the two copies' gradients of the word embedding tied to the output layer.
+
+        The first stage's lookup and the last stage's output layer each produce part of
+        the gradient of one tied weight; after the sum both copies take identical steps.
+        """
+        ctx = self.ctx
+        if ctx.pp_size == 1 or not (ctx.is_first_stage() or ctx.is_last_stage()):
+            return
+        w = self.model.output_weight()
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        dist.all_reduce(w.grad, group=ctx.embedding_group)
+
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward_fn(self.model, microbatches, self.device)
-        if self.model.sequence_parallel:
-            sync_sequence_parallel_grads(self.model, self.ctx)
-        self.averager.average()
+        if not getattr(self.forward_backward_fn, "finalizes_grads", False):
+            self.finalize_grads()
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.clip_grad, self.ctx)
         self.optimizer.step()
         return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr)
@@ -231,6 +295,9 @@ class Trainer:
             rec = {"iteration": self.iteration, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
                    "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12}
+            per_stage = peak_memory_per_stage(self.ctx, self.device)
+            rec["peak_mem_mb"] = max(per_stage)
+            rec["peak_mem_mb_per_stage"] = per_stage
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
             if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
@@ -245,7 +312,23 @@ class Trainer:
                 if "eval_loss" in rec:
                     print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
                           f"lm loss PPL: {rec['eval_ppl']:.3f}", file=self.out, flush=True)
+        if self.records and self.reporting:
+            kind = "max allocated" if self.device.type == "cuda" else "max RSS"
+            per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
+            print(f" peak memory per pipeline stage (MiB, {kind}, MAX over the stage's ranks): {per_stage}",
+                  file=self.out, flush=True)
+        self._write_trace()
         return self.records
+
+    def _write_trace(self) -> None:
+        path = self.cfg.pipeline.pipeline_trace
+        if path is None or self.pipeline is None:
+            return
+        merged = gather_trace(self.ctx, self.pipeline.last_trace)
+        if merged is not None:
+            write_trace(path, merged)
+            print(f" pipeline trace of the last iteration ({len(merged)} records) written to {path}; draw it with "
+                  f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 
     def close(self) -> None:
         self.metrics.close()

@@ -1,0 +1,120 @@
+"""Cross-stage communication: one forward and one backward `Resharder` per pipeline edge.
+
+Why it looks like this:
+
+* **Built once, collectively, in one global order.** `Resharder` construction is
+  collective over the default group (it agrees on rank 0's plan), so every rank builds
+  every edge's two resharders — even ranks in neither mesh — in sorted edge order,
+  forward before backward. Nothing is created lazily (lazy communicators in
+  rank-dependent order are a classic pipeline deadlock).
+* **Separate tag ranges.** gloo matches point-to-point messages by (peer pair, tag);
+  an edge's backward resharder uses the same rank pairs reversed, and a skip edge may
+  share pairs with a chain edge, so each resharder gets its own ``tag_base`` range.
+* **Declared shapes, checked at every send.** The shape and dtype of every edge's
+  tensor come from the configuration (micro batch, sequence, hidden), never from the
+  first batch seen (Megatron #5100). A send of anything else raises, naming the edge,
+  the direction, the microbatch, what was expected and what was given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..resharding import Mesh, ShardingSpec, plan_resharding
+from ..resharding.executor import ReshardHandle, Resharder
+from .schedule import Edge, PipelineGraph
+
+__all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "build_edge_comms", "TAG_BASE"]
+
+TAG_BASE = 1 << 12
+"""First gloo tag used by pipeline resharders (leaves small tags free for ad-hoc p2p)."""
+
+
+class EdgeShapeError(ValueError):
+    """A tensor sent along a pipeline edge does not match the edge's declared shape/dtype."""
+
+
+@dataclass(frozen=True)
+class EdgeTensor:
+    """The declared tensor of one edge: global shape, dtype, and both ends' layouts."""
+
+    edge: Edge
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    src_mesh: Mesh
+    src_spec: ShardingSpec
+    dst_mesh: Mesh
+    dst_spec: ShardingSpec
+
+
+class EdgeComm:
+    """The forward (src stage → dst stage) and backward (dst → src) resharders of one edge."""
+
+    def __init__(self, decl: EdgeTensor, fwd: Resharder, bwd: Resharder) -> None:
+        self.decl, self.fwd, self.bwd = decl, fwd, bwd
+
+    @property
+    def edge(self) -> Edge:
+        return self.decl.edge
+
+    def _check(self, tensor: torch.Tensor, res: Resharder, direction: str, mb: int) -> None:
+        want_shape, want_dtype = res.src_shape, self.decl.dtype
+        what = "activation" if direction == "F" else "gradient"
+        if want_shape is None:
+            raise EdgeShapeError(f"edge {self.edge} ({what}, mb {mb}): rank {res.rank} is not a sender of this "
+                                 "edge but tried to send on it")
+        if not isinstance(tensor, torch.Tensor):
+            raise EdgeShapeError(f"edge {self.edge} ({what}, mb {mb}): expected a tensor of shape "
+                                 f"{tuple(want_shape)} {want_dtype}, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != tuple(want_shape) or tensor.dtype != want_dtype:
+            spec = self.decl.src_spec if direction == "F" else self.decl.dst_spec
+            mesh = self.decl.src_mesh if direction == "F" else self.decl.dst_mesh
+            raise EdgeShapeError(
+                f"edge {self.edge} ({what}, mb {mb}): expected local shape {tuple(want_shape)} {want_dtype} "
+                f"(global {self.decl.shape}, spec {spec} on mesh {mesh}), got {tuple(tensor.shape)} "
+                f"{tensor.dtype}; the edge's shape is declared from --micro-batch-size, --seq-length and "
+                "--hidden-size")
+
+    def send_forward(self, tensor: torch.Tensor, mb: int) -> ReshardHandle:
+        self._check(tensor, self.fwd, "F", mb)
+        return self.fwd.start(tensor.detach())
+
+    def recv_forward(self) -> ReshardHandle:
+        return self.fwd.start(None)
+
+    def send_backward(self, grad: torch.Tensor, mb: int) -> ReshardHandle:
+        self._check(grad, self.bwd, "B", mb)
+        return self.bwd.start(grad.detach())
+
+    def recv_backward(self) -> ReshardHandle:
+        return self.bwd.start(None)
+
+
+def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
+                     chunks: int, time_budget_s: float = 0.5, group: Any = None) -> dict[Edge, EdgeComm]:
+    """Plan and build every edge's resharders — collective over the default group.
+
+    Every rank must call it with the same arguments. Edges are processed in the graph's
+    sorted order, forward before backward, with consecutive, disjoint tag ranges.
+    """
+    by_edge = {d.edge: d for d in decls}
+    missing = [str(e) for e in graph.edges if e not in by_edge]
+    if missing:
+        raise ValueError(f"no tensor declared for edge(s) {', '.join(missing)}")
+    out: dict[Edge, EdgeComm] = {}
+    tag = TAG_BASE
+    for e in graph.edges:
+        d = by_edge[e]
+        itemsize = torch.empty(0, dtype=d.dtype).element_size()
+        built = []
+        for src_mesh, src_spec, dst_mesh, dst_spec in ((d.src_mesh, d.src_spec, d.dst_mesh, d.dst_spec),
+                                                       (d.dst_mesh, d.dst_spec, d.src_mesh, d.src_spec)):
+            plan = plan_resharding(d.shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
+                                   scheduler=scheduler, itemsize=itemsize, time_budget_s=time_budget_s,
+                                   broadcast_chunks=chunks)
+            built.append(Resharder(plan, d.dtype, chunks=chunks, group=group, tag_base=tag))
+            tag += len(plan.tasks) + 1
+        out[e] = EdgeComm(d, built[0], built[1])
+    return out

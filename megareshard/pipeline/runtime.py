@@ -1,0 +1,449 @@
+"""Pipeline runtime: execute this stage's lowered action list on every rank of its mesh.
+
+Every rank of a stage runs the same list (SPMD inside the stage: its tp collectives line
+up because the lists are identical); stage boundaries go through the `EdgeComm`
+resharders built once per edge (`comm.py`). What each action does is the contract
+written down in `lowering.py`:
+
+=========  ===============================================================================
+F(mb)      forward of the stage on mb (stage 0: tokens; others: the WAIT_F tensor, made a
+           leaf that requires grad); the last stage turns per-token losses into
+           ``mean / m`` and accumulates the reported loss.
+SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
+           send is complete the output's *data* is freed (Megatron's
+           ``deallocate_output_tensor``) when no autograd node saved it, keeping only the
+           graph: eager-1F1B keeps up to ``2(P−i)−1`` outputs alive otherwise.
+RECV_F/B   post a non-blocking receive (``start(None)``).
+WAIT_F/B   block on it — the only blocking communication.
+B(mb)      backward from the loss (last stage) or from the WAIT_B gradient; keeps the
+           input gradient for SEND_B; releases mb's tensors.
+I(mb)      the same with a weight-gradient store *for mb* attached: the weight GEMMs are
+           queued, not run. Keying the store by mb makes ``W(mb)`` run exactly mb's work
+           whatever order a schedule puts the W's in.
+W(mb)      flush mb's store (this is where the weight gradients appear).
+SEND_B     start the backward resharder on the input gradient.
+=========  ===============================================================================
+
+After the list: the ``finalize_grads`` hook (sequence-parallel, data-parallel and tied-
+embedding gradient reductions — they start after the stage's last W, or B), then every
+pending send is waited, then the loss is summed over the pipeline group so every rank
+(in particular the logging rank, last stage tp0 dp0) holds it.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelContext
+from ..tensor_parallel import WeightGradStore
+from .comm import EdgeComm, EdgeTensor, build_edge_comms
+from .generators import generate
+from .lowering import lower
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .stage import StageLayout, chain_graph, hidden_global_shape
+from .validate import validate
+
+__all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
+
+_K = ActionKind
+
+
+def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward that accepts an output whose data was freed (only its graph is left).
+
+    ``torch.autograd.backward`` compares the gradient's shape with ``out.shape``, which is
+    ``(1,)`` once the data is freed; the engine itself checks against the shape recorded
+    in the graph, so call it directly (what Megatron's ``custom_backward`` does).
+    """
+    if grad is None:
+        out.backward()
+        return
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None:  # pragma: no cover - outputs are then never freed (see _safe_to_free)
+        torch.autograd.backward(out, grad)
+        return
+    engine.run_backward((out,), (grad,), False, False, (), True, True)
+
+
+def _can_free_outputs() -> bool:
+    return getattr(torch.autograd.Variable, "_execution_engine", None) is not None
+
+
+def _safe_to_free(t: torch.Tensor) -> bool:
+    """True when no autograd node of ``t`` saved ``t`` itself (then backward never reads its data).
+
+    The GPT's stage output is a residual add (saves nothing), but a model whose last op
+    saves its result (e.g. ``tanh``) must keep it: check instead of assuming.
+    """
+    fn = t.grad_fn
+    if fn is None or t._base is not None:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    for name in dir(fn):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            v = getattr(fn, name)
+        except Exception:
+            continue
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr:
+                return False
+    return True
+
+
+@dataclass
+class _PendingSend:
+    handle: Any
+    tensor: torch.Tensor
+    direction: str
+    mb: int
+    edge: Edge
+    start: float
+    free: bool  # free the tensor's data once complete (forward activations)
+    done: threading.Event = field(default_factory=threading.Event)
+    end: float = 0.0
+    error: BaseException | None = None
+
+
+class _SendReaper:
+    """Waits for one (edge, direction)'s sends, in order, on a background thread.
+
+    Why a thread: gloo's ``Work.is_completed()`` stays False until someone calls
+    ``wait()``, so a send's completion can only be observed by waiting for it, and
+    waiting on the main thread could stall the stage on a receiver that has not posted
+    its receive yet. The thread waits instead; the main thread only looks at ``done``
+    (never calls ``wait()`` itself: a second wait on a gloo work blocks forever) and
+    frees a sent activation as soon as its flag is set.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_PendingSend | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, pending: _PendingSend) -> None:
+        self._queue.put(pending)
+
+    def _loop(self) -> None:
+        while True:
+            p = self._queue.get()
+            if p is None:
+                return
+            try:
+                p.handle.wait()
+            except BaseException as e:  # surfaced on the main thread by _finish_send
+                p.error = e
+            p.end = time.time()
+            p.done.set()
+
+    def close(self, join: bool = True) -> None:
+        self._queue.put(None)
+        if join:
+            self._thread.join()
+
+
+@dataclass
+class _Step:
+    """Per-step state of one rank: everything is dropped at the end of the step."""
+
+    microbatches: list[dict[str, torch.Tensor]]
+    train: bool
+    loss: torch.Tensor
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    posted: dict[tuple[Edge, str, int], Any] = field(default_factory=dict)
+    received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
+    sends: list[_PendingSend] = field(default_factory=list)
+    stores: dict[int, WeightGradStore] = field(default_factory=dict)
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
+    reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
+    freed: set[int] = field(default_factory=set)  # microbatches whose sent activation data was freed
+
+
+class PipelineRuntime:
+    """Runs the pipeline's forward/backward over one global batch; a Trainer ``forward_backward_fn``.
+
+    ``runtime(model, microbatches, device, autocast_dtype=None, backward=True)`` returns the
+    mean loss of this dp rank's microbatches on every rank of the pipeline (detached).
+    """
+
+    finalizes_grads = True  # the trainer must not reduce gradients again after a step
+
+    def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
+                 comms: dict[Edge, EdgeComm], *, schedule: str, delay_wgrad: bool = False,
+                 finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
+                 lookahead: int = 1) -> None:
+        self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
+        self.stage = ctx.pp_rank()
+        self.num_stages = graph.num_stages
+        if self.num_stages != ctx.pp_size:
+            raise ValueError(f"the graph has {self.num_stages} stages but pp is {ctx.pp_size}")
+        self.in_edges = graph.in_edges(self.stage)
+        self.out_edges = graph.out_edges(self.stage)
+        if len(self.in_edges) > 1 or len(self.out_edges) > 1:
+            raise NotImplementedError(f"stage {self.stage} has {len(self.in_edges)} incoming and "
+                                      f"{len(self.out_edges)} outgoing edges; this runtime's models take one "
+                                      "hidden input and give one hidden output per stage (skip edges need a "
+                                      "multi-input model)")
+        self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
+        self.finalize_grads = finalize_grads
+        self.record_trace = record_trace
+        self.lookahead = lookahead
+        self.last_trace: list[dict[str, Any]] = []
+        self.last_stats: dict[str, int] = {}
+        self._programs: dict[tuple[int, bool], list[Action]] = {}
+        self._free_outputs = _can_free_outputs()
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def for_gpt(cls, cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
+                finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
+                dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
+        """Declare the GPT's hidden-state edges from the config and build their resharders.
+
+        Collective over the default group: every rank calls it with the same config.
+        """
+        graph = chain_graph(ctx.pp_size)
+        shape = hidden_global_shape(cfg, ctx.dp_size)
+        decls = [EdgeTensor(e, shape, dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
+                            layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges]
+        pl = cfg.pipeline
+        comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
+                                 chunks=pl.reshard_chunks)
+        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule,
+                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace)
+
+    def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
+        """This stage's lowered action list (cached per microbatch count)."""
+        key = (num_microbatches, train)
+        if key not in self._programs:
+            if train:
+                sched = generate(self.schedule_name, self.num_stages, num_microbatches, self.delay_wgrad, self.graph)
+                low = lower(sched, lookahead=self.lookahead)
+                validate(low)
+            else:  # forward only (evaluation): every stage runs F0..F(m-1)
+                acts = [[Action(_K.F, j, s) for j in range(num_microbatches)] for s in range(self.num_stages)]
+                low = lower(Schedule(self.graph, num_microbatches, acts, "forward-only"), lookahead=self.lookahead)
+            self._programs[key] = low.actions[self.stage]
+        return self._programs[key]
+
+    def describe(self) -> str:
+        lines = [f"pipeline: {self.num_stages} stages, schedule {self.schedule_name}"
+                 f"{' + delayed weight gradients' if self.delay_wgrad else ''}"]
+        lines += ["  " + lay.describe() for lay in self.layouts]
+        for e, c in self.comms.items():
+            lines.append(f"  edge {e}: {c.decl.shape} {c.decl.dtype} {c.fwd.strategy} "
+                         f"({c.fwd.plan.scheduler}, {len(c.fwd.plan.tasks)} task(s) forward, "
+                         f"{len(c.bwd.plan.tasks)} backward)")
+        return "\n".join(lines)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def __call__(self, model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
+                 autocast_dtype: torch.dtype | None = None, backward: bool = True) -> torch.Tensor:
+        train = backward and torch.is_grad_enabled()
+        st = _Step(list(microbatches), train, torch.zeros((), dtype=torch.float32, device=device), device,
+                   autocast_dtype)
+        prog = self.program(len(st.microbatches), train)
+        ok = False
+        try:
+            for a in prog:
+                if a.kind.is_compute:
+                    self._poll_sends(st)
+                    t0 = time.time()
+                    self._compute(model, a, st)
+                    if self.record_trace:
+                        st.trace.append({"stage": self.stage, "kind": a.kind.value, "mb": a.mb,
+                                         "start": t0, "end": time.time()})
+                else:
+                    self._communicate(a, st)
+            if train and self.finalize_grads is not None:
+                self.finalize_grads()  # after the last W (or B), while the last sends drain
+            for s in st.sends:
+                self._finish_send(s, st)
+            st.sends.clear()
+            ok = True
+        finally:
+            for r in st.reapers.values():
+                r.close(join=ok)  # after a failure a send may never complete: do not hang on it
+            model_set = getattr(model, "set_wgrad_store", None)
+            if callable(model_set):
+                model_set(None)
+        if st.stores and any(len(s) for s in st.stores.values()):
+            raise RuntimeError(f"stage {self.stage}: weight-gradient work of microbatches {sorted(st.stores)} "
+                               "was queued by I but never run by a W")
+        loss = st.loss
+        if self.num_stages > 1:
+            dist.all_reduce(loss, group=self.ctx.pp_group)  # only the last stage holds a non-zero loss
+        if train:  # evaluation steps do not overwrite what the last training step recorded
+            self.last_trace, self.last_stats = st.trace, st.stats
+        return loss.detach()
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def _compute(self, model: torch.nn.Module, a: Action, st: _Step) -> None:
+        if a.kind == _K.F:
+            self._forward(model, a.mb, st)
+        elif a.kind in (_K.B, _K.I):
+            self._backward(model, a.mb, st, delay=a.kind == _K.I)
+        elif a.kind == _K.W:
+            store = st.stores.pop(a.mb, None)
+            if store is None:
+                raise RuntimeError(f"stage {self.stage}: W{a.mb} without a preceding I{a.mb}")
+            store.flush()
+        else:  # pragma: no cover
+            raise AssertionError(a)
+
+    def _forward(self, model: torch.nn.Module, mb: int, st: _Step) -> None:
+        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        batch = st.microbatches[mb]
+        tokens = batch["tokens"].to(st.device, non_blocking=True) if (first or last) else None
+        hidden = None
+        if not first:
+            (edge,) = self.in_edges
+            hidden = st.received.pop((edge, "F", mb))
+            if st.train:
+                hidden.requires_grad_(True)
+        st.inputs[mb] = hidden
+        kwargs: dict[str, Any] = {"hidden": hidden}
+        if first:
+            kwargs["tokens"] = tokens[:, :-1].contiguous()
+        if last:
+            kwargs["labels"] = tokens[:, 1:].contiguous()
+        dt = st.autocast_dtype
+        with torch.autocast(st.device.type, dtype=dt, enabled=dt is not None):
+            out = model(**kwargs)
+        if last:
+            loss = out.float().mean() / len(st.microbatches)
+            st.loss += loss.detach()
+            if st.train:
+                st.outputs[mb] = loss
+        else:
+            st.outputs[mb] = out
+
+    def _backward(self, model: torch.nn.Module, mb: int, st: _Step, delay: bool) -> None:
+        store = None
+        if delay:
+            store = st.stores[mb] = WeightGradStore()
+        model.set_wgrad_store(store)
+        # mb's activation was consumed downstream (its gradient is here), so its send has
+        # completed: retire it now at the latest (this only waits for the reaper's flag)
+        for s in [s for s in st.sends if s.direction == "F" and s.mb == mb]:
+            self._finish_send(s, st)
+            st.sends.remove(s)
+        out = st.outputs.pop(mb)
+        st.stats["freed_before_backward"] += int(mb in st.freed)
+        if self.stage == self.num_stages - 1:
+            _run_backward(out, None)
+        else:
+            (edge,) = self.out_edges
+            grad = st.received.pop((edge, "B", mb))
+            _run_backward(out, grad)
+        model.set_wgrad_store(None)
+        x = st.inputs.pop(mb, None)
+        if x is not None:
+            if x.grad is None:
+                raise RuntimeError(f"stage {self.stage}: backward of mb {mb} produced no input gradient")
+            st.input_grads[mb] = x.grad
+
+    # ---- communication -----------------------------------------------------------------------------
+    def _communicate(self, a: Action, st: _Step) -> None:
+        e, mb = a.edge, a.mb
+        comm = self.comms[e]
+        k = a.kind
+        if k == _K.SEND_F:
+            out = st.outputs[mb] if st.train else st.outputs.pop(mb)
+            self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(),
+                                         free=st.train and self._free_outputs and _safe_to_free(out)))
+        elif k == _K.SEND_B:
+            g = st.input_grads.pop(mb)
+            self._track(st, _PendingSend(comm.send_backward(g, mb), g, "B", mb, e, time.time(), free=False))
+        elif k in (_K.RECV_F, _K.RECV_B):
+            d = k.direction
+            st.posted[(e, d, mb)] = comm.recv_forward() if d == "F" else comm.recv_backward()
+        elif k in (_K.WAIT_F, _K.WAIT_B):
+            d = k.direction
+            try:
+                h = st.posted.pop((e, d, mb))
+            except KeyError:
+                raise RuntimeError(f"stage {self.stage}: {a} waits for a receive that was never posted") from None
+            t = h.wait()
+            if t is None:
+                raise RuntimeError(f"stage {self.stage}: rank {self.ctx.rank} received nothing on edge {e} "
+                                   f"({'activation' if d == 'F' else 'gradient'}, mb {mb}): it is not in the "
+                                   "edge's destination mesh")
+            st.received[(e, d, mb)] = t
+        else:  # pragma: no cover
+            raise AssertionError(a)
+
+    def _track(self, st: _Step, s: _PendingSend) -> None:
+        key = (s.edge, s.direction)
+        if key not in st.reapers:
+            st.reapers[key] = _SendReaper(f"pp-send-{s.edge}-{s.direction}-r{self.ctx.rank}")
+        st.sends.append(s)
+        st.reapers[key].submit(s)
+
+    def _poll_sends(self, st: _Step) -> None:
+        """Retire completed sends (frees sent activations early) without ever blocking."""
+        if not st.sends:
+            return
+        keep = []
+        for s in st.sends:
+            if s.done.is_set():
+                self._finish_send(s, st)
+            else:
+                keep.append(s)
+        st.sends[:] = keep
+
+    def _finish_send(self, s: _PendingSend, st: _Step) -> None:
+        s.done.wait()
+        if s.error is not None:
+            raise RuntimeError(f"stage {self.stage}: sending the {'activation' if s.direction == 'F' else 'gradient'} "
+                               f"of mb {s.mb} on edge {s.edge} failed") from s.error
+        if s.free:
+            # Megatron's deallocate_output_tensor: keep the autograd node, drop the data
+            s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)
+            st.stats["outputs_freed"] += 1
+            st.freed.add(s.mb)
+        if self.record_trace:
+            st.trace.append({"stage": self.stage, "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start,
+                             "end": s.end, "edge": str(s.edge),
+                             "peer": s.edge.dst if s.direction == "F" else s.edge.src})
+
+
+# ---- traces -------------------------------------------------------------------------------------
+def gather_trace(ctx: ParallelContext, trace: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Collect each stage's trace (from its tp0 dp0 rank) on global rank 0, times from 0.
+
+    Collective over the default group. Returns the merged trace on rank 0, None elsewhere.
+    """
+    mine = trace if ctx.tp_rank() == 0 and ctx.dp_rank() == 0 else []
+    if not dist.is_initialized():
+        gathered = [mine]
+    else:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        if dist.get_rank() != 0:
+            return None
+    recs = [r for part in gathered for r in (part or [])]
+    if not recs:
+        return []
+    t0 = min(r["start"] for r in recs)
+    return sorted(({**r, "start": r["start"] - t0, "end": r["end"] - t0} for r in recs),
+                  key=lambda r: (r["stage"], r["start"]))
+
+
+def write_trace(path: str, records: list[dict[str, Any]]) -> None:
+    """JSON list for ``tools/plot_schedule.py --trace``."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f)

@@ -1,0 +1,170 @@
+"""One pipeline stage: its layers, its mesh, the layout of its boundary tensors, its model part.
+
+DESIGN.md §1: a stage is (its layers, its mesh, the layout of every tensor it consumes
+and produces). Here the mesh of stage ``i`` is the ranks with pp coordinate ``i`` laid
+out as a 2-D ``dp × tp`` grid (axis 0 = dp, axis 1 = tp) with each rank's host taken
+from the Topology, and the GPT's hidden states ``[s, b, h]`` are
+
+* ``R,S0,R``  — batch over dp, replicated over tp (plain tensor parallelism), or
+* ``S1,S0,R`` — sequence over tp as well (sequence parallelism),
+
+so the resharding planner sees exactly which slice every rank holds and needs. The
+*global* hidden tensor of one microbatch is ``[seq, micro_batch × dp, hidden]``: every
+stage processes the same global microbatch, each sharded over its own dp.
+
+Everything here is pure (no process groups) except `build_stage_model`, which builds
+this rank's part of the GPT.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..arguments import Config, ConfigError
+from ..parallel import ParallelContext, Topology
+from ..resharding import Mesh, ShardingSpec
+from .generators import SCHEDULES
+from .schedule import PipelineGraph
+
+__all__ = ["StageLayout", "split_layers", "stage_mesh", "hidden_spec", "stage_layouts",
+           "check_pipeline_config", "build_stage_model", "hidden_global_shape"]
+
+_EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where one stage lives and how its boundary hidden states are laid out."""
+
+    stage: int
+    layer_range: tuple[int, int]  # global layers [start, stop)
+    mesh: Mesh  # dp × tp ranks of this stage
+    hidden_spec: ShardingSpec  # layout of the [s, b, h] hidden states it receives and sends
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+    def describe(self) -> str:
+        a, b = self.layer_range
+        return (f"stage {self.stage}: layers {a}..{b - 1} on mesh {self.mesh} "
+                f"(ranks {list(self.mesh.flat_ranks)}), hidden {self.hidden_spec}")
+
+
+def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None) -> list[tuple[int, int]]:
+    """Global layer ranges per stage: ``--num-layers-per-stage`` (comma list) or an even split.
+
+    Every stage needs at least one layer: a stage without layers would still pay a full
+    resharding in and out for nothing.
+    """
+    if num_stages < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size must be at least 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {num_stages} exceeds --num-layers {num_layers}: "
+                          "every pipeline stage needs at least one Transformer layer")
+    if per_stage is not None:
+        try:
+            counts = [int(x) for x in per_stage.split(",")]
+        except ValueError:
+            raise ConfigError(f"--num-layers-per-stage {per_stage!r} must be comma-separated integers, "
+                              "one per pipeline stage") from None
+        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+            raise ConfigError(f"--num-layers-per-stage {per_stage} must give {num_stages} positive numbers "
+                              f"(one per stage) adding up to --num-layers {num_layers} (got {len(counts)} "
+                              f"numbers summing to {sum(counts)})")
+    else:
+        if num_layers % num_stages:
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                              f"{num_stages}; give --num-layers-per-stage for an uneven split")
+        counts = [num_layers // num_stages] * num_stages
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start, start + c))
+        start += c
+    return ranges
+
+
+def stage_mesh(topology: Topology, stage: int) -> Mesh:
+    """The ``dp × tp`` mesh of ranks with pp coordinate ``stage``; hosts from the topology."""
+    ranks = [[topology.rank_of(tp=t, dp=d, pp=stage) for t in range(topology.tp)]
+             for d in range(topology.dp)]
+    hosts = {r: r // topology.nproc_per_node for row in ranks for r in row}
+    return Mesh(ranks, hosts)
+
+
+def hidden_spec(sequence_parallel: bool) -> ShardingSpec:
+    """``S1,S0,R`` under sequence parallelism (sequence over tp), else ``R,S0,R``."""
+    return ShardingSpec.parse("S1,S0,R" if sequence_parallel else "R,S0,R")
+
+
+def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
+    """Global ``[seq, micro_batch × dp, hidden]`` of one microbatch's hidden states."""
+    return (cfg.model.seq_length, cfg.training.micro_batch_size * dp, cfg.model.hidden_size)
+
+
+def stage_layouts(cfg: Config, topology: Topology) -> list[StageLayout]:
+    """Layout of every stage (the same on every rank: the runtime builds edges from it)."""
+    sp = cfg.parallel.sequence_parallel and topology.tp > 1
+    ranges = split_layers(cfg.model.num_layers, topology.pp, cfg.pipeline.num_layers_per_stage)
+    spec = hidden_spec(sp)
+    return [StageLayout(i, ranges[i], stage_mesh(topology, i), spec) for i in range(topology.pp)]
+
+
+def check_pipeline_config(cfg: Config, world_size: int) -> None:
+    """Start-up validation of everything the pipeline needs, with the numbers in the message.
+
+    Runs before any model or communicator is built, so a bad flag fails in milliseconds
+    on every rank instead of deadlocking later.
+    """
+    pp, pl, t = cfg.pp, cfg.pipeline, cfg.training
+    if pl.pipeline_schedule not in SCHEDULES:
+        raise ConfigError(f"unknown --pipeline-schedule {pl.pipeline_schedule!r}; available: "
+                          f"{', '.join(SCHEDULES)}")
+    if pl.reshard_strategy not in _EXECUTABLE_STRATEGIES:
+        raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
+                          f"{', '.join(_EXECUTABLE_STRATEGIES)}")
+    if pl.reshard_chunks < 1:
+        raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    split_layers(cfg.model.num_layers, pp, pl.num_layers_per_stage)
+    if world_size % (cfg.tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tp {cfg.tp} × pp {pp}")
+    dp = cfg.dp(world_size)
+    if t.global_batch_size is None or t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
+                          f"{t.micro_batch_size} × dp {dp}")
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    if pp > 1 and m < pp:
+        warnings.warn(f"{m} microbatch(es) for {pp} pipeline stages: the bubble is at least "
+                      f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
+                      f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
+    if pp > 1 and pl.reshard_strategy == "signal":
+        warnings.warn("--reshard-strategy signal moves one byte per task: stage inputs are undefined, "
+                      "so the loss is meaningless (it is the communication upper bound for benchmarks)",
+                      stacklevel=2)
+
+
+def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *, seed: int,
+                      device: torch.device):
+    """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
+
+    A last stage without the embedding holds its own copy of the tied word embedding
+    (``output_layer.weight``, initialised identically); it is marked
+    ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
+    runtime all-reduces the two copies' gradients over ``ctx.embedding_group``.
+    """
+    from ..models.gpt import GPTModel
+
+    first, last = layout.stage == 0, layout.stage == ctx.pp_size - 1
+    model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
+                     seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
+                     device=device)
+    if last and not first:
+        model.output_layer.weight.shared_embedding_duplicate = True
+    return model
+
+
+def chain_graph(num_stages: int) -> PipelineGraph:
+    """The GPT's stage graph: a plain chain (no skip edges)."""
+    return PipelineGraph(num_stages)
