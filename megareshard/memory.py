@@ -8,11 +8,12 @@ Peak activations:
 
 * CUDA: ``torch.cuda.max_memory_allocated`` over the measured span minus the memory
   allocated when it began (``ActivationMeter`` resets the peak statistics on entry);
-* CPU (no allocator statistics): the bytes of the distinct storages autograd saves for
-  backward while the span runs (``torch.autograd.graph.saved_tensors_hooks``), excluding
-  parameters, plus the inputs that activation recomputation keeps alive. Measured over the
-  forward(s) of one iteration's in-flight microbatches, this is the activation memory at
-  the forward→backward turn-around, i.e. the peak that activation recomputation lowers.
+* CPU (no allocator statistics): the most bytes of distinct storages that autograd holds
+  for backward at any moment of the span (``torch.autograd.graph.saved_tensors_hooks``:
+  a storage counts from its first pack until backward has unpacked every tensor saved on
+  it), excluding parameters, plus the inputs activation recomputation keeps alive. Over one
+  iteration this is the activation peak: one microbatch's worth for sequential
+  microbatches, the in-flight ones for a pipeline schedule.
   (Max RSS is not used: it never decreases and counts the allocator's caching.)
 
 ``max_over(report, group)`` takes the element-wise MAX over a process group (the pipeline
@@ -54,22 +55,43 @@ class ActivationMeter:
     def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._saved: dict[int, int] = {}
+        self._refs: dict[int, int] = {}    # storage -> saved tensors holding it
+        self._bytes: dict[int, int] = {}
+        self._live = 0
+        self._kept = 0
         self.peak_bytes = 0
 
-    def _record(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor) -> int | None:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr not in self._exclude and st.nbytes():
-            self._saved[ptr] = max(self._saved.get(ptr, 0), st.nbytes())
+        if ptr in self._exclude or not st.nbytes():
+            return None
+        if self._refs.get(ptr, 0) == 0:
+            self._bytes[ptr] = st.nbytes()
+            self._live += st.nbytes()
+        self._refs[ptr] = self._refs.get(ptr, 0) + 1
+        self.peak_bytes = max(self.peak_bytes, self._live + self._kept)
+        return ptr
 
     def keep(self, *tensors: torch.Tensor) -> None:
-        """Called by ``recompute.checkpoint`` for the inputs it keeps alive."""
+        """Called by ``recompute.checkpoint`` for the inputs it keeps alive until its backward
+        (they are never unpacked through our hooks, so they stay counted for the span)."""
         for t in tensors:
-            self._record(t)
+            st = t.untyped_storage()
+            if st.data_ptr() not in self._exclude:
+                self._kept += st.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self._live + self._kept)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._record(t)
+    def _pack(self, t: torch.Tensor):
+        return (self._add(t), t)
+
+    def _unpack(self, packed):
+        # backward reads each saved tensor once (no retain_graph): after that its node frees it
+        ptr, t = packed
+        if ptr is not None:
+            self._refs[ptr] -= 1
+            if self._refs[ptr] == 0:
+                self._live -= self._bytes.pop(ptr)
         return t
 
     def __enter__(self) -> "ActivationMeter":
@@ -77,7 +99,7 @@ class ActivationMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         _recompute._meters.append(self)
         return self
@@ -88,8 +110,7 @@ class ActivationMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        else:
-            self.peak_bytes = sum(self._saved.values())
+        # on CPU peak_bytes was tracked live: the most saved-activation bytes alive at once
 
 
 @dataclass

@@ -22,6 +22,10 @@ def format_log_line(rec: dict[str, Any], train_iters: int) -> str:
              f"grad norm: {rec['grad_norm']:.3f}",
              f"tokens/s: {rec['tokens_per_s']:.1f}",
              f"TFLOP/s per rank: {rec['tflops_per_rank']:.3f}"]
+    if rec.get("loss_scale", 1.0) != 1.0:  # fp16 only
+        parts.append(f"loss scale: {rec['loss_scale']:.1f}")
+    if rec.get("skipped"):
+        parts.append("step skipped (gradient overflow)")
     return " | ".join(parts) + " |"
 
 

@@ -1,4 +1,4 @@
-"""The training loop: microbatches, AdamW, LR schedule, clipping, DP averaging, eval, logging.
+"""The training loop: microbatches, ZeRO-sharded AdamW, LR schedule, clipping, loss scaling, eval, logging.
 
 One iteration = one global batch = ``global_batch / (micro_batch × dp)`` microbatches per dp
 rank. The loss of a global batch is the mean per-token loss over all of its tokens, so
@@ -10,6 +10,7 @@ backward, so the trainer does not reduce again.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -26,9 +27,11 @@ from .data.gpt_dataset import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration
-from .optim import LRScheduler, WarmupCosine, build_adamw, clip_grad_norm_
+from .memory import ActivationMeter, MemoryReport, memory_report
+from .optim import LRScheduler, WarmupCosine
+from .optim.grad_scaler import build_loss_scaler
+from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, Topology
-from .parallel.data_parallel import GradAverager
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.stage import build_stage_model, check_pipeline_config, stage_layouts
 from .tensor_parallel import sync_sequence_parallel_grads
@@ -88,19 +91,32 @@ def peak_memory_per_stage(ctx: ParallelContext, device: torch.device) -> list[fl
     return [round(v, 1) for v in vec.tolist()]
 
 
+def memory_per_stage(ctx: ParallelContext, report: MemoryReport, device: torch.device) -> list[MemoryReport]:
+    """Every stage's memory breakdown, each field the MAX over that stage's ranks — on every rank."""
+    fields = ("params", "grads", "optimizer", "activations")
+    mat = torch.zeros(ctx.pp_size, len(fields), dtype=torch.float64, device=device)
+    mat[ctx.pp_rank()] = torch.tensor([float(getattr(report, f)) for f in fields], dtype=torch.float64)
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.all_reduce(mat, op=dist.ReduceOp.MAX)
+    return [MemoryReport(*(int(v) for v in row)) for row in mat.tolist()]
+
+
 @dataclass
 class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    skipped: bool = False
 
 
 def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
-                     autocast_dtype: torch.dtype | None = None, backward: bool = True) -> torch.Tensor:
+                     autocast_dtype: torch.dtype | None = None, backward: bool = True,
+                     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Run the microbatches through the model; returns this rank's mean loss (detached).
 
     Each microbatch's mean token loss is divided by the number of microbatches, so the
     gradients accumulate to those of the mean over this rank's share of the global batch.
+    ``scale_loss`` (fp16 loss scaling) multiplies the loss that backward starts from.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
     n = len(microbatches)
@@ -110,7 +126,7 @@ def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.
             losses = model(tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
         loss = losses.float().mean() / n
         if backward:
-            loss.backward()
+            (scale_loss(loss) if scale_loss is not None else loss).backward()
         total += loss.detach()
     return total
 
@@ -131,29 +147,35 @@ class Trainer:
         self.world_size = ctx.world_size
         self.dp = ctx.dp_size
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
-        self._refuse_unbuilt()
         if cfg.pp > 1:
             check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
         torch.manual_seed(cfg.training.seed)
         self.pipeline: PipelineRuntime | None = None
+        mem = cfg.memory
+        # bf16/fp16 parameters for compute, fp32 masters in the optimizer (real memory savings)
+        self.params_dtype = torch.bfloat16 if mem.bf16 else torch.float16 if mem.fp16 else torch.float32
+        model_kwargs = dict(params_dtype=self.params_dtype, recompute_granularity=mem.recompute_granularity,
+                            recompute_num_layers=mem.recompute_num_layers)
         if cfg.pp > 1:
             layouts = stage_layouts(cfg, ctx.topology)
             self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
-                                           device=self.device)
+                                           device=self.device, **model_kwargs)
         else:
             self.model = GPTModel(cfg.model, ctx,
                                   sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
-                                  seed=cfg.training.seed, device=self.device)
+                                  seed=cfg.training.seed, device=self.device, **model_kwargs)
         t = cfg.training
-        self.optimizer = build_adamw(self.model, t.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_eps)
+        # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
+        self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem))
         self.scheduler = LRScheduler(self.optimizer, WarmupCosine(t.lr, t.min_lr, t.lr_warmup_iters,
                                                                   t.lr_decay_iters))
-        self.averager = GradAverager(list(self.model.parameters()), ctx.dp_group, ctx.dp_size)
+        self.memory: list[MemoryReport] | None = None
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
             self.pipeline = PipelineRuntime.for_gpt(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
-                                                    record_trace=cfg.pipeline.pipeline_trace is not None)
+                                                    record_trace=cfg.pipeline.pipeline_trace is not None,
+                                                    dtype=self.params_dtype)
             if self.forward_backward_fn is forward_backward:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
@@ -167,18 +189,6 @@ class Trainer:
                                     enabled=self.reporting, log=self.out)
 
     # ---- set-up ---------------------------------------------------------------------
-    def _refuse_unbuilt(self) -> None:
-        """Flags whose machinery is not in this trainer yet fail loudly instead of doing nothing."""
-        cfg = self.cfg
-        unbuilt = {
-            "--zero-stage 1/2": cfg.memory.zero_stage > 0,
-            "--bf16/--fp16": cfg.memory.bf16 or cfg.memory.fp16,
-            "activation recomputation": cfg.memory.recompute_granularity is not None,
-        }
-        for flag, asked in unbuilt.items():
-            if asked:
-                raise ConfigError(f"{flag} is not supported by this trainer yet")
-
     def _resolve_vocab(self) -> None:
         m, d = self.cfg.model, self.cfg.data
         if d.tokenizer_model:
@@ -238,8 +248,8 @@ class Trainer:
         """
         if self.model.sequence_parallel:
             sync_sequence_parallel_grads(self.model, self.ctx)
-        self.averager.average()
-        self._reduce_tied_embedding()
+        self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
+        self.optimizer.finish_grad_sync()
 
     def _reduce_tied_embedding(self) -> None:
         """Sum the two copies' gradients of the word embedding tied to the output layer.
@@ -258,12 +268,18 @@ class Trainer:
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward_fn(self.model, microbatches, self.device)
+        meter = ActivationMeter(exclude=self.model.parameters(), device=self.device) if self.memory is None else None
+        with meter if meter is not None else contextlib.nullcontext():
+            loss = self.forward_backward_fn(self.model, microbatches, self.device,
+                                            scale_loss=self.optimizer.scale_loss)
         if not getattr(self.forward_backward_fn, "finalizes_grads", False):
             self.finalize_grads()
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.training.clip_grad, self.ctx)
-        self.optimizer.step()
-        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr)
+        grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
+        if meter is not None:  # first iteration: gradients and optimizer state now exist
+            self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer, meter.peak_bytes),
+                                           self.device)
+        stepped = self.optimizer.step()  # every rank: it agrees on fp16 overflow over the world
+        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -294,11 +310,16 @@ class Trainer:
             self.iteration += 1
             rec = {"iteration": self.iteration, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
-                   "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12}
+                   "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12,
+                   "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped}
+            if self.iteration == 1:
+                rec["memory_per_stage"] = [m.to_dict() for m in self.memory]
+                if self.reporting:
+                    print(self._memory_lines(), file=self.out, flush=True)
             per_stage = peak_memory_per_stage(self.ctx, self.device)
             rec["peak_mem_mb"] = max(per_stage)
             rec["peak_mem_mb_per_stage"] = per_stage
-            if not math.isfinite(res.loss):
+            if not math.isfinite(res.loss) and not res.skipped:
                 raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
             if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
                 rec["eval_loss"] = self.evaluate()
@@ -319,6 +340,19 @@ class Trainer:
                   file=self.out, flush=True)
         self._write_trace()
         return self.records
+
+    def _memory_lines(self) -> str:
+        """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
+        mib = 2 ** 20
+        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; activations = "
+                 "peak saved for backward):"]
+        for i, m in enumerate(self.memory):
+            lines.append(f"   stage {i}: params {m.params / mib:.1f} | grads {m.grads / mib:.1f} | optimizer "
+                         f"{m.optimizer / mib:.1f} | activations {m.activations / mib:.1f} | total {m.total / mib:.1f}")
+        worst = max(range(len(self.memory)), key=lambda i: self.memory[i].total)
+        if len(self.memory) > 1:
+            lines.append(f"   largest: stage {worst} ({self.memory[worst].total / mib:.1f} MiB)")
+        return "\n".join(lines)
 
     def _write_trace(self) -> None:
         path = self.cfg.pipeline.pipeline_trace

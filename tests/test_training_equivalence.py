@@ -31,6 +31,7 @@ def _run(cfg, ctx):
     indices = next(trainer._train_iter)
     first = trainer.train_step(trainer._microbatches(trainer.train_data, indices))
     trainer.iteration = 1
+    trainer.optimizer.materialize_param_grads()  # ZeRO keeps reduced gradients on its shards
     grads = gather_full_state_dict(trainer.model, ctx, grads=True)
     records = trainer.train()
     return [first.loss] + [r["loss"] for r in records], first.grad_norm, grads

@@ -321,6 +321,21 @@ class ZeroOptimizer:
             if e.master.grad is None:
                 e.master.grad = torch.zeros_like(e.master)
 
+    def materialize_param_grads(self) -> None:
+        """For inspection (tests, debugging): after ``finish_grad_sync``, put every local parameter's
+        dp-averaged, unscaled gradient on ``param.grad`` in the parameter's dtype — all-gathering
+        the row shards over dp at stages 1/2. Costs a full gradient of memory; not for the hot path."""
+        D = self.shard_dp
+        for e in self.entries:
+            grad = e.master.grad if e.master.grad is not None else torch.zeros_like(e.master)
+            if D > 1:
+                padded = torch.zeros(e.chunk, e.row_size, dtype=grad.dtype, device=grad.device)
+                padded[:e.stop - e.start] = grad.reshape(-1, e.row_size)
+                full = torch.empty(D * e.chunk, e.row_size, dtype=grad.dtype, device=grad.device)
+                all_gather_into(full, padded, group=self.ctx.dp_group)
+                grad = full[:e.rows]
+            e.param.grad = grad.reshape(e.param.shape).to(e.param.dtype).clone()
+
     # ---- norm, overflow, step -------------------------------------------------------------------
     def _master_grads(self) -> list[torch.Tensor]:
         return [e.master.grad for e in self.entries if e.master.grad is not None]

@@ -159,6 +159,7 @@ class _Step:
     loss: torch.Tensor
     device: torch.device
     autocast_dtype: torch.dtype | None = None
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16 loss scaling on the last stage
     inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -251,10 +252,11 @@ class PipelineRuntime:
 
     # ---- one step ------------------------------------------------------------------------------
     def __call__(self, model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
-                 autocast_dtype: torch.dtype | None = None, backward: bool = True) -> torch.Tensor:
+                 autocast_dtype: torch.dtype | None = None, backward: bool = True,
+                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         train = backward and torch.is_grad_enabled()
         st = _Step(list(microbatches), train, torch.zeros((), dtype=torch.float32, device=device), device,
-                   autocast_dtype)
+                   autocast_dtype, scale_loss=scale_loss)
         prog = self.program(len(st.microbatches), train)
         ok = False
         try:
@@ -344,7 +346,7 @@ class PipelineRuntime:
         out = st.outputs.pop(mb)
         st.stats["freed_before_backward"] += int(mb in st.freed)
         if self.stage == self.num_stages - 1:
-            _run_backward(out, None)
+            _run_backward(st.scale_loss(out) if st.scale_loss is not None else out, None)
         else:
             (edge,) = self.out_edges
             grad = st.received.pop((edge, "B", mb))

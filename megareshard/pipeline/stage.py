@@ -146,20 +146,21 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
 
 
 def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *, seed: int,
-                      device: torch.device):
+                      device: torch.device, **model_kwargs):
     """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
 
     A last stage without the embedding holds its own copy of the tied word embedding
     (``output_layer.weight``, initialised identically); it is marked
     ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
     runtime all-reduces the two copies' gradients over ``ctx.embedding_group``.
+    ``model_kwargs`` (dtype, recomputation) go to ``GPTModel`` unchanged.
     """
     from ..models.gpt import GPTModel
 
     first, last = layout.stage == 0, layout.stage == ctx.pp_size - 1
     model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
                      seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
-                     device=device)
+                     device=device, **model_kwargs)
     if last and not first:
         model.output_layer.weight.shared_embedding_duplicate = True
     return model
