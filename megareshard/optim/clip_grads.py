@@ -5,6 +5,10 @@ tp-sharded parameters are counted by every tp rank (each holds a different slice
 parameters replicated over tp only by tp rank 0; a duplicate of a tied parameter held
 by a second pipeline stage (``shared_embedding_duplicate``) not at all. The squared
 sums are then added over the model-parallel (tp × pp) group. Computed in fp32.
+
+The trainer's ``ZeroOptimizer`` applies the same rule (``counts_in_grad_norm``) to its
+shards; ``clip_grad_norm_`` is the plain path for full local gradients, and the
+reference the ZeRO tests compare against.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 
 
-def _counted(p: torch.nn.Parameter, tp_rank: int) -> bool:
+def counts_in_grad_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``p`` contributes to the global gradient norm."""
     if getattr(p, "shared_embedding_duplicate", False):
         return False
     return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
@@ -29,7 +34,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext)
     sq = torch.zeros((), dtype=torch.float32, device=device)
     tp_rank = ctx.tp_rank()
     for p in params:
-        if _counted(p, tp_rank):
+        if counts_in_grad_norm(p, tp_rank):
             sq += p.grad.detach().float().pow(2).sum()
     if ctx.tp_size * ctx.pp_size > 1:
         dist.all_reduce(sq, group=ctx.mp_group)

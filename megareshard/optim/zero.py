@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ..parallel import ParallelContext
 from ..parallel.collectives import all_gather_into, reduce_scatter_into
+from .clip_grads import counts_in_grad_norm
 from .grad_scaler import LossScaler
 
 __all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "build_zero_optimizer"]
@@ -349,10 +350,7 @@ class ZeroOptimizer:
         dev = self.entries[0].master.device
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for e in self.entries:
-            p = e.param
-            if getattr(p, "shared_embedding_duplicate", False):
-                continue
-            if not (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            if not counts_in_grad_norm(e.param, tp_rank):
                 continue
             if e.master.grad is not None and e.master.grad.numel():
                 sq += e.master.grad.float().pow(2).sum()

@@ -1,4 +1,8 @@
-"""Bucketed data-parallel gradient averaging.
+"""Bucketed data-parallel gradient averaging (the plain, unsharded path).
+
+The trainer reduces gradients inside ``optim.zero.ZeroOptimizer`` (every zero stage);
+this class is the simple reference it is tested against, and a building block for
+users who drive their own loop.
 
 Gradients are packed into flat buckets (one all-reduce per bucket instead of one per
 parameter: latency dominates small messages), reduced asynchronously so buckets overlap
