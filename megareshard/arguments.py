@@ -59,6 +59,9 @@ class ParallelConfig:
     sequence_parallel: bool = _f(False, "shard activations along the sequence over tp between blocks")
     rank_order: str | None = _f(None, "placement order, innermost first, e.g. tp-dp-pp (default: by volume)")
     nproc_per_node: int | None = _f(None, "processes per host (default: torchrun's LOCAL_WORLD_SIZE)")
+    stage_layouts: str | None = _f(None, "per-stage (tp, dp), one entry per pipeline stage, e.g. "
+                                         "tp1dp4,tp2dp2: stage i on its own contiguous block of ranks, tp innermost; "
+                                         "the global microbatch is --micro-batch-size × the largest dp")
 
 
 @dataclass
@@ -147,6 +150,21 @@ class LaunchConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints (megareshard/checkpoint: any saved layout loads into any other)."""
+
+    save: str | None = _f(None, "directory to save checkpoints in (ROOT/iter_N, ROOT/latest)")
+    save_interval: int | None = _f(None, "iterations between checkpoints (one is also saved at the end with --save)")
+    load: str | None = _f(None, "checkpoint root (its `latest`) or checkpoint directory to start from")
+    finetune: bool = _f(False, "load weights only: fresh optimizer and scheduler, iteration 0, no RNG")
+    no_load_optim: bool = _f(False, "do not load the optimizer state (fresh Adam moments)")
+    no_load_rng: bool = _f(False, "do not load the RNG states (keep this run's seeds)")
+    exit_interval: int | None = _f(None, "save (with --save) and exit after an iteration divisible by this")
+    exit_signal_handler: bool = _f(False, "on SIGTERM: finish the iteration, save, exit (schedulers preempt)")
+    async_save: bool = _f(False, "write checkpoints in a background thread (state copied to CPU first)")
+
+
+@dataclass
 class Config:
     """Everything a training run is configured with."""
 
@@ -158,6 +176,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def tp(self) -> int:
@@ -168,6 +187,11 @@ class Config:
         return self.parallel.pipeline_model_parallel_size
 
     def dp(self, world_size: int) -> int:
+        """The dp degree; with --stage-layouts the largest stage dp (global microbatch = micro batch × it)."""
+        if self.parallel.stage_layouts:
+            from .parallel.stage_topology import parse_stage_layouts
+
+            return max(d for _, d in parse_stage_layouts(self.parallel.stage_layouts))
         return world_size // (self.tp * self.pp)
 
     def num_microbatches(self, world_size: int) -> int:
@@ -180,7 +204,8 @@ class Config:
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
              "memory": MemoryConfig, "training": TrainingConfig,
-             "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig}
+             "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig,
+             "checkpoint": CheckpointConfig}
 
 # old or alternative flag -> (its replacement, why)
 DEPRECATED = {
@@ -257,7 +282,10 @@ def validate(cfg: Config, world_size: int) -> Config:
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     tp, pp = cfg.tp, cfg.pp
-    if world_size % (tp * pp):
+    if p.stage_layouts:
+        _validate_stage_layouts(cfg, world_size)  # sets --pipeline-model-parallel-size from the entries
+        pp = cfg.pp
+    elif world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
                           f"pipeline-model-parallel-size {pp} = {tp * pp}")
     dp = cfg.dp(world_size)
@@ -277,7 +305,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
     if p.sequence_parallel:
-        if tp == 1:
+        if tp == 1 and not p.stage_layouts:
             warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
                           "it has no effect", stacklevel=2)
         elif m.seq_length % tp:
@@ -357,4 +385,60 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"{cfg.launch.comm_timeout} must be positive seconds")
     if lg.eval_interval < 0 or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
+    _validate_checkpoint(cfg.checkpoint)
     return cfg
+
+
+def _validate_checkpoint(ck: "CheckpointConfig") -> None:
+    for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    needs_save = [flag for flag, on in (("--save-interval", ck.save_interval is not None),
+                                        ("--exit-signal-handler", ck.exit_signal_handler),
+                                        ("--async-save", ck.async_save)) if on]
+    if needs_save and not ck.save:
+        raise ConfigError(f"{', '.join(needs_save)} need(s) --save DIR (where the checkpoint goes)")
+    needs_load = [flag for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
+                                        ("--no-load-rng", ck.no_load_rng)) if on]
+    if needs_load and not ck.load:
+        raise ConfigError(f"{', '.join(needs_load)} only appl(y/ies) with --load DIR")
+
+
+def _validate_stage_layouts(cfg: "Config", world_size: int) -> None:
+    """--stage-layouts: one tpNdpM entry per stage, ranks adding up to the world, shapes divisible per stage."""
+    from .parallel.stage_topology import parse_stage_layouts
+
+    p, m = cfg.parallel, cfg.model
+    try:
+        layouts = parse_stage_layouts(p.stage_layouts)
+    except TopologyError as e:
+        raise ConfigError(str(e)) from None
+    n = len(layouts)
+    if p.pipeline_model_parallel_size not in (1, n):
+        raise ConfigError(f"--stage-layouts {p.stage_layouts} has {n} entries but --pipeline-model-parallel-size is "
+                          f"{p.pipeline_model_parallel_size}: give one entry per pipeline stage")
+    if p.tensor_model_parallel_size != 1:
+        raise ConfigError(f"--tensor-model-parallel-size {p.tensor_model_parallel_size} conflicts with --stage-layouts "
+                          f"{p.stage_layouts}: each stage's tp comes from its entry")
+    if p.rank_order is not None:
+        raise ConfigError(f"--rank-order {p.rank_order} conflicts with --stage-layouts: stages sit on consecutive "
+                          "rank blocks with tp innermost")
+    total = sum(t * d for t, d in layouts)
+    if total != world_size:
+        parts = " + ".join(f"{t}×{d}" for t, d in layouts)
+        raise ConfigError(f"--stage-layouts {p.stage_layouts}: the stages need {parts} = {total} ranks but the world "
+                          f"size is {world_size}")
+    p.pipeline_model_parallel_size = n
+    max_dp = max(d for _, d in layouts)
+    for i, (t, d) in enumerate(layouts):
+        if max_dp % d:
+            raise ConfigError(f"--stage-layouts {p.stage_layouts}: stage {i}'s dp {d} does not divide the largest dp "
+                              f"{max_dp}, so it cannot take an equal share of every global microbatch "
+                              f"(--micro-batch-size {cfg.training.micro_batch_size} × {max_dp} samples)")
+        for what, value in (("--num-attention-heads", m.num_attention_heads), ("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("--hidden-size", m.hidden_size)):
+            if value % t:
+                raise ConfigError(f"--stage-layouts {p.stage_layouts}: {what} {value} is not divisible by stage {i}'s "
+                                  f"tp {t}")
+        if p.sequence_parallel and t > 1 and m.seq_length % t:
+            raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by stage {i}'s tp {t}")

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from .arguments import Config, ConfigError
+from .checkpoint import CheckpointManager, LoadResult
 from .data.gpt_dataset import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration
+from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .memory import ActivationMeter, MemoryReport, memory_report
 from .optim import LRScheduler, WarmupCosine
 from .optim.grad_scaler import build_loss_scaler
@@ -47,14 +50,18 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> int:
-    """Initialise torch.distributed from torchrun's environment (nccl on GPU, gloo on CPU); returns world size."""
+def init_distributed(device: torch.device, preflight_timeout: float = 300.0,
+                     comm_timeout: float = 600.0) -> tuple[int, list[RankInfo]]:
+    """Initialise torch.distributed from torchrun's environment (nccl on GPU, gloo on CPU) through the
+    pre-flight rendezvous: missing ranks are named within ``preflight_timeout`` instead of hanging.
+    Returns the world size and every rank's (host, local rank, pid)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    infos: list[RankInfo] = []
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return world
+        infos = preflight_rendezvous("nccl" if device.type == "cuda" else "gloo", preflight_timeout, comm_timeout)
+    return world, infos
 
 
 def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
@@ -140,6 +147,7 @@ class Trainer:
     device: torch.device
     out: TextIO = sys.stdout
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward
+    watchdog: Watchdog | None = None  # names this rank's activity if one outlasts --comm-timeout
     records: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -176,17 +184,34 @@ class Trainer:
             self.pipeline = PipelineRuntime.for_gpt(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
                                                     record_trace=cfg.pipeline.pipeline_trace is not None,
                                                     dtype=self.params_dtype)
+            self.pipeline.watchdog = self.watchdog
             if self.forward_backward_fn is forward_backward:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
                 print(self.pipeline.describe(), file=self.out, flush=True)
         self._build_data()
         self.iteration = 0
+        # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
+        # RNG and the W&B run id in any layout, before the tracker starts (it resumes the saved run)
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
+        self.loaded: LoadResult | None = None
+        if ck.load:
+            self.loaded = self.checkpoints.load(ck.load, model=self.model, optimizer=self.optimizer,
+                                                scheduler=self.scheduler, sampler=self.sampler, config=cfg,
+                                                finetune=ck.finetune, no_load_optim=ck.no_load_optim,
+                                                no_load_rng=ck.no_load_rng)
+            self.iteration = self.loaded.iteration
+        self._last_saved = self.iteration if ck.load and not ck.finetune else None
+        self._sigterm = False
+        if ck.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
         self.tracker = WandbTracker(cfg.logging.wandb_project, cfg.logging.wandb_exp_name,
                                     cfg.logging.wandb_save_dir,
                                     {**cfg.to_dict(), "layout": ctx.topology.describe()},
-                                    enabled=self.reporting, log=self.out)
+                                    enabled=self.reporting, log=self.out,
+                                    run_id=self.loaded.wandb_run_id if self.loaded is not None else None)
 
     # ---- set-up ---------------------------------------------------------------------
     def _resolve_vocab(self) -> None:
@@ -305,7 +330,8 @@ class Trainer:
         while self.iteration < t.train_iters:
             indices = next(self._train_iter)
             start = time.perf_counter()
-            res = self.train_step(self._microbatches(self.train_data, indices))
+            with self._activity(f"iteration {self.iteration + 1}"):
+                res = self.train_step(self._microbatches(self.train_data, indices))
             elapsed = time.perf_counter() - start
             self.iteration += 1
             rec = {"iteration": self.iteration, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
@@ -322,7 +348,8 @@ class Trainer:
             if not math.isfinite(res.loss) and not res.skipped:
                 raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
             if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
-                rec["eval_loss"] = self.evaluate()
+                with self._activity(f"evaluation at iteration {self.iteration}"):
+                    rec["eval_loss"] = self.evaluate()
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
             self.records.append(rec)
             if self.reporting:
@@ -333,6 +360,11 @@ class Trainer:
                 if "eval_loss" in rec:
                     print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
                           f"lm loss PPL: {rec['eval_ppl']:.3f}", file=self.out, flush=True)
+            if self._checkpoint_and_maybe_exit():
+                break
+        else:
+            if self.cfg.checkpoint.save and self._last_saved != self.iteration:
+                self.save_checkpoint()
         if self.records and self.reporting:
             kind = "max allocated" if self.device.type == "cuda" else "max RSS"
             per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
@@ -340,6 +372,9 @@ class Trainer:
                   file=self.out, flush=True)
         self._write_trace()
         return self.records
+
+    def _activity(self, what: str):
+        return self.watchdog.activity(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def _memory_lines(self) -> str:
         """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
@@ -364,7 +399,44 @@ class Trainer:
             print(f" pipeline trace of the last iteration ({len(merged)} records) written to {path}; draw it with "
                   f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+        print(f" rank {self.ctx.rank}: SIGTERM received: saving a checkpoint after this iteration, then exiting",
+              file=self.out, flush=True)
+
+    def save_checkpoint(self) -> str:
+        """Collective: save this iteration under --save (atomic; updates --save/latest)."""
+        path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
+                                     optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
+                                     config=self.cfg, wandb_run_id=self.tracker.run_id)
+        self._last_saved = self.iteration
+        return path
+
+    def _checkpoint_and_maybe_exit(self) -> bool:
+        """After an iteration: --save-interval saves; --exit-interval and SIGTERM (agreed on by every rank,
+        whichever got the signal) save and stop. Returns True to leave the loop."""
+        ck = self.cfg.checkpoint
+        stop = bool(ck.exit_interval and self.iteration % ck.exit_interval == 0)
+        if ck.exit_signal_handler:
+            flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.device)
+            if dist.is_initialized() and self.world_size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                stop = True
+                if self.reporting or self.ctx.rank == 0:
+                    print(f" exiting at iteration {self.iteration} on SIGTERM (--exit-signal-handler)",
+                          file=self.out, flush=True)
+        due = bool(ck.save_interval and self.iteration % ck.save_interval == 0)
+        if ck.save and (due or stop) and self._last_saved != self.iteration:
+            self.save_checkpoint()
+        if stop and self.ctx.rank == 0 and not self._sigterm:
+            print(f" exiting at iteration {self.iteration} (--exit-interval {ck.exit_interval})", file=self.out,
+                  flush=True)
+        return stop
+
     def close(self) -> None:
+        self.checkpoints.close()
         self.metrics.close()
         self.tracker.finish()
 
@@ -372,13 +444,22 @@ class Trainer:
 def pretrain(cfg: Config, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
     """Entry point shared by ``pretrain_gpt.py`` and tests: set up, train, tear down."""
     device = pick_device(cfg.training.device)
-    world = init_distributed(device)
+    world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     ctx, placement = build_context(cfg, world)
-    if dist.is_initialized() and dist.get_rank() == 0 or world == 1:
+    if ctx.rank == 0:
         print(f"megareshard: {placement}; device {device}, {cfg.num_microbatches(world)} microbatch(es) "
               f"per iteration", file=out, flush=True)
-    trainer = Trainer(cfg, ctx, device, out=out)
+        if infos:
+            print(rank_map_table(infos, ctx.topology), file=out, flush=True)
+            for warning in tp_placement_warnings(infos, ctx.topology):
+                print(f"WARNING: {warning}", file=out, flush=True)
+    watchdog = Watchdog(cfg.launch.comm_timeout, ctx.rank) if world > 1 else None
     try:
-        return trainer.train()
+        trainer = Trainer(cfg, ctx, device, out=out, watchdog=watchdog)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        if watchdog is not None:
+            watchdog.stop()

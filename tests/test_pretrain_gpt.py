@@ -33,19 +33,23 @@ def _args(data, *extra):
             "--device", "cpu", *extra]
 
 
-def test_torchrun_tp2_dp2_with_eval_metrics_and_wandb(data, tmp_path):
+def test_torchrun_tp2_pp2_with_eval_metrics_and_wandb(data, tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", TMPDIR=str(tmp_path))
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(ROOT / "pretrain_gpt.py"), *_args(data, "--tensor-model-parallel-size", "2", "--train-iters", "6",
+                                              "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                              "eager-1f1b", "--delay-wgrad-compute", "--zero-stage", "1",
                                               "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "2",
                                               "--metrics-file", str(metrics), "--wandb-project", "mr-test",
                                               "--wandb-save-dir", str(tmp_path / "wb"))],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "tp 2 × dp 2" in out and "order tp-dp-pp" in out
+    assert "tp 2 × dp 1 × pp 2" in out
+    assert "rank map" in out and "r0[pp0 tp0 dp0] r1[pp0 tp1 dp0]" in out  # pre-flight ran
+    assert "stage 0: layers 0..0" in out and "memory per rank after the first iteration" in out
     logged = [int(m) for m in re.findall(r"^ iteration +(\d+)/", out, flags=re.M)]
     assert logged == [1, 2, 4, 6], out  # first and every --log-interval, from one rank only
     assert "validation at iteration 3" in out and "W&B: run" in out and "offline" in out

@@ -85,7 +85,7 @@ def _worker(a: argparse.Namespace) -> None:
     from megareshard.training import Trainer, build_context, forward_backward, init_distributed, pick_device
 
     device = pick_device(a.device)
-    world = init_distributed(device)
+    world, _ = init_distributed(device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     autocast = torch.bfloat16 if a.bf16 else None
     clock = CollectiveClock()

@@ -31,6 +31,7 @@ pending send is waited, then the loss is summed over the pipeline group so every
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -201,6 +202,7 @@ class PipelineRuntime:
         self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
         self.finalize_grads = finalize_grads
         self.record_trace = record_trace
+        self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
@@ -261,15 +263,16 @@ class PipelineRuntime:
         ok = False
         try:
             for a in prog:
-                if a.kind.is_compute:
-                    self._poll_sends(st)
-                    t0 = time.time()
-                    self._compute(model, a, st)
-                    if self.record_trace:
-                        st.trace.append({"stage": self.stage, "kind": a.kind.value, "mb": a.mb,
-                                         "start": t0, "end": time.time()})
-                else:
-                    self._communicate(a, st)
+                with self._activity(a):
+                    if a.kind.is_compute:
+                        self._poll_sends(st)
+                        t0 = time.time()
+                        self._compute(model, a, st)
+                        if self.record_trace:
+                            st.trace.append({"stage": self.stage, "kind": a.kind.value, "mb": a.mb,
+                                             "start": t0, "end": time.time()})
+                    else:
+                        self._communicate(a, st)
             if train and self.finalize_grads is not None:
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
             for s in st.sends:
@@ -291,6 +294,13 @@ class PipelineRuntime:
         if train:  # evaluation steps do not overwrite what the last training step recorded
             self.last_trace, self.last_stats = st.trace, st.stats
         return loss.detach()
+
+    def _activity(self, a: Action):
+        """What the hang watchdog reports if this action outlasts --comm-timeout (e.g. 'WF3<-0': waiting
+        for microbatch 3's activation from stage 0)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.activity(f"stage {self.stage} action {a} (microbatch {a.mb})")
 
     # ---- compute ---------------------------------------------------------------------------------
     def _compute(self, model: torch.nn.Module, a: Action, st: _Step) -> None:

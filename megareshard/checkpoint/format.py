@@ -1,0 +1,394 @@
+"""On-disk format of megareshard checkpoints: torch.distributed.checkpoint (DCP) + a JSON sidecar.
+
+A checkpoint is one directory ``ROOT/iter_0000123/`` holding
+
+* the DCP files (``.metadata`` and one ``__<rank>_0.distcp`` per writing rank);
+* ``checkpoint.json``: format version, iteration, the layout it was saved in, the model
+  configuration, the size of every file (truncation is caught before anything loads).
+
+``ROOT/latest`` is a text file naming the newest COMPLETE checkpoint directory.
+
+Every tensor is stored under a GLOBAL key (``model.layers.17.attention.qkv.weight``,
+``optim.exp_avg.layers.17.attention.qkv.weight``) as the union of the boxes the saving ranks
+held: each local piece is written with its global shape and offset (a DCP ``SHARD`` write
+item), whatever produced it — a tp slice, a ZeRO row chunk of a tp slice (``torch.chunk``
+rows, possibly uneven or empty) or a replicated tensor (boxes with the same offset are
+written once). Loading asks for this rank's box in the new layout and DCP reads the
+overlapping parts of the saved boxes: a different tp/pp/dp/ZeRO/world size is a different
+slice, not a conversion. The vocabulary padding (rows ``>= vocab_size`` of the word
+embedding, which differ with tp) is never stored: pieces are cut to the real vocabulary on
+save and padding rows are zero-filled on load.
+
+Non-tensor state (iteration, scheduler, sampler, loss scaler, arguments, W&B run id, ...) is
+one pickled DCP object ``common``; per-rank RNG states are objects ``rng.rank<r>``.
+
+The two planners here are the only DCP extension: they take a side table
+``key -> (global_shape, global_offset)`` for the local tensors and emit/consume the
+corresponding chunk; everything else is DCP's default behaviour, so a checkpoint is also
+readable with plain ``dcp.load`` into full tensors in one process without a process group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
+                                                          create_read_items_for_chunk_list)
+
+__all__ = ["FORMAT_VERSION", "CHECKPOINT_JSON", "LATEST_FILE", "CheckpointError", "Piece", "iteration_dirname",
+           "write_checkpoint", "resolve_checkpoint_dir", "read_info", "read_metadata", "check_files",
+           "read_pieces", "fsync_dir", "KILL_ENV"]
+
+FORMAT_VERSION = 1
+CHECKPOINT_JSON = "checkpoint.json"
+LATEST_FILE = "latest"
+METADATA_FILE = ".metadata"
+TMP_PREFIX = ".tmp."
+# test hook: SIGKILL this process at a named point of a save (see _maybe_kill)
+KILL_ENV = "MEGARESHARD_CHECKPOINT_KILL_AT"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read or does not fit the model; the message names the path and the reason.
+
+    An ``Exception`` (unlike DCP's ``CheckpointException``, a BaseException, which the loader
+    converts into this)."""
+
+
+@dataclass
+class Piece:
+    """One local box of a global tensor: ``tensor`` sits at ``offset`` inside ``global_shape``."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(x) for x in self.global_shape)
+        self.offset = tuple(int(x) for x in self.offset)
+        if len(self.global_shape) != self.tensor.dim() or len(self.offset) != self.tensor.dim():
+            raise ValueError(f"piece of shape {tuple(self.tensor.shape)} does not match global shape "
+                             f"{self.global_shape} / offset {self.offset}")
+        for d, (o, n, g) in enumerate(zip(self.offset, self.tensor.shape, self.global_shape)):
+            if o < 0 or o + n > g:
+                raise ValueError(f"piece rows [{o}, {o + n}) of dim {d} exceed the global size {g}")
+
+
+def iteration_dirname(iteration: int) -> str:
+    return f"iter_{int(iteration):07d}"
+
+
+def _maybe_kill(point: str) -> None:
+    """Test hook: ``MEGARESHARD_CHECKPOINT_KILL_AT=<point>`` SIGKILLs the process there (rank 0 only,
+    or ``<point>@<rank>``). Points: ``before_metadata`` (data files written, DCP metadata not),
+    ``before_rename`` (complete temp dir), ``before_latest`` (renamed, ``latest`` not updated)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    name, _, rank = spec.partition("@")
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if name == point and me == int(rank or 0):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- planners ------------------------------------------------------------------------------
+class _PieceSavePlanner(DefaultSavePlanner):
+    """Default planner whose tensors in ``boxes`` are written as chunks of a global tensor."""
+
+    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.boxes = boxes
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            box = self.boxes.get(item.index.fqn)
+            if box is not None:
+                t = self.state_dict[item.index.fqn]
+                offsets = torch.Size(box[1])
+                item = WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                                 tensor_data=TensorWriteData(
+                                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                                     properties=TensorProperties.create_from_tensor(t),
+                                     size=torch.Size(box[0])))
+            items.append(item)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in self.boxes:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
+
+
+class _PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads each tensor in ``boxes`` as the chunk at its offset of the saved global tensor;
+    other tensors are read whole; objects are unpickled into the state dict."""
+
+    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
+        self.boxes = boxes
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        md_all = self.metadata.state_dict_metadata
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md_all:
+                raise RuntimeError(f"missing key in checkpoint: {fqn}")
+            md = md_all[fqn]
+            if isinstance(md, BytesStorageMetadata):
+                requests.append(_create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0))
+                continue
+            gshape, offset = self.boxes.get(fqn, (tuple(obj.shape), (0,) * obj.dim()))
+            if tuple(md.size) != tuple(gshape):
+                raise RuntimeError(f"{fqn}: saved global shape {tuple(md.size)} != expected {tuple(gshape)}")
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=obj.size())
+            requests += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+class _Writer(FileSystemWriter):
+    def finish(self, metadata: Metadata, results) -> None:
+        _maybe_kill("before_metadata")
+        super().finish(metadata, results)
+
+
+# ---- files ---------------------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], objects: dict[str, Any],
+                     info: dict[str, Any], *, process_group=None, prepared: bool = False) -> str:
+    """Write one checkpoint atomically; collective over ``process_group`` (default: world) when
+    torch.distributed is initialised, single-process otherwise. Returns the final directory.
+
+    Protocol: rank 0 (re)creates ``ROOT/.tmp.iter_N``; every rank writes its pieces there through
+    DCP (files fsynced); rank 0 writes ``checkpoint.json`` (with every file's size), fsyncs all
+    files and the directory, renames it to ``ROOT/iter_N`` and then replaces ``ROOT/latest``
+    atomically (write + fsync + rename). A process killed at any point leaves ``latest`` naming
+    the previous complete checkpoint. ``prepared``: the caller already created the temp dir and
+    synchronised (async saves do that on the main thread).
+    """
+    distributed = _distributed()
+    rank = dist.get_rank(process_group) if distributed else 0
+    name = iteration_dirname(iteration)
+    tmp = os.path.join(root, TMP_PREFIX + name)
+    final = os.path.join(root, name)
+    if not prepared:
+        prepare_tmp_dir(root, iteration, process_group)
+    boxes = {k: (p.global_shape, p.offset) for k, p in pieces.items()}
+    state: dict[str, Any] = {k: p.tensor.detach() for k, p in pieces.items()}
+    state.update(objects)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # DCP's "single process" notice
+        dcp.save(state, storage_writer=_Writer(tmp, single_file_per_rank=True, sync_files=True),
+                 planner=_PieceSavePlanner(boxes), process_group=process_group, no_dist=not distributed)
+    if rank == 0:
+        files = {}
+        for fn in sorted(os.listdir(tmp)):
+            full = os.path.join(tmp, fn)
+            if os.path.isfile(full):
+                _fsync_file(full)
+                files[fn] = os.path.getsize(full)
+        info = {**info, "format_version": FORMAT_VERSION, "iteration": int(iteration), "files": files}
+        with open(os.path.join(tmp, CHECKPOINT_JSON), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        _maybe_kill("before_rename")
+        if os.path.exists(final):       # re-saving an iteration: move the old one aside first
+            old = os.path.join(root, TMP_PREFIX + name + ".old")
+            _rmtree(old)
+            os.replace(final, old)
+            fsync_dir(root)
+            os.replace(tmp, final)
+            fsync_dir(root)
+            _rmtree(old)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(root)
+        _maybe_kill("before_latest")
+        _atomic_write_text(os.path.join(root, LATEST_FILE), name + "\n")
+    if distributed:
+        dist.barrier(group=process_group)
+    return final
+
+
+def _rmtree(path: str) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def prepare_tmp_dir(root: str, iteration: int, process_group=None) -> str:
+    """Rank 0 removes any stale temp dir of this iteration (a killed save) and creates it empty."""
+    tmp = os.path.join(root, TMP_PREFIX + iteration_dirname(iteration))
+    rank = dist.get_rank(process_group) if _distributed() else 0
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        _rmtree(tmp)
+        os.makedirs(tmp)
+    if _distributed():
+        dist.barrier(group=process_group)
+    return tmp
+
+
+# ---- reading -------------------------------------------------------------------------------
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` is a checkpoint directory (has ``checkpoint.json``) or a root with ``latest``."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint path {path} does not exist or is not a directory")
+    if os.path.exists(os.path.join(path, CHECKPOINT_JSON)):
+        return path
+    latest = os.path.join(path, LATEST_FILE)
+    if not os.path.exists(latest):
+        found = sorted(d for d in os.listdir(path) if d.startswith("iter_"))
+        raise CheckpointError(f"{path} is neither a checkpoint ({CHECKPOINT_JSON} missing) nor a checkpoint root "
+                              f"({latest} missing)" + (f"; it holds {found}: pass one of them" if found else ""))
+    try:
+        with open(latest, encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {latest}: {e}") from None
+    if not name or "/" in name or name.startswith(".") or not name.startswith("iter_"):
+        raise CheckpointError(f"{latest} is corrupt: it should name a checkpoint directory like iter_0000100, "
+                              f"found {name[:80]!r}")
+    target = os.path.join(path, name)
+    if not os.path.isdir(target) or not os.path.exists(os.path.join(target, CHECKPOINT_JSON)):
+        raise CheckpointError(f"{latest} names {name}, but {target} is missing or incomplete (no {CHECKPOINT_JSON})")
+    return target
+
+
+def read_info(ckpt_dir: str) -> dict[str, Any]:
+    path = os.path.join(ckpt_dir, CHECKPOINT_JSON)
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete megareshard checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e})") from None
+    version = info.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(f"{path}: format version {version!r} is not supported by this megareshard "
+                              f"(reads versions 1..{FORMAT_VERSION})")
+    return info
+
+
+def read_metadata(ckpt_dir: str) -> Metadata:
+    path = os.path.join(ckpt_dir, METADATA_FILE)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: the DCP metadata of {ckpt_dir} was never written (interrupted "
+                              "save?) or was deleted")
+    try:
+        return FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from None
+
+
+def check_files(ckpt_dir: str, info: dict[str, Any], metadata: Metadata) -> None:
+    """Every data file exists with the size recorded at save time and covers every stored item."""
+    problems = []
+    for fn, size in sorted(info.get("files", {}).items()):
+        full = os.path.join(ckpt_dir, fn)
+        if not os.path.exists(full):
+            problems.append(f"{full} is missing")
+        elif os.path.getsize(full) != size:
+            problems.append(f"{full} has {os.path.getsize(full)} bytes, {size} were written (truncated or modified)")
+    storage = getattr(metadata, "storage_data", None) or {}
+    ends: dict[str, int] = {}
+    for _, si in storage.items():
+        rel = getattr(si, "relative_path", None)
+        if rel is not None:
+            ends[rel] = max(ends.get(rel, 0), int(si.offset) + int(si.length))
+    for rel, end in sorted(ends.items()):
+        full = os.path.join(ckpt_dir, rel)
+        if not os.path.exists(full):
+            if f"{full} is missing" not in problems:
+                problems.append(f"{full} is missing")
+        elif os.path.getsize(full) < end:
+            problems.append(f"{full} is truncated: {os.path.getsize(full)} bytes, items reach byte {end}")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt: " + "; ".join(dict.fromkeys(problems)))
+
+
+def read_pieces(ckpt_dir: str, tensors: dict[str, Piece], objects: Iterable[str], *, process_group=None,
+                no_dist: bool | None = None) -> dict[str, Any]:
+    """Fill every ``Piece.tensor`` (its box of the saved global tensor) and return the requested objects.
+
+    Collective when torch.distributed is initialised (unless ``no_dist``). DCP failures (a
+    ``CheckpointException`` is a BaseException) become a ``CheckpointError`` naming the directory.
+    """
+    if no_dist is None:
+        no_dist = not _distributed()
+    state: dict[str, Any] = {k: p.tensor for k, p in tensors.items()}
+    for k in objects:
+        state[k] = None
+    boxes = {k: (p.global_shape, p.offset) for k, p in tensors.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), planner=_PieceLoadPlanner(boxes),
+                     process_group=process_group, no_dist=no_dist)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:   # CheckpointException derives from BaseException
+        raise CheckpointError(f"reading checkpoint {ckpt_dir} failed: {type(e).__name__}: {e}") from None
+    return {k: state[k] for k in objects}
+
+
+def metadata_summary(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    """key -> {"kind": "tensor"/"object", "shape", "dtype", "chunks", "bytes"}."""
+    out = {}
+    for k, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            n = 1
+            for s in md.size:
+                n *= int(s)
+            dtype = md.properties.dtype
+            out[k] = {"kind": "tensor", "shape": list(md.size), "dtype": str(dtype).replace("torch.", ""),
+                      "chunks": len(md.chunks), "bytes": n * torch.empty((), dtype=dtype).element_size()}
+        else:
+            out[k] = {"kind": "object"}
+    return out
