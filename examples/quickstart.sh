@@ -33,18 +33,8 @@ RUN_DIR=${RUN_DIR:-runs/quickstart}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 export WANDB_MODE=${WANDB_MODE:-offline}
 
-mkdir -p "$DATA_DIR" "$RUN_DIR"
-stdlib=$("$VENV_PY" -c 'import os; print(os.path.dirname(os.__file__))')
-if [ ! -f "$DATA_DIR/tokenizer.model" ]; then
-    echo "== training a $VOCAB-piece BPE tokenizer on $stdlib/*.py"
-    "$VENV_PY" tools/train_tokenizer.py --input "$stdlib"/*.py --model-prefix "$DATA_DIR/tokenizer" \
-        --vocab-size "$VOCAB"
-fi
-if [ ! -f "$DATA_DIR/stdlib_text_document.idx" ]; then
-    echo "== tokenizing $stdlib/*.py into $DATA_DIR/stdlib_text_document.{bin,idx}"
-    "$VENV_PY" tools/preprocess_data.py --input "$stdlib"/*.py --tokenizer-model "$DATA_DIR/tokenizer.model" \
-        --output-prefix "$DATA_DIR/stdlib_text_document" --append-eod --workers 2
-fi
+mkdir -p "$RUN_DIR"
+DATA_DIR=$DATA_DIR VOCAB=$VOCAB bash examples/prepare_data.sh
 
 PIPELINE_ARGS="--pipeline-schedule $SCHEDULE --reshard-strategy $RESHARD_STRATEGY --pipeline-trace $RUN_DIR/trace.json"
 if [ "$DELAY_WGRAD" = "1" ]; then PIPELINE_ARGS="$PIPELINE_ARGS --delay-wgrad-compute"; fi
