@@ -34,7 +34,7 @@ MODEL_ARGS=(--num-layers "${NUM_LAYERS:-24}" --hidden-size "${HIDDEN_SIZE:-1024}
             --max-position-embeddings "${SEQ_LENGTH:-2048}")
 PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
                --pipeline-schedule "${SCHEDULE:-eager-1f1b}" --reshard-strategy "${RESHARD:-broadcast}")
-[ "${DELAY_WGRAD:-1}" = 1 ] && PARALLEL_ARGS+=(--delay-wgrad-compute)
+[ "${DELAY_WGRAD:-1}" = 1 ] && [ "$PP" -gt 1 ] && PARALLEL_ARGS+=(--delay-wgrad-compute)
 [ "${SEQUENCE_PARALLEL:-0}" = 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
 TRAINING_ARGS=(--micro-batch-size "${MICRO_BATCH:-2}" --global-batch-size "${GLOBAL_BATCH:-256}"
                --train-iters "${TRAIN_ITERS:-10000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}"

@@ -37,7 +37,7 @@ mkdir -p "$RUN_DIR"
 DATA_DIR=$DATA_DIR VOCAB=$VOCAB bash examples/prepare_data.sh
 
 PIPELINE_ARGS="--pipeline-schedule $SCHEDULE --reshard-strategy $RESHARD_STRATEGY --pipeline-trace $RUN_DIR/trace.json"
-if [ "$DELAY_WGRAD" = "1" ]; then PIPELINE_ARGS="$PIPELINE_ARGS --delay-wgrad-compute"; fi
+if [ "$DELAY_WGRAD" = "1" ] && [ "$PP" -gt 1 ]; then PIPELINE_ARGS="$PIPELINE_ARGS --delay-wgrad-compute"; fi
 
 echo "== pretraining: $NPROC CPU processes, tp $TP, pp $PP ($SCHEDULE, delayed W $DELAY_WGRAD, $RESHARD_STRATEGY" \
      "resharding), $TRAIN_ITERS iterations (metrics: $RUN_DIR/metrics.jsonl)"

@@ -358,6 +358,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     elif m.num_layers % pp:
         raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
                           "give --num-layers-per-stage for an uneven split")
+    if pl.delay_wgrad_compute and pp == 1:
+        raise ConfigError("--delay-wgrad-compute needs --pipeline-model-parallel-size > 1: delaying weight "
+                          "gradients fills the wait for a pipeline send, and one stage sends nothing")
     if pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
     if mem.bf16 and mem.fp16:

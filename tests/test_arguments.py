@@ -40,6 +40,7 @@ def test_every_field_has_help():
     (["--recompute-num-layers", "2"], 1, "--recompute-num-layers 2 needs --recompute-granularity full"),
     (["--recompute-activations", "--recompute-granularity", "full"], 1, "conflicts with --recompute-granularity full"),
     (["--zero-stage", "3"], 1, None),
+    (["--delay-wgrad-compute"], 1, "--delay-wgrad-compute needs --pipeline-model-parallel-size > 1"),
     (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4, "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
     (["--hidden-size", "100", "--num-attention-heads", "8"], 1, "--hidden-size 100 is not divisible by --num-attention-heads 8"),
     (["--tensor-model-parallel-size", "4"], 6, "world size 6 is not divisible by tensor-model-parallel-size 4"),
