@@ -101,11 +101,11 @@ class ActivationMeter:
             self._base = torch.cuda.memory_allocated(self.device)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
-        _recompute._meters.append(self)
+        self._token = _recompute.ACTIVE_METERS.set(_recompute.ACTIVE_METERS.get() + (self,))
         return self
 
     def __exit__(self, *exc) -> None:
-        _recompute._meters.remove(self)
+        _recompute.ACTIVE_METERS.reset(self._token)
         self._hooks.__exit__(*exc)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -20,6 +20,7 @@ Granularities (``GPTModel(recompute_granularity=…)``):
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import torch
@@ -29,9 +30,10 @@ __all__ = ["checkpoint", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 
-# Activation meters (megareshard.memory.ActivationMeter) currently measuring: a checkpointed
-# region keeps its inputs alive outside autograd's saved tensors, so it reports them here.
-_meters: list = []
+# Activation meters (megareshard.memory.ActivationMeter) measuring in this context: a checkpointed
+# region keeps its inputs alive outside autograd's saved tensors, so it reports them to them.
+# A ContextVar of immutable tuples: dynamically scoped by the meter's `with`, no shared mutable state.
+ACTIVE_METERS: ContextVar[tuple] = ContextVar("megareshard_activation_meters", default=())
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, streams=None) -> Any:
@@ -42,7 +44,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, streams=None) -> Any:
     """
     if not torch.is_grad_enabled():
         return fn(*args)
-    for meter in _meters:
+    for meter in ACTIVE_METERS.get():
         meter.keep(*[a for a in args if torch.is_tensor(a)])
     snapshot = streams.state_dict() if streams is not None else None
     calls = [0]
