@@ -1,0 +1,135 @@
+"""Checkpoints through the Trainer (flags --save/--load/--finetune/--exit-*): tp/pp/dp/ZeRO relayouts
+(losses within 1e-5, weights and optimizer state bitwise after re-saving), exact resume
+with dropout at tp 2 · pp 2 · dp 2, SIGTERM save-and-exit, W&B run resumed with the saved id."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+
+import pytest
+import torch
+
+from megareshard.arguments import parse_args
+from megareshard.training import Trainer, build_context
+from tests.harness import run_ranks
+
+from ._helpers import load_tool
+
+MODEL = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "16",
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "100", "--device", "cpu"]
+
+# (name, tp, pp, zero): targets of the tp 2 · pp 2 · dp 2 · ZeRO 1 source
+TARGETS = [("tp1_pp4_dp2_z0", 1, 4, 0), ("tp4_pp1_dp2_z2", 4, 1, 2), ("tp1_pp1_dp8_z0", 1, 1, 0),
+           ("tp1_pp1_dp8_z2", 1, 1, 2)]
+
+
+def _trainer(argv, world):
+    cfg = parse_args(MODEL + ["--nproc-per-node", str(world)] + argv, world_size=world)
+    ctx, _ = build_context(cfg, world)
+    return Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+
+
+def _layouts(rank: int, world: int, root: str):
+    torch.set_num_threads(1)
+    out = {}
+    src = _trainer(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+                    "--train-iters", "5", "--save", f"{root}/src", "--save-interval", "3"], world)
+    out["src"] = [r["loss"] for r in src.train()]
+    src.close()
+    for name, tp, pp, zero in TARGETS:
+        t = _trainer(["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                      "--zero-stage", str(zero), "--train-iters", "5", "--load", f"{root}/src/iter_0000003",
+                      "--save", f"{root}/{name}"], world)
+        start = t.iteration
+        t.save_checkpoint()                      # right after loading: must equal the source's iteration 3
+        losses = [r["loss"] for r in t.train()]
+        out[name] = {"start": start, "losses": losses, "messages": t.loaded.messages,
+                     "optim": t.loaded.loaded_optimizer}
+        t.close()
+    ft = _trainer(["--tensor-model-parallel-size", "4", "--zero-stage", "2", "--train-iters", "5",
+                   "--load", f"{root}/src", "--finetune"], world)
+    out["finetune"] = (ft.iteration, len(ft.optimizer.inner.state), ft.sampler.consumed_samples)
+    ft.close()
+    # exact resume, same layout, dropout on
+    drop = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+            "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "10"]
+    a = _trainer(drop + ["--save", f"{root}/drop", "--save-interval", "5"], world)
+    ref = [r["loss"] for r in a.train()]
+    a.close()
+    b = _trainer(drop + ["--load", f"{root}/drop/iter_0000005"], world)
+    out["dropout"] = (ref, b.iteration, [r["loss"] for r in b.train()], b.loaded.loaded_rng)
+    b.close()
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_relayout_pp_and_exact_resume(tmp_path):
+    root = str(tmp_path)
+    results = run_ranks(_layouts, 8, root, timeout=400)
+    r = next(x for x in results if len(x["src"]) == 5)
+    src = r["src"]
+    for name, *_ in TARGETS:
+        got = r[name]
+        assert got["start"] == 3 and got["optim"], name
+        for a, b in zip(got["losses"], src[3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], src[3:])
+        text = "\n".join(got["messages"])
+        assert "layout changed: saved tp 2 · pp 2 · dp 2 · zero 1" in text and "re-sliced exactly" in text, text
+        assert "RNG: tp/pp changed" in text and "re-seeded" in text, text      # never silent
+        if "dp8" in name:
+            assert "data: dp changed 2 -> 8" in text and "same global batch" in text, text
+    assert r["finetune"] == (0, 0, 0)
+    ref, start, resumed, loaded_rng = r["dropout"]
+    assert start == 5 and loaded_rng
+    assert resumed == ref[5:], (resumed, ref[5:])            # bitwise, dropout on, pipeline + ZeRO 1
+    tool = load_tool()
+    s = tool.export(os.path.join(root, "src", "iter_0000003"), os.path.join(root, "s.pt"))
+    for name, *_ in TARGETS:
+        o = tool.export(os.path.join(root, name, "iter_0000003"), os.path.join(root, name + ".pt"))
+        for k, t in s["model"].items():
+            assert torch.equal(t, o["model"][k]), (name, k)
+        for k, kinds in s["optimizer"].items():
+            for kind, t in kinds.items():
+                assert torch.equal(t, o["optimizer"][k][kind]), (name, k, kind)
+
+
+def test_sigterm_saves_and_exits_and_wandb_resumes(tmp_path, monkeypatch):
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    old = signal.getsignal(signal.SIGTERM)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        argv = ["--train-iters", "8", "--save", str(tmp_path / "ck"), "--exit-signal-handler",
+                "--wandb-project", "mr-test", "--wandb-save-dir", str(tmp_path / "wb")]
+        t = _trainer(argv, 1)
+        inner = t.forward_backward_fn
+
+        def fb(*a, **k):
+            if t.iteration == 2:                        # during iteration 3
+                os.kill(os.getpid(), signal.SIGTERM)
+            return inner(*a, **k)
+
+        t.forward_backward_fn = fb
+        recs = t.train()
+        run_id = t.tracker.run_id
+        t.close()
+        assert len(recs) == 3 and run_id
+        with open(tmp_path / "ck" / "latest") as f:
+            assert f.read().strip() == "iter_0000003"
+        u = _trainer(["--train-iters", "8", "--load", str(tmp_path / "ck"), "--wandb-project", "mr-test",
+                      "--wandb-save-dir", str(tmp_path / "wb")], 1)
+        assert u.iteration == 3 and u.tracker.run_id == run_id
+        assert len(u.train()) == 5
+        u.close()
+        e = _trainer(["--train-iters", "8", "--save", str(tmp_path / "ck2"), "--exit-interval", "2"], 1)
+        assert len(e.train()) == 2
+        e.close()
+        with open(tmp_path / "ck2" / "latest") as f:
+            assert f.read().strip() == "iter_0000002"
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        torch.set_num_threads(n)

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Inspect, export and import megareshard checkpoints (single process, no process group needed).
+
+    python tools/checkpoint_util.py inspect CKPT            # CKPT: a root with `latest`, or iter_N
+    python tools/checkpoint_util.py inspect CKPT --json     # the same, machine-readable
+    python tools/checkpoint_util.py inspect CKPT --summary  # without the per-key listing
+    python tools/checkpoint_util.py export CKPT OUT.pt [--weights-only]
+    python tools/checkpoint_util.py import IN.pt OUTDIR [--iteration N] [--weights-only]
+
+``export`` writes ONE consolidated state dict, usable outside the framework with
+``torch.load(OUT.pt, weights_only=True)``::
+
+    {"format": "megareshard-export", "format_version": 1, "iteration": int,
+     "model": {global name: full tensor},            # vocabulary unpadded, tied weight once
+     "optimizer": {global name: {"master", "exp_avg", "exp_avg_sq", "step"}},   # unless --weights-only
+     "model_config": {...}, "layout": {...}, "common": {...}}   # schedule, data position, args, W&B id
+
+``import`` turns such a file (or a plain ``{name: tensor}`` dict of full tensors with the
+model's global names) into a fresh checkpoint directory ``OUTDIR/iter_N`` + ``OUTDIR/latest``
+that the trainer loads in any layout (``--load OUTDIR``; ``--finetune`` for weights only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
+
+from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, check_files, metadata_summary,  # noqa: E402
+                                    read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
+                                    write_checkpoint)
+from megareshard.checkpoint.manager import describe_layout  # noqa: E402
+
+EXPORT_FORMAT = "megareshard-export"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def inspect(path: str, as_json: bool = False, out=sys.stdout, list_keys: bool = True) -> dict:
+    ckpt = resolve_checkpoint_dir(path)
+    info = read_info(ckpt)
+    md = read_metadata(ckpt)
+    check_files(ckpt, info, md)
+    keys = metadata_summary(md)
+    report = {"path": ckpt, "format_version": info["format_version"], "iteration": info["iteration"],
+              "layout": info.get("layout"), "model_config": info.get("model_config"),
+              "consumed_samples": info.get("consumed_samples"), "wandb_run_id": info.get("wandb_run_id"),
+              "has_optimizer": info.get("has_optimizer"), "has_rng": info.get("has_rng"),
+              "files": info.get("files", {}), "keys": keys}
+    if as_json:
+        print(json.dumps(report, indent=1, sort_keys=True), file=out)
+        return report
+    lay = info.get("layout") or {}
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"checkpoint {ckpt}")
+    p(f"  format version {info['format_version']}, iteration {info['iteration']}, consumed samples "
+      f"{info.get('consumed_samples')}, W&B run {info.get('wandb_run_id')}")
+    if lay.get("tp") is not None:
+        p(f"  saved layout: {describe_layout(lay)}; stage layers {lay.get('stage_layers')}")
+    else:
+        p("  saved layout: (imported: none)")
+    if info.get("model_config"):
+        mc = info["model_config"]
+        p("  model: " + ", ".join(f"{k} {mc[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                            "ffn_hidden_size", "vocab_size", "seq_length") if k in mc))
+    total_files = sum(info.get("files", {}).values())
+    p(f"  files: {len(info.get('files', {}))}, {_human(total_files)} on disk")
+    groups: dict[str, list[int]] = {}
+    for k, v in keys.items():
+        g = "objects" if v["kind"] == "object" else ("model" if k.startswith("model.") else
+                                                     ".".join(k.split(".")[:2]))
+        groups.setdefault(g, [0, 0])
+        groups[g][0] += 1
+        groups[g][1] += v.get("bytes", 0)
+    for g, (n, b) in sorted(groups.items()):
+        p(f"  {g:<22} {n:5d} key(s) {_human(b):>12}")
+    if not list_keys:
+        return report
+    p("  keys:")
+    for k, v in keys.items():
+        if v["kind"] == "object":
+            p(f"    {k:<60} object")
+        else:
+            p(f"    {k:<60} {str(tuple(v['shape'])):<18} {v['dtype']:<9} {v['chunks']:3d} chunk(s) "
+              f"{_human(v['bytes'])}")
+    return report
+
+
+def export(path: str, out_path: str, weights_only: bool = False) -> dict:
+    """One consolidated state dict of full, unpadded tensors (see the module docstring)."""
+    ckpt = resolve_checkpoint_dir(path)
+    info = read_info(ckpt)
+    md = read_metadata(ckpt)
+    check_files(ckpt, info, md)
+    tensors = {}
+    for k, v in md.state_dict_metadata.items():
+        if not isinstance(v, TensorStorageMetadata):
+            continue
+        if weights_only and not k.startswith("model."):
+            continue
+        tensors[k] = Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+    objects = read_pieces(ckpt, tensors, ["common"], no_dist=True)
+    common = objects["common"]
+    model = {k[len("model."):]: p.tensor for k, p in tensors.items() if k.startswith("model.")}
+    result = {"format": EXPORT_FORMAT, "format_version": FORMAT_VERSION, "iteration": info["iteration"],
+              "model": model, "model_config": info.get("model_config"), "layout": info.get("layout"),
+              "common": {k: v for k, v in common.items() if k not in ("layout", "model_config")}}
+    if not weights_only:
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        for k, p in tensors.items():
+            if k.startswith("optim."):
+                _, kind, name = k.split(".", 2)
+                optim.setdefault(name, {})[kind] = p.tensor
+        if optim:
+            result["optimizer"] = optim
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    torch.save(result, out_path)
+    return result
+
+
+def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_only: bool = False) -> str:
+    """A fresh checkpoint (``out_dir/iter_N``, ``out_dir/latest``) from an exported or plain state dict."""
+    try:
+        data = torch.load(in_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {in_path}: {type(e).__name__}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{in_path} holds a {type(data).__name__}, expected a dict of tensors")
+    if "model" in data and isinstance(data["model"], dict):
+        model, optim = data["model"], (None if weights_only else data.get("optimizer"))
+        common = dict(data.get("common") or {})
+        model_cfg = data.get("model_config")
+    else:
+        model, optim, common, model_cfg = data, None, {}, None
+    bad = [k for k, v in model.items() if not torch.is_tensor(v)]
+    if bad:
+        raise CheckpointError(f"{in_path}: entries {bad[:5]} are not tensors")
+    it = int(iteration if iteration is not None else data.get("iteration", 0) if "model" in data else 0)
+    pieces = {f"model.{k}": Piece(v.contiguous(), tuple(v.shape), (0,) * v.dim()) for k, v in model.items()}
+    for name, kinds in (optim or {}).items():
+        for kind, v in kinds.items():
+            pieces[f"optim.{kind}.{name}"] = Piece(v.contiguous(), tuple(v.shape), (0,) * v.dim())
+    if iteration is not None or "model" not in data:
+        common.update({"iteration": it})
+    common.setdefault("iteration", it)
+    common.update({"format_version": FORMAT_VERSION, "model_config": model_cfg,
+                   "layout": {"imported_from": os.path.abspath(in_path)}})
+    if optim is None:
+        common["loss_scaler"] = None
+    info = {"layout": {"imported_from": os.path.abspath(in_path), "rank_coords": []}, "model_config": model_cfg,
+            "args": common.get("args"), "has_optimizer": bool(optim), "has_rng": False,
+            "consumed_samples": common.get("consumed_samples"), "wandb_run_id": common.get("wandb_run_id")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return write_checkpoint(out_dir, it, pieces, {"common": common}, info)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("inspect", help="layout, iteration, keys, shapes, sizes")
+    a.add_argument("ckpt")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--summary", action="store_true", help="totals per group only, no per-key listing")
+    b = sub.add_parser("export", help="one consolidated, unpadded state dict (.pt)")
+    b.add_argument("ckpt")
+    b.add_argument("out")
+    b.add_argument("--weights-only", action="store_true", help="model weights only (no optimizer state)")
+    c = sub.add_parser("import", help="a fresh checkpoint from an exported or plain state dict")
+    c.add_argument("input")
+    c.add_argument("out_dir")
+    c.add_argument("--iteration", type=int, default=None, help="iteration to record (default: the file's, or 0)")
+    c.add_argument("--weights-only", action="store_true", help="drop optimizer state from the input")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            inspect(args.ckpt, args.json, list_keys=not args.summary)
+        elif args.cmd == "export":
+            res = export(args.ckpt, args.out, args.weights_only)
+            n = sum(t.numel() for t in res["model"].values())
+            print(f"exported iteration {res['iteration']}: {len(res['model'])} weights ({n:,} parameters)"
+                  + (f", optimizer state of {len(res['optimizer'])} parameters" if "optimizer" in res else "")
+                  + f" -> {args.out}")
+        else:
+            path = import_(args.input, args.out_dir, args.iteration, args.weights_only)
+            print(f"imported {args.input} -> {path} (load it with --load {args.out_dir})")
+    except CheckpointError as e:
+        print(f"checkpoint_util.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
