@@ -438,8 +438,8 @@ def _validate_stage_layouts(cfg: "Config", world_size: int) -> None:
             raise ConfigError(f"--stage-layouts {p.stage_layouts}: stage {i}'s dp {d} does not divide the largest dp "
                               f"{max_dp}, so it cannot take an equal share of every global microbatch "
                               f"(--micro-batch-size {cfg.training.micro_batch_size} × {max_dp} samples)")
-        for what, value in (("--num-attention-heads", m.num_attention_heads), ("--ffn-hidden-size", m.ffn_hidden_size),
-                            ("--hidden-size", m.hidden_size)):
+        for what, value in (("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
+                            ("--ffn-hidden-size", m.ffn_hidden_size)):
             if value % t:
                 raise ConfigError(f"--stage-layouts {p.stage_layouts}: {what} {value} is not divisible by stage {i}'s "
                                   f"tp {t}")

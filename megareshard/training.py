@@ -34,9 +34,9 @@ from .memory import ActivationMeter, MemoryReport, memory_report
 from .optim import LRScheduler, WarmupCosine
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
-from .parallel import CommVolume, ParallelContext, Topology
+from .parallel import CommVolume, ParallelContext, StageTopology, Topology, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
-from .pipeline.stage import build_stage_model, check_pipeline_config, stage_layouts
+from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
 from .tensor_parallel import sync_sequence_parallel_grads
 from .tracking import MetricsFile, WandbTracker, format_log_line
 
@@ -67,6 +67,11 @@ def init_distributed(device: torch.device, preflight_timeout: float = 300.0,
 def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
     """The ParallelContext for this run and a line saying how ranks were placed and why."""
     nproc = cfg.parallel.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if cfg.parallel.stage_layouts:  # every stage its own (tp, dp), on consecutive rank blocks
+        stopo = StageTopology(world_size, parse_stage_layouts(cfg.parallel.stage_layouts), nproc_per_node=nproc)
+        if world_size == 1:
+            return ParallelContext.single_process(), stopo.describe()
+        return ParallelContext.create(stopo), f"{stopo.describe()}; given by --stage-layouts"
     m, t = cfg.model, cfg.training
     volume = CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size, tp=cfg.tp,
                                 dp=cfg.dp(world_size), pp=cfg.pp)
@@ -149,11 +154,18 @@ class Trainer:
     forward_backward_fn: Callable[..., torch.Tensor] = forward_backward
     watchdog: Watchdog | None = None  # names this rank's activity if one outlasts --comm-timeout
     records: list[dict[str, Any]] = field(default_factory=list)
+    # another model than the GPT (e.g. models.utransformer.UTransformerSpec): builds the model / stage
+    # model and the pipeline runtime; None = the GPT
+    model_spec: Any = None
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         self.world_size = ctx.world_size
         self.dp = ctx.dp_size
+        # samples per microbatch on this rank: per-stage layouts shard one global microbatch of
+        # micro batch × (largest dp) samples over each stage's own dp
+        self.local_micro_batch_size = cfg.training.micro_batch_size * (
+            ctx.topology.max_dp // self.dp if ctx.per_stage_layouts else 1)
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         if cfg.pp > 1:
             check_pipeline_config(cfg, ctx.world_size)
@@ -165,7 +177,11 @@ class Trainer:
         self.params_dtype = torch.bfloat16 if mem.bf16 else torch.float16 if mem.fp16 else torch.float32
         model_kwargs = dict(params_dtype=self.params_dtype, recompute_granularity=mem.recompute_granularity,
                             recompute_num_layers=mem.recompute_num_layers)
-        if cfg.pp > 1:
+        if self.model_spec is not None:
+            layouts = self.model_spec.stage_layouts(cfg, ctx.topology) if cfg.pp > 1 else None
+            self.model = self.model_spec.build_model(cfg, ctx, layouts, seed=cfg.training.seed, device=self.device,
+                                                     **model_kwargs)
+        elif cfg.pp > 1:
             layouts = stage_layouts(cfg, ctx.topology)
             self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
                                            device=self.device, **model_kwargs)
@@ -181,7 +197,8 @@ class Trainer:
         self.memory: list[MemoryReport] | None = None
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
-            self.pipeline = PipelineRuntime.for_gpt(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
+            build_runtime = self.model_spec.build_runtime if self.model_spec is not None else PipelineRuntime.for_gpt
+            self.pipeline = build_runtime(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
                                                     record_trace=cfg.pipeline.pipeline_trace is not None,
                                                     dtype=self.params_dtype)
             self.pipeline.watchdog = self.watchdog
@@ -245,7 +262,7 @@ class Trainer:
         self.train_data, self.valid_data = train, valid
         # "megatron" order: global microbatch k is the same samples whatever the dp, which pipeline
         # stages with different dp sizes rely on
-        self.sampler = GlobalBatchSampler(len(train), gb, t.micro_batch_size, self.dp, self.ctx.dp_rank(),
+        self.sampler = GlobalBatchSampler(len(train), gb, self.local_micro_batch_size, self.dp, self.ctx.dp_rank(),
                                           order="megatron")
         self._train_iter: Iterator[list[list[int]]] = iter(self.sampler)
 
@@ -285,9 +302,14 @@ class Trainer:
         ctx = self.ctx
         if ctx.pp_size == 1 or not (ctx.is_first_stage() or ctx.is_last_stage()):
             return
+        if not getattr(self.model, "tied_embedding", True):  # e.g. the U-Transformer: untied head
+            return
         w = self.model.output_weight()
         if w.grad is None:
             w.grad = torch.zeros_like(w)
+        if ctx.per_stage_layouts:  # first and last stage shard the vocabulary over different tp
+            reduce_tied_grad_across_layouts(w, ctx, self.cfg.model.vocab_size)
+            return
         dist.all_reduce(w.grad, group=ctx.embedding_group)
 
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
@@ -312,7 +334,7 @@ class Trainer:
         lg, t = self.cfg.logging, self.cfg.training
         start = (self.iteration // lg.eval_interval) * lg.eval_iters * t.global_batch_size \
             if lg.eval_interval else 0
-        sampler = GlobalBatchSampler(len(self.valid_data), t.global_batch_size, t.micro_batch_size, self.dp,
+        sampler = GlobalBatchSampler(len(self.valid_data), t.global_batch_size, self.local_micro_batch_size, self.dp,
                                      self.ctx.dp_rank(), consumed_samples=start, order="megatron")
         total = torch.zeros((), device=self.device)
         for _, indices in zip(range(lg.eval_iters), sampler):
@@ -325,7 +347,8 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-        flops = model_flops_per_iteration(cfg.model, t.global_batch_size)
+        flops = (self.model_spec.flops_per_iteration(cfg, t.global_batch_size) if self.model_spec is not None
+                 else model_flops_per_iteration(cfg.model, t.global_batch_size))
         self.model.train()
         while self.iteration < t.train_iters:
             indices = next(self._train_iter)
@@ -441,8 +464,8 @@ class Trainer:
         self.tracker.finish()
 
 
-def pretrain(cfg: Config, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
-    """Entry point shared by ``pretrain_gpt.py`` and tests: set up, train, tear down."""
+def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> list[dict[str, Any]]:
+    """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` (``model_spec``) and tests."""
     device = pick_device(cfg.training.device)
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     ctx, placement = build_context(cfg, world)
@@ -455,7 +478,7 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
                 print(f"WARNING: {warning}", file=out, flush=True)
     watchdog = Watchdog(cfg.launch.comm_timeout, ctx.rank) if world > 1 else None
     try:
-        trainer = Trainer(cfg, ctx, device, out=out, watchdog=watchdog)
+        trainer = Trainer(cfg, ctx, device, out=out, watchdog=watchdog, model_spec=model_spec)
         try:
             return trainer.train()
         finally:

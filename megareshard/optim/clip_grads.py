@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
 from ..parallel import ParallelContext
 
@@ -36,8 +35,7 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext)
     for p in params:
         if counts_in_grad_norm(p, tp_rank):
             sq += p.grad.detach().float().pow(2).sum()
-    if ctx.tp_size * ctx.pp_size > 1:
-        dist.all_reduce(sq, group=ctx.mp_group)
+    ctx.sum_over_model_parallel(sq)  # over tp × pp (per-stage layouts: once per stage replica)
     return sq.sqrt().item()
 
 

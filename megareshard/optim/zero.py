@@ -356,8 +356,7 @@ class ZeroOptimizer:
                 sq += e.master.grad.float().pow(2).sum()
         if self.shard_dp > 1:
             dist.all_reduce(sq, group=self.ctx.dp_group)
-        if self.ctx.tp_size * self.ctx.pp_size > 1:
-            dist.all_reduce(sq, group=self.ctx.mp_group)
+        self.ctx.sum_over_model_parallel(sq)  # tp × pp (per-stage layouts: once per stage replica)
         return sq.sqrt().item()
 
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .stage_topology import StageTopology
 from .topology import RankCoords, Topology
 
 # Group families, in creation order. Each maps to the axes along which members differ.
@@ -25,9 +26,14 @@ _FAMILIES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class ParallelContext:
-    """Process groups and rank queries for one process of a (tp, dp, pp) layout."""
+    """Process groups and rank queries for one process of a (tp, dp, pp) layout.
 
-    topology: Topology
+    The topology is a uniform `Topology` or a `StageTopology` (every stage its own tp, dp):
+    then ``tp_size`` / ``dp_size`` are this rank's stage's, and the ``pp`` / ``mp`` groups
+    are the whole world (see `sum_over_model_parallel`).
+    """
+
+    topology: Topology | StageTopology
     rank: int
     groups: dict[str, object] = field(default_factory=dict, repr=False)
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -92,7 +98,14 @@ class ParallelContext:
 
     # ---- sizes and groups -------------------------------------------------------------
     @property
+    def per_stage_layouts(self) -> bool:
+        """True when stages may have different (tp, dp) (a `StageTopology`)."""
+        return getattr(self.topology, "per_stage", False)
+
+    @property
     def tp_size(self) -> int:
+        if self.per_stage_layouts:
+            return self.topology.tp_of(self.pp_rank())
         return self.topology.tp
 
     @property
@@ -101,7 +114,25 @@ class ParallelContext:
 
     @property
     def dp_size(self) -> int:
+        if self.per_stage_layouts:
+            return self.topology.dp_of(self.pp_rank())
         return self.topology.dp
+
+    def sum_over_model_parallel(self, value) -> None:
+        """In place: sum a per-rank partial (e.g. a squared gradient norm) over tp and pp, once per dp replica.
+
+        ``value`` must already be identical over this rank's dp group (reduced over dp, or
+        computed from dp-reduced gradients). Uniform layouts: all-reduce over the tp × pp
+        group. Per-stage layouts: stages have different dp sizes, so only dp rank 0 of every
+        stage contributes and the sum runs over the world — each element counted once.
+        """
+        if self.per_stage_layouts:
+            if self.world_size > 1:
+                if self.dp_rank() != 0:
+                    value.zero_()
+                dist.all_reduce(value)
+        elif self.tp_size * self.pp_size > 1:
+            dist.all_reduce(value, group=self.mp_group)
 
     @property
     def world_size(self) -> int:

@@ -56,6 +56,18 @@ __all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
 _K = ActionKind
 
 
+def _run_backward_many(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """`_run_backward` for a stage with several outgoing edges (chain + skip tensors), in one pass."""
+    if len(outs) == 1:
+        _run_backward(outs[0], grads[0])
+        return
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None:  # pragma: no cover
+        torch.autograd.backward(list(outs), list(grads))
+        return
+    engine.run_backward(tuple(outs), tuple(grads), False, False, (), True, True)
+
+
 def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward that accepts an output whose data was freed (only its graph is left).
 
@@ -192,13 +204,21 @@ class PipelineRuntime:
         self.num_stages = graph.num_stages
         if self.num_stages != ctx.pp_size:
             raise ValueError(f"the graph has {self.num_stages} stages but pp is {ctx.pp_size}")
+        # Several edges per stage (U-Transformer skip tensors): the model takes the chain input
+        # as ``hidden`` and the skip inputs as ``skips={edge name: tensor}``, and returns
+        # ``{edge name: tensor}`` ("" for the chain edge) when it has several outputs.
         self.in_edges = graph.in_edges(self.stage)
         self.out_edges = graph.out_edges(self.stage)
-        if len(self.in_edges) > 1 or len(self.out_edges) > 1:
-            raise NotImplementedError(f"stage {self.stage} has {len(self.in_edges)} incoming and "
-                                      f"{len(self.out_edges)} outgoing edges; this runtime's models take one "
-                                      "hidden input and give one hidden output per stage (skip edges need a "
-                                      "multi-input model)")
+        chain_in = [e for e in self.in_edges if e.is_chain]
+        self._chain_in = chain_in[0] if chain_in else None
+        self._skip_in = [e for e in self.in_edges if not e.is_chain]
+        # Stages with different dp: every rank's loss is the mean over its dp share, and each stage's
+        # dp reduction averages. So the gradient a stage receives is dp(sender) × dL/dx of its share,
+        # while its own gradients must be dp(self) × that (their dp-average is then dL/dθ): scale
+        # each received gradient by dp(src)/dp(dst). 1 — no multiply at all — in uniform layouts.
+        dp_of = [lay.mesh.shape[0] for lay in self.layouts]
+        self._grad_scale = {e: dp_of[e.src] / dp_of[e.dst] for e in self.out_edges
+                            if dp_of[e.src] != dp_of[e.dst]}
         self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
         self.finalize_grads = finalize_grads
         self.record_trace = record_trace
@@ -219,8 +239,21 @@ class PipelineRuntime:
         Collective over the default group: every rank calls it with the same config.
         """
         graph = chain_graph(ctx.pp_size)
-        shape = hidden_global_shape(cfg, ctx.dp_size)
-        decls = [EdgeTensor(e, shape, dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
+        # the global microbatch (micro batch × dp; with per-stage layouts × the largest dp), the
+        # same on every edge whatever the two stages' layouts: each end shards it over its own dp
+        shape = hidden_global_shape(cfg, cfg.dp(ctx.world_size))
+        return cls.from_edges(cfg, ctx, graph, layouts, {e: shape for e in graph.edges},
+                              finalize_grads=finalize_grads, record_trace=record_trace, dtype=dtype)
+
+    @classmethod
+    def from_edges(cls, cfg, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
+                   shapes: dict[Edge, tuple[int, ...]], *, finalize_grads: Callable[[], None] | None = None,
+                   record_trace: bool = False, dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
+        """Any stage graph (chain and skip edges): each edge's declared global shape, both ends'
+        layouts from ``layouts`` (source: the producing stage's mesh and hidden spec, destination:
+        the consuming stage's), its own forward and backward resharders. Collective over the world.
+        """
+        decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
                             layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges]
         pl = cfg.pipeline
         comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
@@ -289,7 +322,13 @@ class PipelineRuntime:
             raise RuntimeError(f"stage {self.stage}: weight-gradient work of microbatches {sorted(st.stores)} "
                                "was queued by I but never run by a W")
         loss = st.loss
-        if self.num_stages > 1:
+        if self.num_stages > 1 and self.ctx.per_stage_layouts:
+            # no one-rank-per-stage group: the last stage's ranks contribute their dp shard's loss
+            # / (tp × dp) to a world sum, so every rank holds the global mean (dp-mean is a no-op)
+            if self.stage == self.num_stages - 1:
+                loss = loss / (self.ctx.tp_size * self.ctx.dp_size)
+            dist.all_reduce(loss)
+        elif self.num_stages > 1:
             dist.all_reduce(loss, group=self.ctx.pp_group)  # only the last stage holds a non-zero loss
         if train:  # evaluation steps do not overwrite what the last training step recorded
             self.last_trace, self.last_stats = st.trace, st.stats
@@ -320,14 +359,16 @@ class PipelineRuntime:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         batch = st.microbatches[mb]
         tokens = batch["tokens"].to(st.device, non_blocking=True) if (first or last) else None
-        hidden = None
-        if not first:
-            (edge,) = self.in_edges
-            hidden = st.received.pop((edge, "F", mb))
+        inputs: dict[Edge, torch.Tensor] = {}
+        for edge in self.in_edges:
+            x = st.received.pop((edge, "F", mb))
             if st.train:
-                hidden.requires_grad_(True)
-        st.inputs[mb] = hidden
-        kwargs: dict[str, Any] = {"hidden": hidden}
+                x.requires_grad_(True)
+            inputs[edge] = x
+        st.inputs[mb] = inputs
+        kwargs: dict[str, Any] = {"hidden": inputs.get(self._chain_in)}
+        if self._skip_in:
+            kwargs["skips"] = {e.name: inputs[e] for e in self._skip_in}
         if first:
             kwargs["tokens"] = tokens[:, :-1].contiguous()
         if last:
@@ -339,9 +380,18 @@ class PipelineRuntime:
             loss = out.float().mean() / len(st.microbatches)
             st.loss += loss.detach()
             if st.train:
-                st.outputs[mb] = loss
+                st.outputs[mb] = {None: loss}
+        elif isinstance(out, dict):
+            missing = [str(e) for e in self.out_edges if e.name not in out]
+            if missing:
+                raise RuntimeError(f"stage {self.stage}: the model returned outputs {sorted(out)} but the stage "
+                                   f"sends on edge(s) {', '.join(missing)}")
+            st.outputs[mb] = {e: out[e.name] for e in self.out_edges}
         else:
-            st.outputs[mb] = out
+            if len(self.out_edges) != 1:
+                raise RuntimeError(f"stage {self.stage} has {len(self.out_edges)} outgoing edges but the model "
+                                   "returned one tensor (return {edge name: tensor})")
+            st.outputs[mb] = {self.out_edges[0]: out}
 
     def _backward(self, model: torch.nn.Module, mb: int, st: _Step, delay: bool) -> None:
         store = None
@@ -353,20 +403,24 @@ class PipelineRuntime:
         for s in [s for s in st.sends if s.direction == "F" and s.mb == mb]:
             self._finish_send(s, st)
             st.sends.remove(s)
-        out = st.outputs.pop(mb)
+        outs = st.outputs.pop(mb)
         st.stats["freed_before_backward"] += int(mb in st.freed)
         if self.stage == self.num_stages - 1:
+            out = outs[None]
             _run_backward(st.scale_loss(out) if st.scale_loss is not None else out, None)
         else:
-            (edge,) = self.out_edges
-            grad = st.received.pop((edge, "B", mb))
-            _run_backward(out, grad)
+            grads = [st.received.pop((e, "B", mb)) for e in self.out_edges]
+            grads = [g * self._grad_scale[e] if e in self._grad_scale else g for e, g in zip(self.out_edges, grads)]
+            _run_backward_many([outs[e] for e in self.out_edges], grads)
         model.set_wgrad_store(None)
-        x = st.inputs.pop(mb, None)
-        if x is not None:
+        grads = {}
+        for e, x in st.inputs.pop(mb, {}).items():
             if x.grad is None:
-                raise RuntimeError(f"stage {self.stage}: backward of mb {mb} produced no input gradient")
-            st.input_grads[mb] = x.grad
+                raise RuntimeError(f"stage {self.stage}: backward of mb {mb} produced no gradient for the input "
+                                   f"of edge {e}")
+            grads[e] = x.grad
+        if grads:
+            st.input_grads[mb] = grads
 
     # ---- communication -----------------------------------------------------------------------------
     def _communicate(self, a: Action, st: _Step) -> None:
@@ -374,11 +428,20 @@ class PipelineRuntime:
         comm = self.comms[e]
         k = a.kind
         if k == _K.SEND_F:
-            out = st.outputs[mb] if st.train else st.outputs.pop(mb)
-            self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(),
-                                         free=st.train and self._free_outputs and _safe_to_free(out)))
+            outs = st.outputs[mb]
+            out = outs[e] if st.train else outs.pop(e)
+            if not outs:
+                del st.outputs[mb]
+            # free the data of the chain output only: a skip output may be saved by a later op of
+            # this stage (or be the very same tensor as another edge's output)
+            free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
+                    and not any(t is out for other, t in outs.items() if other != e))
+            self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(), free=free))
         elif k == _K.SEND_B:
-            g = st.input_grads.pop(mb)
+            grads = st.input_grads[mb]
+            g = grads.pop(e)
+            if not grads:
+                del st.input_grads[mb]
             self._track(st, _PendingSend(comm.send_backward(g, mb), g, "B", mb, e, time.time(), free=False))
         elif k in (_K.RECV_F, _K.RECV_B):
             d = k.direction

@@ -28,7 +28,7 @@ from ..resharding import Mesh, ShardingSpec
 from .generators import SCHEDULES
 from .schedule import PipelineGraph
 
-__all__ = ["StageLayout", "split_layers", "stage_mesh", "hidden_spec", "stage_layouts",
+__all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
            "check_pipeline_config", "build_stage_model", "hidden_global_shape"]
 
 _EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
@@ -86,10 +86,18 @@ def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None)
     return ranges
 
 
+def stage_tp_dp(topology: Topology, stage: int) -> tuple[int, int]:
+    """(tp, dp) of one stage: the uniform degrees, or the stage's own entry of a `StageTopology`."""
+    if getattr(topology, "per_stage", False):
+        return topology.tp_of(stage), topology.dp_of(stage)
+    return topology.tp, topology.dp
+
+
 def stage_mesh(topology: Topology, stage: int) -> Mesh:
     """The ``dp × tp`` mesh of ranks with pp coordinate ``stage``; hosts from the topology."""
-    ranks = [[topology.rank_of(tp=t, dp=d, pp=stage) for t in range(topology.tp)]
-             for d in range(topology.dp)]
+    tp, dp = stage_tp_dp(topology, stage)
+    ranks = [[topology.rank_of(tp=t, dp=d, pp=stage) for t in range(tp)]
+             for d in range(dp)]
     hosts = {r: r // topology.nproc_per_node for row in ranks for r in row}
     return Mesh(ranks, hosts)
 
@@ -100,16 +108,26 @@ def hidden_spec(sequence_parallel: bool) -> ShardingSpec:
 
 
 def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
-    """Global ``[seq, micro_batch × dp, hidden]`` of one microbatch's hidden states."""
+    """Global ``[seq, micro_batch × dp, hidden]`` of one microbatch's hidden states.
+
+    With per-stage layouts pass ``cfg.dp(world)`` (the largest stage dp): the global
+    microbatch is the same for every stage, each stage shards it over its own dp.
+    """
     return (cfg.model.seq_length, cfg.training.micro_batch_size * dp, cfg.model.hidden_size)
 
 
 def stage_layouts(cfg: Config, topology: Topology) -> list[StageLayout]:
-    """Layout of every stage (the same on every rank: the runtime builds edges from it)."""
-    sp = cfg.parallel.sequence_parallel and topology.tp > 1
+    """Layout of every stage (the same on every rank: the runtime builds edges from it).
+
+    Per-stage layouts: each stage's mesh has its own shape and its hidden spec its own
+    sequence-parallel choice (``S1`` only where that stage's tp > 1).
+    """
     ranges = split_layers(cfg.model.num_layers, topology.pp, cfg.pipeline.num_layers_per_stage)
-    spec = hidden_spec(sp)
-    return [StageLayout(i, ranges[i], stage_mesh(topology, i), spec) for i in range(topology.pp)]
+    out = []
+    for i in range(topology.pp):
+        sp = cfg.parallel.sequence_parallel and stage_tp_dp(topology, i)[0] > 1
+        out.append(StageLayout(i, ranges[i], stage_mesh(topology, i), hidden_spec(sp)))
+    return out
 
 
 def check_pipeline_config(cfg: Config, world_size: int) -> None:
@@ -128,7 +146,7 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
     if pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
     split_layers(cfg.model.num_layers, pp, pl.num_layers_per_stage)
-    if world_size % (cfg.tp * pp):
+    if not cfg.parallel.stage_layouts and world_size % (cfg.tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tp {cfg.tp} × pp {pp}")
     dp = cfg.dp(world_size)
     if t.global_batch_size is None or t.global_batch_size % (t.micro_batch_size * dp):
@@ -169,3 +187,29 @@ def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *,
 def chain_graph(num_stages: int) -> PipelineGraph:
     """The GPT's stage graph: a plain chain (no skip edges)."""
     return PipelineGraph(num_stages)
+
+
+def reduce_tied_grad_across_layouts(weight: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> None:
+    """Tied word embedding between a first and a last stage of *different* layouts: one gradient for both.
+
+    Each copy is vocab-parallel over its own stage's tp (with its own padding) and each rank's
+    gradient covers only its dp shard of the batch. One all-reduce over the first + last
+    stage's ranks (``ctx.embedding_group``) of a full ``[vocab, h]`` fp32 buffer, in which
+    every rank writes its own vocabulary rows divided by its stage's dp, gives every rank
+    ``mean_dp(first) + mean_dp(last)`` — the gradient of the single tied weight; each rank
+    keeps its own rows (padding rows zero). The stage's dp reduction that follows averages
+    identical values, so it changes nothing. Same numbers as the single-process tied model.
+    """
+    import torch.distributed as dist
+
+    g = weight.grad
+    rows = g.shape[0]
+    start = ctx.tp_rank() * rows
+    n = max(0, min(vocab_size - start, rows))
+    full = torch.zeros(vocab_size, *g.shape[1:], dtype=torch.float32, device=g.device)
+    if n:
+        full[start:start + n] = g[:n].float() / ctx.dp_size
+    dist.all_reduce(full, group=ctx.embedding_group)
+    g.zero_()
+    if n:
+        g[:n] = full[start:start + n].to(g.dtype)
