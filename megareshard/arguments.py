@@ -268,13 +268,37 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     return cfg
 
 
+def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, *, as_flags: bool = True,
+                      tp_name: str | None = None) -> None:
+    """Shape rules of the Transformer under a tensor-parallel size, shared by the CLI's ``validate``
+    (messages name flags), per-stage layouts (``tp_name="stage 1's tp"``) and the model
+    constructors (``as_flags=False``: messages name config fields)."""
+    def n(field_name: str) -> str:
+        return "--" + field_name.replace("_", "-") if as_flags else field_name
+
+    tp_name = tp_name or ("--tensor-model-parallel-size" if as_flags else "tensor-parallel size")
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
+        if getattr(m, f) < 1:
+            raise ConfigError(f"{n(f)} must be at least 1, got {getattr(m, f)}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"{n('hidden_size')} {m.hidden_size} is not divisible by {n('num_attention_heads')} "
+                          f"{m.num_attention_heads}")
+    for f in ("hidden_size", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(m, f) % tp:
+            raise ConfigError(f"{n(f)} {getattr(m, f)} is not divisible by {tp_name} {tp}")
+    if m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"{n('max_position_embeddings')} {m.max_position_embeddings} is smaller than "
+                          f"{n('seq_length')} {m.seq_length}")
+    if sequence_parallel and tp > 1 and m.seq_length % tp:
+        sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
+        raise ConfigError(f"{sp_name} needs {n('seq_length')} {m.seq_length} divisible by {tp_name} {tp}")
+
+
 def validate(cfg: Config, world_size: int) -> Config:
     """Check every constraint before anything is built; fills derived defaults (global batch)."""
     m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
     pl, mem = cfg.pipeline, cfg.memory
-    positive = [("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
-                ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
-                ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+    positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
                 ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
                 ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
                 ("--log-interval", lg.log_interval), ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
@@ -289,28 +313,14 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
                           f"pipeline-model-parallel-size {pp} = {tp * pp}")
     dp = cfg.dp(world_size)
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                          f"{m.num_attention_heads}")
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if m.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if m.max_position_embeddings < m.seq_length:
-        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
-                          f"--seq-length {m.seq_length}")
+    if not p.stage_layouts:  # per-stage layouts checked each stage's tp above
+        check_model_shape(m, tp, p.sequence_parallel)
     for name, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
-    if p.sequence_parallel:
-        if tp == 1 and not p.stage_layouts:
-            warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
-                          "it has no effect", stacklevel=2)
-        elif m.seq_length % tp:
-            raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
-                              f"--tensor-model-parallel-size {tp}")
+    if p.sequence_parallel and tp == 1 and not p.stage_layouts:
+        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
+                      "it has no effect", stacklevel=2)
     if p.rank_order is not None:
         try:
             parse_order(p.rank_order)
@@ -438,10 +448,7 @@ def _validate_stage_layouts(cfg: "Config", world_size: int) -> None:
             raise ConfigError(f"--stage-layouts {p.stage_layouts}: stage {i}'s dp {d} does not divide the largest dp "
                               f"{max_dp}, so it cannot take an equal share of every global microbatch "
                               f"(--micro-batch-size {cfg.training.micro_batch_size} × {max_dp} samples)")
-        for what, value in (("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
-                            ("--ffn-hidden-size", m.ffn_hidden_size)):
-            if value % t:
-                raise ConfigError(f"--stage-layouts {p.stage_layouts}: {what} {value} is not divisible by stage {i}'s "
-                                  f"tp {t}")
-        if p.sequence_parallel and t > 1 and m.seq_length % t:
-            raise ConfigError(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by stage {i}'s tp {t}")
+        try:
+            check_model_shape(m, t, p.sequence_parallel, tp_name=f"stage {i}'s tp")
+        except ConfigError as e:
+            raise ConfigError(f"--stage-layouts {p.stage_layouts}: {e}") from None

@@ -208,8 +208,8 @@ def test_bf16_autocast_keeps_fp32_loss():
 
 
 @pytest.mark.parametrize("kw, tp, sp, message", [
-    (dict(hidden_size=66, num_attention_heads=4), 1, False, "hidden size 66 is not divisible by num_attention_heads 4"),
-    (dict(num_attention_heads=4), 3, False, "num_attention_heads 4 is not divisible by tensor-parallel size 3"),
+    (dict(hidden_size=66, num_attention_heads=4), 1, False, "hidden_size 66 is not divisible by num_attention_heads 4"),
+    (dict(hidden_size=48, num_attention_heads=4), 3, False, "num_attention_heads 4 is not divisible by tensor-parallel size 3"),
     (dict(num_attention_heads=4, ffn_hidden_size=250), 4, False, "ffn_hidden_size 250 is not divisible"),
     (dict(seq_length=18, num_attention_heads=4), 4, True, "seq_length 18 divisible by tensor-parallel size 4"),
     (dict(vocab_size=None), 1, False, "vocab_size must be a positive integer"),
@@ -221,7 +221,7 @@ def test_config_errors_name_the_numbers(kw, tp, sp, message):
 
 def test_model_checks_its_config_and_layer_range():
     ctx = ParallelContext.single_process()
-    with pytest.raises(ConfigError, match="hidden size 66"):
+    with pytest.raises(ConfigError, match="hidden_size 66"):
         GPTModel(_cfg(hidden_size=66), ctx)
     with pytest.raises(ConfigError, match=r"layer_range \(2, 5\)"):
         GPTModel(_cfg(num_layers=4), ctx, layer_range=(2, 5))

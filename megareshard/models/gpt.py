@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arguments import ConfigError, ModelConfig
+from ..arguments import ConfigError, ModelConfig, check_model_shape
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLinear, VocabParallelEmbedding,
                                WeightGradStore, padded_vocab_size, set_tensor_model_parallel_attributes,
@@ -52,23 +52,7 @@ def check_gpt_config(cfg: ModelConfig, tp: int, sequence_parallel: bool = False,
     """The model's own shape checks (the model is also built outside the CLI's ``validate``)."""
     if cfg.vocab_size is None or cfg.vocab_size < 1:
         raise ConfigError(f"vocab_size must be a positive integer, got {cfg.vocab_size}")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ConfigError(f"hidden size {cfg.hidden_size} is not divisible by num_attention_heads "
-                          f"{cfg.num_attention_heads}")
-    if cfg.num_attention_heads % tp:
-        raise ConfigError(f"num_attention_heads {cfg.num_attention_heads} is not divisible by "
-                          f"tensor-parallel size {tp}")
-    if cfg.ffn_hidden_size % tp:
-        raise ConfigError(f"ffn_hidden_size {cfg.ffn_hidden_size} is not divisible by tensor-parallel size {tp}")
-    if cfg.max_position_embeddings < cfg.seq_length:
-        raise ConfigError(f"max_position_embeddings {cfg.max_position_embeddings} is smaller than "
-                          f"seq_length {cfg.seq_length}")
-    if sequence_parallel and tp > 1 and cfg.seq_length % tp:
-        raise ConfigError(f"sequence parallelism needs seq_length {cfg.seq_length} divisible by "
-                          f"tensor-parallel size {tp}")
+    check_model_shape(cfg, tp, sequence_parallel, as_flags=False)
     if layer_range is not None:
         start, stop = layer_range
         if not 0 <= start < stop <= cfg.num_layers:
