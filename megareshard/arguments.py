@@ -85,6 +85,8 @@ class MemoryConfig:
     """ZeRO, mixed precision and activation recomputation."""
 
     zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
+    overlap_grad_reduce: bool = _f(False, "ZeRO 2: reduce-scatter each gradient bucket during backward, as soon as "
+                                          "it is complete (every microbatch), instead of after the last backward")
     bf16: bool = _f(False, "bf16 compute with fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
     loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
@@ -373,6 +375,9 @@ def validate(cfg: Config, world_size: int) -> Config:
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
     if pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    if mem.overlap_grad_reduce and mem.zero_stage != 2:
+        raise ConfigError(f"--overlap-grad-reduce needs --zero-stage 2 (got {mem.zero_stage}): it frees each "
+                          "gradient once reduced into its shard")
     if mem.bf16 and mem.fp16:
         raise ConfigError("--bf16 and --fp16 conflict: choose one")
     if mem.loss_scale is not None and not mem.fp16:

@@ -191,7 +191,10 @@ class Trainer:
                                   seed=cfg.training.seed, device=self.device, **model_kwargs)
         t = cfg.training
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
-        self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem))
+        # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
+        self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
+                                              overlap_grad_reduce=mem.overlap_grad_reduce,
+                                              use_apex=self.device.type == "cuda")
         self.scheduler = LRScheduler(self.optimizer, WarmupCosine(t.lr, t.min_lr, t.lr_warmup_iters,
                                                                   t.lr_decay_iters))
         self.memory: list[MemoryReport] | None = None

@@ -4,26 +4,16 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
-FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py", "string.py", "shutil.py", "glob.py",
-                                   "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input", *FILES,
-                    "--model-prefix", str(d / "tok"), "--vocab-size", "800", "--quiet"], check=True)
-    subprocess.run([sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", *FILES,
-                    "--tokenizer-model", str(d / "tok.model"), "--output-prefix", str(d / "text"),
-                    "--append-eod", "--quiet"], check=True)
-    return d
+def data(stdlib_text):
+    return stdlib_text
 
 
 def _args(data, *extra):

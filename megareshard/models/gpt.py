@@ -61,8 +61,22 @@ def check_gpt_config(cfg: ModelConfig, tp: int, sequence_parallel: bool = False,
 
 
 # ---- blocks --------------------------------------------------------------------------------
-def _layer_norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.LayerNorm:
-    ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
+def _fused_layer_norm_cls():
+    """apex's FusedLayerNorm when it imports (GPU builds only; never required), else None."""
+    try:
+        from apex.normalization import FusedLayerNorm
+    except Exception:  # not installed, or built without its CUDA extension
+        return None
+    return FusedLayerNorm
+
+
+def _layer_norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module:
+    """LayerNorm (apex's fused kernel on GPU when importable: same parameters, same names)."""
+    fused = _fused_layer_norm_cls() if device is not None and torch.device(device).type == "cuda" else None
+    if fused is not None:
+        ln = fused(cfg.hidden_size, eps=cfg.layernorm_epsilon).to(device=device, dtype=dtype)
+    else:
+        ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
     for p in ln.parameters():
         set_tensor_model_parallel_attributes(p, False, -1, sequence_parallel=sequence_parallel)
     return ln

@@ -1,0 +1,25 @@
+"""Fixtures shared by test files."""
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+STDLIB_FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py", "string.py", "shutil.py",
+                                          "glob.py", "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
+
+
+@pytest.fixture(scope="session")
+def stdlib_text(tmp_path_factory):
+    """A small version of the quick start's data: an 800-piece BPE tokenizer and a tokenized dataset
+    (``tok.model``, ``text.bin``/``text.idx``) built by the real tools from ten stdlib modules."""
+    d = tmp_path_factory.mktemp("stdlib_text")
+    subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input", *STDLIB_FILES,
+                    "--model-prefix", str(d / "tok"), "--vocab-size", "800", "--quiet"], check=True)
+    subprocess.run([sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", *STDLIB_FILES,
+                    "--tokenizer-model", str(d / "tok.model"), "--output-prefix", str(d / "text"),
+                    "--append-eod", "--quiet"], check=True)
+    return d
