@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from .topology import RankCoords, TopologyError
+from .topology import RankCoords, TopologyError, format_rank_table
 
 __all__ = ["StageTopology", "parse_stage_layouts"]
 
@@ -193,10 +193,4 @@ class StageTopology:
                 f"{self.num_hosts} host(s) × {self.nproc_per_node} proc(s); tp innermost inside each stage")
 
     def table(self, sagemaker: bool = False) -> str:
-        recs = self.records(sagemaker)
-        cols = list(recs[0].keys())
-        widths = [max(len(c), *(len(str(r[c])) for r in recs)) for c in cols]
-        lines = [self.describe(), "  ".join(c.rjust(w) for c, w in zip(cols, widths)),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in recs]
-        return "\n".join(lines)
+        return format_rank_table(self.describe(), self.records(sagemaker))

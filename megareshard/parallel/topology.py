@@ -215,13 +215,16 @@ class Topology:
                 f"host(s) × {self.nproc_per_node} proc(s), order {'-'.join(self.order)} (innermost first)")
 
     def table(self, sagemaker: bool = False) -> str:
-        recs = self.records(sagemaker)
-        cols = list(recs[0].keys())
-        widths = [max(len(c), *(len(str(r[c])) for r in recs)) for c in cols]
-        lines = [self.describe(), "  ".join(c.rjust(w) for c, w in zip(cols, widths)),
-                 "  ".join("-" * w for w in widths)]
-        lines += ["  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in recs]
-        return "\n".join(lines)
+        return format_rank_table(self.describe(), self.records(sagemaker))
+
+
+def format_rank_table(title: str, records: list[dict[str, int]]) -> str:
+    """``title`` over a right-aligned table of per-rank records (the rank map)."""
+    cols = list(records[0].keys())
+    widths = [max(len(c), *(len(str(r[c])) for r in records)) for c in cols]
+    lines = [title, "  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)) for r in records]
+    return "\n".join(lines)
 
 
 def hosts_spanned(topo: Topology, axes: str | tuple[str, ...]) -> int:
