@@ -91,6 +91,16 @@ def test_show_topology_table_and_errors():
     assert set(recs[0]) == {"rank", "host", "local_rank", "tp_rank", "pp_rank", "dp_rank", "mp_rank"}
 
 
+def test_show_topology_stage_layouts():
+    tool = [sys.executable, str(ROOT / "tools" / "show_topology.py")]
+    out = subprocess.run(tool + ["--world-size", "8", "--nproc-per-node", "4", "--stage-layouts", "tp1dp4,tp2dp2"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "stage 0 tp1×dp4 ranks 0..3" in out and "stage 1 tp2×dp2 ranks 4..7" in out
+    bad = subprocess.run(tool + ["--world-size", "8", "--stage-layouts", "tp1dp4,tp2dp4"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "error:" in bad.stderr
+
+
 def test_default_order_follows_volume():
     assert CommVolume.for_gpt(4096, 2048, 8).order() == ("tp", "dp", "pp")  # ordinary GPT: TP > DP > PP
     # a narrow model with long sequences moves more pipeline than gradient bytes

@@ -4,6 +4,7 @@
     python tools/show_topology.py --world-size 16 --nproc-per-node 8 --tp 2 --pp 4
     python tools/show_topology.py --world-size 8 --tp 2 --pp 2 --order pp-tp-dp --sagemaker
     python tools/show_topology.py ... --json              # machine-readable records
+    python tools/show_topology.py --world-size 8 --nproc-per-node 4 --stage-layouts tp1dp4,tp2dp2
 
 Without --order the order comes from per-layer communication volume (seed 003) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
@@ -15,6 +16,7 @@ import json
 import sys
 
 from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
+from megareshard.parallel.stage_topology import StageTopology
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--keep-tp-in-host", action="store_true", help="fail unless every tp group sits in one host")
+    p.add_argument("--stage-layouts", default=None,
+                   help="per-stage (tp, dp), e.g. tp1dp4,tp2dp2: each stage on its own block of ranks")
     p.add_argument("--sagemaker", action="store_true", help="seed 001's names: pp/tp/rdp/dp/mp ranks")
     p.add_argument("--json", action="store_true", help="print a JSON list of per-rank records")
     a = p.parse_args(argv)
+    if a.stage_layouts:
+        try:
+            topo = StageTopology(a.world_size, a.stage_layouts, a.nproc_per_node)
+        except (TopologyError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(topo.records(), indent=1) if a.json else topo.table())
+        return 0
     try:
         if a.world_size < 1 or a.tp < 1 or a.pp < 1:
             raise TopologyError(f"degrees must be positive: world size {a.world_size}, tp {a.tp}, pp {a.pp}")
