@@ -16,7 +16,12 @@ source mesh sits on the first hosts and its destination mesh on the next ones; a
 that needs more hosts or devices per host than the job has is skipped (and says so).
 Ranks in neither mesh stay idle but take part in barriers.
 
-Per (case, strategy, scheduler): build the plan and the `Resharder` (not timed), one
+`--order plan,concurrent` runs every configuration under both execution orders of the
+`Resharder` (plan: one task at a time per host NIC side, in plan order, as the network
+model assumes; concurrent: every task on the wire at once), back to back, so the two can
+be compared inside one run.
+
+Per (case, strategy, scheduler, order): build the plan and the `Resharder` (not timed), one
 warm-up run whose output is checked against the expected values, then `--repeat` timed
 runs, each between two barriers; the median is reported. Alongside: the model's NIC bytes,
 lower bound and prediction at `--nic-gbps`, and, inside the emulated cluster, the bytes
@@ -77,6 +82,7 @@ class Record:
     repeats: list[float] = field(default_factory=list)
     measured_nic_bytes: int | None = None
     simulated: bool = False
+    order: str = ""
 
 
 # ---------------------------------------------------------------------------- cases
@@ -161,7 +167,7 @@ def _nic_counters() -> tuple[int, int] | None:
 
 
 def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Namespace,
-               model: NetworkModel, procs_per_host: int) -> Record:
+               model: NetworkModel, procs_per_host: int, order: str = "concurrent") -> Record:
     """Plan, build, check, time one configuration (collective in distributed mode)."""
     itemsize = torch.empty(0, dtype=args.torch_dtype).element_size()
     if args.simulate:
@@ -181,7 +187,8 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     rec = Record(case=case.name, strategy=strategy, scheduler=scheduler, seconds=pred, nic_bytes=nic_bytes,
                  lower_bound_s=lb, ratio_to_bound=None, speedup_vs_sendrecv=None, predicted_s=pred,
                  scheduler_used=plan.scheduler, shape=list(case.shape), mbytes=nbytes * itemsize / 2**20,
-                 tasks=len(plan.tasks), chunks=args.chunks, simulated=args.simulate)
+                 tasks=len(plan.tasks), chunks=args.chunks, simulated=args.simulate,
+                 order="model" if args.simulate else order)
     if args.simulate:
         rec.ratio_to_bound = pred / lb if lb > 0 and strategy != "signal" else None
         return rec
@@ -191,7 +198,7 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     from megareshard.resharding.executor import Resharder
 
     rank = dist.get_rank()
-    res = Resharder(plan, args.torch_dtype, chunks=args.chunks)
+    res = Resharder(plan, args.torch_dtype, chunks=args.chunks, order=order)
     src_sl = local_slices(case.shape, src, case.src_spec, rank)
     local = None if src_sl is None else pattern(case.shape, src_sl, args.torch_dtype)
     dist.barrier()
@@ -202,7 +209,8 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     flag = torch.tensor([0 if ok else 1])
     dist.all_reduce(flag)
     if flag.item():
-        raise RuntimeError(f"{case.name} {strategy}/{scheduler}: {flag.item()} destination ranks got wrong values")
+        raise RuntimeError(f"{case.name} {strategy}/{scheduler} order={order}: {flag.item()} destination ranks "
+                           f"got wrong values")
     before = _nic_counters() if rank % procs_per_host == 0 else None
     times = []
     for _ in range(args.repeat):
@@ -231,10 +239,11 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def table(records: list[Record]) -> str:
-    rows = [("strategy", "scheduler", "used", "time s", "NIC MB", "meas MB", "bound s", "ratio", "vs sendrecv",
+    rows = [("strategy", "scheduler", "used", "order", "time s", "NIC MB", "meas MB", "bound s", "ratio", "vs sendrecv",
              "pred s", "pred/meas")]
     for r in records:
-        rows.append((r.strategy, r.scheduler, r.scheduler_used, _fmt(r.seconds, ".4f"), _fmt(r.nic_bytes / 1e6, ".1f"),
+        rows.append((r.strategy, r.scheduler, r.scheduler_used, r.order, _fmt(r.seconds, ".4f"),
+                     _fmt(r.nic_bytes / 1e6, ".1f"),
                      _fmt(None if r.measured_nic_bytes is None else r.measured_nic_bytes / 1e6, ".1f"),
                      _fmt(r.lower_bound_s, ".4f"), _fmt(r.ratio_to_bound, ".2f"),
                      _fmt(r.speedup_vs_sendrecv, ".2f") + ("x" if r.speedup_vs_sendrecv else ""),
@@ -244,11 +253,25 @@ def table(records: list[Record]) -> str:
 
 
 def fill_speedups(records: list[Record]) -> None:
-    base = {(r.case, r.scheduler): r.seconds for r in records if r.strategy == "sendrecv"}
+    base = {(r.case, r.scheduler, r.order): r.seconds for r in records if r.strategy == "sendrecv"}
     for r in records:
-        b = base.get((r.case, r.scheduler))
+        b = base.get((r.case, r.scheduler, r.order))
         ok = b and r.seconds > 0 and r.strategy != "signal"  # signal moves no data: no speedup to speak of
         r.speedup_vs_sendrecv = b / r.seconds if ok else None
+
+
+def markdown(records: list[Record]) -> str:
+    """The records as the markdown table of docs/benchmarks.md."""
+    head = ("| case | strategy | scheduler (used) | order | time s | NIC MB (model / measured) | bound s | ratio "
+            "| vs sendrecv | predicted s | pred/meas |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in records:
+        meas = "-" if r.measured_nic_bytes is None else f"{r.measured_nic_bytes / 1e6:.1f}"
+        lines.append(f"| {r.case} | {r.strategy} | {r.scheduler} ({r.scheduler_used}) | {r.order} | {r.seconds:.3f} "
+                     f"| {r.nic_bytes / 1e6:.1f} / {meas} | {r.lower_bound_s:.3f} | {_fmt(r.ratio_to_bound, '.2f')} "
+                     f"| {_fmt(r.speedup_vs_sendrecv, '.2f')}{'x' if r.speedup_vs_sendrecv else ''} "
+                     f"| {r.predicted_s:.3f} | {_fmt(r.predicted_s / r.seconds if r.seconds else None, '.2f')} |")
+    return "\n".join(lines)
 
 
 def plot(records: list[Record], path: str, title: str) -> None:
@@ -263,18 +286,22 @@ def plot(records: list[Record], path: str, title: str) -> None:
     cases = list(dict.fromkeys(r.case for r in records))
     strategies = [s for s in STRATEGIES if any(r.strategy == s for r in records)]
     schedulers = list(dict.fromkeys(r.scheduler for r in records))
+    orders = list(dict.fromkeys(r.order for r in records))
     main_sched = "auto" if "auto" in schedulers else schedulers[-1]
-    panels = [("strategy", main_sched, strategies)]
-    if len(schedulers) > 1:
-        strat = "broadcast" if "broadcast" in strategies else strategies[0]
-        panels.append(("scheduler", strat, schedulers))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.3 * len(cases)), 4 * len(panels)), squeeze=False)
-    for ax, (kind, fixed, series) in zip(axes[:, 0], panels):
+    panels = []
+    for order in orders:
+        panels.append(("strategy", main_sched, strategies, order))
+        if len(schedulers) > 1:
+            strat = "broadcast" if "broadcast" in strategies else strategies[0]
+            panels.append(("scheduler", strat, schedulers, order))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.3 * len(cases)), 3.6 * len(panels)), squeeze=False)
+    ymax = max(r.seconds for r in records) * 1.05
+    for ax, (kind, fixed, series, order) in zip(axes[:, 0], panels):
         width = 0.8 / max(1, len(series))
         for k, s in enumerate(series):
             xs, ys = [], []
             for i, c in enumerate(cases):
-                match = [r for r in records if r.case == c and
+                match = [r for r in records if r.case == c and r.order == order and
                          ((r.strategy, r.scheduler) == (s, fixed) if kind == "strategy" else (r.strategy, r.scheduler) == (fixed, s))]
                 if match:
                     xs.append(i + (k - (len(series) - 1) / 2) * width)
@@ -287,11 +314,13 @@ def plot(records: list[Record], path: str, title: str) -> None:
             lbs.append(min(match))
         ax.scatter(range(len(cases)), lbs, marker="_", s=600, color="black", zorder=3, label="NIC lower bound")
         ax.set_xticks(range(len(cases)), cases)
+        ax.set_ylim(0, ymax)
         ax.set_ylabel("seconds (median)")
-        ax.set_title(f"{title}: by {kind} ({'scheduler' if kind == 'strategy' else 'strategy'} = {fixed})")
-        ax.legend(fontsize=8)
+        other = "scheduler" if kind == "strategy" else "strategy"
+        ax.set_title(f"{title}, order={order}: by {kind} ({other} = {fixed})")
+        ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"plot written to {path}")
 
 
@@ -309,6 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--strategy", default="sendrecv,allgather,broadcast")
     ap.add_argument("--scheduler", default="naive,auto")
     ap.add_argument("--chunks", type=int, default=16, help="broadcast pipeline chunks (K)")
+    ap.add_argument("--order", default=None,
+                    help="Resharder execution order(s), comma-separated: plan, concurrent (default: the executor's)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the paper's tensor size by this")
     ap.add_argument("--devices-per-host", type=int, default=4)
@@ -321,6 +352,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--simulate", action="store_true", help="no processes: model predictions only")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a bar chart here (PNG; needs matplotlib)")
+    ap.add_argument("--markdown", help="write the results as a markdown table here")
     args = ap.parse_args(argv)
     if not (args.case or args.suite or args.shape):
         ap.error("say what to run: --case N, --suite paper|one-to-many, or --shape with the meshes/specs")
@@ -332,6 +364,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for s in args.schedulers:
         if s not in SCHEDULERS:
             ap.error(f"unknown scheduler {s!r}; allowed: {', '.join(SCHEDULERS)}")
+    from megareshard.resharding.executor import DEFAULT_ORDER, ORDERS
+
+    args.orders = [o.strip() for o in (args.order or DEFAULT_ORDER).split(",") if o.strip()]
+    for o in args.orders:
+        if o not in ORDERS:
+            ap.error(f"unknown order {o!r}; allowed: {', '.join(ORDERS)}")
+    if args.simulate:
+        args.orders = ["model"]  # the network model: list scheduling in plan order
     if args.repeat < 1 or args.chunks < 1 or args.scale <= 0:
         ap.error(f"--repeat ({args.repeat}) and --chunks ({args.chunks}) must be >= 1, --scale ({args.scale}) > 0")
     args.torch_dtype = getattr(torch, args.dtype)
@@ -355,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "simulated (network model only)" if args.simulate else \
         f"{world} ranks = {num_hosts} hosts x {procs_per_host} (gloo)"
     say(f"# bench_resharding: {mode}; model NIC {args.nic_gbps} Gbit/s, intra {args.intra_gbps} Gbit/s; "
-        f"dtype {args.dtype}; chunks {args.chunks}; repeat {args.repeat}")
+        f"dtype {args.dtype}; chunks {args.chunks}; repeat {args.repeat}; order {','.join(args.orders)}")
     if args.scale != 1.0:
         say(f"# tensor scaled by {args.scale} from the paper's size (one dim replicated in both specs shrinks)")
     runnable = []
@@ -365,13 +405,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"# skipped {c.name}: {why}")
         else:
             runnable.append(c)
-    configs = [(c, st, sc) for c in runnable for st in args.strategies for sc in args.schedulers]
+    # orders innermost: the two executions of one plan run back to back (comparable under drifting load)
+    configs = [(c, st, sc, o) for c in runnable for st in args.strategies for sc in args.schedulers
+               for o in args.orders]
     records: list[Record] = []
     t_start = time.monotonic()
-    for i, (c, st, sc) in enumerate(configs, 1):
-        rec = run_config(c, st, sc, args, model, procs_per_host)
+    for i, (c, st, sc, o) in enumerate(configs, 1):
+        rec = run_config(c, st, sc, args, model, procs_per_host, o)
         records.append(rec)
-        say(f"[{i}/{len(configs)} {time.monotonic() - t_start:6.1f}s] {c.name} {st}/{sc}({rec.scheduler_used}): "
+        say(f"[{i}/{len(configs)} {time.monotonic() - t_start:6.1f}s] {c.name} {st}/{sc}({rec.scheduler_used}) "
+            f"{rec.order}: "
             f"{rec.seconds:.4f}s (bound {rec.lower_bound_s:.4f}s, predicted {rec.predicted_s:.4f}s)", flush=True)
     fill_speedups(records)
     for c in runnable:
@@ -382,6 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=1))
         say(f"\nrecords written to {args.json}")
+    if rank == 0 and args.markdown:
+        Path(args.markdown).write_text(markdown(records) + "\n")
+        say(f"markdown table written to {args.markdown}")
     if rank == 0 and args.plot and records:
         plot(records, args.plot, "simulated" if args.simulate else f"{num_hosts} hosts x {procs_per_host}")
     if not args.simulate:

@@ -2,9 +2,13 @@
 
 Start-up is the expensive part on 2 cores, so each `run_ranks` launch checks many cases:
 the worker loops over them and returns per-case failure strings instead of asserting.
+Both execution orders (`plan`, `concurrent`) are checked; `plan` runs also return their
+trace, from which the ordering test checks that every host NIC side serves the plan's
+tasks one at a time, in plan order.
 """
 from __future__ import annotations
 
+import functools
 import random
 import time
 
@@ -14,7 +18,7 @@ import torch.distributed as dist
 
 from megareshard.resharding import Mesh, ShardingSpec, local_slices, plan_resharding
 from megareshard.resharding.cases import paper_case
-from megareshard.resharding.executor import Resharder, build_messages
+from megareshard.resharding.executor import ORDERS, RECV_SIDE, SEND_SIDE, Resharder, build_messages, nic_side_chains
 from tests.harness import run_ranks
 
 WORLD = 8
@@ -31,19 +35,25 @@ def _global(shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=3,
-                dtype=torch.float32, label="") -> list[str]:
-    """Plan, build, run; returns this rank's failure messages (empty when correct)."""
+                dtype=torch.float32, label="", order="plan", trace=None) -> list[str]:
+    """Plan, build, run; returns this rank's failure messages (empty when correct).
+
+    With `trace` (a list), a plan-order run appends (plan summary, this rank's trace) to it.
+    """
     plan = plan_resharding(shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
                            scheduler=scheduler, itemsize=torch.empty(0, dtype=dtype).element_size(),
                            time_budget_s=0.05)
-    res = Resharder(plan, dtype, chunks=chunks)
+    res = Resharder(plan, dtype, chunks=chunks, order=order, trace=trace is not None)
     full = _global(shape, dtype)
     src_sl = local_slices(shape, src_mesh, src_spec, rank)
     local = None if src_sl is None else full[src_sl].clone()
-    out = res.run(local)
+    handle = res.start(local)
+    out = handle.wait()
     dst_sl = local_slices(shape, dst_mesh, dst_spec, rank)
     tag = f"{label} {src_mesh}{tuple(src_mesh.flat_ranks)} {src_spec} -> {dst_mesh}{tuple(dst_mesh.flat_ranks)} " \
-          f"{dst_spec} shape {tuple(shape)} {strategy}/{scheduler}/K={chunks} rank {rank}"
+          f"{dst_spec} shape {tuple(shape)} {strategy}/{scheduler}/K={chunks}/{order} rank {rank}"
+    if trace is not None and order == "plan":
+        trace.append((_plan_summary(plan, label), handle.trace))
     if dst_sl is None:
         return [] if out is None else [f"{tag}: expected None, got a tensor"]
     if out is None:
@@ -55,6 +65,17 @@ def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, s
         bad = (out != want).nonzero()
         return [f"{tag}: {len(bad)} wrong elements, first at {bad[0].tolist()}"]
     return []
+
+
+def _plan_summary(plan, label: str) -> dict:
+    """What the ordering check needs from the plan: per task (in plan order) the planner's
+    NIC sides — taken from the network model's cost, not from the executor."""
+    sides = []
+    for t in plan.tasks:
+        cost = plan.task_cost(t)
+        sides.append(sorted([(h, SEND_SIDE) for h in cost.out_bytes] + [(h, RECV_SIDE) for h in cost.in_bytes]))
+    return {"label": f"{label} {plan.strategy}/{plan.scheduler}", "tasks": [t.index for t in plan.tasks],
+            "sides": sides}
 
 
 def _grid(ranks_by_host: list[list[int]], first_host: int) -> Mesh:
@@ -70,16 +91,27 @@ def _paper_meshes(n: int) -> tuple[Mesh, ShardingSpec, Mesh, ShardingSpec]:
     raise AssertionError(f"case {n} does not fit {WORLD} ranks")
 
 
-def _worker_paper(rank: int, world: int) -> list[str]:
+def _worker_paper(rank: int, world: int) -> tuple[list[str], list]:
     torch.manual_seed(0)
     fails: list[str] = []
+    traces: list = []
     shape = (8, 6, 4)
     for n in range(1, 10):
         sm, ss, dm, ds = _paper_meshes(n)
         for strategy in STRATEGIES:
             for scheduler in SCHEDULERS:
-                fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, label=f"case {n}")
-    return fails
+                for order in ORDERS:
+                    if order == "concurrent" and scheduler in ("loadbalance", "greedy"):
+                        continue  # the concurrent executor ignores the order; two schedulers suffice
+                    fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, label=f"case {n}",
+                                         order=order, trace=traces)
+    return fails, traces
+
+
+@functools.lru_cache(maxsize=1)
+def _paper_results() -> list:
+    """One launch shared by the correctness and the ordering test."""
+    return run_ranks(_worker_paper, WORLD, timeout=180)
 
 
 def _random_case(rng: random.Random) -> tuple:
@@ -117,10 +149,11 @@ def _worker_random(rank: int, world: int, seed: int, count: int) -> list[str]:
         shape, sm, ss, dm, ds = _random_case(rng)
         strategy = ("sendrecv", "allgather", "broadcast", "broadcast")[i % 4]
         scheduler = SCHEDULERS[(i // 4) % len(SCHEDULERS)]
+        order = ORDERS[(i // 16) % 2]  # every strategy x scheduler under both orders
         chunks = rng.choice((1, 2, 5, 64))
         dtype = rng.choice((torch.float32, torch.float64, torch.int64, torch.bfloat16))
         fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, chunks, dtype,
-                             label=f"random#{i}")
+                             label=f"random#{i}", order=order)
     return fails
 
 
@@ -132,10 +165,12 @@ def _worker_special(rank: int, world: int) -> dict:
     sm = Mesh([[0, 1], [2, 3], [4, 5]], host)
     dm = Mesh([[2, 3, 4], [5, 6, 7]], {r: host[r] for r in range(WORLD)})
     for strategy in STRATEGIES:
-        out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("S0,S1,R"), dm,
-                                    ShardingSpec.parse("R,S10,R"), strategy, "auto", label="overlap")
-        out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("R,R,R"), dm,
-                                    ShardingSpec.parse("S1,R,S0"), strategy, "loadbalance", label="overlap-rep")
+        for order in ORDERS:
+            out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("S0,S1,R"), dm,
+                                        ShardingSpec.parse("R,S10,R"), strategy, "auto", label="overlap", order=order)
+            out["fails"] += _check_once(rank, (7, 5, 3), sm, ShardingSpec.parse("R,R,R"), dm,
+                                        ShardingSpec.parse("S1,R,S0"), strategy, "loadbalance", label="overlap-rep",
+                                        order=order)
     # identical meshes and specs: everything is a local copy
     g = Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], host)
     out["fails"] += _check_once(rank, (7, 5, 3), g, ShardingSpec.parse("S0,S1,R"), g,
@@ -144,10 +179,13 @@ def _worker_special(rank: int, world: int) -> dict:
     src1 = Mesh([[0]], host)
     dst7 = Mesh([[1, 2, 3, 4, 5, 6, 7]], host)
     for strategy in STRATEGIES:
-        out["fails"] += _check_once(rank, (7, 5, 3), src1, ShardingSpec.parse("R,R,R"), dst7,
-                                    ShardingSpec.parse("R,R,R"), strategy, "auto", chunks=200, label="1->7")
-        out["fails"] += _check_once(rank, (3,), src1, ShardingSpec.parse("R"), dst7,
-                                    ShardingSpec.parse("S1"), strategy, "auto", chunks=4, label="empty-shards")
+        for order in ORDERS:
+            out["fails"] += _check_once(rank, (7, 5, 3), src1, ShardingSpec.parse("R,R,R"), dst7,
+                                        ShardingSpec.parse("R,R,R"), strategy, "auto", chunks=200, label="1->7",
+                                        order=order)
+            out["fails"] += _check_once(rank, (3,), src1, ShardingSpec.parse("R"), dst7,
+                                        ShardingSpec.parse("S1"), strategy, "auto", chunks=4, label="empty-shards",
+                                        order=order)
 
     # signal: right shape, values undefined
     shape = (8, 6)
@@ -163,23 +201,24 @@ def _worker_special(rank: int, world: int) -> dict:
     out["signal_shape"] = None if got is None else tuple(got.shape)
     out["signal_want"] = None if dsl is None else tuple(full[dsl].shape)
 
-    # start()/wait() with compute in between; two runs in flight; reuse of one Resharder
-    plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy="broadcast")
-    res = Resharder(plan, torch.float32, chunks=4)
+    # start()/wait() with compute in between; three runs in flight; reuse of one Resharder
     local = None if sl is None else full[sl].clone()
-    h1 = res.start(local)
-    h2 = res.start(None if local is None else local * 2)
-    a = torch.randn(64, 64)
-    for _ in range(20):
-        a = torch.tanh(a @ a)
-    o2, o1 = h2.wait(), h1.wait()
-    o3 = res.run(None if local is None else local + 1)
-    if dsl is not None:
-        for got_t, want in ((o1, full[dsl]), (o2, full[dsl] * 2), (o3, full[dsl] + 1)):
-            if not torch.equal(got_t, want):
-                out["fails"].append(f"start/wait rank {rank}: wrong values")
-    elif (o1, o2, o3) != (None, None, None):
-        out["fails"].append(f"start/wait rank {rank}: expected None outside the dst mesh")
+    for strategy, orders in (("broadcast", ORDERS), ("allgather", ("plan",))):
+        plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy=strategy)
+        for k, order in enumerate(orders):
+            res = Resharder(plan, torch.float32, chunks=4, order=order, tag_base=100 * k)
+            hs = [res.start(None if local is None else local * (j + 1)) for j in range(3)]
+            a = torch.randn(64, 64)
+            for _ in range(20):
+                a = torch.tanh(a @ a)
+            o2, o1, o0 = hs[1].wait(), hs[0].wait(), hs[2].wait()
+            o3 = res.run(None if local is None else local + 1)
+            if dsl is not None:
+                for got_t, want in ((o1, full[dsl]), (o2, full[dsl] * 2), (o0, full[dsl] * 3), (o3, full[dsl] + 1)):
+                    if not torch.equal(got_t, want):
+                        out["fails"].append(f"start/wait {strategy}/{order} rank {rank}: wrong values")
+            elif (o1, o2, o0, o3) != (None, None, None, None):
+                out["fails"].append(f"start/wait {strategy}/{order} rank {rank}: expected None outside the dst mesh")
 
     # validation errors, raised before any communication (so no other rank is needed)
     errors = {}
@@ -218,12 +257,65 @@ def test_build_messages_orders() -> None:
     assert build_messages("signal", 5, 0, [1, 2], host, 4)[0].stop == 1
 
 
+def test_nic_side_chains() -> None:
+    from megareshard.resharding.executor import _TaskProgram
+
+    host = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+
+    def prog(pos, strategy, sender, remote):
+        msgs = build_messages(strategy, 12, sender, remote, host, chunks=2)
+        return _TaskProgram(pos, pos, (slice(0, 12),), (12,), 12, sender, (), msgs)
+
+    chains = nic_side_chains([prog(0, "broadcast", 0, [1, 2, 3, 4, 5]), prog(1, "sendrecv", 1, [2, 3]),
+                              prog(2, "allgather", 4, [2, 3]), prog(3, "sendrecv", 0, [1])], host)
+    # task 0: chain host 0 -> 1 -> 2 (heads 2 and 4), fan-out and loopback are intra-host
+    assert chains[(0, SEND_SIDE)] == [(0, frozenset({0})), (1, frozenset({1}))]
+    assert chains[(1, RECV_SIDE)] == [(0, frozenset({2})), (1, frozenset({2, 3})), (2, frozenset({2, 3}))]
+    assert chains[(1, SEND_SIDE)] == [(0, frozenset({2}))]
+    assert chains[(2, RECV_SIDE)] == [(0, frozenset({4}))]
+    assert chains[(2, SEND_SIDE)] == [(2, frozenset({4}))]
+    assert all(p != 3 for side in chains.values() for p, _ in side)  # task 3 stays on host 0
+
+
 @pytest.mark.slow
 def test_paper_cases_all_strategies_and_schedulers() -> None:
     t0 = time.monotonic()
-    fails = [f for per_rank in run_ranks(_worker_paper, WORLD, timeout=120) for f in per_rank]
+    fails = [f for fails, _ in _paper_results() for f in fails]
     assert not fails, "\n".join(fails[:20])
     print(f"paper cases: {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.slow
+def test_plan_order_one_task_per_nic_side_in_plan_order() -> None:
+    """Per host NIC side, the traced tasks are exactly the planner's, follow plan order and
+    do not overlap: each starts (wire operations posted) after the previous one completed
+    on every rank of the host that used the side."""
+    per_rank = [traces for _, traces in _paper_results()]
+    n_runs = len(per_rank[0])
+    assert n_runs == 9 * 3 * 4 and all(len(t) == n_runs for t in per_rank)
+    checked = 0
+    for k in range(n_runs):
+        summary = per_rank[0][k][0]
+        events = [e for rank_traces in per_rank for e in rank_traces[k][1]]
+        label = summary["label"]
+        # the planner's sides per task position vs the sides the executor used
+        want = {(h, side): [pos for pos, sides in enumerate(summary["sides"]) if (h, side) in map(tuple, sides)]
+                for sides in summary["sides"] for h, side in sides}
+        got: dict[tuple[int, int], dict[int, list[float]]] = {}
+        for e in events:
+            side = SEND_SIDE if e["side"] == "send" else RECV_SIDE
+            span = got.setdefault((e["host"], side), {}).setdefault(e["pos"], [e["t_post"], e["t_done"]])
+            span[0], span[1] = min(span[0], e["t_post"]), max(span[1], e["t_done"])
+            assert summary["tasks"][e["pos"]] == e["task"], label
+        assert {s: sorted(p) for s, p in got.items()} == want, f"{label}: executor's NIC sides differ from the plan's"
+        for side, spans in got.items():
+            order = sorted(spans)
+            for a, b in zip(order, order[1:]):
+                assert spans[b][0] >= spans[a][1], \
+                    f"{label}: on host {side[0]} {('send', 'recv')[side[1]]} side task at position {b} started " \
+                    f"{spans[a][1] - spans[b][0]:.6f}s before position {a} finished"
+                checked += 1
+    assert checked > 100  # most cases put several tasks on some NIC side
 
 
 @pytest.mark.slow
@@ -263,6 +355,10 @@ def _worker_bad_plan(rank: int, world: int) -> str:
         Resharder(plan, torch.float32, chunks=0)
     except ValueError as e:
         msg += " | " + str(e)
+    try:
+        Resharder(plan, torch.float32, order="fifo")
+    except ValueError as e:
+        msg += " | " + str(e)
     return msg
 
 
@@ -270,3 +366,4 @@ def _worker_bad_plan(rank: int, world: int) -> str:
 def test_bad_strategy_and_chunks_rejected_before_communication() -> None:
     for msg in run_ranks(_worker_bad_plan, 4, timeout=60):
         assert "strategy 'scatter' cannot be executed" in msg and "chunks must be an integer >= 1" in msg
+        assert "order must be one of plan, concurrent, got 'fifo'" in msg
