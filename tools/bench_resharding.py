@@ -364,7 +364,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for s in args.schedulers:
         if s not in SCHEDULERS:
             ap.error(f"unknown scheduler {s!r}; allowed: {', '.join(SCHEDULERS)}")
-    from megareshard.resharding.executor import DEFAULT_ORDER, ORDERS
+    from megareshard.resharding.messages import DEFAULT_ORDER, ORDERS
 
     args.orders = [o.strip() for o in (args.order or DEFAULT_ORDER).split(",") if o.strip()]
     for o in args.orders:

@@ -88,162 +88,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .spec import local_slices, split_bounds
+from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, STRATEGIES, TOKEN_TAG_BASE, _contains, _Msg,
+                       _RankTask, _relative, _shape, _TaskProgram, build_messages)
+from .spec import local_slices
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
-
-STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
-ORDERS = ("plan", "concurrent")
-DEFAULT_ORDER = "concurrent"
-"""The default execution order, chosen from the emulated-cluster runs (docs/benchmarks.md,
-"Cross-mesh resharding", 5 hosts x 2 ranks, 1 Gbit/s): with the default scheduler (auto)
-the two orders are equal within noise (plan/concurrent time, geometric mean over the nine
-paper cases: 0.94-1.04 per strategy), but under a schedule whose order is poor (naive,
-loadbalance on cases 3, 4, 6, 9) "plan" executes that order faithfully and is 1.3-2x
-slower, while "concurrent" lets TCP share each NIC and lands within noise of the best
-schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" when the
-network model's predictions must hold (98 of 108 paper configurations within 25 %, against
-80 under "concurrent") or to study schedules, as the paper does."""
-SEND_SIDE, RECV_SIDE = 0, 1  # a host NIC's two directions (as network.SEND / network.RECV)
-TOKEN_TAG_BASE = 1 << 30  # plan-order hand-over tokens: TOKEN_TAG_BASE + 2*(tag_base + pos) + side
-
-
-@dataclass(frozen=True)
-class _Msg:
-    """One point-to-point message: elements [start, stop) of a task's flattened slice."""
-
-    src: int
-    dst: int
-    start: int
-    stop: int
-    forward: bool  # src received this range itself (broadcast hop, fan-out, allgather exchange)
-
-
-@dataclass
-class _TaskProgram:
-    """Everything every rank knows about one unit task, in global posting order."""
-
-    pos: int  # position in execution order; the gloo tag is tag_base + pos
-    index: int  # the plan's task index
-    region: tuple[slice, ...]  # slice of the global tensor
-    shape: tuple[int, ...]
-    numel: int
-    sender: int
-    local: tuple[int, ...]  # receivers that already hold the slice: local copy
-    msgs: list[_Msg]
-    group_ranks: tuple[int, ...] = ()  # NCCL broadcast communicator (sender first)
-
-
-@dataclass
-class _RankTask:
-    """This rank's part in one task (compiled once at construction)."""
-
-    prog: _TaskProgram
-    src_view: tuple[slice, ...] | None  # the slice inside this rank's source shard
-    dst_view: tuple[slice, ...] | None  # the slice inside this rank's destination shard
-    copy_local: bool  # receiver holding the slice itself
-    sends: list[_Msg] = field(default_factory=list)  # direct sends from this rank's source data
-    recvs: list[_Msg] = field(default_factory=list)
-    forwards: list[_Msg] = field(default_factory=list)
-    nccl_group: Any = None
-    in_nccl_group: bool = False
-    # plan order: this rank's wire operations and its place in each NIC side's chain
-    wire_recvs: list[_Msg] = field(default_factory=list)
-    wire_sends: list[_Msg] = field(default_factory=list)  # direct sends over the NIC
-    wire_fwds: list[_Msg] = field(default_factory=list)  # forwards over the NIC (broadcast hop)
-    intra_fwds: list[_Msg] = field(default_factory=list)
-    # side -> (previous task's position if this rank used the side for it, other ranks to get a token from)
-    gate: dict[int, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)
-    # side -> (next task's position on the side or None, other ranks to send a token to)
-    signal: dict[int, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)
-
-
-def _relative(region: Sequence[slice], base: Sequence[slice]) -> tuple[slice, ...]:
-    return tuple(slice(r.start - b.start, r.stop - b.start) for r, b in zip(region, base))
-
-
-def _contains(outer: Sequence[slice], inner: Sequence[slice]) -> bool:
-    return all(o.start <= i.start and i.stop <= o.stop for o, i in zip(outer, inner))
-
-
-def _shape(region: Sequence[slice]) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in region)
-
-
-def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int],
-                   host_of: dict[int, int], chunks: int) -> list[_Msg]:
-    """The messages of one unit task in global posting order (pure: unit-testable).
-
-    `remote` are the receivers that need the data over the wire (sorted). Receivers on
-    the sender's host are served by the sender itself (intra-host), other hosts as the
-    strategy says.
-    """
-    if not remote:
-        return []
-    if strategy == "signal":
-        return [_Msg(sender, r, 0, 1, False) for r in remote]
-    if strategy == "sendrecv":
-        return [_Msg(sender, r, 0, numel, False) for r in remote]
-    sender_host = host_of[sender]
-    by_host: dict[int, list[int]] = {}
-    for r in remote:
-        by_host.setdefault(host_of[r], []).append(r)
-    local = by_host.pop(sender_host, [])
-    hosts = sorted(by_host)
-    msgs: list[_Msg] = []
-    if strategy == "allgather":
-        for r in local:
-            msgs.append(_Msg(sender, r, 0, numel, False))
-        for h in hosts:
-            rs = by_host[h]
-            pieces = split_bounds(numel, len(rs))
-            for r, (a, b) in zip(rs, pieces):
-                msgs.append(_Msg(sender, r, a, b, False))
-            for r, (a, b) in zip(rs, pieces):  # intra-host exchange
-                if b > a:
-                    msgs.extend(_Msg(r, o, a, b, True) for o in rs if o != r)
-        return [m for m in msgs if m.stop > m.start]
-    if strategy == "broadcast":
-        heads = [by_host[h][0] for h in hosts]
-        for a, b in split_bounds(numel, max(1, min(chunks, numel))):
-            prev = sender
-            for r in local:  # the sender is the head of its own host
-                msgs.append(_Msg(sender, r, a, b, False))
-            for h, head in zip(hosts, heads):
-                msgs.append(_Msg(prev, head, a, b, prev != sender))
-                prev = head
-            for h, head in zip(hosts, heads):
-                msgs.extend(_Msg(head, r, a, b, True) for r in by_host[h][1:])
-        return msgs
-    raise ValueError(f"strategy {strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
-
-
-def nic_side_chains(programs: Sequence[_TaskProgram], host_of: dict[int, int]
-                    ) -> dict[tuple[int, int], list[tuple[int, frozenset[int]]]]:
-    """Per host NIC side `(host, SEND_SIDE | RECV_SIDE)`: the tasks whose wire messages use
-    it, as `(position, ranks of that host posting them)`, in execution order (pure).
-
-    A wire message joins two hosts; it uses its source host's send side and its
-    destination host's receive side. Intra-host messages use no NIC.
-    """
-    chains: dict[tuple[int, int], list[tuple[int, frozenset[int]]]] = {}
-    for p in sorted(programs, key=lambda q: q.pos):
-        users: dict[tuple[int, int], set[int]] = {}
-        for m in p.msgs:
-            hs, hd = host_of[m.src], host_of[m.dst]
-            if hs != hd:
-                users.setdefault((hs, SEND_SIDE), set()).add(m.src)
-                users.setdefault((hd, RECV_SIDE), set()).add(m.dst)
-        for side, us in users.items():
-            chains.setdefault(side, []).append((p.pos, frozenset(us)))
-    return dict(sorted(chains.items()))
-
 
 @dataclass
 class _PlanRun:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from megareshard.resharding import Mesh, ShardingSpec, local_slices, plan_resharding
 from megareshard.resharding.cases import paper_case
-from megareshard.resharding.executor import ORDERS, RECV_SIDE, SEND_SIDE, Resharder, build_messages, nic_side_chains
+from megareshard.resharding.executor import Resharder
+from megareshard.resharding.messages import ORDERS, RECV_SIDE, SEND_SIDE, build_messages, nic_side_chains
 from tests.harness import run_ranks
 
 WORLD = 8
@@ -258,7 +259,7 @@ def test_build_messages_orders() -> None:
 
 
 def test_nic_side_chains() -> None:
-    from megareshard.resharding.executor import _TaskProgram
+    from megareshard.resharding.messages import _TaskProgram
 
     host = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
 
