@@ -130,8 +130,12 @@ def _bench(rank, world_size, steps, ext_dir):
     try:
         import deepspeed  # noqa: F401
         have_ds = True
-    except Exception:
+    except Exception as e:  # the comparison is optional, but its absence is said, not hidden
         have_ds = False
+        if ctx.rank == 0:
+            print(f"[bench_memory] WARNING: deepspeed is not importable ({type(e).__name__}: {e}); the DeepSpeed "
+                  "rows are left out. Install the extra: pip install -c constraints-cpu.txt -e '.[deepspeed]'",
+                  file=sys.stderr, flush=True)
     if have_ds:
         for stage in (1, 2):
             rows.append({"impl": "deepspeed", "zero": stage, "recompute": "off", **_deepspeed(ctx, stage, steps)})
