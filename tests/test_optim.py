@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megareshard.optim import LRScheduler, WarmupCosine, build_adamw, clip_grad_norm_, global_grad_norm
 from megareshard.parallel import ParallelContext, Topology

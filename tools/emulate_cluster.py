@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in layout.setup_commands():
             print(shlex.join(c))
         for i in range(layout.hosts):
-            print(f"GLOO_SOCKET_IFNAME=eth0 " + shlex.join(layout.host_command(i, args.procs_per_host,
+            print("GLOO_SOCKET_IFNAME=eth0 " + shlex.join(layout.host_command(i, args.procs_per_host,
                                                                               args.master_port, cmd)) + " &")
         for ns in layout.namespaces():
             print(shlex.join(["ip", "netns", "del", ns]))

@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, asdict
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

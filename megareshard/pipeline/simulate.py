@@ -21,7 +21,6 @@ Model (deliberately simple, so that the numbers can be checked by hand):
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 

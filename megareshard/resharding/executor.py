@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, STRATEGIES, TOKEN_TAG_BASE, _contains, _Msg,
-                       _RankTask, _relative, _shape, _TaskProgram, build_messages)
+                       _RankTask, _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
 from .spec import local_slices
 
 if TYPE_CHECKING:  # pragma: no cover

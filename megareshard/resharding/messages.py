@@ -10,7 +10,7 @@ their wire messages — what the executor's plan-order mode serialises. Kept apa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .spec import split_bounds
 
