@@ -77,8 +77,8 @@ With `trace=True` every `plan`-mode run records, per (task, NIC side) this rank 
 when its wire operations were posted and when they completed (`handle.trace`).
 
 Concurrent Resharders whose messages share rank pairs must use disjoint tag ranges
-(`tag_base` .. `tag_base + len(plan.tasks) - 1`, below 2**29), since gloo matches by
-(pair, tag). Don't modify `local_src` before `wait()` (contiguous slices of it are sent
+(`tag_base` .. `tag_base + len(plan.tasks) - 1`, below 2**21), since gloo matches by
+(pair, tag); a pair's j-th message of a task adds j * 2**21 to the task's tag. Don't modify `local_src` before `wait()` (contiguous slices of it are sent
 without a copy).
 """
 
@@ -93,7 +93,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, STRATEGIES, TOKEN_TAG_BASE, _contains, _Msg,
+from .messages import (DEFAULT_ORDER, MAX_PAIR_MESSAGES, ORDERS, PAIR_SEQ_STRIDE, RECV_SIDE, SEND_SIDE, STRATEGIES,
+                       TOKEN_TAG_BASE, _contains, _Msg,
                        _RankTask, _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
 from .spec import local_slices
 
@@ -110,6 +111,11 @@ class _PlanRun:
     side_done: dict[tuple[int, int], threading.Event] = field(default_factory=dict)  # (pos, side)
     arrived: dict[tuple[int, int, int], threading.Event] = field(default_factory=dict)  # (pos, start, stop)
     trace: list[dict[str, Any]] = field(default_factory=list)
+
+
+# Plan order (one task per NIC side, in plan order) hangs intermittently; see the error in
+# Resharder.__init__. The code stays for the fix; a constant, not a setting, keeps it off.
+_PLAN_ORDER_ENABLED = False
 
 
 class ReshardHandle:
@@ -165,6 +171,11 @@ class Resharder:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+        if order == "plan" and not _PLAN_ORDER_ENABLED:
+            raise NotImplementedError(
+                "order='plan' is withdrawn for now: under it one rank intermittently waits forever on an "
+                "intra-host transfer (about 1 run in 5 of the paper suite on 8 gloo ranks; cause not found yet). "
+                "Use order='concurrent' (the default), which is unaffected.")
         if plan.strategy not in STRATEGIES:
             raise ValueError(f"strategy {plan.strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
         if not isinstance(dtype, torch.dtype):
@@ -179,9 +190,9 @@ class Resharder:
         self.strategy = plan.strategy
         self.group = group
         self.tag_base = int(tag_base)
-        if not 0 <= self.tag_base or self.tag_base + len(plan.tasks) > TOKEN_TAG_BASE // 2:
+        if not 0 <= self.tag_base or self.tag_base + len(plan.tasks) > PAIR_SEQ_STRIDE:
             raise ValueError(f"tag_base {tag_base} out of range: tags tag_base..tag_base+{len(plan.tasks) - 1} "
-                             f"must lie in [0, {TOKEN_TAG_BASE // 2})")
+                             f"must lie in [0, {PAIR_SEQ_STRIDE}) (each message adds a pair sequence above that)")
         self.order = order
         self.trace = bool(trace)
         self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
@@ -215,6 +226,21 @@ class Resharder:
             msgs = build_messages(self.strategy, numel, sender, remote, host_of, self.chunks)
             grp = (sender, *remote) if self._nccl and self.strategy == "broadcast" and remote else ()
             self.programs.append(_TaskProgram(pos, index, region, _shape(region), numel, sender, local, msgs, grp))
+
+        # One tag per message: the j-th message of a task between the same (src, dst) pair gets
+        # tag_base + pos + j * PAIR_SEQ_STRIDE. Both ends derive j from the global message order,
+        # so matching never depends on which thread posts first (plan order posts a pair's
+        # messages from several threads; one shared tag per task let gloo's FIFO cross them).
+        self._tags: dict[tuple[int, _Msg], int] = {}
+        for p in self.programs:
+            seq: dict[tuple[int, int], int] = {}
+            for m in p.msgs:
+                j = seq.get((m.src, m.dst), 0)
+                seq[(m.src, m.dst)] = j + 1
+                if j >= MAX_PAIR_MESSAGES:
+                    raise ValueError(f"task {p.index}: {j + 1} messages between ranks {m.src} and {m.dst} "
+                                     f"exceed {MAX_PAIR_MESSAGES} (lower chunks={self.chunks})")
+                self._tags[(p.pos, m)] = self.tag_base + p.pos + j * PAIR_SEQ_STRIDE
 
         # NCCL sub-communicators: every rank, every task, one global order (deduplicated).
         groups: dict[tuple[int, ...], Any] = {}
@@ -372,7 +398,6 @@ class Resharder:
         forwards: dict[int, list[tuple[_Msg, int, torch.Tensor, Any]]] = {}  # pos -> (msg, tag, buffer, recv work)
         for rt in self._mine:
             p = rt.prog
-            tag = self.tag_base + p.pos
             recv_flat, send_flat = self._flats(rt, local_src, out, bufs, copies, keep)
             if rt.in_nccl_group:
                 buf = send_flat if self.rank == p.sender else recv_flat
@@ -381,13 +406,15 @@ class Resharder:
             recv_work: dict[tuple[int, int], Any] = {}
             for m in p.msgs:  # global order; this rank's direct ops only
                 if m.dst == self.rank:
-                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=tag)
+                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=self._tags[(p.pos, m)])
                     works.append(w)
                     recv_work[(m.start, m.stop)] = w
                 elif m.src == self.rank and not m.forward:
-                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
+                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst),
+                                            tag=self._tags[(p.pos, m)]))
                 elif m.src == self.rank:
-                    forwards.setdefault(p.pos, []).append((m, tag, recv_flat, recv_work.get((m.start, m.stop))))
+                    forwards.setdefault(p.pos, []).append((m, self._tags[(p.pos, m)], recv_flat,
+                                                           recv_work.get((m.start, m.stop))))
         # local copies (overlapping meshes) while the network works
         for rt in self._mine:
             if rt.copy_local and self.strategy != "signal":
@@ -435,18 +462,18 @@ class Resharder:
         jobs: list[tuple[str, int, Any]] = []
         for rt in self._mine:
             p = rt.prog
-            tag = self.tag_base + p.pos
             recv_flat, send_flat = self._flats(rt, local_src, out, bufs, copies, keep)
             rw: dict[tuple[int, int], Any] = {}
             for m in p.msgs:  # global order; intra-host direct operations only
                 if host[m.src] != host[m.dst]:
                     continue
                 if m.dst == self.rank:
-                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=tag)
+                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=self._tags[(p.pos, m)])
                     works.append(w)
                     rw[(m.start, m.stop)] = w
                 elif m.src == self.rank and not m.forward:
-                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
+                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst),
+                                            tag=self._tags[(p.pos, m)]))
             for side in (SEND_SIDE, RECV_SIDE):
                 if side in rt.gate or side in rt.signal:
                     run.side_done[(p.pos, side)] = threading.Event()
@@ -525,14 +552,15 @@ class Resharder:
     def _plan_rx(self, rt: _RankTask, run: "_PlanRun", rw: dict[tuple[int, int], Any], flat: Any) -> None:
         """Receive side: gate, post wire receives, pass each piece on as it arrives, release the side."""
         p = rt.prog
-        tag = self.tag_base + p.pos
+        tags = self._tags
         tokens: list[Any] = []
         t_post = 0.0
         if rt.wire_recvs:
             self._gate(rt, RECV_SIDE, run)
             t_post = time.monotonic()
             for m in rt.wire_recvs:
-                rw[(m.start, m.stop)] = dist.irecv(flat[m.start:m.stop], src=self._global(m.src), tag=tag)
+                rw[(m.start, m.stop)] = dist.irecv(flat[m.start:m.stop], src=self._global(m.src),
+                                                   tag=tags[(p.pos, m)])
         wire_left = {(m.start, m.stop) for m in rt.wire_recvs}
         fan = {}
         for m in rt.intra_fwds:
@@ -543,7 +571,7 @@ class Resharder:
             w.wait()
             run.waited.add(id(w))
             for f in fan.pop(key, ()):
-                run.works.append(dist.isend(flat[f.start:f.stop], dst=self._global(f.dst), tag=tag))
+                run.works.append(dist.isend(flat[f.start:f.stop], dst=self._global(f.dst), tag=tags[(p.pos, f)]))
             ev = run.arrived.get((p.pos, m.start, m.stop))
             if ev is not None:
                 ev.set()
@@ -560,15 +588,16 @@ class Resharder:
     def _plan_tx(self, rt: _RankTask, run: "_PlanRun", send_flat: Any, recv_flat: Any) -> None:
         """Send side: gate, post direct sends, forward chunks as they arrive, wait, release the side."""
         p = rt.prog
-        tag = self.tag_base + p.pos
+        tags = self._tags
         self._gate(rt, SEND_SIDE, run)
         t_post = time.monotonic()
-        sends = [dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tag) for m in rt.wire_sends]
+        sends = [dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tags[(p.pos, m)])
+                 for m in rt.wire_sends]
         for m in rt.wire_fwds:
             run.arrived[(p.pos, m.start, m.stop)].wait()
             if run.errors:
                 raise RuntimeError("another progress thread of this run failed")
-            sends.append(dist.isend(recv_flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
+            sends.append(dist.isend(recv_flat[m.start:m.stop], dst=self._global(m.dst), tag=tags[(p.pos, m)]))
         for w in sends:
             w.wait()
         self._trace(run, rt, SEND_SIDE, t_post, time.monotonic())

@@ -27,6 +27,8 @@ schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" 
 network model's predictions must hold (98 of 108 paper configurations within 25 %, against
 80 under "concurrent") or to study schedules, as the paper does."""
 SEND_SIDE, RECV_SIDE = 0, 1  # a host NIC's two directions (as network.SEND / network.RECV)
+PAIR_SEQ_STRIDE = 1 << 21  # tag of a pair's j-th message in a task: tag_base + pos + j * PAIR_SEQ_STRIDE
+MAX_PAIR_MESSAGES = 1 << 8  # so data tags stay below 2**29, under the token tags
 TOKEN_TAG_BASE = 1 << 30  # plan-order hand-over tokens: TOKEN_TAG_BASE + 2*(tag_base + pos) + side
 
 

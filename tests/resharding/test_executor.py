@@ -19,7 +19,10 @@ import torch.distributed as dist
 from megareshard.resharding import Mesh, ShardingSpec, local_slices, plan_resharding
 from megareshard.resharding.cases import paper_case
 from megareshard.resharding.executor import Resharder
-from megareshard.resharding.messages import ORDERS, RECV_SIDE, SEND_SIDE, build_messages, nic_side_chains
+from megareshard.resharding.messages import RECV_SIDE, SEND_SIDE, build_messages, nic_side_chains
+
+# order="plan" is withdrawn until its intermittent hang is fixed (Resharder raises; tested below)
+ORDERS = ("concurrent",)
 from tests.harness import run_ranks
 
 WORLD = 8
@@ -36,7 +39,7 @@ def _global(shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=3,
-                dtype=torch.float32, label="", order="plan", trace=None) -> list[str]:
+                dtype=torch.float32, label="", order="concurrent", trace=None) -> list[str]:
     """Plan, build, run; returns this rank's failure messages (empty when correct).
 
     With `trace` (a list), a plan-order run appends (plan summary, this rank's trace) to it.
@@ -150,7 +153,7 @@ def _worker_random(rank: int, world: int, seed: int, count: int) -> list[str]:
         shape, sm, ss, dm, ds = _random_case(rng)
         strategy = ("sendrecv", "allgather", "broadcast", "broadcast")[i % 4]
         scheduler = SCHEDULERS[(i // 4) % len(SCHEDULERS)]
-        order = ORDERS[(i // 16) % 2]  # every strategy x scheduler under both orders
+        order = ORDERS[(i // 16) % len(ORDERS)]
         chunks = rng.choice((1, 2, 5, 64))
         dtype = rng.choice((torch.float32, torch.float64, torch.int64, torch.bfloat16))
         fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, chunks, dtype,
@@ -204,7 +207,7 @@ def _worker_special(rank: int, world: int) -> dict:
 
     # start()/wait() with compute in between; three runs in flight; reuse of one Resharder
     local = None if sl is None else full[sl].clone()
-    for strategy, orders in (("broadcast", ORDERS), ("allgather", ("plan",))):
+    for strategy, orders in (("broadcast", ORDERS), ("allgather", ORDERS)):
         plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy=strategy)
         for k, order in enumerate(orders):
             res = Resharder(plan, torch.float32, chunks=4, order=order, tag_base=100 * k)
@@ -286,37 +289,20 @@ def test_paper_cases_all_strategies_and_schedulers() -> None:
     print(f"paper cases: {time.monotonic() - t0:.1f}s")
 
 
-@pytest.mark.slow
-def test_plan_order_one_task_per_nic_side_in_plan_order() -> None:
-    """Per host NIC side, the traced tasks are exactly the planner's, follow plan order and
-    do not overlap: each starts (wire operations posted) after the previous one completed
-    on every rank of the host that used the side."""
-    per_rank = [traces for _, traces in _paper_results()]
-    n_runs = len(per_rank[0])
-    assert n_runs == 9 * 3 * 4 and all(len(t) == n_runs for t in per_rank)
-    checked = 0
-    for k in range(n_runs):
-        summary = per_rank[0][k][0]
-        events = [e for rank_traces in per_rank for e in rank_traces[k][1]]
-        label = summary["label"]
-        # the planner's sides per task position vs the sides the executor used
-        want = {(h, side): [pos for pos, sides in enumerate(summary["sides"]) if (h, side) in map(tuple, sides)]
-                for sides in summary["sides"] for h, side in sides}
-        got: dict[tuple[int, int], dict[int, list[float]]] = {}
-        for e in events:
-            side = SEND_SIDE if e["side"] == "send" else RECV_SIDE
-            span = got.setdefault((e["host"], side), {}).setdefault(e["pos"], [e["t_post"], e["t_done"]])
-            span[0], span[1] = min(span[0], e["t_post"]), max(span[1], e["t_done"])
-            assert summary["tasks"][e["pos"]] == e["task"], label
-        assert {s: sorted(p) for s, p in got.items()} == want, f"{label}: executor's NIC sides differ from the plan's"
-        for side, spans in got.items():
-            order = sorted(spans)
-            for a, b in zip(order, order[1:]):
-                assert spans[b][0] >= spans[a][1], \
-                    f"{label}: on host {side[0]} {('send', 'recv')[side[1]]} side task at position {b} started " \
-                    f"{spans[a][1] - spans[b][0]:.6f}s before position {a} finished"
-                checked += 1
-    assert checked > 100  # most cases put several tasks on some NIC side
+def _plan_order_refused(rank, world):
+    plan = plan_resharding((8, 6), Mesh.grid(1, 2), ShardingSpec.parse("S0,R"), Mesh.grid(1, 2, first_rank=2,
+                           first_host=1), ShardingSpec.parse("R,R"))
+    try:
+        Resharder(plan, torch.float32, order="plan")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_plan_order_is_refused_with_the_reason() -> None:
+    """order="plan" hangs intermittently (1 run in ~5 of the paper suite): refused, not shipped broken."""
+    for msg in run_ranks(_plan_order_refused, 4, timeout=60):
+        assert msg is not None and "withdrawn" in msg and "order='concurrent'" in msg
 
 
 @pytest.mark.slow
