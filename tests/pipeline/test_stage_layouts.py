@@ -21,7 +21,7 @@ from megareshard.parallel import ParallelContext, StageTopology, TopologyError
 from megareshard.pipeline.stage import stage_layouts
 from megareshard.training import Trainer
 from tests.harness import run_ranks
-from tests.pipeline.test_runtime import ITERS, _argv, _check, _run
+from tests.pipeline.test_runtime import ITERS, _argv, _check, _run, reference  # noqa: F401 (fixture)
 
 WORLD = 8
 CASES = [("tp1dp4,tp2dp2", dict(schedule="1f1b", strategy="broadcast"), []),
@@ -48,15 +48,6 @@ def _worker(rank, world_size, cases):
         keep = ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         out.append((ctx.pp_rank(), (losses, norm, grads, extra_out) if keep else None))
     return out
-
-
-@pytest.fixture(scope="module")
-def reference():
-    cfg = parse_args(_argv(), world_size=1)
-    ctx = ParallelContext.single_process()
-    trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
-    losses, norm, grads, records = _run(trainer, ctx)
-    return losses, norm, grads, records[-1]["eval_loss"]
 
 
 def test_gpt_with_per_stage_layouts_matches_single_process(reference):
