@@ -26,7 +26,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLine
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import scaled_init_std
 from ..tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM
-from .recompute import RECOMPUTE_GRANULARITIES, checkpoint as recompute_checkpoint
+from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
 __all__ = ["GPTModel", "check_gpt_config", "gpt_flops_per_token", "model_flops_per_iteration",
            "param_init_generator", "WORD_EMBEDDING_NAME"]
@@ -270,12 +270,8 @@ class GPTModel(nn.Module):
                                              device=dev, dtype=dt)
                 self.output_layer.weight = own.weight
         self.recompute_granularity = recompute_granularity
-        n_local = len(self.layers)
-        self.recompute_num_layers = (0 if recompute_granularity != "full" else
-                                     n_local if recompute_num_layers is None else min(recompute_num_layers, n_local))
-        if recompute_granularity == "selective":
-            for layer in self.layers.values():
-                layer.attention.recompute_core = True
+        self.recompute_num_layers = configure_recompute(self.layers.values(), recompute_granularity,
+                                                        recompute_num_layers)
 
     # ---- helpers ------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:

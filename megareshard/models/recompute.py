@@ -21,12 +21,12 @@ Granularities (``GPTModel(recompute_granularity=…)``):
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils.checkpoint as _cp
 
-__all__ = ["checkpoint", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["checkpoint", "configure_recompute", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 
@@ -34,6 +34,18 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")
 # region keeps its inputs alive outside autograd's saved tensors, so it reports them to them.
 # A ContextVar of immutable tuples: dynamically scoped by the meter's `with`, no shared mutable state.
 ACTIVE_METERS: ContextVar[tuple] = ContextVar("megareshard_activation_meters", default=())
+
+
+def configure_recompute(layers: Iterable[Any], granularity: str | None, num_layers: int | None) -> int:
+    """Apply a granularity to a stage's Transformer layers; returns how many whole layers to recompute
+    ("full": the first ``num_layers``, all by default; "selective": the attention core of every layer)."""
+    layers = list(layers)
+    if granularity == "selective":
+        for layer in layers:
+            layer.attention.recompute_core = True
+    if granularity != "full":
+        return 0
+    return len(layers) if num_layers is None else min(num_layers, len(layers))
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, streams=None) -> Any:

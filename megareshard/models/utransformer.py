@@ -68,7 +68,7 @@ from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, WeightGradStore, padded_vocab_size,
                                set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
 from .gpt import GPTEmbedding, TransformerLayer, _layer_norm, param_init_generator
-from .recompute import RECOMPUTE_GRANULARITIES, checkpoint as recompute_checkpoint
+from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
 __all__ = ["UTransformerConfig", "UBlock", "UPlan", "UTransformerModel", "UTransformerSpec",
            "add_utransformer_args", "utransformer_config_from_args", "check_utransformer_config"]
@@ -349,12 +349,8 @@ class UTransformerModel(nn.Module):
             self.output_layer = ColumnParallelLinear(w0, Vp, ctx, bias=False, init_method=head_init,
                                                      device=dev, dtype=dt)
             self.output_layer.weight.unpadded_rows = V
-        n_local = len(self.layers)
-        self.recompute_num_layers = (0 if recompute_granularity != "full" else
-                                     n_local if recompute_num_layers is None else min(recompute_num_layers, n_local))
-        if recompute_granularity == "selective":
-            for layer in self.layers.values():
-                layer.attention.recompute_core = True
+        self.recompute_num_layers = configure_recompute(self.layers.values(), recompute_granularity,
+                                                        recompute_num_layers)
 
     def set_wgrad_store(self, store: WeightGradStore | None) -> None:
         for m in self.modules():
