@@ -106,16 +106,12 @@ class _PlanRun:
     """State shared by one plan-order run's progress threads on one rank."""
 
     works: list[Any]  # waited by ReshardHandle.wait() unless in `waited`
-    waited: set[int] = field(default_factory=set)
+    waited: dict[int, Any] = field(default_factory=dict)  # id -> the work itself (see ReshardHandle)
     errors: list[BaseException] = field(default_factory=list)
     side_done: dict[tuple[int, int], threading.Event] = field(default_factory=dict)  # (pos, side)
     arrived: dict[tuple[int, int, int], threading.Event] = field(default_factory=dict)  # (pos, start, stop)
     trace: list[dict[str, Any]] = field(default_factory=list)
 
-
-# Plan order (one task per NIC side, in plan order) hangs intermittently; see the error in
-# Resharder.__init__. The code stays for the fix; a constant, not a setting, keeps it off.
-_PLAN_ORDER_ENABLED = False
 
 
 class ReshardHandle:
@@ -124,9 +120,12 @@ class ReshardHandle:
     def __init__(self, owner: "Resharder", out: torch.Tensor | None, works: list[Any],
                  copies: list[tuple[torch.Tensor, torch.Tensor]], threads: list[threading.Thread],
                  errors: list[BaseException], keep: list[Any], bufs: dict[int, torch.Tensor] | None,
-                 waited: set[int]) -> None:
+                 waited: dict[int, Any]) -> None:
         self._owner = owner
-        self._waited = waited  # ids of works the progress thread already waited on
+        # Works a progress thread already waited on, by id, *holding the work*: a bare id set
+        # let a freed work's id be reused by a later send, whose wait() was then skipped; the
+        # send's buffer was freed before gloo sent it and the peer waited forever.
+        self._waited = waited
         self._out = out
         self._works = works
         self._copies = copies  # (destination view, flat receive buffer) after the data is in
@@ -171,11 +170,6 @@ class Resharder:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-        if order == "plan" and not _PLAN_ORDER_ENABLED:
-            raise NotImplementedError(
-                "order='plan' is withdrawn for now: under it one rank intermittently waits forever on an "
-                "intra-host transfer (about 1 run in 5 of the paper suite on 8 gloo ranks; cause not found yet). "
-                "Use order='concurrent' (the default), which is unaffected.")
         if plan.strategy not in STRATEGIES:
             raise ValueError(f"strategy {plan.strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
         if not isinstance(dtype, torch.dtype):
@@ -421,7 +415,7 @@ class Resharder:
                 out[rt.dst_view].copy_(local_src[rt.src_view])
         threads: list[threading.Thread] = []
         errors: list[BaseException] = []
-        waited: set[int] = set()
+        waited: dict[int, Any] = {}
         for pos, fw in forwards.items():
             t = threading.Thread(target=self._forward, args=(fw, works, errors, waited, self._last_threads.get(pos)),
                                  name=f"reshard-fwd-r{self.rank}-t{pos}", daemon=True)
@@ -569,7 +563,7 @@ class Resharder:
             key = (m.start, m.stop)
             w = rw[key]
             w.wait()
-            run.waited.add(id(w))
+            run.waited[id(w)] = w
             for f in fan.pop(key, ()):
                 run.works.append(dist.isend(flat[f.start:f.stop], dst=self._global(f.dst), tag=tags[(p.pos, f)]))
             ev = run.arrived.get((p.pos, m.start, m.stop))
@@ -605,7 +599,7 @@ class Resharder:
             w.wait()
 
     def _forward(self, forwards: list[tuple[_Msg, int, torch.Tensor, Any]], works: list[Any],
-                 errors: list[BaseException], waited: set[int], previous: threading.Thread | None) -> None:
+                 errors: list[BaseException], waited: dict[int, Any], previous: threading.Thread | None) -> None:
         """Pass on each chunk of one task as soon as it has arrived, in message order (progress thread)."""
         try:
             if previous is not None:
@@ -616,7 +610,7 @@ class Resharder:
                     raise AssertionError(f"rank {self.rank}: forward of [{m.start},{m.stop}) without a matching receive")
                 if id(rw) not in waited:
                     rw.wait()
-                    waited.add(id(rw))
+                    waited[id(rw)] = rw
                 sent.append(dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
             works.extend(sent)
         except BaseException as e:  # surfaced by wait()
