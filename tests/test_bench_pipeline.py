@@ -50,6 +50,30 @@ def test_ratios():
     assert by["1f1b+sendrecv"]["best_signal_fraction"] == pytest.approx(0.45)
 
 
+def test_pace_parsing_and_calibration():
+    ns = bp.build_parser().parse_args([])
+    assert bp.parse_pace(ns) is None
+    ns.pace = "F=60,b=120"
+    assert bp.parse_pace(ns) == {"F": 0.06, "B": 0.12}
+    for bad in ("F=0", "X=5", "F", "F=abc"):
+        ns.pace = bad
+        with pytest.raises(ValueError, match="KIND=MS"):
+            bp.parse_pace(ns)
+    ns.pace, ns.warmup = "auto", 0
+    with pytest.raises(ValueError, match="--warmup >= 1"):
+        bp.parse_pace(ns)
+    # stage 0: F durations 10..100 ms -> 0.9 quantile 90 ms × 1.25; B 40 ms but I + W = 30 + 30 ms:
+    # B is raised to I + W, and I, W keep their ratio
+    tr = [{"stage": 0, "kind": "F", "start": 0.0, "end": ms / 1e3} for ms in range(10, 101, 10)]
+    tr += [{"stage": 0, "kind": k, "start": 0.0, "end": e} for k, e in (("B", 0.04), ("I", 0.03), ("W", 0.03))]
+    tr += [{"stage": 1, "kind": "F", "start": 1.0, "end": 1.02}]
+    (s0, s1) = bp.calibrate_pace([tr, None], 2, 0.9, 1.25)
+    assert s0["F"] == pytest.approx(0.09 * 1.25)
+    assert s0["B"] == pytest.approx(0.06 * 1.25) and s0["I"] + s0["W"] == pytest.approx(s0["B"])
+    assert s0["I"] == pytest.approx(s0["W"])
+    assert s1 == {"F": pytest.approx(0.025)}
+
+
 def test_simulate_needs_no_processes(tmp_path):
     out = tmp_path / "sim.json"
     r = subprocess.run([sys.executable, str(TOOL), "--simulate", "--nic-gbps", "0.1", "--cost-f", "20",
@@ -79,7 +103,8 @@ def test_torchrun_two_configs(tmp_path):
            "--micro-batch-size", "1", "--microbatches", "3", "--vocab-size", "64",
            # two real configurations and one signal run (--no-signal: not one per schedule, to stay small)
            "--configs", "1f1b+sendrecv,eager-1f1b+broadcast+dw,1f1b+signal", "--no-signal",
-           "--iters", "2", "--warmup", "1", "--json", str(out), "--trace-dir", str(tmp_path / "tr"), "--timeout", "120"]
+           "--iters", "2", "--warmup", "1", "--json", str(out), "--trace-dir", str(tmp_path / "tr"), "--timeout", "120",
+           "--pace", "auto"]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -87,7 +112,7 @@ def test_torchrun_two_configs(tmp_path):
     assert set(by) == {"1f1b+sendrecv", "eager-1f1b+broadcast+dw", "1f1b+signal"}
     for x in recs:
         assert FIELDS <= set(x)
-        assert x["mode"] == "measured" and x["ms_per_iter"] > 0 and len(x["ms_all"]) == 2
+        assert x["mode"] == "measured, paced compute" and x["ms_per_iter"] > 0 and len(x["ms_all"]) == 2
         assert x["ms_q1"] <= x["ms_per_iter"] <= x["ms_q3"]
     base, sig = by["1f1b+sendrecv"], by["1f1b+signal"]
     assert base["speedup_vs_baseline"] == pytest.approx(1.0)
@@ -103,6 +128,16 @@ def test_torchrun_two_configs(tmp_path):
     trace = json.loads((tmp_path / "tr" / "eager-1f1b+broadcast+dw.json").read_text())
     assert {t["kind"] for t in trace} >= {"F", "I", "W", "SEND_F", "SEND_B"}
     assert base["transfer_nic_bytes"] == 2 * by["eager-1f1b+broadcast+dw"]["transfer_nic_bytes"]
+    # paced compute: budgets per stage from the warm-up, the same for every configuration, and
+    # every timed action took at least its budget (the trace's spans include the padding)
+    pace = base["pace_ms"]
+    assert len(pace) == 2 and all(p["F"] > 0 for p in pace) and all(x["pace_ms"] == pace for x in recs)
+    assert isinstance(base["pace_overruns"], int)
+    for x in recs:
+        for kind, per_stage in x["action_ms"].items():
+            if kind in ("F", "B", "I", "W"):
+                for s, ms in enumerate(per_stage):
+                    assert ms is None or ms >= 0.99 * pace[s][kind], (x["config"], kind, s, ms, pace[s])
 
 
 def test_simulate_utransformer_has_skip_edges(tmp_path):

@@ -35,6 +35,15 @@ the last round). Rank 0 prints progress and the table, writes ``--json``, ``--pl
 ``--trace-dir`` (one ``CONFIG.json`` per config for ``tools/plot_schedule.py --trace``) and
 ``--compare-plot`` (measured timelines of ``--compare A,B`` stacked, paper Figure 4).
 
+``--pace auto`` emulates one dedicated device per rank: after the (unpaced) warm-up rounds,
+every F/B/I/W of a stage is given a fixed wall time — a quantile of its warm-up durations ×
+a margin, the same for every configuration — and an action that finishes early sleeps the
+rest. Without it, ranks that share a few CPU cores lend a stage's core to the other stages
+while it waits for the network, which hides communication under *any* schedule and is
+what no GPU stage can do. Compute then costs the same in every configuration and only
+communication and scheduling differ; actions that outlast their budget are counted
+(``pace_overruns``) and reported. Results of a paced run are labelled as such.
+
 Inside torchrun (``RANK`` set, e.g. under ``tools/emulate_cluster.py``) this script is the
 worker; otherwise it starts ``torchrun --standalone --nproc-per-node N`` on itself and
 hands the arguments over in the environment (torchrun's own parser would claim
@@ -168,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-w", type=float, default=None, help="--simulate: ms per W (default B−I or measured)")
     p.add_argument("--hosts", type=int, default=None, help="--simulate: hosts (default pp: one stage per host)")
     p.add_argument("--timeout", type=float, default=900.0, help="plain torchrun launch: kill after this long")
+    p.add_argument("--pace", default="none",
+                   help="emulate a dedicated device per rank: every F/B/I/W takes at least a fixed wall time "
+                        "(a faster one sleeps the rest). 'none' (default); 'auto': after the warm-up rounds, "
+                        "per stage and kind, --pace-quantile of the warm-up durations × --pace-margin; or "
+                        "'F=60,B=120,I=90,W=30' (ms, every stage)")
+    p.add_argument("--pace-quantile", type=float, default=0.9, help="--pace auto: quantile of warm-up durations")
+    p.add_argument("--pace-margin", type=float, default=1.25, help="--pace auto: budget = quantile × this")
     return p
 
 
@@ -181,7 +197,62 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> list[BenchCon
         raise ValueError(f"{world} ranks are not divisible by tp {a.tp} × pp {a.pp}")
     if a.iters < 1 or a.warmup < 0 or a.microbatches < 1:
         raise ValueError("--iters must be >= 1, --warmup >= 0, --microbatches >= 1")
+    parse_pace(a)
     return configs
+
+
+PACE_KINDS = ("F", "B", "I", "W")
+
+
+def parse_pace(a: argparse.Namespace) -> dict[str, float] | str | None:
+    """--pace: None, "auto", or {kind: seconds} for every stage (errors name the bad part)."""
+    text = (a.pace or "none").strip()
+    if text == "none":
+        return None
+    if text == "auto":
+        if a.warmup < 1:
+            raise ValueError("--pace auto calibrates on the warm-up rounds: give --warmup >= 1")
+        if not (0 < a.pace_quantile <= 1) or a.pace_margin < 1:
+            raise ValueError(f"--pace-quantile must be in (0, 1] (got {a.pace_quantile}) and --pace-margin >= 1 "
+                             f"(got {a.pace_margin})")
+        return "auto"
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip().upper()
+        try:
+            ms = float(v)
+        except ValueError:
+            ms = -1.0
+        if k not in PACE_KINDS or ms <= 0:
+            raise ValueError(f"--pace {text!r}: {part!r} is not KIND=MS with KIND in {'/'.join(PACE_KINDS)} "
+                             "and MS > 0 (or use 'auto' / 'none')")
+        out[k] = ms / 1e3
+    return out
+
+
+def calibrate_pace(traces: Sequence[list[dict[str, Any]] | None], pp: int, quantile: float,
+                   margin: float) -> list[dict[str, float]]:
+    """Per stage {kind: seconds}: the quantile of the measured durations × margin.
+
+    B's budget is also at least I's + W's (a backward split into I and W does the same work),
+    and I and W are scaled up together to fill B's budget, so the delayed-W configurations
+    get the same device time per microbatch as the plain ones.
+    """
+    out = []
+    for s in range(pp):
+        q: dict[str, float] = {}
+        for kind in PACE_KINDS:
+            d = sorted(r["end"] - r["start"] for tr in traces if tr for r in tr
+                       if r["stage"] == s and r["kind"] == kind)
+            if d:
+                q[kind] = d[min(len(d) - 1, max(0, math.ceil(quantile * len(d)) - 1))] * margin
+        if "I" in q and "W" in q:
+            q["B"] = max(q.get("B", 0.0), q["I"] + q["W"])
+            scale = q["B"] / (q["I"] + q["W"])
+            q["I"], q["W"] = q["I"] * scale, q["W"] * scale
+        out.append(q)
+    return out
 
 
 def model_argv(a: argparse.Namespace, cfg: BenchConfig, world: int) -> list[str]:
@@ -349,9 +420,29 @@ def _worker(a: argparse.Namespace) -> int:
         f"{a.micro_batch_size}x{a.seq_length} tokens; {a.warmup} warm-up + {a.iters} timed rounds "
         f"(set-up {time.monotonic() - t_start:.1f}s)")
 
-    rounds = a.warmup + a.iters
+    pace = parse_pace(a)
+    stage = ctx.pp_rank()
+    budgets: list[dict[str, float]] | None = None
+    if isinstance(pace, dict):
+        budgets = [dict(pace) for _ in range(a.pp)]
+        for rt in runtimes:
+            rt.pace = budgets[stage]
+    # --pace auto: the warm-up rounds run unpaced and calibrate; one more untimed round runs paced
+    skip = a.warmup + (1 if pace == "auto" else 0)
+    rounds = skip + a.iters
+    overruns = torch.zeros(len(configs), dtype=torch.float64)
     times = torch.zeros(len(configs), rounds, dtype=torch.float64)
+    warm: list[list[dict[str, Any]] | None] = []  # --pace auto: every warm-up round's traces
     for r in range(rounds):
+        if pace == "auto" and r == a.warmup:
+            box = [calibrate_pace(warm, a.pp, a.pace_quantile, a.pace_margin) if rank == 0 else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(box, src=0)
+            budgets = box[0]
+            for rt in runtimes:
+                rt.pace = budgets[stage]
+            say("[bench_pipeline] paced compute (ms, per stage): " + "; ".join(
+                f"stage {s} " + " ".join(f"{k}={1e3 * v:.0f}" for k, v in b.items()) for s, b in enumerate(budgets)))
         t_round = time.monotonic()
         for i, step in enumerate(steps):
             trainer.forward_backward_fn = step
@@ -360,20 +451,35 @@ def _worker(a: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             trainer.train_step(batch)
             times[i, r] = time.perf_counter() - t0
+            if r >= skip:
+                overruns[i] += step.runtime.last_stats.get("pace_overruns", 0)
+        if pace == "auto" and r < a.warmup:
+            warm += [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
         if dist.is_initialized():
             mx = times[:, r].clone()
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
             times[:, r] = mx
-        tag = "warm-up" if r < a.warmup else "timed"
+        tag = "warm-up" if r < a.warmup else "paced warm-up" if r < skip else "timed"
         say(f"[bench_pipeline] round {r + 1}/{rounds} ({tag}, {time.monotonic() - t_round:.1f}s, total "
             f"{time.monotonic() - t_start:.0f}s): " + ", ".join(
                 f"{c.name} {1e3 * times[i, r]:.0f}" for i, c in enumerate(configs)) + " ms")
 
     traces = [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
+    if dist.is_initialized():
+        dist.all_reduce(overruns)
     if rank == 0:
-        ms = [[1e3 * x for x in times[i, a.warmup:].tolist()] for i in range(len(configs))]
-        records = make_records(a, configs, ms, traces, world, procs_per_host, mode="measured",
+        ms = [[1e3 * x for x in times[i, skip:].tolist()] for i in range(len(configs))]
+        records = make_records(a, configs, ms, traces, world, procs_per_host,
+                               mode="measured" if budgets is None else "measured, paced compute",
                                hosts_of_stage=hosts_of_stage)
+        for i, rec in enumerate(records):
+            rec["pace_ms"] = None if budgets is None else [{k: round(1e3 * v, 3) for k, v in b.items()}
+                                                           for b in budgets]
+            # actions (summed over ranks and timed rounds) whose real compute outlasted the budget
+            rec["pace_overruns"] = None if budgets is None else int(overruns[i].item())
+        if budgets is not None:
+            print("[bench_pipeline] paced compute: actions over budget per config (all ranks, timed rounds): "
+                  + ", ".join(f"{r['config']} {r['pace_overruns']}" for r in records), file=sys.stderr)
         finish(a, records, traces, configs)
     if dist.is_initialized():
         dist.barrier()

@@ -224,6 +224,11 @@ class PipelineRuntime:
         self.record_trace = record_trace
         self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
+        # Benchmark-only emulation of a dedicated device (tools/bench_pipeline.py --pace): the least
+        # wall seconds per compute kind ("F", "B", "I", "W") on this stage; a faster action sleeps
+        # the rest. Ranks sharing a few CPU cores otherwise lend a waiting stage's core to the
+        # others, which no GPU stage can do. None (training): no padding.
+        self.pace: dict[str, float] | None = None
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
         self._programs: dict[tuple[int, bool], list[Action]] = {}
@@ -301,6 +306,8 @@ class PipelineRuntime:
                         self._poll_sends(st)
                         t0 = time.time()
                         self._compute(model, a, st)
+                        if self.pace is not None:
+                            self._pad(a, t0, st)
                         if self.record_trace:
                             st.trace.append({"stage": self.stage, "kind": a.kind.value, "mb": a.mb,
                                              "start": t0, "end": time.time()})
@@ -354,6 +361,17 @@ class PipelineRuntime:
             store.flush()
         else:  # pragma: no cover
             raise AssertionError(a)
+
+    def _pad(self, a: Action, t0: float, st: _Step) -> None:
+        """Sleep until the action has taken its paced time; count actions that took longer."""
+        budget = self.pace.get(a.kind.value) if self.pace else None
+        if not budget:
+            return
+        left = budget - (time.time() - t0)
+        if left > 0:
+            time.sleep(left)
+        else:
+            st.stats["pace_overruns"] = st.stats.get("pace_overruns", 0) + 1
 
     def _forward(self, model: torch.nn.Module, mb: int, st: _Step) -> None:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
