@@ -430,7 +430,7 @@ def _worker(a: argparse.Namespace) -> int:
     # --pace auto: the warm-up rounds run unpaced and calibrate; one more untimed round runs paced
     skip = a.warmup + (1 if pace == "auto" else 0)
     rounds = skip + a.iters
-    overruns = torch.zeros(len(configs), dtype=torch.float64)
+    overruns = torch.zeros(len(configs), 2, dtype=torch.float64)  # (count, excess µs) over ranks and rounds
     times = torch.zeros(len(configs), rounds, dtype=torch.float64)
     warm: list[list[dict[str, Any]] | None] = []  # --pace auto: every warm-up round's traces
     for r in range(rounds):
@@ -452,7 +452,9 @@ def _worker(a: argparse.Namespace) -> int:
             trainer.train_step(batch)
             times[i, r] = time.perf_counter() - t0
             if r >= skip:
-                overruns[i] += step.runtime.last_stats.get("pace_overruns", 0)
+                st = step.runtime.last_stats
+                overruns[i, 0] += st.get("pace_overruns", 0)
+                overruns[i, 1] += st.get("pace_overrun_us", 0)
         if pace == "auto" and r < a.warmup:
             warm += [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
         if dist.is_initialized():
@@ -476,10 +478,16 @@ def _worker(a: argparse.Namespace) -> int:
             rec["pace_ms"] = None if budgets is None else [{k: round(1e3 * v, 3) for k, v in b.items()}
                                                            for b in budgets]
             # actions (summed over ranks and timed rounds) whose real compute outlasted the budget
-            rec["pace_overruns"] = None if budgets is None else int(overruns[i].item())
+            rec["pace_overruns"] = None if budgets is None else int(overruns[i, 0].item())
+            # their excess over the budget, ms per iteration, summed over ranks (an upper bound of what
+            # they added to the iteration: overlapping excesses on different ranks count twice)
+            rec["pace_overrun_ms_per_iter"] = None if budgets is None else \
+                round(overruns[i, 1].item() / 1e3 / a.iters, 3)
         if budgets is not None:
-            print("[bench_pipeline] paced compute: actions over budget per config (all ranks, timed rounds): "
-                  + ", ".join(f"{r['config']} {r['pace_overruns']}" for r in records), file=sys.stderr)
+            print("[bench_pipeline] paced compute: actions over budget (all ranks, timed rounds) and their excess "
+                  "(ms per iteration, summed over ranks): " + ", ".join(
+                      f"{r['config']} {r['pace_overruns']} / {r['pace_overrun_ms_per_iter']:.0f}" for r in records),
+                  file=sys.stderr)
         finish(a, records, traces, configs)
     if dist.is_initialized():
         dist.barrier()

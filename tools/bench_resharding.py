@@ -83,6 +83,7 @@ class Record:
     measured_nic_bytes: int | None = None
     simulated: bool = False
     order: str = ""
+    model_nic_gbps: float = 0.0  # the NIC rate `predicted_s` was computed with (calibrated: the measured goodput)
 
 
 # ---------------------------------------------------------------------------- cases
@@ -166,9 +167,40 @@ def _nic_counters() -> tuple[int, int] | None:
         return None
 
 
+def calibrate_goodput(procs_per_host: int, num_hosts: int, nbytes: int, repeat: int = 3) -> float | None:
+    """Bytes/s of one `nbytes` message from host 0 to host 1, median of `repeat` (collective).
+
+    What a NIC really delivers to gloo (rate limiter, TCP/IP headers, copies), to predict with
+    instead of the nominal rate; None with one host.
+    """
+    import torch.distributed as dist
+
+    if num_hosts < 2 or nbytes <= 0:
+        return None
+    rank, a, b = dist.get_rank(), 0, procs_per_host
+    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32) if rank in (a, b) else None
+    times = []
+    for _ in range(repeat + 1):  # the first one opens the connection and grows the TCP window
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == a:
+            dist.send(buf, dst=b)
+        elif rank == b:
+            dist.recv(buf, src=a)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return max(1, nbytes // 4) * 4 / statistics.median(times[1:])
+
+
 def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Namespace,
-               model: NetworkModel, procs_per_host: int, order: str = "concurrent") -> Record:
-    """Plan, build, check, time one configuration (collective in distributed mode)."""
+               model: NetworkModel, procs_per_host: int, order: str = "concurrent",
+               pred_model: NetworkModel | None = None) -> Record:
+    """Plan, build, check, time one configuration (collective in distributed mode).
+
+    `model` gives the NIC bytes and the lower bound (nominal rate); `pred_model` (default:
+    `model`) the prediction.
+    """
+    pred_model = pred_model or model
     itemsize = torch.empty(0, dtype=args.torch_dtype).element_size()
     if args.simulate:
         src, dst = case.src_mesh, case.dst_mesh
@@ -180,7 +212,7 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     host_bytes = model.host_bytes(plan)
     nic_bytes = sum(o for o, _ in host_bytes.values())
     lb = model.lower_bound(plan)
-    pred = model.predict(plan)
+    pred = pred_model.predict(plan)
     nbytes = 1
     for s in case.shape:
         nbytes *= s
@@ -188,7 +220,7 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
                  lower_bound_s=lb, ratio_to_bound=None, speedup_vs_sendrecv=None, predicted_s=pred,
                  scheduler_used=plan.scheduler, shape=list(case.shape), mbytes=nbytes * itemsize / 2**20,
                  tasks=len(plan.tasks), chunks=args.chunks, simulated=args.simulate,
-                 order="model" if args.simulate else order)
+                 order="model" if args.simulate else order, model_nic_gbps=pred_model.nic_gbps)
     if args.simulate:
         rec.ratio_to_bound = pred / lb if lb > 0 and strategy != "signal" else None
         return rec
@@ -343,10 +375,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the paper's tensor size by this")
     ap.add_argument("--devices-per-host", type=int, default=4)
+    ap.add_argument("--procs-per-host", type=int, default=None,
+                    help="ranks per host (default: torchrun's LOCAL_WORLD_SIZE); on one machine, hosts as labels")
     ap.add_argument("--max-devices", type=int, default=4, help="one-to-many: up to this many devices on one host")
     ap.add_argument("--max-hosts", type=int, default=4, help="one-to-many: up to this many receiving hosts")
     ap.add_argument("--nic-gbps", type=float, default=1.0, help="NIC bandwidth for the model (each way)")
     ap.add_argument("--intra-gbps", type=float, default=100.0, help="intra-host bandwidth for the model")
+    ap.add_argument("--calibrate-mb", type=float, default=32.0,
+                    help="before the cases, time one message of this many MiB from host 0 to host 1 and predict "
+                         "with that goodput instead of --nic-gbps (the lower bound stays nominal); 0: off")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
     ap.add_argument("--time-budget", type=float, default=0.5, help="dfs time budget per plan, seconds")
     ap.add_argument("--simulate", action="store_true", help="no processes: model predictions only")
@@ -388,7 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        procs_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        procs_per_host = args.procs_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % procs_per_host:
+            raise SystemExit(f"bench_resharding: {world} ranks are not divisible by {procs_per_host} per host")
     num_hosts = max(1, world // procs_per_host)
     say = print if rank == 0 else (lambda *a, **k: None)
     cases = build_cases(args)
@@ -398,6 +437,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"dtype {args.dtype}; chunks {args.chunks}; repeat {args.repeat}; order {','.join(args.orders)}")
     if args.scale != 1.0:
         say(f"# tensor scaled by {args.scale} from the paper's size (one dim replicated in both specs shrinks)")
+    pred_model = model
+    if not args.simulate and args.calibrate_mb > 0:
+        goodput = calibrate_goodput(procs_per_host, num_hosts, int(args.calibrate_mb * 2**20))
+        if goodput is None:
+            say("# calibration skipped: one host; predictions use the nominal --nic-gbps")
+        else:
+            pred_model = NetworkModel(goodput * 8 / 1e9, args.intra_gbps)
+            say(f"# calibrated: one {args.calibrate_mb:g} MiB message host 0 -> host 1 at "
+                f"{goodput * 8 / 1e6:.0f} Mbit/s = {goodput * 8 / 1e9 / args.nic_gbps:.3f} of the nominal "
+                f"{args.nic_gbps:g} Gbit/s; predictions use it, lower bounds stay nominal")
     runnable = []
     for c in cases:
         why = None if args.simulate else fits(c, num_hosts, procs_per_host)
@@ -411,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[Record] = []
     t_start = time.monotonic()
     for i, (c, st, sc, o) in enumerate(configs, 1):
-        rec = run_config(c, st, sc, args, model, procs_per_host, o)
+        rec = run_config(c, st, sc, args, model, procs_per_host, o, pred_model)
         records.append(rec)
         say(f"[{i}/{len(configs)} {time.monotonic() - t_start:6.1f}s] {c.name} {st}/{sc}({rec.scheduler_used}) "
             f"{rec.order}: "

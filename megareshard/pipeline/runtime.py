@@ -370,8 +370,9 @@ class PipelineRuntime:
         left = budget - (time.time() - t0)
         if left > 0:
             time.sleep(left)
-        else:
+        else:  # how many, and by how much in total (µs): what the padding could not equalise
             st.stats["pace_overruns"] = st.stats.get("pace_overruns", 0) + 1
+            st.stats["pace_overrun_us"] = st.stats.get("pace_overrun_us", 0) + int(-left * 1e6)
 
     def _forward(self, model: torch.nn.Module, mb: int, st: _Step) -> None:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
