@@ -23,9 +23,11 @@ be compared inside one run.
 
 Per (case, strategy, scheduler, order): build the plan and the `Resharder` (not timed), one
 warm-up run whose output is checked against the expected values, then `--repeat` timed
-runs, each between two barriers; the median is reported. Alongside: the model's NIC bytes,
-lower bound and prediction at `--nic-gbps`, and, inside the emulated cluster, the bytes
-really counted on the hosts' eth0. Only rank 0 prints. Timings on an oversubscribed CPU
+runs, each between two barriers; the median is reported. Alongside: the model's NIC bytes
+and lower bound at `--nic-gbps`, its prediction for the order that ran
+(`NetworkModel.predict(plan, order)`) at the NIC goodput measured once before the cases
+(`--calibrate-mb`: one message host 0 -> host 1; 0 = predict at `--nic-gbps`), and, inside
+the emulated cluster, the bytes really counted on the hosts' eth0. Only rank 0 prints. Timings on an oversubscribed CPU
 are noisy: compare ratios inside one run (ENVIRONMENT.md).
 """
 from __future__ import annotations
@@ -212,7 +214,8 @@ def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Na
     host_bytes = model.host_bytes(plan)
     nic_bytes = sum(o for o, _ in host_bytes.values())
     lb = model.lower_bound(plan)
-    pred = pred_model.predict(plan)
+    # the prediction for the order the executor runs ("model" in --simulate: plan order)
+    pred = pred_model.predict(plan, order="concurrent" if order == "concurrent" and not args.simulate else "plan")
     nbytes = 1
     for s in case.shape:
         nbytes *= s

@@ -16,6 +16,8 @@ Model, kept deliberately simple so predictions can be compared with measurements
     the chain, hops = A (+1 when some host fans the slice out to more devices)
   - signal:    1 byte to every receiver, sent like sendrecv;
   plus a fixed `latency_s` per task;
+* that is the executor's ``order="plan"``; for ``order="concurrent"`` (every task at once, TCP
+  sharing each NIC side) `predict` takes the busiest NIC side's bytes instead (see there);
 * a task whose receivers all sit on the sender's host uses no NIC; such intra-host
   copies are serialised per host on an "intra" resource.
 """
@@ -157,9 +159,33 @@ class NetworkModel:
             out.append((start, end))
         return out
 
-    def predict(self, plan: "ReshardingPlan") -> float:
-        """Predicted seconds for the plan under its strategy (see module docstring)."""
-        return max((end for _, end in self.task_times(plan)), default=0.0)
+    def predict(self, plan: "ReshardingPlan", order: str = "plan") -> float:
+        """Predicted seconds for the plan under its strategy and the executor's `order`.
+
+        ``"plan"``: list scheduling in plan order, one task per NIC side at a time (module
+        docstring). ``"concurrent"``: every task on the wire at once and each NIC side shared
+        among its flows (TCP): the busiest side's bytes / bandwidth, or the slowest single
+        task alone (its pipeline fill, intra-host part), or a host's serialised intra-host-only
+        tasks, whichever is longest. The sender choice matters, the order does not; the
+        prediction lies between `lower_bound` and the "plan" prediction.
+        """
+        if order == "plan":
+            return max((end for _, end in self.task_times(plan)), default=0.0)
+        if order != "concurrent":
+            raise ValueError(f"order must be 'plan' or 'concurrent', got {order!r}")
+        if not plan.tasks:
+            return 0.0
+        busiest = max((max(o, i) for o, i in self.host_bytes(plan).values()), default=0)
+        alone = 0.0
+        intra: dict[int, float] = {}
+        for task in plan.tasks:
+            cost = plan.task_cost(task)
+            t = cost.seconds(self.nic_Bps, self.intra_Bps, self.latency_s)
+            alone = max(alone, t)
+            if not cost.out_bytes and not cost.in_bytes:  # no NIC: the host's intra resource
+                h = plan.sender_host(task)
+                intra[h] = intra.get(h, 0.0) + t
+        return max(busiest / self.nic_Bps + self.latency_s, alone, max(intra.values(), default=0.0))
 
     def host_bytes(self, plan: "ReshardingPlan") -> dict[int, tuple[int, int]]:
         """Per host: (bytes out of, bytes into) its NIC under the plan's strategy and senders."""
