@@ -20,12 +20,11 @@ DEFAULT_ORDER = "concurrent"
 """The default execution order, chosen from the emulated-cluster runs (docs/benchmarks.md,
 "Cross-mesh resharding", 5 hosts x 2 ranks, 1 Gbit/s): with the default scheduler (auto)
 the two orders are equal within noise (plan/concurrent time, geometric mean over the nine
-paper cases: 0.94-1.04 per strategy), but under a schedule whose order is poor (naive,
-loadbalance on cases 3, 4, 6, 9) "plan" executes that order faithfully and is 1.3-2x
+paper cases: 0.98-1.01 per strategy), but under a schedule whose order is poor (naive,
+loadbalance on cases 3, 4, 6, 9) "plan" executes that order faithfully and is up to 2x
 slower, while "concurrent" lets TCP share each NIC and lands within noise of the best
-schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" when the
-network model's predictions must hold (98 of 108 paper configurations within 25 %, against
-80 under "concurrent") or to study schedules, as the paper does."""
+schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" to study
+schedules, as the paper does (`NetworkModel.predict(plan, order)` models both orders)."""
 SEND_SIDE, RECV_SIDE = 0, 1  # a host NIC's two directions (as network.SEND / network.RECV)
 PAIR_SEQ_STRIDE = 1 << 21  # tag of a pair's j-th message in a task: tag_base + pos + j * PAIR_SEQ_STRIDE
 MAX_PAIR_MESSAGES = 1 << 8  # so data tags stay below 2**29, under the token tags
