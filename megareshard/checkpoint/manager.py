@@ -156,18 +156,51 @@ def _loss_scaler(optimizer):
 
 
 def _layout(ctx, optimizer, model) -> dict[str, Any]:
-    return {"world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+    # "tp"/"dp": the layout's (uniform layouts) or the largest stage's (--stage-layouts);
+    # "stage_layouts": every stage's [tp, dp], what layout comparisons use
+    if ctx.per_stage_layouts:
+        stages = [[int(t), int(d)] for t, d in ctx.topology.layouts]
+        tp, dp = ctx.topology.tp, ctx.topology.dp
+    else:
+        stages = [[ctx.tp_size, ctx.dp_size] for _ in range(ctx.pp_size)]
+        tp, dp = ctx.tp_size, ctx.dp_size
+    return {"world_size": ctx.world_size, "tp": tp, "pp": ctx.pp_size, "dp": dp, "stage_layouts": stages,
             "zero_stage": _zero_stage(optimizer),
             "sequence_parallel": bool(getattr(model, "sequence_parallel", False)),
             "param_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+
+
+def stage_layouts_of(lay: dict[str, Any]) -> list[list[int]] | None:
+    """Every stage's [tp, dp] of a saved layout (older checkpoints: uniform from tp/pp/dp)."""
+    if lay.get("stage_layouts"):
+        return [[int(t), int(d)] for t, d in lay["stage_layouts"]]
+    if lay.get("tp") is None:
+        return None
+    return [[int(lay["tp"]), int(lay["dp"])] for _ in range(int(lay["pp"]))]
 
 
 def describe_layout(lay: dict[str, Any]) -> str:
     if lay.get("tp") is None:
         return f"no parallel layout (imported from {lay.get('imported_from', '?')})"
     z = lay.get("zero_stage")
-    return (f"tp {lay['tp']} · pp {lay['pp']} · dp {lay['dp']}" + (f" · zero {z}" if z is not None else "")
+    stages = stage_layouts_of(lay) or []
+    if len({tuple(x) for x in stages}) > 1:
+        shape = f"stage layouts {','.join(f'tp{t}dp{d}' for t, d in stages)} (pp {lay['pp']})"
+    else:
+        shape = f"tp {lay['tp']} · pp {lay['pp']} · dp {lay['dp']}"
+    return (shape + (f" · zero {z}" if z is not None else "")
             + f" ({lay['world_size']} rank{'s' if lay['world_size'] != 1 else ''}, {lay.get('param_dtype', '?')})")
+
+
+def _tps(stages: list[list[int]] | None) -> str:
+    """'2', or '1,2' per stage when they differ."""
+    vals = [t for t, _ in stages or []]
+    return "?" if not vals else str(vals[0]) if len(set(vals)) == 1 else ",".join(map(str, vals))
+
+
+def _dps(stages: list[list[int]] | None) -> str:
+    vals = [d for _, d in stages or []]
+    return "?" if not vals else str(vals[0]) if len(set(vals)) == 1 else ",".join(map(str, vals))
 
 
 @dataclass
@@ -435,10 +468,14 @@ class CheckpointManager:
         # -- layout change: what is exact and what is not
         cur_layout = _layout(ctx, optimizer, model)
         sl = saved_layout
-        same_mp = sl.get("tp") == tp and sl.get("pp") == ctx.pp_size
-        same_layout = same_mp and sl.get("dp") == ctx.dp_size
-        changed = [k for k in ("tp", "pp", "dp", "zero_stage", "world_size", "param_dtype")
-                   if sl.get(k) != cur_layout.get(k) and not (k == "zero_stage" and optimizer is None)]
+        # decided from every stage's (tp, dp), so all ranks take the same branch (per-stage layouts too)
+        saved_stages, cur_stages = stage_layouts_of(sl), cur_layout["stage_layouts"]
+        same_mp = saved_stages is not None and [t for t, _ in saved_stages] == [t for t, _ in cur_stages]
+        same_layout = same_mp and saved_stages == cur_stages
+        saved_dp = saved_stages[ctx.pp_rank()][1] if same_mp else None  # this stage's saved dp
+        changed = [k for k in ("stage_layouts", "zero_stage", "world_size", "param_dtype")
+                   if (stage_layouts_of(sl) if k == "stage_layouts" else sl.get(k)) != cur_layout.get(k)
+                   and not (k == "zero_stage" and optimizer is None)]
         if changed and sl.get("tp") is not None:
             messages.append(f"layout changed: saved {describe_layout(sl)} -> now {describe_layout(cur_layout)}; "
                             "weights" + (" and optimizer state (masters, Adam moments, step)" if want_optim else "")
@@ -453,12 +490,12 @@ class CheckpointManager:
             elif same_layout:
                 rng_key = f"rng.rank{coords[(ctx.pp_rank(), tp_rank, ctx.dp_rank())]}"
             elif same_mp:
-                rng_key = f"rng.rank{coords[(ctx.pp_rank(), tp_rank, ctx.dp_rank() % sl['dp'])]}"
-                messages.append(f"RNG: dp changed {sl.get('dp')} -> {ctx.dp_size}: each rank takes the streams of "
-                                f"the saved rank with its (pp, tp) and dp rank mod {sl.get('dp')}; with dropout the "
-                                "masks differ from the saved run's continuation (ranks draw per microbatch)")
+                rng_key = f"rng.rank{coords[(ctx.pp_rank(), tp_rank, ctx.dp_rank() % saved_dp)]}"
+                messages.append(f"RNG: dp changed {_dps(saved_stages)} -> {_dps(cur_stages)}: each rank takes the "
+                                f"streams of the saved rank with its (pp, tp) and dp rank mod the saved dp; with "
+                                "dropout the masks differ from the saved run's continuation (ranks draw per microbatch)")
             else:
-                messages.append(f"RNG: tp/pp changed (tp {sl.get('tp')} -> {tp}, pp {sl.get('pp')} -> "
+                messages.append(f"RNG: tp/pp changed (tp {_tps(saved_stages)} -> {_tps(cur_stages)}, pp {sl.get('pp')} -> "
                                 f"{ctx.pp_size}): per-(stage, tp rank) streams cannot carry over; re-seeded "
                                 "from seed + iteration (dropout masks differ from the saved run's)")
         objects = [common_key] + ([rng_key] if rng_key else [])
@@ -486,8 +523,8 @@ class CheckpointManager:
                 messages.append(f"data: global batch size changed {s.get('global_batch_size')} -> "
                                 f"{sampler.global_batch_size}: training continues at sample {s['consumed_samples']}, "
                                 "but iterations no longer see the saved run's batches")
-            elif sl.get("dp") != ctx.dp_size:
-                messages.append(f"data: dp changed {sl.get('dp')} -> {ctx.dp_size}: each iteration trains on the same "
+            elif [d for _, d in saved_stages or []] != [d for _, d in cur_stages]:
+                messages.append(f"data: dp changed {_dps(saved_stages)} -> {_dps(cur_stages)}: each iteration trains on the same "
                                 "global batch as before (the sampler's global order does not depend on dp); the "
                                 "per-rank split and reduction order change, so losses agree to rounding, not bitwise")
             if s.get("total_samples") != sampler.total_samples:

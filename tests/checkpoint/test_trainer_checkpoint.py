@@ -133,3 +133,47 @@ def test_sigterm_saves_and_exits_and_wandb_resumes(tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, old)
         torch.set_num_threads(n)
+
+
+def _stage_layouts(rank: int, world: int, root: str):
+    torch.set_num_threads(1)
+    per = ["--pipeline-model-parallel-size", "2", "--stage-layouts", "tp1dp4,tp2dp2", "--hidden-dropout", "0.1",
+           "--attention-dropout", "0.1", "--train-iters", "6"]
+    src = _trainer(per + ["--save", f"{root}/src", "--save-interval", "3"], world)
+    ref = [r["loss"] for r in src.train()]
+    src.close()
+    same = _trainer(per + ["--load", f"{root}/src/iter_0000003"], world)
+    resumed = (same.iteration, [r["loss"] for r in same.train()], same.loaded.messages, same.loaded.loaded_rng)
+    same.close()
+    uni = _trainer(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--hidden-dropout",
+                    "0.1", "--attention-dropout", "0.1", "--train-iters", "6", "--load", f"{root}/src/iter_0000003",
+                    "--save", f"{root}/uni"], world)
+    uni.save_checkpoint()  # right after loading: must hold the per-stage run's iteration-3 state exactly
+    out = {"ref": ref, "same": resumed, "uniform": (uni.iteration, uni.loaded.messages)}
+    uni.close()
+    return out
+
+
+@pytest.mark.slow
+def test_per_stage_layouts_resume_exactly_and_load_into_a_uniform_layout(tmp_path):
+    """--stage-layouts tp1dp4,tp2dp2: the same layout resumes bitwise (dropout on, RNG restored, no
+    layout message); a uniform tp 2 · pp 2 · dp 2 run loads it re-sliced exactly and says what changed."""
+    root = str(tmp_path)
+    results = run_ranks(_stage_layouts, 8, root, timeout=400)
+    r = results[-1]
+    start, losses, messages, loaded_rng = r["same"]
+    assert start == 3 and loaded_rng and losses == r["ref"][3:], (losses, r["ref"])
+    assert not any("layout changed" in m or "RNG:" in m or "data:" in m for m in messages), messages
+    start, messages = r["uniform"]
+    text = "\n".join(messages)
+    assert start == 3
+    assert "layout changed: saved stage layouts tp1dp4,tp2dp2 (pp 2)" in text and "re-sliced exactly" in text, text
+    assert "RNG: tp/pp changed (tp 1,2 -> 2" in text and "data: dp changed 4,2 -> 2" in text, text
+    tool = load_tool()
+    s = tool.export(os.path.join(root, "src", "iter_0000003"), os.path.join(root, "s.pt"))
+    o = tool.export(os.path.join(root, "uni", "iter_0000003"), os.path.join(root, "u.pt"))
+    for k, t in s["model"].items():
+        assert torch.equal(t, o["model"][k]), k
+    for k, kinds in s["optimizer"].items():
+        for kind, t in kinds.items():
+            assert torch.equal(t, o["optimizer"][k][kind]), (k, kind)
