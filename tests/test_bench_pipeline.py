@@ -51,23 +51,27 @@ def test_ratios():
 
 
 def test_pace_parsing_and_calibration():
-    ns = bp.build_parser().parse_args([])
-    assert bp.parse_pace(ns) is None
-    ns.pace = "F=60,b=120"
-    assert bp.parse_pace(ns) == {"F": 0.06, "B": 0.12}
+    from megareshard.pipeline.pacing import calibrate_pace, parse_pace
+
+    assert parse_pace("none") is None and parse_pace(None) is None
+    assert parse_pace("F=60,b=120") == {"F": 0.06, "B": 0.12}
     for bad in ("F=0", "X=5", "F", "F=abc"):
-        ns.pace = bad
         with pytest.raises(ValueError, match="KIND=MS"):
-            bp.parse_pace(ns)
-    ns.pace, ns.warmup = "auto", 0
+            parse_pace(bad)
     with pytest.raises(ValueError, match="--warmup >= 1"):
-        bp.parse_pace(ns)
+        parse_pace("auto", warmup=0)
+    with pytest.raises(ValueError, match="--pace-margin >= 1"):
+        parse_pace("auto", margin=0.5)
+    # the tool validates its flags before any launch
+    ns = bp.build_parser().parse_args(["--pace", "auto", "--warmup", "0"])
+    with pytest.raises(ValueError, match="--warmup >= 1"):
+        bp.check_args(ns)
     # stage 0: F durations 10..100 ms -> 0.9 quantile 90 ms × 1.25; B 40 ms but I + W = 30 + 30 ms:
     # B is raised to I + W, and I, W keep their ratio
     tr = [{"stage": 0, "kind": "F", "start": 0.0, "end": ms / 1e3} for ms in range(10, 101, 10)]
     tr += [{"stage": 0, "kind": k, "start": 0.0, "end": e} for k, e in (("B", 0.04), ("I", 0.03), ("W", 0.03))]
     tr += [{"stage": 1, "kind": "F", "start": 1.0, "end": 1.02}]
-    (s0, s1) = bp.calibrate_pace([tr, None], 2, 0.9, 1.25)
+    (s0, s1) = calibrate_pace([tr, None], 2, 0.9, 1.25)
     assert s0["F"] == pytest.approx(0.09 * 1.25)
     assert s0["B"] == pytest.approx(0.06 * 1.25) and s0["I"] + s0["W"] == pytest.approx(s0["B"])
     assert s0["I"] == pytest.approx(s0["W"])

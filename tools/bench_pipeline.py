@@ -74,6 +74,8 @@ DEFAULT_CONFIGS = ("1f1b+sendrecv,1f1b+allgather,1f1b+broadcast,eager-1f1b+broad
                    "eager-1f1b+broadcast+dw,gpipe+broadcast")
 ENV_ARGV = "MR_BENCH_PIPELINE_ARGV"
 
+from megareshard.pipeline.pacing import calibrate_pace, parse_pace  # noqa: E402
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -197,62 +199,8 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> list[BenchCon
         raise ValueError(f"{world} ranks are not divisible by tp {a.tp} × pp {a.pp}")
     if a.iters < 1 or a.warmup < 0 or a.microbatches < 1:
         raise ValueError("--iters must be >= 1, --warmup >= 0, --microbatches >= 1")
-    parse_pace(a)
+    parse_pace(a.pace, warmup=a.warmup, quantile=a.pace_quantile, margin=a.pace_margin)
     return configs
-
-
-PACE_KINDS = ("F", "B", "I", "W")
-
-
-def parse_pace(a: argparse.Namespace) -> dict[str, float] | str | None:
-    """--pace: None, "auto", or {kind: seconds} for every stage (errors name the bad part)."""
-    text = (a.pace or "none").strip()
-    if text == "none":
-        return None
-    if text == "auto":
-        if a.warmup < 1:
-            raise ValueError("--pace auto calibrates on the warm-up rounds: give --warmup >= 1")
-        if not (0 < a.pace_quantile <= 1) or a.pace_margin < 1:
-            raise ValueError(f"--pace-quantile must be in (0, 1] (got {a.pace_quantile}) and --pace-margin >= 1 "
-                             f"(got {a.pace_margin})")
-        return "auto"
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        k = k.strip().upper()
-        try:
-            ms = float(v)
-        except ValueError:
-            ms = -1.0
-        if k not in PACE_KINDS or ms <= 0:
-            raise ValueError(f"--pace {text!r}: {part!r} is not KIND=MS with KIND in {'/'.join(PACE_KINDS)} "
-                             "and MS > 0 (or use 'auto' / 'none')")
-        out[k] = ms / 1e3
-    return out
-
-
-def calibrate_pace(traces: Sequence[list[dict[str, Any]] | None], pp: int, quantile: float,
-                   margin: float) -> list[dict[str, float]]:
-    """Per stage {kind: seconds}: the quantile of the measured durations × margin.
-
-    B's budget is also at least I's + W's (a backward split into I and W does the same work),
-    and I and W are scaled up together to fill B's budget, so the delayed-W configurations
-    get the same device time per microbatch as the plain ones.
-    """
-    out = []
-    for s in range(pp):
-        q: dict[str, float] = {}
-        for kind in PACE_KINDS:
-            d = sorted(r["end"] - r["start"] for tr in traces if tr for r in tr
-                       if r["stage"] == s and r["kind"] == kind)
-            if d:
-                q[kind] = d[min(len(d) - 1, max(0, math.ceil(quantile * len(d)) - 1))] * margin
-        if "I" in q and "W" in q:
-            q["B"] = max(q.get("B", 0.0), q["I"] + q["W"])
-            scale = q["B"] / (q["I"] + q["W"])
-            q["I"], q["W"] = q["I"] * scale, q["W"] * scale
-        out.append(q)
-    return out
 
 
 def model_argv(a: argparse.Namespace, cfg: BenchConfig, world: int) -> list[str]:
@@ -420,7 +368,7 @@ def _worker(a: argparse.Namespace) -> int:
         f"{a.micro_batch_size}x{a.seq_length} tokens; {a.warmup} warm-up + {a.iters} timed rounds "
         f"(set-up {time.monotonic() - t_start:.1f}s)")
 
-    pace = parse_pace(a)
+    pace = parse_pace(a.pace, warmup=a.warmup, quantile=a.pace_quantile, margin=a.pace_margin)
     stage = ctx.pp_rank()
     budgets: list[dict[str, float]] | None = None
     if isinstance(pace, dict):

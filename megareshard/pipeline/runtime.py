@@ -224,7 +224,7 @@ class PipelineRuntime:
         self.record_trace = record_trace
         self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
-        # Benchmark-only emulation of a dedicated device (tools/bench_pipeline.py --pace): the least
+        # Benchmark-only emulation of a dedicated device (pacing.py, tools/bench_pipeline.py --pace): the least
         # wall seconds per compute kind ("F", "B", "I", "W") on this stage; a faster action sleeps
         # the rest. Ranks sharing a few CPU cores otherwise lend a waiting stage's core to the
         # others, which no GPU stage can do. None (training): no padding.

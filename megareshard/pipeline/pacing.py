@@ -1,0 +1,70 @@
+"""Paced compute: emulate one dedicated device per rank on shared CPU cores (benchmarks only).
+
+Ranks that time-share a few cores lend a stage's core to the other stages while it waits
+for the network, which hides communication under *any* schedule — no GPU stage can do
+that. With pacing, every compute action of a stage takes a fixed wall time (a faster one
+sleeps the rest, `PipelineRuntime.pace`), the same in every configuration, so only
+communication and scheduling differ. Pure Python: parsing and calibration, no processes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+PACE_KINDS = ("F", "B", "I", "W")
+
+
+def parse_pace(text: str | None, *, warmup: int = 1, quantile: float = 0.9,
+               margin: float = 1.25) -> dict[str, float] | str | None:
+    """``--pace``: None ("none"), "auto", or {kind: seconds} for every stage from "F=60,B=120" (ms).
+
+    Errors name the bad part; "auto" calibrates on warm-up rounds, so it needs ``warmup >= 1``.
+    """
+    text = (text or "none").strip()
+    if text == "none":
+        return None
+    if text == "auto":
+        if warmup < 1:
+            raise ValueError("--pace auto calibrates on the warm-up rounds: give --warmup >= 1")
+        if not (0 < quantile <= 1) or margin < 1:
+            raise ValueError(f"--pace-quantile must be in (0, 1] (got {quantile}) and --pace-margin >= 1 "
+                             f"(got {margin})")
+        return "auto"
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip().upper()
+        try:
+            ms = float(v)
+        except ValueError:
+            ms = -1.0
+        if k not in PACE_KINDS or ms <= 0:
+            raise ValueError(f"--pace {text!r}: {part!r} is not KIND=MS with KIND in {'/'.join(PACE_KINDS)} "
+                             "and MS > 0 (or use 'auto' / 'none')")
+        out[k] = ms / 1e3
+    return out
+
+
+def calibrate_pace(traces: Sequence[list[dict[str, Any]] | None], pp: int, quantile: float,
+                   margin: float) -> list[dict[str, float]]:
+    """Per stage {kind: seconds}: the quantile of the traced durations × margin.
+
+    `traces` are runtime traces (records with stage, kind, start, end). B's budget is at
+    least I's + W's (a backward split into I and W does the same work), and I and W are
+    scaled up together to fill B's budget, so delayed-W configurations get the same device
+    time per microbatch as plain ones.
+    """
+    out = []
+    for s in range(pp):
+        q: dict[str, float] = {}
+        for kind in PACE_KINDS:
+            d = sorted(r["end"] - r["start"] for tr in traces if tr for r in tr
+                       if r["stage"] == s and r["kind"] == kind)
+            if d:
+                q[kind] = d[min(len(d) - 1, max(0, math.ceil(quantile * len(d)) - 1))] * margin
+        if "I" in q and "W" in q:
+            q["B"] = max(q.get("B", 0.0), q["I"] + q["W"])
+            scale = q["B"] / (q["I"] + q["W"])
+            q["I"], q["W"] = q["I"] * scale, q["W"] * scale
+        out.append(q)
+    return out
