@@ -192,14 +192,9 @@ def describe_layout(lay: dict[str, Any]) -> str:
             + f" ({lay['world_size']} rank{'s' if lay['world_size'] != 1 else ''}, {lay.get('param_dtype', '?')})")
 
 
-def _tps(stages: list[list[int]] | None) -> str:
-    """'2', or '1,2' per stage when they differ."""
-    vals = [t for t, _ in stages or []]
-    return "?" if not vals else str(vals[0]) if len(set(vals)) == 1 else ",".join(map(str, vals))
-
-
-def _dps(stages: list[list[int]] | None) -> str:
-    vals = [d for _, d in stages or []]
+def _sizes(stages: list[list[int]] | None, axis: int) -> str:
+    """tp (axis 0) or dp (axis 1) of a layout for messages: '2', or '1,2' per stage when they differ."""
+    vals = [st[axis] for st in stages or []]
     return "?" if not vals else str(vals[0]) if len(set(vals)) == 1 else ",".join(map(str, vals))
 
 
@@ -474,7 +469,7 @@ class CheckpointManager:
         same_layout = same_mp and saved_stages == cur_stages
         saved_dp = saved_stages[ctx.pp_rank()][1] if same_mp else None  # this stage's saved dp
         changed = [k for k in ("stage_layouts", "zero_stage", "world_size", "param_dtype")
-                   if (stage_layouts_of(sl) if k == "stage_layouts" else sl.get(k)) != cur_layout.get(k)
+                   if (saved_stages if k == "stage_layouts" else sl.get(k)) != cur_layout.get(k)
                    and not (k == "zero_stage" and optimizer is None)]
         if changed and sl.get("tp") is not None:
             messages.append(f"layout changed: saved {describe_layout(sl)} -> now {describe_layout(cur_layout)}; "
@@ -491,11 +486,11 @@ class CheckpointManager:
                 rng_key = f"rng.rank{coords[(ctx.pp_rank(), tp_rank, ctx.dp_rank())]}"
             elif same_mp:
                 rng_key = f"rng.rank{coords[(ctx.pp_rank(), tp_rank, ctx.dp_rank() % saved_dp)]}"
-                messages.append(f"RNG: dp changed {_dps(saved_stages)} -> {_dps(cur_stages)}: each rank takes the "
+                messages.append(f"RNG: dp changed {_sizes(saved_stages, 1)} -> {_sizes(cur_stages, 1)}: each rank takes the "
                                 f"streams of the saved rank with its (pp, tp) and dp rank mod the saved dp; with "
                                 "dropout the masks differ from the saved run's continuation (ranks draw per microbatch)")
             else:
-                messages.append(f"RNG: tp/pp changed (tp {_tps(saved_stages)} -> {_tps(cur_stages)}, pp {sl.get('pp')} -> "
+                messages.append(f"RNG: tp/pp changed (tp {_sizes(saved_stages, 0)} -> {_sizes(cur_stages, 0)}, pp {sl.get('pp')} -> "
                                 f"{ctx.pp_size}): per-(stage, tp rank) streams cannot carry over; re-seeded "
                                 "from seed + iteration (dropout masks differ from the saved run's)")
         objects = [common_key] + ([rng_key] if rng_key else [])
@@ -524,7 +519,7 @@ class CheckpointManager:
                                 f"{sampler.global_batch_size}: training continues at sample {s['consumed_samples']}, "
                                 "but iterations no longer see the saved run's batches")
             elif [d for _, d in saved_stages or []] != [d for _, d in cur_stages]:
-                messages.append(f"data: dp changed {_dps(saved_stages)} -> {_dps(cur_stages)}: each iteration trains on the same "
+                messages.append(f"data: dp changed {_sizes(saved_stages, 1)} -> {_sizes(cur_stages, 1)}: each iteration trains on the same "
                                 "global batch as before (the sampler's global order does not depend on dp); the "
                                 "per-rank split and reduction order change, so losses agree to rounding, not bitwise")
             if s.get("total_samples") != sampler.total_samples:
