@@ -67,14 +67,14 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_schedule.draw
 
+from megareshard.pipeline.pacing import calibrate_pace, parse_pace  # noqa: E402 (no torch import)
+
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b")
 STRATEGY_NAMES = ("sendrecv", "allgather", "broadcast", "signal")
 MODELS = ("gpt", "utransformer")
 DEFAULT_CONFIGS = ("1f1b+sendrecv,1f1b+allgather,1f1b+broadcast,eager-1f1b+broadcast,"
                    "eager-1f1b+broadcast+dw,gpipe+broadcast")
 ENV_ARGV = "MR_BENCH_PIPELINE_ARGV"
-
-from megareshard.pipeline.pacing import calibrate_pace, parse_pace  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -371,10 +371,14 @@ def _worker(a: argparse.Namespace) -> int:
     pace = parse_pace(a.pace, warmup=a.warmup, quantile=a.pace_quantile, margin=a.pace_margin)
     stage = ctx.pp_rank()
     budgets: list[dict[str, float]] | None = None
+
+    def set_pace(per_stage: list[dict[str, float]]) -> None:
+        for rt in runtimes:
+            rt.pace = per_stage[stage]
+
     if isinstance(pace, dict):
         budgets = [dict(pace) for _ in range(a.pp)]
-        for rt in runtimes:
-            rt.pace = budgets[stage]
+        set_pace(budgets)
     # --pace auto: the warm-up rounds run unpaced and calibrate; one more untimed round runs paced
     skip = a.warmup + (1 if pace == "auto" else 0)
     rounds = skip + a.iters
@@ -387,8 +391,7 @@ def _worker(a: argparse.Namespace) -> int:
             if dist.is_initialized():
                 dist.broadcast_object_list(box, src=0)
             budgets = box[0]
-            for rt in runtimes:
-                rt.pace = budgets[stage]
+            set_pace(budgets)
             say("[bench_pipeline] paced compute (ms, per stage): " + "; ".join(
                 f"stage {s} " + " ".join(f"{k}={1e3 * v:.0f}" for k, v in b.items()) for s, b in enumerate(budgets)))
         t_round = time.monotonic()
