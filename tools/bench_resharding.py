@@ -49,20 +49,10 @@ if str(_ROOT) not in sys.path:  # run as a script from anywhere
 import torch  # noqa: E402
 
 from megareshard.resharding import Mesh, NetworkModel, ShardingSpec, local_slices, plan_resharding  # noqa: E402
-from megareshard.resharding.cases import PAPER_CASE_IDS, one_to_many_cases, paper_case  # noqa: E402
+from megareshard.resharding.cases import PAPER_CASE_IDS, NamedCase, one_to_many_cases, paper_case  # noqa: E402
 
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 SCHEDULERS = ("naive", "loadbalance", "dfs", "greedy", "auto")
-
-
-@dataclass(frozen=True)
-class BenchCase:
-    name: str
-    shape: tuple[int, ...]
-    src_mesh: Mesh
-    src_spec: ShardingSpec
-    dst_mesh: Mesh
-    dst_spec: ShardingSpec
 
 
 @dataclass
@@ -103,13 +93,13 @@ def place(mesh: Mesh, procs_per_host: int) -> Mesh:
     return Mesh([[pos[r] for r in row] for row in mesh.ranks], {pos[r]: mesh.host_of(r) for r in mesh.flat_ranks})
 
 
-def build_cases(args: argparse.Namespace) -> list[BenchCase]:
-    out: list[BenchCase] = []
+def build_cases(args: argparse.Namespace) -> list[NamedCase]:
+    out: list[NamedCase] = []
     if args.shape:
         shape = tuple(int(s) for s in args.shape.split(","))
         src = Mesh.parse(args.src_mesh)
         dst = Mesh.parse(args.dst_mesh, first_rank=src.size, first_host=len(src.host_ids()))
-        out.append(BenchCase(f"{args.src_mesh}:{args.src_spec}->{args.dst_mesh}:{args.dst_spec}", shape, src,
+        out.append(NamedCase(f"{args.src_mesh}:{args.src_spec}->{args.dst_mesh}:{args.dst_spec}", shape, src,
                              ShardingSpec.parse(args.src_spec), dst, ShardingSpec.parse(args.dst_spec)))
         return out
     if args.case:
@@ -120,7 +110,7 @@ def build_cases(args: argparse.Namespace) -> list[BenchCase]:
         ids = []
     for n in ids:
         c = paper_case(n, scale=args.scale, devices_per_host=args.devices_per_host)
-        out.append(BenchCase(f"case{n}", tuple(c.shape), c.src_mesh, c.src_spec, c.dst_mesh, c.dst_spec))
+        out.append(NamedCase(f"case{n}", *c))
     if args.suite == "one-to-many":
         names = set()
         for c in one_to_many_cases(scale=args.scale, max_devices=args.max_devices, max_hosts=args.max_hosts,
@@ -128,11 +118,11 @@ def build_cases(args: argparse.Namespace) -> list[BenchCase]:
             if c.name in names:  # "1->1xD" is both the last one-host case and the first multi-host one
                 continue
             names.add(c.name)
-            out.append(BenchCase(c.name, tuple(c.shape), c.src_mesh, c.src_spec, c.dst_mesh, c.dst_spec))
+            out.append(c)
     return out
 
 
-def fits(case: BenchCase, num_hosts: int, procs_per_host: int) -> str | None:
+def fits(case: NamedCase, num_hosts: int, procs_per_host: int) -> str | None:
     """Why the case does not fit the job, or None."""
     hosts = set(case.src_mesh.host_ids()) | set(case.dst_mesh.host_ids())
     if max(hosts) >= num_hosts:
@@ -194,7 +184,7 @@ def calibrate_goodput(procs_per_host: int, num_hosts: int, nbytes: int, repeat: 
     return max(1, nbytes // 4) * 4 / statistics.median(times[1:])
 
 
-def run_config(case: BenchCase, strategy: str, scheduler: str, args: argparse.Namespace,
+def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Namespace,
                model: NetworkModel, procs_per_host: int, order: str = "concurrent",
                pred_model: NetworkModel | None = None) -> Record:
     """Plan, build, check, time one configuration (collective in distributed mode).
