@@ -62,9 +62,13 @@ def _child(rank: int, world_size: int, store_path: str, stack_path: str,
         fn, args, kwargs = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        from megareshard.parallel import nccl_check
+
+        nccl_check.maybe_install()  # MEGARESHARD_NCCL_CHECK=DIR: record every operation (run_ranks(nccl_check=True))
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
+            nccl_check.dump()
             try:
                 dist.destroy_process_group()
             except Exception:
@@ -81,15 +85,26 @@ class _Outcome:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, nccl_check: bool = False, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     Returns the list of per-rank return values. Raises ``RankFailure`` with every rank's
     traceback (and the stacks of ranks that were still running) if any rank fails or the
-    whole run exceeds ``timeout`` seconds.
+    whole run exceeds ``timeout`` seconds. With ``nccl_check=True`` every rank runs in
+    NCCL's checking mode (``megareshard.parallel.nccl_check``: tags forced to 0, every
+    operation recorded) and the run fails if the records break NCCL's rules.
     """
     if not 1 <= world_size <= 16:
         raise ValueError(f"world_size {world_size} is outside 1..16")
+    if nccl_check:
+        from megareshard.parallel.nccl_check import ENV, check_logs
+
+        with tempfile.TemporaryDirectory(prefix="mr-ncclcheck-") as logs:
+            out = run_ranks(fn, world_size, *args, timeout=timeout, env={**(env or {}), ENV: logs}, **kwargs)
+            bad = check_logs(logs)
+            if bad:
+                raise RankFailure(f"NCCL rules broken running {getattr(fn, '__qualname__', fn)}:\n" + "\n".join(bad))
+        return out
     ctx = _context()
     payload = pickle.dumps((fn, args, kwargs))
     child_env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}

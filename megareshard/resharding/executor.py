@@ -1,151 +1,239 @@
-"""Execute a cross-mesh resharding plan with torch.distributed (DESIGN.md §3.5).
+"""Execute a cross-mesh resharding plan with torch.distributed, under NCCL's rules.
 
 A `Resharder` is built once per (plan, dtype) — collectively, on every rank of the
 default process group — and then run every microbatch:
 
-    resharder = Resharder(plan, torch.float32, chunks=8)
+    resharder = Resharder(plan, torch.float32)
     out = resharder.run(local_src)          # or: h = resharder.start(local_src); ...; h.wait()
 
-Why it is built this way:
+**The rules it is built to** (NCCL's, kept on gloo too and checked there by
+`megareshard.parallel.nccl_check`): point-to-point messages between two ranks pair up in
+issue order (no tags: every tag is 0); every member of a communicator issues the same
+operations in the same order; one thread drives a communicator.
 
-* **One global order.** Every message of every unit task gets a fixed position: plan task
-  order, then the strategy's message order (chunk order for broadcast). Each rank posts
-  the messages it takes part in in that order, with the task's position as the tag, so
-  gloo's (peer pair, tag) FIFO matching pairs them up and nothing can wait on a message
-  that is posted later. Nothing — groups, buffers, message lists — is created lazily or
-  in rank-dependent order: construction makes all of it (the known deadlock of lazily
-  created communicators in Megatron and torch pipelining cannot happen).
-* **Asynchronous.** Direct messages (the holder of the data sending it, receivers
-  receiving) are posted as async `isend`/`irecv` in `start()`. A rank that *forwards*
-  data it receives (broadcast chain hop, intra-host fan-out, allgather exchange) must
-  wait for each chunk before passing it on; progress threads do that, one per task this
-  rank forwards for (a single thread in global order would hold back a task whose
-  chunks arrive while an earlier task is still arriving), so `start()` returns at once
-  and the pipeline keeps flowing while the caller computes. A task's thread of one run
-  first joins the same task's thread of the previous run, which keeps the posting order
-  of every (pair, tag) FIFO across runs of one Resharder.
-* **Strategies** (paper §3.1): `sendrecv` (sender → every receiver), `allgather` (sender
-  → 1/B of the slice to each of a host's B receivers, which then exchange pieces
-  inside the host), `broadcast` (the slice in `chunks` pieces along the chain sender →
-  first receiver of each other host in ascending host order, each hop forwarding chunk k
-  as soon as it has it, every hop also fanning out to the other receivers on its host;
-  on NCCL a `dist.broadcast` on a cached per-task sub-communicator instead, which NCCL
-  pipelines itself), `signal` (one byte per receiver per task: the end-to-end upper
-  bound; **the returned tensor then has the right shape but undefined values**).
-* A destination rank that holds a slice in its own source shard (overlapping meshes)
-  copies it locally; receivers on the sender's host still get it by a (loopback) message.
+* **Communicators by participant set.** Every unit task runs on the communicator of its
+  participants: its sending rank and the receivers it serves over the network, keyed
+  ``(sender, receivers)``. Tasks (of any Resharder sharing a `CommStreams`) with the same
+  key share one communicator, so their number is bounded by the distinct sets, never by
+  tasks or microbatches. The sender is part of the key so that the two directions of a
+  pipeline edge never share a communicator: on NCCL a rank whose send is queued before its
+  receive on the same communicator would wait for a peer doing the same (the 1F1B send/recv
+  deadlock Megatron avoids by batching). All communicators are created at construction, in
+  the plan's global task order, identically on every rank (`dist.new_group` is collective).
+* **One stream thread per communicator.** Each communicator has, on each member rank, one
+  thread that issues all of its operations, in FIFO order of the runs submitted to it (a
+  CUDA stream's semantics). `start()` only submits work and returns; the calling thread
+  never issues point-to-point operations itself. Per run, a stream issues its tasks in
+  global order: first every receive (posted early), then the sends in global message
+  order; a *forward* (broadcast chain hop, intra-host fan-out, all-gather exchange) first
+  waits for the receive that brought its data — blocking only this communicator's thread,
+  the gloo counterpart of NCCL's stream ordering. Every member of a communicator sees the
+  same sequence of runs (the pipeline's lowering guarantees that a receiver posts receives
+  in its sender's order), and inside a run the same global message order, so every
+  message pairs with the right one by issue order alone.
+* **Strategies** (paper §3.1): `sendrecv` (sender → every receiver), `allgather` (sender →
+  1/B of the slice to each of a host's B receivers, which then exchange pieces inside the
+  host), `broadcast` (on NCCL one ``dist.broadcast`` on the task's communicator, which NCCL
+  pipelines itself; on gloo the slice in K chunks along the chain sender → first receiver
+  of each other host in ascending host order, each hop forwarding chunk k as soon as it has
+  it and fanning out to the other receivers on its host), `signal` (one byte per receiver
+  per task: the end-to-end upper bound; **the returned tensor then has the right shape but
+  undefined values**). K comes from the plan (per task, chosen by the network model) unless
+  the `chunks` argument overrides it.
+* Data lives on the device of its rank (signal bytes and receive buffers too). A destination
+  rank that holds a slice in its own source shard copies it locally.
 
 **Execution order** (`order=`):
 
-* `"concurrent"`: every rank posts the messages of *all* tasks at once (above). The plan's
-  order is then irrelevant: TCP fair-shares each NIC among the flows that cross it, no
-  NIC idles while another task could use it, and only the plan's *sender choice* matters.
+* `"concurrent"` (default): every stream runs as soon as it can. TCP fair-shares each NIC
+  among the flows that cross it; only the plan's *sender choice* matters.
 * `"plan"`: the paper's model (§3.2) and `NetworkModel.predict`'s — one NIC side (send or
-  receive) of a host serves one task at a time, in plan order; tasks on disjoint NIC
-  sides (a round of `plan.rounds`) run together. A message is a *wire* message when its
-  two ranks sit on different hosts; it uses the send side of its source host and the
-  receive side of its destination host. Per NIC side, the tasks whose wire messages use
-  it form a chain in plan order; a task's wire operations on a side are posted only after
-  every rank that used that side for the previous task of the chain has completed its
-  operations there. No global barrier and no cross-host control message is needed:
-  gloo's unbound send is a rendezvous (data flows only after the receiver posts its
-  receive), so holding back the *sender's* isend enforces the send side and holding back
-  the *receiver's* irecv enforces the receive side. Completion is known locally (a
-  progress thread waits on the works) and passed on inside the host: a `threading.Event`
-  when the next user of the side is the same rank, else a 1-byte loopback token message
-  to it (tag `TOKEN_TAG_BASE + 2·(tag_base + pos) + side`, so tokens never share a (pair,
-  tag) with data). Per task a rank runs up to two progress threads: `rx` (receive gate,
-  post wire receives, wait for each piece and pass it to the intra-host fan-out, signal
-  the receive side) and `tx` (send gate, post direct sends, forward chunks as the `rx`
-  thread marks them arrived, wait, signal the send side), so a broadcast relay's receive
-  side is released as soon as its data is in, whatever its send side waits for. Every
-  wait points to an earlier task on the same side, or to the same task's upstream data,
-  so the waits form a DAG over (task, side) in the one global order: no deadlock.
-  `start()` still returns at once. Costs: ≤ 2 threads per (rank, task with wire
-  traffic) per run, one loopback token per side hand-over between two ranks of a host,
-  and a thread wake-up per hand-over (measured: a `signal` run, 1 byte per task, takes a
-  median 7.7 ms under "plan" against 5.2 ms under "concurrent"); a send side is released when the
-  sender's isend completes, i.e. when the last bytes entered the kernel's socket buffer
-  (gloo sets SO_SNDBUF up to the message size, capped by net.core.wmem_max), so the next
-  task on a send side may start up to one socket buffer (≤ 8 MB here, ~65 ms at 1 Gbit/s)
-  before the previous one has left the NIC — the receive side is exact. On NCCL (a
-  broadcast per task on its own communicator) the order is not enforced: "plan" acts as
-  "concurrent".
+  receive) of a host serves one task at a time, in plan order. A message is a *wire*
+  message when its two ranks sit on different hosts. Per NIC side, the tasks whose wire
+  messages use it form a chain in plan order; a task's wire operations on a side are
+  posted only after every rank that used that side for the previous task of the chain has
+  completed its operations there. Hand-overs inside a rank are events; between two ranks
+  of a host they are 1-byte token messages on one token communicator per host, issued by
+  that communicator's own thread in the receivers' (task, side) order. Every wait points to
+  an earlier task on the same side or to the same task's upstream data: no deadlock. A
+  send side is released when the sender's send completes (the bytes entered the socket
+  buffer), the receive side exactly. gloo only: on NCCL a transfer completes on the GPU
+  stream, and gating the next one on it would need a CUDA-event poll per transfer, which is
+  not built — "plan" raises there rather than silently running "concurrent".
 
-Default: `"concurrent"` — see `DEFAULT_ORDER` for the measurement behind the choice.
-With `trace=True` every `plan`-mode run records, per (task, NIC side) this rank used,
-when its wire operations were posted and when they completed (`handle.trace`).
-
-Concurrent Resharders whose messages share rank pairs must use disjoint tag ranges
-(`tag_base` .. `tag_base + len(plan.tasks) - 1`, below 2**21), since gloo matches by
-(pair, tag); a pair's j-th message of a task adds j * 2**21 to the task's tag. Don't modify `local_src` before `wait()` (contiguous slices of it are sent
-without a copy).
+With ``trace=True`` every `plan`-mode run records, per (task, NIC side) this rank used, when
+its wire operations were posted and when they completed (``handle.trace``). Don't modify
+``local_src`` before ``wait()`` (contiguous slices of it are sent without a copy).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from .messages import (DEFAULT_ORDER, MAX_PAIR_MESSAGES, ORDERS, PAIR_SEQ_STRIDE, RECV_SIDE, SEND_SIDE, STRATEGIES,
-                       TOKEN_TAG_BASE, _contains, _Msg,
-                       _RankTask, _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
+from ..parallel.nccl_check import set_label
+from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, STRATEGIES, _contains, _Msg, _RankTask,
+                       _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
 from .spec import local_slices
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
 
+__all__ = ["Resharder", "ReshardHandle", "CommStreams"]
+
+GroupKey = tuple[int, tuple[int, ...]]  # (sender, receivers it serves over the network), global ranks
+
+
+# ---------------------------------------------------------------------------------- streams
+class _Item:
+    """One unit of work on a stream; `done` is set when it has run (or failed)."""
+
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Stream:
+    """The one thread that issues every operation of one communicator on this rank, in FIFO order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None]) -> _Item:
+        item = _Item(fn)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+        return item
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                item.fn()
+            except BaseException as e:  # surfaced by ReshardHandle.wait()
+                item.error = e
+            item.done.set()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+
+
+class CommStreams:
+    """The communicators of cross-mesh resharding, one per distinct participant set, each with its stream.
+
+    Share one instance between every Resharder of a job (the pipeline does): tasks with the
+    same (sender, receivers) then share a communicator. Creation is collective over the
+    parent group and must happen in the same order on every rank (Resharder construction
+    guarantees it). ``counts()`` says how many communicators exist.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[Any, Any] = {}
+        self._streams: dict[Any, _Stream] = {}
+        self._rank = dist.get_rank()
+        self._pg = dist.distributed_c10d._get_default_group()
+        self._built = 0
+
+    @classmethod
+    def shared(cls) -> "CommStreams":
+        """The process's default instance for the current default process group (created on first use)."""
+        pg = dist.distributed_c10d._get_default_group()
+        inst = _SHARED.get("streams")
+        if inst is None or inst._pg is not pg:
+            inst = _SHARED["streams"] = cls()
+        return inst
+
+    def group(self, key: Any, ranks: list[int]) -> Any:
+        """The communicator for `key` over global `ranks`; created on first use (collective: every rank calls)."""
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(sorted(ranks))
+        return self._groups[key]
+
+    def next_index(self) -> int:
+        """A serial number per Resharder built on this instance (identical on every rank)."""
+        self._built += 1
+        return self._built - 1
+
+    def stream(self, key: Any) -> _Stream:
+        if key not in self._streams:
+            self._streams[key] = _Stream(f"reshard-stream-r{self._rank}-{key}")
+        return self._streams[key]
+
+    def counts(self) -> dict[str, int]:
+        tokens = sum(1 for k in self._groups if k[0] == "tokens")
+        return {"task_communicators": len(self._groups) - tokens, "token_communicators": tokens}
+
+    def close(self) -> None:
+        for s in self._streams.values():
+            s.close()
+        self._streams.clear()
+
+
+_SHARED: dict[str, CommStreams] = {}  # CommStreams.shared(): a cache per default group, like torch's group registry
+
+
+# ---------------------------------------------------------------------------------- one run
 @dataclass
-class _PlanRun:
-    """State shared by one plan-order run's progress threads on one rank."""
+class _Run:
+    """State shared by one run's stream items on this rank."""
 
-    works: list[Any]  # waited by ReshardHandle.wait() unless in `waited`
-    waited: dict[int, Any] = field(default_factory=dict)  # id -> the work itself (see ReshardHandle)
-    errors: list[BaseException] = field(default_factory=list)
-    side_done: dict[tuple[int, int], threading.Event] = field(default_factory=dict)  # (pos, side)
-    arrived: dict[tuple[int, int, int], threading.Event] = field(default_factory=dict)  # (pos, start, stop)
+    works: list[list[Any]] = field(default_factory=list)  # [work, waited]: wait() waits the others
+    side_done: dict[tuple[int, int], threading.Event] = field(default_factory=dict)  # plan: (pos, side)
+    tokens_posted: threading.Event = field(default_factory=threading.Event)
+    token_works: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
+    failed: threading.Event = field(default_factory=threading.Event)
     trace: list[dict[str, Any]] = field(default_factory=list)
-
 
 
 class ReshardHandle:
     """An in-flight resharding run; `wait()` returns the destination shard (or None)."""
 
-    def __init__(self, owner: "Resharder", out: torch.Tensor | None, works: list[Any],
-                 copies: list[tuple[torch.Tensor, torch.Tensor]], threads: list[threading.Thread],
-                 errors: list[BaseException], keep: list[Any], bufs: dict[int, torch.Tensor] | None,
-                 waited: dict[int, Any]) -> None:
+    def __init__(self, owner: "Resharder", out: torch.Tensor | None, run: _Run, items: list[_Item],
+                 copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[Any],
+                 bufs: dict[int, torch.Tensor] | None) -> None:
         self._owner = owner
-        # Works a progress thread already waited on, by id, *holding the work*: a bare id set
-        # let a freed work's id be reused by a later send, whose wait() was then skipped; the
-        # send's buffer was freed before gloo sent it and the peer waited forever.
-        self._waited = waited
         self._out = out
-        self._works = works
+        self._run = run
+        self._items = items
         self._copies = copies  # (destination view, flat receive buffer) after the data is in
-        self._threads = threads
-        self._errors = errors
         self._keep = keep  # send payloads must live until the sends complete
         self._bufs = bufs
         self._done = False
-        self.trace: list[dict[str, Any]] = []  # plan order with trace=True: filled by the progress threads
+        self.trace = run.trace  # plan order with trace=True: filled by the stream threads
+
+    @property
+    def _works(self) -> list[Any]:
+        return [w for w, _ in self._run.works]
 
     def wait(self) -> torch.Tensor | None:
         if self._done:
             return self._out
-        for t in self._threads:
-            t.join()
-        if self._errors:
-            raise RuntimeError(f"rank {self._owner.rank}: resharding progress thread failed") from self._errors[0]
-        for w in self._works:
-            if id(w) not in self._waited:  # gloo counts completions: a second wait() blocks forever
-                w.wait()
+        for it in self._items:
+            it.done.wait()
+        errors = [it.error for it in self._items if it.error is not None]
+        if errors:
+            raise RuntimeError(f"rank {self._owner.rank}: resharding ({self._owner.name}) failed") from errors[0]
+        for entry in self._run.works:
+            if not entry[1]:  # gloo counts completions: a second wait() on a work blocks forever
+                entry[0].wait()
+                entry[1] = True
         for view, buf in self._copies:
             view.copy_(buf.view(view.shape))
         self._done = True
@@ -156,17 +244,20 @@ class ReshardHandle:
         return self._out
 
 
+# ---------------------------------------------------------------------------------- Resharder
 class Resharder:
     """Runs one `ReshardingPlan` for tensors of one dtype; construction is collective.
 
     Every rank of the default process group must construct it, in the same order as its
     other collectives, even ranks in neither mesh. Mesh ranks are ranks of `group`
-    (default: the world).
+    (default: the world). `streams` is the job's `CommStreams` (default: a private one).
+    `chunks` overrides the plan's per-task broadcast chunk count. `name` labels its
+    messages (logs, the NCCL checking mode).
     """
 
-    def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *, chunks: int = 4,
-                 group: Any = None, tag_base: int = 0, sync_plan: bool = True,
-                 order: str | None = None, trace: bool = False) -> None:
+    def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *, chunks: int | None = None,
+                 group: Any = None, sync_plan: bool = True, order: str | None = None, trace: bool = False,
+                 streams: CommStreams | None = None, name: str = "") -> None:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -174,19 +265,20 @@ class Resharder:
             raise ValueError(f"strategy {plan.strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if int(chunks) != chunks or chunks < 1:
+        if chunks is not None and (int(chunks) != chunks or chunks < 1):
             raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
         if not dist.is_initialized():
             raise RuntimeError("Resharder needs an initialised torch.distributed process group")
+        self._nccl = dist.get_backend(group) == "nccl"
+        if order == "plan" and self._nccl:
+            raise ValueError("order='plan' is gloo-only: it gates each host NIC side on the CPU-side completion of "
+                             "the previous transfer, which on NCCL happens on the GPU stream (a CUDA-event poll per "
+                             "transfer, not built); use order='concurrent' (the default)")
         self.plan = plan
         self.dtype = dtype
-        self.chunks = int(chunks)
+        self.chunks = None if chunks is None else int(chunks)
         self.strategy = plan.strategy
         self.group = group
-        self.tag_base = int(tag_base)
-        if not 0 <= self.tag_base or self.tag_base + len(plan.tasks) > PAIR_SEQ_STRIDE:
-            raise ValueError(f"tag_base {tag_base} out of range: tags tag_base..tag_base+{len(plan.tasks) - 1} "
-                             f"must lie in [0, {PAIR_SEQ_STRIDE}) (each message adds a pair sequence above that)")
         self.order = order
         self.trace = bool(trace)
         self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
@@ -195,8 +287,9 @@ class Resharder:
         all_ranks = set(plan.src_mesh.flat_ranks) | set(plan.dst_mesh.flat_ranks)
         if max(all_ranks) >= world:
             raise ValueError(f"the meshes use rank {max(all_ranks)} but the process group has {world} ranks")
-        self._nccl = dist.get_backend(group) == "nccl"
-        order = self._agree_on_order(plan) if sync_plan else [(t.index, t.sender) for t in plan.tasks]
+        self.streams = streams if streams is not None else CommStreams.shared()
+        self.name = name or f"reshard{self.streams.next_index()}"  # the same on every rank: constructed in one order
+        task_order = self._agree_on_order(plan) if sync_plan else [(t.index, t.sender) for t in plan.tasks]
 
         self._src_region = local_slices(self.shape, plan.src_mesh, plan.src_spec, self.rank)
         self._dst_region = local_slices(self.shape, plan.dst_mesh, plan.dst_spec, self.rank)
@@ -206,8 +299,9 @@ class Resharder:
         by_index = {t.index: t for t in plan.tasks}
         host_of = {r: plan.dst_mesh.host_of(r) for r in plan.dst_mesh.flat_ranks}
         host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
+        self._host_of = host_of
         self.programs: list[_TaskProgram] = []
-        for pos, (index, sender) in enumerate(order):
+        for pos, (index, sender) in enumerate(task_order):
             task = by_index[index]
             if sender is None or sender not in task.senders:
                 raise ValueError(f"task {index}: chosen sender {sender} does not hold the slice "
@@ -215,40 +309,35 @@ class Resharder:
             region = tuple(task.slice)
             held = set(task.senders)
             local = tuple(r for r in task.receivers if r in held)
-            remote = [r for r in task.receivers if r not in held]
+            remote = sorted(r for r in task.receivers if r not in held)
             numel = prod(_shape(region))
-            msgs = build_messages(self.strategy, numel, sender, remote, host_of, self.chunks)
-            grp = (sender, *remote) if self._nccl and self.strategy == "broadcast" and remote else ()
-            self.programs.append(_TaskProgram(pos, index, region, _shape(region), numel, sender, local, msgs, grp))
+            k = self.chunks if self.chunks is not None else int(getattr(task, "chunks", None) or 4)
+            msgs = [] if (self._nccl and self.strategy == "broadcast") else \
+                build_messages(self.strategy, numel, sender, remote, host_of, k)
+            members = (sender, *remote) if remote else ()
+            self.programs.append(_TaskProgram(pos, index, region, _shape(region), numel, sender, local, msgs,
+                                              members, chunks=k))
 
-        # One tag per message: the j-th message of a task between the same (src, dst) pair gets
-        # tag_base + pos + j * PAIR_SEQ_STRIDE. Both ends derive j from the global message order,
-        # so matching never depends on which thread posts first (plan order posts a pair's
-        # messages from several threads; one shared tag per task let gloo's FIFO cross them).
-        self._tags: dict[tuple[int, _Msg], int] = {}
+        # communicators: every rank, every task, one global order (deduplicated by key)
+        self._group_of: dict[GroupKey, Any] = {}
         for p in self.programs:
-            seq: dict[tuple[int, int], int] = {}
-            for m in p.msgs:
-                j = seq.get((m.src, m.dst), 0)
-                seq[(m.src, m.dst)] = j + 1
-                if j >= MAX_PAIR_MESSAGES:
-                    raise ValueError(f"task {p.index}: {j + 1} messages between ranks {m.src} and {m.dst} "
-                                     f"exceed {MAX_PAIR_MESSAGES} (lower chunks={self.chunks})")
-                self._tags[(p.pos, m)] = self.tag_base + p.pos + j * PAIR_SEQ_STRIDE
+            if p.group_ranks:
+                key = (p.sender, tuple(p.group_ranks[1:]))
+                self._group_of[key] = self.streams.group(key, [self._global(r) for r in p.group_ranks])
+        self._plan_order = self.order == "plan"
+        hosts_ranks: dict[int, list[int]] = {}
+        for r in sorted(all_ranks):
+            hosts_ranks.setdefault(host_of[r], []).append(r)
+        self._token_key: Any = None
+        if self._plan_order:  # one token communicator per host (collective: every host, sorted)
+            for h in sorted(hosts_ranks):
+                rs = tuple(hosts_ranks[h])
+                if len(rs) > 1:
+                    key = ("tokens", rs)
+                    g = self.streams.group(key, [self._global(r) for r in rs])
+                    if self.rank in rs:
+                        self._token_key, self._token_group = key, g
 
-        # NCCL sub-communicators: every rank, every task, one global order (deduplicated).
-        groups: dict[tuple[int, ...], Any] = {}
-        if self._nccl and self.strategy == "broadcast":
-            for p in self.programs:
-                key = tuple(sorted(p.group_ranks))
-                if key and key not in groups:
-                    groups[key] = dist.new_group([self._global(r) for r in key])
-        self._groups = groups
-
-        self._host_of = host_of
-        my_host = host_of.get(self.rank)
-        chains = nic_side_chains(self.programs, host_of) if my_host is not None else {}
-        self._plan_order = self.order == "plan" and not self._nccl
         self._mine: list[_RankTask] = []
         for p in self.programs:
             rt = _RankTask(
@@ -260,30 +349,42 @@ class Resharder:
                 copy_local=self.rank in p.local,
             )
             for m in p.msgs:
+                wire = host_of[m.src] != host_of[m.dst]
                 if m.dst == self.rank:
                     rt.recvs.append(m)
+                    if wire:
+                        rt.wire_recvs.append(m)
                 if m.src == self.rank:
                     (rt.forwards if m.forward else rt.sends).append(m)
-            for m in p.msgs:
-                wire = host_of[m.src] != host_of[m.dst]
-                if m.dst == self.rank and wire:
-                    rt.wire_recvs.append(m)
-                if m.src == self.rank:
                     if m.forward:
                         (rt.wire_fwds if wire else rt.intra_fwds).append(m)
                     elif wire:
                         rt.wire_sends.append(m)
+            rt.in_nccl_group = bool(p.group_ranks) and self.rank in p.group_ranks and not p.msgs
             if p.group_ranks and self.rank in p.group_ranks:
-                rt.in_nccl_group = True
-                rt.nccl_group = groups[tuple(sorted(p.group_ranks))]
+                rt.key = (p.sender, tuple(p.group_ranks[1:]))
             if rt.sends and rt.src_view is None:
                 raise AssertionError(f"rank {self.rank} sends task {p.index} but its shard does not hold it")
             if (rt.recvs or rt.copy_local or rt.in_nccl_group) and self.rank != p.sender and rt.dst_view is None:
                 raise AssertionError(f"rank {self.rank} receives task {p.index} outside its destination shard")
             if rt.copy_local or rt.sends or rt.recvs or rt.forwards or rt.in_nccl_group:
                 self._mine.append(rt)
+        # this rank's stream items: its tasks grouped by communicator, in order of first appearance
+        self._items: list[tuple[GroupKey, list[_RankTask]]] = []
+        index: dict[GroupKey, int] = {}
+        for rt in self._mine:
+            if rt.key is None:
+                continue
+            if rt.key not in index:
+                index[rt.key] = len(self._items)
+                self._items.append((rt.key, []))
+            self._items[index[rt.key]][1].append(rt)
         # plan order: where this rank sits in the chains of its host's two NIC sides
+        my_host = host_of.get(self.rank)
+        chains = nic_side_chains(self.programs, host_of) if my_host is not None else {}
         by_pos = {rt.prog.pos: rt for rt in self._mine}
+        self._token_recvs: list[tuple[int, int, int]] = []  # (pos, side, from rank), receivers' order
+        self._token_sends: list[tuple[int, int, int, int]] = []  # (next pos, side, my pos, to rank), same order
         for side in (SEND_SIDE, RECV_SIDE):
             chain = chains.get((my_host, side), [])
             for i, (pos, users) in enumerate(chain):
@@ -292,15 +393,22 @@ class Resharder:
                 rt = by_pos[pos]
                 if i > 0:
                     prev_pos, prev_users = chain[i - 1]
-                    rt.gate[side] = (prev_pos if self.rank in prev_users else None,
-                                     tuple(sorted(prev_users - {self.rank})))
+                    others = tuple(sorted(prev_users - {self.rank}))
+                    rt.gate[side] = (prev_pos if self.rank in prev_users else None, others)
+                    self._token_recvs += [(pos, side, o) for o in others]
                 if i + 1 < len(chain):
                     next_pos, next_users = chain[i + 1]
-                    rt.signal[side] = (next_pos, tuple(sorted(next_users - {self.rank})))
+                    others = tuple(sorted(next_users - {self.rank}))
+                    rt.signal[side] = (next_pos, others)
+                    self._token_sends += [(next_pos, side, pos, o) for o in others]
+        self._token_recvs.sort()
+        self._token_sends.sort()
+        self._device = self._pick_device()
+        self._signal_byte = torch.zeros(1, dtype=torch.uint8, device=self._device)
         # receive buffers for slices that are not contiguous inside the output (cached, pooled)
         self._pool: list[dict[int, torch.Tensor]] = [self._new_buffers()]
         self._lock = threading.Lock()
-        self._last_threads: dict[int, threading.Thread] = {}  # task position -> latest forward thread
+        self._runs = 0
 
     # ------------------------------------------------------------------ construction helpers
     def _global(self, rank: int) -> int:
@@ -326,6 +434,11 @@ class Resharder:
                                  f"{gathered[0][0][5]}; rank {r}: shape {d[0]} {d[2]} -> {d[4]} {d[5]})")
         return list(gathered[0][1])
 
+    def _pick_device(self) -> torch.device:
+        if self._nccl:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _new_buffers(self) -> dict[int, torch.Tensor]:
         bufs: dict[int, torch.Tensor] = {}
         for rt in self._mine:
@@ -333,15 +446,10 @@ class Resharder:
             if not needs:
                 continue
             if self.strategy == "signal":
-                bufs[rt.prog.pos] = torch.empty(1, dtype=torch.uint8)
+                bufs[rt.prog.pos] = torch.empty(1, dtype=torch.uint8, device=self._device)
             elif not self._view_is_contiguous(rt):
-                bufs[rt.prog.pos] = torch.empty(rt.prog.numel, dtype=self.dtype, device=self._device())
+                bufs[rt.prog.pos] = torch.empty(rt.prog.numel, dtype=self.dtype, device=self._device)
         return bufs
-
-    def _device(self) -> torch.device:
-        if self._nccl:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def _view_is_contiguous(self, rt: _RankTask) -> bool:
         assert self.dst_shape is not None and rt.dst_view is not None
@@ -350,6 +458,10 @@ class Resharder:
     def _release(self, bufs: dict[int, torch.Tensor]) -> None:
         with self._lock:
             self._pool.append(bufs)
+
+    def communicators(self) -> int:
+        """How many task communicators this Resharder uses (its keys)."""
+        return len(self._group_of)
 
     # ------------------------------------------------------------------ running
     def _check_input(self, local_src: torch.Tensor | None) -> None:
@@ -377,54 +489,38 @@ class Resharder:
         return self.start(local_src).wait()
 
     def start(self, local_src: torch.Tensor | None) -> ReshardHandle:
-        """Post this rank's operations and return at once; `handle.wait()` gives the shard."""
+        """Submit this rank's operations to the communicators' streams; `handle.wait()` gives the shard."""
         self._check_input(local_src)
         out = None
         if self.dst_shape is not None:
-            out = torch.empty(self.dst_shape, dtype=self.dtype, device=self._device())
+            out = torch.empty(self.dst_shape, dtype=self.dtype, device=self._device)
         with self._lock:
             bufs = self._pool.pop() if self._pool else self._new_buffers()
-        works: list[Any] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         keep: list[Any] = []
-        if self._plan_order:
-            return self._start_plan(local_src, out, bufs, works, copies, keep)
-        forwards: dict[int, list[tuple[_Msg, int, torch.Tensor, Any]]] = {}  # pos -> (msg, tag, buffer, recv work)
-        for rt in self._mine:
-            p = rt.prog
-            recv_flat, send_flat = self._flats(rt, local_src, out, bufs, copies, keep)
-            if rt.in_nccl_group:
-                buf = send_flat if self.rank == p.sender else recv_flat
-                works.append(dist.broadcast(buf, src=self._global(p.sender), group=rt.nccl_group, async_op=True))
-                continue
-            recv_work: dict[tuple[int, int], Any] = {}
-            for m in p.msgs:  # global order; this rank's direct ops only
-                if m.dst == self.rank:
-                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=self._tags[(p.pos, m)])
-                    works.append(w)
-                    recv_work[(m.start, m.stop)] = w
-                elif m.src == self.rank and not m.forward:
-                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst),
-                                            tag=self._tags[(p.pos, m)]))
-                elif m.src == self.rank:
-                    forwards.setdefault(p.pos, []).append((m, self._tags[(p.pos, m)], recv_flat,
-                                                           recv_work.get((m.start, m.stop))))
-        # local copies (overlapping meshes) while the network works
-        for rt in self._mine:
+        run = _Run()
+        n = self._runs
+        self._runs += 1
+        flats = {rt.prog.pos: self._flats(rt, local_src, out, bufs, copies, keep) for rt in self._mine}
+        for rt in self._mine:  # local copies (overlapping meshes), on the caller's thread: no communication
             if rt.copy_local and self.strategy != "signal":
                 out[rt.dst_view].copy_(local_src[rt.src_view])
-        threads: list[threading.Thread] = []
-        errors: list[BaseException] = []
-        waited: dict[int, Any] = {}
-        for pos, fw in forwards.items():
-            t = threading.Thread(target=self._forward, args=(fw, works, errors, waited, self._last_threads.get(pos)),
-                                 name=f"reshard-fwd-r{self.rank}-t{pos}", daemon=True)
-            t.start()
-            self._last_threads[pos] = t
-            threads.append(t)
-        return ReshardHandle(self, out, works, copies, threads, errors, keep, bufs, waited)
-
-    _SIGNAL_BYTE = torch.zeros(1, dtype=torch.uint8)  # payload of signal sends (never written)
+        items: list[_Item] = []
+        if self._plan_order:
+            for side in (SEND_SIDE, RECV_SIDE):
+                for rt in self._mine:
+                    if side in rt.gate or side in rt.signal:
+                        run.side_done[(rt.prog.pos, side)] = threading.Event()
+            if self._token_key is not None and (self._token_recvs or self._token_sends):
+                items.append(self.streams.stream(self._token_key).submit(
+                    lambda: self._tokens(run, n)))
+            else:
+                run.tokens_posted.set()
+        for key, rts in self._items:
+            fn = self._item_plan if self._plan_order else self._item
+            items.append(self.streams.stream(key).submit(
+                lambda key=key, rts=rts: fn(self._group_of[key], rts, flats, run, n)))
+        return ReshardHandle(self, out, run, items, copies, keep, bufs)
 
     def _flats(self, rt: _RankTask, local_src: torch.Tensor | None, out: torch.Tensor | None,
                bufs: dict[int, torch.Tensor], copies: list, keep: list) -> tuple[Any, Any]:
@@ -441,186 +537,228 @@ class Resharder:
         send_flat = None
         if rt.sends or (rt.in_nccl_group and self.rank == p.sender):
             if self.strategy == "signal":
-                send_flat = self._SIGNAL_BYTE
+                send_flat = self._signal_byte
             else:
                 send_flat = local_src[rt.src_view].contiguous().view(-1)
             keep.append(send_flat)
         return recv_flat, send_flat
 
-    # ------------------------------------------------------------------ plan order
-    def _start_plan(self, local_src: torch.Tensor | None, out: torch.Tensor | None, bufs: dict[int, torch.Tensor],
-                    works: list[Any], copies: list, keep: list) -> ReshardHandle:
-        """Post intra-host operations now; gate wire operations per NIC side in progress threads."""
-        run = _PlanRun(works)
-        host = self._host_of
-        jobs: list[tuple[str, int, Any]] = []
-        for rt in self._mine:
-            p = rt.prog
-            recv_flat, send_flat = self._flats(rt, local_src, out, bufs, copies, keep)
-            rw: dict[tuple[int, int], Any] = {}
-            for m in p.msgs:  # global order; intra-host direct operations only
-                if host[m.src] != host[m.dst]:
-                    continue
-                if m.dst == self.rank:
-                    w = dist.irecv(recv_flat[m.start:m.stop], src=self._global(m.src), tag=self._tags[(p.pos, m)])
-                    works.append(w)
-                    rw[(m.start, m.stop)] = w
-                elif m.src == self.rank and not m.forward:
-                    works.append(dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst),
-                                            tag=self._tags[(p.pos, m)]))
-            for side in (SEND_SIDE, RECV_SIDE):
-                if side in rt.gate or side in rt.signal:
-                    run.side_done[(p.pos, side)] = threading.Event()
-            for m in rt.wire_fwds:
-                run.arrived.setdefault((p.pos, m.start, m.stop), threading.Event())
-            if rt.wire_recvs or rt.intra_fwds or rt.wire_fwds:
-                jobs.append(("rx", p.pos, (self._plan_rx, rt, run, rw, recv_flat)))
-            if rt.wire_sends or rt.wire_fwds:
-                jobs.append(("tx", p.pos, (self._plan_tx, rt, run, send_flat, recv_flat)))
-        for rt in self._mine:  # local copies (overlapping meshes) while the network works
-            if rt.copy_local and self.strategy != "signal":
-                out[rt.dst_view].copy_(local_src[rt.src_view])
-        threads: list[threading.Thread] = []
-        for kind, pos, (fn, *args) in jobs:
-            key = (pos, kind)
-            t = threading.Thread(target=self._plan_thread, args=(fn, args, run, self._last_threads.get(key)),
-                                 name=f"reshard-{kind}-r{self.rank}-t{pos}", daemon=True)
-            t.start()
-            self._last_threads[key] = t
-            threads.append(t)
-        h = ReshardHandle(self, out, works, copies, threads, run.errors, keep, bufs, run.waited)
-        h.trace = run.trace
-        return h
+    # ------------------------------------------------------------------ stream items
+    def _label(self, n: int, p: _TaskProgram, j: int) -> None:
+        set_label(f"{self.name}#{n}/t{p.index}/m{j}")
 
-    def _plan_thread(self, fn: Any, args: tuple, run: "_PlanRun", previous: threading.Thread | None) -> None:
-        rt = args[0]
+    def _recv(self, group: Any, run: _Run, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
+        self._label(n, p, j)
+        entry = [dist.irecv(flat[m.start:m.stop], src=self._global(m.src), group=group), False]
+        run.works.append(entry)
+        return entry
+
+    def _send(self, group: Any, run: _Run, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
+        self._label(n, p, j)
+        entry = [dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), group=group), False]
+        run.works.append(entry)
+        return entry
+
+    @staticmethod
+    def _await(entry: list[Any]) -> None:
+        if not entry[1]:
+            entry[0].wait()
+            entry[1] = True
+
+    def _item(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+        """Concurrent order (gloo): every receive of these tasks, then the sends in global message order."""
+        if self._nccl:
+            self._item_nccl(group, rts, flats, run, n)
+            return
+        me = self.rank
         try:
-            if previous is not None:
-                previous.join()  # the same task's thread of the previous run: FIFO per (pair, tag)
-            fn(*args)
-        except BaseException as e:  # surfaced by wait()
-            run.errors.append(e)
-        finally:  # never leave this rank's other threads waiting on a failed one
-            if run.errors:
-                for side in (SEND_SIDE, RECV_SIDE):
-                    ev = run.side_done.get((rt.prog.pos, side))
-                    if ev is not None:
-                        ev.set()
-                for (pos, _, _), ev in run.arrived.items():
-                    if pos == rt.prog.pos:
-                        ev.set()
+            recv_of: dict[tuple[int, int, int], list[Any]] = {}
+            for rt in rts:
+                p = rt.prog
+                for j, m in enumerate(p.msgs):
+                    if m.dst == me:
+                        recv_of[(p.pos, m.start, m.stop)] = self._recv(group, run, n, p, j, m, flats[p.pos][0])
+            for rt in rts:
+                p = rt.prog
+                recv_flat, send_flat = flats[p.pos]
+                for j, m in enumerate(p.msgs):
+                    if m.src != me:
+                        continue
+                    if m.forward:  # wait for the data to forward (blocks this communicator's thread only)
+                        self._await(recv_of[(p.pos, m.start, m.stop)])
+                        self._send(group, run, n, p, j, m, recv_flat)
+                    else:
+                        self._send(group, run, n, p, j, m, send_flat)
+        finally:
+            set_label(None)
 
-    def _gate(self, rt: _RankTask, side: int, run: "_PlanRun") -> None:
+    def _item_nccl(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+        """NCCL: broadcasts as one collective each; otherwise one batch of the direct receives and sends,
+        then (after a GPU-stream wait for the data) one batch of the forwards and their receives. Batching
+        (ncclGroupStart/End) lets a rank's receive and send on one communicator progress together; issued
+        one by one they would queue on the communicator's stream and wait for each other."""
+        me = self.rank
+        try:
+            direct: list[Any] = []
+            second: list[Any] = []
+            feeds: list[tuple[int, int, int]] = []
+            for rt in rts:
+                p = rt.prog
+                recv_flat, send_flat = flats[p.pos]
+                if rt.in_nccl_group:
+                    set_label(f"{self.name}#{n}/t{p.index}")
+                    buf = send_flat if me == p.sender else recv_flat
+                    run.works.append([dist.broadcast(buf, src=self._global(p.sender), group=group, async_op=True),
+                                      False])
+                    continue
+                for m in p.msgs:
+                    if m.dst == me:
+                        op = dist.P2POp(dist.irecv, recv_flat[m.start:m.stop], self._global(m.src), group)
+                        (second if m.forward else direct).append(((p.pos, m.start, m.stop), op))
+                    elif m.src == me:
+                        flat = recv_flat if m.forward else send_flat
+                        op = dist.P2POp(dist.isend, flat[m.start:m.stop], self._global(m.dst), group)
+                        (second if m.forward else direct).append((None, op))
+                        if m.forward:
+                            feeds.append((p.pos, m.start, m.stop))
+            recv_of: dict[tuple[int, int, int], list[Any]] = {}
+            for batch in (direct, second):
+                if batch is second:
+                    for key in feeds:  # GPU-stream wait: the batch's kernels run after the data is in
+                        recv_of[key][0].wait()
+                if not batch:
+                    continue
+                set_label(f"{self.name}#{n}/{'direct' if batch is direct else 'forward'}")
+                works = dist.batch_isend_irecv([op for _, op in batch])
+                for (key, _), w in zip(batch, works):
+                    entry = [w, False]
+                    run.works.append(entry)
+                    if key is not None:
+                        recv_of[key] = entry
+        finally:
+            set_label(None)
+
+    # ------------------------------------------------------------------ plan order (gloo)
+    def _tokens(self, run: _Run, n: int) -> None:
+        """The token communicator's thread: post every token receive of the run, then send each token
+        as soon as its (task, side) is done here, in the receivers' (task, side) order."""
+        g = self._token_group
+        try:
+            for pos, side, src in self._token_recvs:
+                set_label(f"{self.name}#{n}/token/t{pos}/s{side}")
+                entry = [dist.irecv(self._token_buf(), src=self._global(src), group=g), False]
+                run.token_works.setdefault((pos, side), []).append(entry)
+            run.tokens_posted.set()
+            sent = []
+            for next_pos, side, pos, dst in self._token_sends:
+                while not run.side_done[(pos, side)].wait(0.05):
+                    if run.failed.is_set():
+                        raise RuntimeError("another stream of this run failed")
+                set_label(f"{self.name}#{n}/token/t{next_pos}/s{side}")
+                sent.append(dist.isend(self._signal_byte, dst=self._global(dst), group=g))
+            for w in sent:
+                w.wait()
+        except BaseException:
+            run.failed.set()
+            run.tokens_posted.set()
+            raise
+        finally:
+            set_label(None)
+
+    def _token_buf(self) -> torch.Tensor:
+        return torch.empty(1, dtype=torch.uint8, device=self._device)
+
+    def _gate(self, rt: _RankTask, side: int, run: _Run) -> None:
         """Wait until the previous task on this host's NIC `side` is done on every rank that used it."""
         if side not in rt.gate:
             return
         prev_pos, others = rt.gate[side]
         if prev_pos is not None:
-            run.side_done[(prev_pos, side)].wait()
+            while not run.side_done[(prev_pos, side)].wait(0.05):
+                if run.failed.is_set():
+                    raise RuntimeError("another stream of this run failed")
         if others:
-            tag = TOKEN_TAG_BASE + 2 * (self.tag_base + rt.prog.pos) + side
-            tok = torch.empty(len(others), dtype=torch.uint8)
-            ws = [dist.irecv(tok[i:i + 1], src=self._global(r), tag=tag) for i, r in enumerate(others)]
-            for w in ws:
-                w.wait()
-        if run.errors:
-            raise RuntimeError("another progress thread of this run failed")
+            run.tokens_posted.wait()
+            for entry in run.token_works.get((rt.prog.pos, side), []):
+                self._await(entry)
+        if run.failed.is_set():
+            raise RuntimeError("another stream of this run failed")
 
-    def _release_side(self, rt: _RankTask, side: int, run: "_PlanRun") -> list[Any]:
-        """This rank is done with the task on `side`: tell the side's next users (returns token sends)."""
+    def _done(self, rt: _RankTask, side: int, run: _Run, t_post: float) -> None:
         ev = run.side_done.get((rt.prog.pos, side))
         if ev is not None:
             ev.set()
-        if side not in rt.signal:
-            return []
-        next_pos, others = rt.signal[side]
-        tag = TOKEN_TAG_BASE + 2 * (self.tag_base + next_pos) + side
-        return [dist.isend(self._SIGNAL_BYTE, dst=self._global(r), tag=tag) for r in others]
-
-    def _trace(self, run: "_PlanRun", rt: _RankTask, side: int, t_post: float, t_done: float) -> None:
         if self.trace:
             run.trace.append({"pos": rt.prog.pos, "task": rt.prog.index, "rank": self.rank,
                               "host": self._host_of[self.rank], "side": "send" if side == SEND_SIDE else "recv",
-                              "t_post": t_post, "t_done": t_done})
+                              "t_post": t_post, "t_done": time.monotonic()})
 
-    def _plan_rx(self, rt: _RankTask, run: "_PlanRun", rw: dict[tuple[int, int], Any], flat: Any) -> None:
-        """Receive side: gate, post wire receives, pass each piece on as it arrives, release the side."""
+    def _item_plan(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+        try:
+            for rt in rts:
+                self._task_plan(group, rt, flats, run, n)
+        except BaseException:
+            run.failed.set()
+            for ev in run.side_done.values():  # never leave this rank's other streams waiting on this one
+                ev.set()
+            raise
+        finally:
+            set_label(None)
+
+    def _task_plan(self, group: Any, rt: _RankTask, flats: dict, run: _Run, n: int) -> None:
+        """One task: intra-host receives at once; wire receives after the receive gate; sends after the
+        send gate; forwards as their data arrives; each NIC side released when this rank is done with it."""
+        me, host = self.rank, self._host_of
         p = rt.prog
-        tags = self._tags
-        tokens: list[Any] = []
-        t_post = 0.0
+        recv_flat, send_flat = flats[p.pos]
+        wire = {id(m) for m in rt.wire_recvs}
+        recv_of: dict[tuple[int, int], list[Any]] = {}
+        for j, m in enumerate(p.msgs):  # intra-host receives: no NIC
+            if m.dst == me and id(m) not in wire:
+                recv_of[(m.start, m.stop)] = self._recv(group, run, n, p, j, m, recv_flat)
+        t_recv = 0.0
         if rt.wire_recvs:
             self._gate(rt, RECV_SIDE, run)
-            t_post = time.monotonic()
-            for m in rt.wire_recvs:
-                rw[(m.start, m.stop)] = dist.irecv(flat[m.start:m.stop], src=self._global(m.src),
-                                                   tag=tags[(p.pos, m)])
-        wire_left = {(m.start, m.stop) for m in rt.wire_recvs}
-        fan = {}
-        for m in rt.intra_fwds:
-            fan.setdefault((m.start, m.stop), []).append(m)
-        for m in rt.recvs:  # message order
-            key = (m.start, m.stop)
-            w = rw[key]
-            w.wait()
-            run.waited[id(w)] = w
-            for f in fan.pop(key, ()):
-                run.works.append(dist.isend(flat[f.start:f.stop], dst=self._global(f.dst), tag=tags[(p.pos, f)]))
-            ev = run.arrived.get((p.pos, m.start, m.stop))
-            if ev is not None:
-                ev.set()
-            if key in wire_left:
-                wire_left.discard(key)
-                if not wire_left:
-                    self._trace(run, rt, RECV_SIDE, t_post, time.monotonic())
-                    tokens += self._release_side(rt, RECV_SIDE, run)
-        if fan:
-            raise AssertionError(f"rank {self.rank}: forward of {sorted(fan)} without a matching receive")
-        for w in tokens:
-            w.wait()
-
-    def _plan_tx(self, rt: _RankTask, run: "_PlanRun", send_flat: Any, recv_flat: Any) -> None:
-        """Send side: gate, post direct sends, forward chunks as they arrive, wait, release the side."""
-        p = rt.prog
-        tags = self._tags
-        self._gate(rt, SEND_SIDE, run)
-        t_post = time.monotonic()
-        sends = [dist.isend(send_flat[m.start:m.stop], dst=self._global(m.dst), tag=tags[(p.pos, m)])
-                 for m in rt.wire_sends]
-        for m in rt.wire_fwds:
-            run.arrived[(p.pos, m.start, m.stop)].wait()
-            if run.errors:
-                raise RuntimeError("another progress thread of this run failed")
-            sends.append(dist.isend(recv_flat[m.start:m.stop], dst=self._global(m.dst), tag=tags[(p.pos, m)]))
-        for w in sends:
-            w.wait()
-        self._trace(run, rt, SEND_SIDE, t_post, time.monotonic())
-        for w in self._release_side(rt, SEND_SIDE, run):
-            w.wait()
-
-    def _forward(self, forwards: list[tuple[_Msg, int, torch.Tensor, Any]], works: list[Any],
-                 errors: list[BaseException], waited: dict[int, Any], previous: threading.Thread | None) -> None:
-        """Pass on each chunk of one task as soon as it has arrived, in message order (progress thread)."""
-        try:
-            if previous is not None:
-                previous.join()  # FIFO across runs of this Resharder
-            sent: list[Any] = []
-            for m, tag, flat, rw in forwards:
-                if rw is None:
-                    raise AssertionError(f"rank {self.rank}: forward of [{m.start},{m.stop}) without a matching receive")
-                if id(rw) not in waited:
-                    rw.wait()
-                    waited[id(rw)] = rw
-                sent.append(dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), tag=tag))
-            works.extend(sent)
-        except BaseException as e:  # surfaced by wait()
-            errors.append(e)
+            t_recv = time.monotonic()
+            for j, m in enumerate(p.msgs):
+                if m.dst == me and id(m) in wire:
+                    recv_of[(m.start, m.stop)] = self._recv(group, run, n, p, j, m, recv_flat)
+        t_send = 0.0
+        wire_sent: list[list[Any]] = []
+        if rt.wire_sends or rt.wire_fwds:
+            self._gate(rt, SEND_SIDE, run)
+            t_send = time.monotonic()
+        wire_left = len(rt.wire_recvs)
+        # sends and forwards in global message order; a forward's data came in an earlier message
+        for j, m in enumerate(p.msgs):
+            if m.dst == me and id(m) in wire:
+                self._await(recv_of[(m.start, m.stop)])
+                wire_left -= 1
+                if wire_left == 0:
+                    self._done(rt, RECV_SIDE, run, t_recv)
+            if m.src != me:
+                continue
+            if m.forward:
+                self._await(recv_of[(m.start, m.stop)])
+                entry = self._send(group, run, n, p, j, m, recv_flat)
+            else:
+                entry = self._send(group, run, n, p, j, m, send_flat)
+            if host[m.src] != host[m.dst]:
+                wire_sent.append(entry)
+        if rt.wire_sends or rt.wire_fwds:
+            for entry in wire_sent:
+                self._await(entry)
+            self._done(rt, SEND_SIDE, run, t_send)
+        elif (p.pos, SEND_SIDE) in run.side_done:
+            run.side_done[(p.pos, SEND_SIDE)].set()
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> str:
         """Per-task message counts for this rank (for logs)."""
-        lines = [f"Resharder rank {self.rank}: {self.strategy}, {len(self.programs)} tasks, chunks {self.chunks}, "
-                 f"order {self.order}{' (not enforced on NCCL)' if self.order == 'plan' and self._nccl else ''}"]
+        ks = sorted({p.chunks for p in self.programs}) if self.strategy == "broadcast" else []
+        lines = [f"Resharder {self.name} rank {self.rank}: {self.strategy}, {len(self.programs)} tasks, "
+                 f"{len(self._group_of)} communicators, order {self.order}"
+                 + (f", broadcast chunks {ks}" if ks else "")]
         for rt in self._mine:
             lines.append(f"  task {rt.prog.index}: send {len(rt.sends)} recv {len(rt.recvs)} "
                          f"forward {len(rt.forwards)} local {int(rt.copy_local)}")

@@ -26,9 +26,6 @@ slower, while "concurrent" lets TCP share each NIC and lands within noise of the
 schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" to study
 schedules, as the paper does (`NetworkModel.predict(plan, order)` models both orders)."""
 SEND_SIDE, RECV_SIDE = 0, 1  # a host NIC's two directions (as network.SEND / network.RECV)
-PAIR_SEQ_STRIDE = 1 << 21  # tag of a pair's j-th message in a task: tag_base + pos + j * PAIR_SEQ_STRIDE
-MAX_PAIR_MESSAGES = 1 << 8  # so data tags stay below 2**29, under the token tags
-TOKEN_TAG_BASE = 1 << 30  # plan-order hand-over tokens: TOKEN_TAG_BASE + 2*(tag_base + pos) + side
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ class _Msg:
 class _TaskProgram:
     """Everything every rank knows about one unit task, in global posting order."""
 
-    pos: int  # position in execution order; the gloo tag is tag_base + pos
+    pos: int  # position in execution order
     index: int  # the plan's task index
     region: tuple[slice, ...]  # slice of the global tensor
     shape: tuple[int, ...]
@@ -54,7 +51,8 @@ class _TaskProgram:
     sender: int
     local: tuple[int, ...]  # receivers that already hold the slice: local copy
     msgs: list[_Msg]
-    group_ranks: tuple[int, ...] = ()  # NCCL broadcast communicator (sender first)
+    group_ranks: tuple[int, ...] = ()  # the task's communicator: sender first, then the remote receivers
+    chunks: int = 1  # broadcast chunk count K of this task
 
 
 @dataclass
@@ -68,8 +66,8 @@ class _RankTask:
     sends: list[_Msg] = field(default_factory=list)  # direct sends from this rank's source data
     recvs: list[_Msg] = field(default_factory=list)
     forwards: list[_Msg] = field(default_factory=list)
-    nccl_group: Any = None
-    in_nccl_group: bool = False
+    key: Any = None  # the communicator this rank uses for the task: (sender, remote receivers)
+    in_nccl_group: bool = False  # NCCL broadcast participant (one collective, no messages)
     # plan order: this rank's wire operations and its place in each NIC side's chain
     wire_recvs: list[_Msg] = field(default_factory=list)
     wire_sends: list[_Msg] = field(default_factory=list)  # direct sends over the NIC

@@ -2,7 +2,9 @@
 
 Start-up is the expensive part on 2 cores, so each `run_ranks` launch checks many cases:
 the worker loops over them and returns per-case failure strings instead of asserting.
-Both execution orders (`plan`, `concurrent`) are checked; `plan` runs also return their
+Every launch runs in NCCL's checking mode (tags forced to 0, per-group operation sequences
+and message pairing checked across ranks, one thread per communicator). Both execution
+orders (`plan`, `concurrent`) are checked; `plan` runs also return their
 trace, from which the ordering test checks that every host NIC side serves the plan's
 tasks one at a time, in plan order.
 """
@@ -117,7 +119,7 @@ def _worker_paper(rank: int, world: int) -> tuple[list[str], list]:
 @functools.lru_cache(maxsize=1)
 def _paper_results() -> list:
     """One launch shared by the correctness and the ordering test."""
-    return run_ranks(_worker_paper, WORLD, timeout=180)
+    return run_ranks(_worker_paper, WORLD, timeout=180, nccl_check=True)
 
 
 def _random_case(rng: random.Random) -> tuple:
@@ -211,8 +213,8 @@ def _worker_special(rank: int, world: int) -> dict:
     local = None if sl is None else full[sl].clone()
     for strategy, orders in (("broadcast", ORDERS), ("allgather", ORDERS)):
         plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy=strategy)
-        for k, order in enumerate(orders):
-            res = Resharder(plan, torch.float32, chunks=4, order=order, tag_base=100 * k)
+        for order in orders:
+            res = Resharder(plan, torch.float32, chunks=4, order=order)
             hs = [res.start(None if local is None else local * (j + 1)) for j in range(3)]
             a = torch.randn(64, 64)
             for _ in range(20):
@@ -326,13 +328,13 @@ def test_plan_order_one_task_per_nic_side_in_plan_order() -> None:
 
 @pytest.mark.slow
 def test_random_spec_pairs() -> None:
-    fails = [f for per_rank in run_ranks(_worker_random, WORLD, 1234, 48, timeout=120) for f in per_rank]
+    fails = [f for per_rank in run_ranks(_worker_random, WORLD, 1234, 48, timeout=120, nccl_check=True) for f in per_rank]
     assert not fails, "\n".join(fails[:20])
 
 
 @pytest.mark.slow
 def test_overlap_uneven_signal_async_and_validation() -> None:
-    results = run_ranks(_worker_special, WORLD, timeout=120)
+    results = run_ranks(_worker_special, WORLD, timeout=120, nccl_check=True)
     fails = [f for r in results for f in r["fails"]]
     assert not fails, "\n".join(fails[:20])
     for rank, r in enumerate(results):
