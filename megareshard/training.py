@@ -34,7 +34,7 @@ from .memory import ActivationMeter, MemoryReport, memory_report
 from .optim import LRScheduler, WarmupCosine
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
-from .parallel import CommVolume, ParallelContext, StageTopology, Topology, parse_stage_layouts
+from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
 from .tensor_parallel import sync_sequence_parallel_grads
@@ -61,6 +61,7 @@ def init_distributed(device: torch.device, preflight_timeout: float = 300.0,
         if device.type == "cuda":
             torch.cuda.set_device(device)
         infos = preflight_rendezvous("nccl" if device.type == "cuda" else "gloo", preflight_timeout, comm_timeout)
+        nccl_check.maybe_install()  # MEGARESHARD_NCCL_CHECK=DIR: NCCL's rules checked on every operation
     return world, infos
 
 

@@ -80,7 +80,7 @@ def test_tp2_dp2_and_sequence_parallel_on_2_ranks(reference):
 @pytest.mark.slow
 def test_tp2_x_dp2_on_4_ranks(reference):
     layouts = [(2, False), (2, True)]
-    results = run_ranks(_layouts, 4, layouts, timeout=300)[0]
+    results = run_ranks(_layouts, 4, layouts, timeout=300, nccl_check=True)[0]
     for (tp, sp), got in zip(layouts, results):
         _assert_close(reference, got, f"world 4, tp {tp} × dp 2, sp {sp}")
 

@@ -105,7 +105,7 @@ EXPECTED_EDGES = {"1,1,1,2": ["0->1", "0->3:skip0", "1->2", "1->3:skip1", "2->3"
 def test_pipelined_utransformer_matches_single_process():
     refs = {m: _reference(m) for m in ("add", "concat")}
     cases = _cases()
-    results = run_ranks(_worker, WORLD, cases, timeout=300)
+    results = run_ranks(_worker, WORLD, cases, timeout=300, nccl_check=True)
     n = sum(len(c) for _, c in cases)
     assert all(len(r) == n for r in results)
     for k in range(n):

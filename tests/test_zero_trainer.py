@@ -51,7 +51,7 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_all, 8, timeout=600)
+    return run_ranks(_all, 8, timeout=600, nccl_check=True)
 
 
 @pytest.mark.slow

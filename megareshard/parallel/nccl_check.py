@@ -151,16 +151,17 @@ def _wrap_p2p(rec: _Recorder, name: str, orig: Callable) -> Callable:
 
 
 def _wrap_collective(rec: _Recorder, name: str, orig: Callable) -> Callable:
+    import inspect
+
+    params = list(inspect.signature(orig).parameters)
+    gpos = params.index("group") if "group" in params else None  # every collective names it "group"
+
     def wrapper(*args, **kwargs):
         depth = getattr(rec.depth, "n", 0)
         if depth == 0:
             group = kwargs.get("group")
-            if group is None:  # positional group: every collective's signature names it "group"
-                import inspect
-                try:
-                    group = inspect.signature(orig).bind_partial(*args, **kwargs).arguments.get("group")
-                except TypeError:
-                    group = None
+            if group is None and gpos is not None and len(args) > gpos:
+                group = args[gpos]
             first = args[0] if args else next(iter(kwargs.values()), None)
             root = kwargs.get("src", kwargs.get("dst"))
             if root is None and name in ("broadcast", "reduce", "gather", "scatter") and len(args) > 1:

@@ -7,9 +7,12 @@ Why it looks like this:
   every edge's two resharders — even ranks in neither mesh — in sorted edge order,
   forward before backward. Nothing is created lazily (lazy communicators in
   rank-dependent order are a classic pipeline deadlock).
-* **Separate tag ranges.** gloo matches point-to-point messages by (peer pair, tag);
-  an edge's backward resharder uses the same rank pairs reversed, and a skip edge may
-  share pairs with a chain edge, so each resharder gets its own ``tag_base`` range.
+* **One set of communicators for the job.** Every resharder shares one `CommStreams`, so
+  tasks with the same (sender, receivers) — the same dp slice of an edge every microbatch,
+  say — share one communicator and its one driving thread, whatever edge they belong to.
+  No tags: messages pair by issue order (NCCL's rule). That a communicator's members see
+  its runs in one order is the lowering's guarantee (a receiver posts receives in its
+  sender's order); the NCCL checking mode proves it on gloo.
 * **Declared shapes, checked at every send.** The shape and dtype of every edge's
   tensor come from the configuration (micro batch, sequence, hidden), never from the
   first batch seen (Megatron #5100). A send of anything else raises, naming the edge,
@@ -23,13 +26,10 @@ from typing import Any, Sequence
 import torch
 
 from ..resharding import Mesh, ShardingSpec, plan_resharding
-from ..resharding.executor import ReshardHandle, Resharder
+from ..resharding.executor import CommStreams, ReshardHandle, Resharder
 from .schedule import Edge, PipelineGraph
 
-__all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "build_edge_comms", "TAG_BASE"]
-
-TAG_BASE = 1 << 12
-"""First gloo tag used by pipeline resharders (leaves small tags free for ad-hoc p2p)."""
+__all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "build_edge_comms"]
 
 
 class EdgeShapeError(ValueError):
@@ -93,28 +93,31 @@ class EdgeComm:
 
 
 def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
-                     chunks: int, time_budget_s: float = 0.5, group: Any = None) -> dict[Edge, EdgeComm]:
+                     chunks: int | None, time_budget_s: float = 0.5, group: Any = None,
+                     streams: CommStreams | None = None) -> dict[Edge, EdgeComm]:
     """Plan and build every edge's resharders — collective over the default group.
 
     Every rank must call it with the same arguments. Edges are processed in the graph's
-    sorted order, forward before backward, with consecutive, disjoint tag ranges.
+    sorted order, forward before backward; all share `streams` (default: a new `CommStreams`).
+    `chunks` None lets the network model choose each broadcast task's chunk count.
     """
+    streams = streams if streams is not None else CommStreams()
     by_edge = {d.edge: d for d in decls}
     missing = [str(e) for e in graph.edges if e not in by_edge]
     if missing:
         raise ValueError(f"no tensor declared for edge(s) {', '.join(missing)}")
     out: dict[Edge, EdgeComm] = {}
-    tag = TAG_BASE
     for e in graph.edges:
         d = by_edge[e]
         itemsize = torch.empty(0, dtype=d.dtype).element_size()
         built = []
-        for src_mesh, src_spec, dst_mesh, dst_spec in ((d.src_mesh, d.src_spec, d.dst_mesh, d.dst_spec),
-                                                       (d.dst_mesh, d.dst_spec, d.src_mesh, d.src_spec)):
+        for direction, src_mesh, src_spec, dst_mesh, dst_spec in (
+                ("F", d.src_mesh, d.src_spec, d.dst_mesh, d.dst_spec),
+                ("B", d.dst_mesh, d.dst_spec, d.src_mesh, d.src_spec)):
             plan = plan_resharding(d.shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
                                    scheduler=scheduler, itemsize=itemsize, time_budget_s=time_budget_s,
                                    broadcast_chunks=chunks)
-            built.append(Resharder(plan, d.dtype, chunks=chunks, group=group, tag_base=tag))
-            tag += len(plan.tasks) + 1
+            built.append(Resharder(plan, d.dtype, chunks=chunks, group=group, streams=streams,
+                                   name=f"edge{e}{direction}"))
         out[e] = EdgeComm(d, built[0], built[1])
     return out

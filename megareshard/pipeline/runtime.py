@@ -365,8 +365,9 @@ class PipelineRuntime:
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
         """Sleep until the action has taken its paced time; count actions that took longer."""
         budget = self.pace.get(a.kind.value) if self.pace else None
-        if not budget:
-            return
+        if budget is None:  # an unpaced action would run at CPU speed beside paced ones: refuse, don't guess
+            raise ValueError(f"stage {self.stage}: action {a} has no pacing budget for kind {a.kind.value!r} "
+                             f"(budgets given: {self.pace}); give every compute kind the schedule runs a budget")
         left = budget - (time.time() - t0)
         if left > 0:
             time.sleep(left)

@@ -141,7 +141,7 @@ def _check(ref, per_stage: dict[int, tuple], pp: int, label: str) -> None:
 def test_every_schedule_delay_and_strategy_matches_single_process(reference, tmp_path):
     layouts = _cases()
     trace_path = str(tmp_path / "trace.json")
-    results = run_ranks(_worker, WORLD, layouts, trace_path, timeout=400)
+    results = run_ranks(_worker, WORLD, layouts, trace_path, timeout=400, nccl_check=True)
     n = len(results[0])
     checked = 0
     for k in range(n):

@@ -51,7 +51,7 @@ def _worker(rank, world_size, cases):
 
 
 def test_gpt_with_per_stage_layouts_matches_single_process(reference):
-    results = run_ranks(_worker, WORLD, CASES, timeout=300)
+    results = run_ranks(_worker, WORLD, CASES, timeout=300, nccl_check=True)
     for k, (layouts, kw, extra) in enumerate(CASES):
         label = f"{layouts} {kw} {extra}"
         per_stage = {r[k][0]: r[k][1] for r in results if r[k][1] is not None}
