@@ -5,6 +5,7 @@
     python tools/show_topology.py --world-size 8 --tp 2 --pp 2 --order pp-tp-dp --sagemaker
     python tools/show_topology.py ... --json              # machine-readable records
     python tools/show_topology.py --world-size 8 --nproc-per-node 4 --stage-layouts tp1dp4,tp2dp2
+    python tools/show_topology.py --world-size 256 --nproc-per-node 8 --tp 8 --pp 8 --communicators
 
 Without --order the order comes from per-layer communication volume (seed 003) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="per-stage (tp, dp), e.g. tp1dp4,tp2dp2: each stage on its own block of ranks")
     p.add_argument("--sagemaker", action="store_true", help="seed 001's names: pp/tp/rdp/dp/mp ranks")
     p.add_argument("--json", action="store_true", help="print a JSON list of per-rank records")
+    p.add_argument("--communicators", action="store_true",
+                   help="also count the communicators a GPT's stage boundaries create (one per distinct "
+                        "sender and receiver set, the NCCL rule) for --reshard-strategy")
+    p.add_argument("--reshard-strategy", default="broadcast", choices=("sendrecv", "allgather", "broadcast"))
+    p.add_argument("--sequence-parallel", action="store_true", help="hidden states sharded over tp (S1,S0,R)")
     a = p.parse_args(argv)
     if a.stage_layouts:
         try:
@@ -63,7 +69,35 @@ def main(argv: list[str] | None = None) -> int:
     print(topo.table(sagemaker=a.sagemaker))
     spans = {axis: hosts_spanned(topo, axis) for axis in ("tp", "dp", "pp")}
     print("hosts spanned by the widest group: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
+    if a.communicators:
+        print(count_communicators(topo, a.seq_length, a.micro_batch_size, a.hidden_size, a.reshard_strategy,
+                                  a.sequence_parallel))
     return 0
+
+
+def count_communicators(topo: Topology, seq: int, micro_batch: int, hidden: int, strategy: str,
+                        sequence_parallel: bool) -> str:
+    """How many resharding communicators the GPT's stage boundaries create, and per rank (pure planning)."""
+    import torch
+
+    from megareshard.pipeline import PipelineGraph
+    from megareshard.pipeline.comm import EdgeTensor, communicator_keys, plan_edges
+    from megareshard.pipeline.stage import hidden_spec, stage_mesh
+
+    graph = PipelineGraph(topo.pp)
+    meshes = [stage_mesh(topo, i) for i in range(topo.pp)]
+    spec = hidden_spec(sequence_parallel and topo.tp > 1)
+    shape = (seq, micro_batch * topo.dp, hidden)
+    decls = [EdgeTensor(e, shape, torch.bfloat16, meshes[e.src], spec, meshes[e.dst], spec) for e in graph.edges]
+    keys = communicator_keys(plan_edges(graph, decls, strategy=strategy, scheduler="loadbalance", chunks=4))
+    per_rank: dict[int, int] = {}
+    for sender, receivers in keys:
+        for r in (sender, *receivers):
+            per_rank[r] = per_rank.get(r, 0) + 1
+    sizes = sorted({1 + len(r) for _, r in keys})
+    return (f"resharding communicators ({strategy}, hidden {spec}): {len(keys)} for {len(graph.edges)} edges x 2 "
+            f"directions, {len(sizes) and min(sizes)}-{len(sizes) and max(sizes)} ranks each; a rank is in at most "
+            f"{max(per_rank.values(), default=0)} (one per distinct sender and receiver set, created once at start-up)")
 
 
 if __name__ == "__main__":

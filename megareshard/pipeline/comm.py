@@ -29,7 +29,7 @@ from ..resharding import Mesh, ShardingSpec, plan_resharding
 from ..resharding.executor import CommStreams, ReshardHandle, Resharder
 from .schedule import Edge, PipelineGraph
 
-__all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "build_edge_comms"]
+__all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "plan_edges", "communicator_keys", "build_edge_comms"]
 
 
 class EdgeShapeError(ValueError):
@@ -92,6 +92,42 @@ class EdgeComm:
         return self.bwd.start(None)
 
 
+def plan_edges(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
+               chunks: int | None, time_budget_s: float = 0.5) -> list[tuple[Edge, str, Any]]:
+    """Every edge's forward and backward resharding plan, in the one global order (pure planning).
+
+    Returns ``(edge, 'F' | 'B', plan)`` in graph edge order, forward before backward.
+    """
+    by_edge = {d.edge: d for d in decls}
+    missing = [str(e) for e in graph.edges if e not in by_edge]
+    if missing:
+        raise ValueError(f"no tensor declared for edge(s) {', '.join(missing)}")
+    out = []
+    for e in graph.edges:
+        d = by_edge[e]
+        itemsize = torch.empty(0, dtype=d.dtype).element_size()
+        for direction, src_mesh, src_spec, dst_mesh, dst_spec in (
+                ("F", d.src_mesh, d.src_spec, d.dst_mesh, d.dst_spec),
+                ("B", d.dst_mesh, d.dst_spec, d.src_mesh, d.src_spec)):
+            plan = plan_resharding(d.shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
+                                   scheduler=scheduler, itemsize=itemsize, time_budget_s=time_budget_s,
+                                   broadcast_chunks=chunks)
+            out.append((e, direction, plan))
+    return out
+
+
+def communicator_keys(plans: Sequence[tuple[Edge, str, Any]]) -> list[tuple[int, tuple[int, ...]]]:
+    """The distinct (sender, receivers over the network) communicators the plans' tasks run on, in
+    creation order — what `Resharder` creates through one shared `CommStreams` (pure)."""
+    keys: dict[tuple[int, tuple[int, ...]], None] = {}
+    for _, _, plan in plans:
+        for t in plan.tasks:
+            remote = tuple(sorted(r for r in t.receivers if r not in set(t.senders)))
+            if remote:
+                keys.setdefault((t.sender, remote), None)
+    return list(keys)
+
+
 def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
                      chunks: int | None, time_budget_s: float = 0.5, group: Any = None,
                      streams: CommStreams | None = None) -> dict[Edge, EdgeComm]:
@@ -103,21 +139,9 @@ def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strat
     """
     streams = streams if streams is not None else CommStreams()
     by_edge = {d.edge: d for d in decls}
-    missing = [str(e) for e in graph.edges if e not in by_edge]
-    if missing:
-        raise ValueError(f"no tensor declared for edge(s) {', '.join(missing)}")
-    out: dict[Edge, EdgeComm] = {}
-    for e in graph.edges:
-        d = by_edge[e]
-        itemsize = torch.empty(0, dtype=d.dtype).element_size()
-        built = []
-        for direction, src_mesh, src_spec, dst_mesh, dst_spec in (
-                ("F", d.src_mesh, d.src_spec, d.dst_mesh, d.dst_spec),
-                ("B", d.dst_mesh, d.dst_spec, d.src_mesh, d.src_spec)):
-            plan = plan_resharding(d.shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
-                                   scheduler=scheduler, itemsize=itemsize, time_budget_s=time_budget_s,
-                                   broadcast_chunks=chunks)
-            built.append(Resharder(plan, d.dtype, chunks=chunks, group=group, streams=streams,
-                                   name=f"edge{e}{direction}"))
-        out[e] = EdgeComm(d, built[0], built[1])
-    return out
+    built: dict[Edge, list[Resharder]] = {}
+    for e, direction, plan in plan_edges(graph, decls, strategy=strategy, scheduler=scheduler, chunks=chunks,
+                                         time_budget_s=time_budget_s):
+        built.setdefault(e, []).append(Resharder(plan, by_edge[e].dtype, chunks=chunks, group=group,
+                                                 streams=streams, name=f"edge{e}{direction}"))
+    return {e: EdgeComm(by_edge[e], f, b) for e, (f, b) in built.items()}
