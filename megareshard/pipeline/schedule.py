@@ -166,19 +166,24 @@ class PipelineGraph:
         if len(set(skips)) != len(skips):
             raise ScheduleError(f"duplicate skip edges in {[str(e) for e in skips]}")
         object.__setattr__(self, "skip_edges", skips)
+        # derived once: lowering, simulation and the runtime ask for these per action
+        chain = tuple(Edge(i, i + 1) for i in range(self.num_stages - 1))
+        edges = tuple(sorted(chain + skips))
+        object.__setattr__(self, "_edges", edges)
+        object.__setattr__(self, "_in", {s: tuple(e for e in edges if e.dst == s) for s in range(self.num_stages)})
+        object.__setattr__(self, "_out", {s: tuple(e for e in edges if e.src == s) for s in range(self.num_stages)})
 
     @property
     def edges(self) -> tuple[Edge, ...]:
-        chain = tuple(Edge(i, i + 1) for i in range(self.num_stages - 1))
-        return tuple(sorted(chain + self.skip_edges))
+        return self._edges  # type: ignore[attr-defined]
 
     def in_edges(self, stage: int) -> tuple[Edge, ...]:
         """Edges whose activation stage `stage`'s F needs."""
-        return tuple(e for e in self.edges if e.dst == stage)
+        return self._in.get(stage, ())  # type: ignore[attr-defined]
 
     def out_edges(self, stage: int) -> tuple[Edge, ...]:
         """Edges whose gradient stage `stage`'s B/I needs (none on the last stage)."""
-        return tuple(e for e in self.edges if e.src == stage)
+        return self._out.get(stage, ())  # type: ignore[attr-defined]
 
     def find_edge(self, src: int, dst: int, name: str = "") -> Edge:
         e = Edge(src, dst, name)

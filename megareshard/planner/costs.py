@@ -1,0 +1,190 @@
+"""What one candidate layout costs: compute, tensor- and data-parallel collectives, memory (pure).
+
+Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
+
+* forward GEMM FLOPs of one Transformer layer: ``2·b·s·h·(h + 2·kv)`` (q, k, v), ``2·b·s·h²``
+  (output projection), ``4·b·s²·h`` (scores and their product with V, counted non-causal as
+  Megatron does), and the MLP ``2·b·s·h·f`` per matrix (2 matrices, 3 with SwiGLU); the
+  logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (input and weight
+  gradients one forward each); full recomputation adds a forward to the backward. Divided by
+  tp and by the device's achieved FLOP/s.
+* tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter with sequence
+  parallelism, the same bytes) of ``b·s·h`` activations per layer forward and 2 backward,
+  ring cost ``2·(tp−1)/tp·bytes`` over the intra-host link (tp stays inside a host).
+* data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
+  all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` per rank; a host's NIC carries
+  it for every rank of the host whose dp ring leaves the host.
+* memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
+  moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2 —;
+  activations per layer and microbatch ``34·s·b·h/tp`` bytes with sequence parallelism and
+  ``s·b·h·(10 + 24/tp)`` without (Korthikanti et al., with a fused attention that keeps no
+  score matrix), ``2·s·b·h`` (/tp with sequence parallelism) under full recomputation; times
+  the schedule's live microbatches; plus the last stage's fp32 logits ``4·s·b·V/tp``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model as the planner sees it (a GPT or Llama-style decoder)."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width h."""
+    num_attention_heads: int
+    """Query heads."""
+    seq_length: int
+    """Tokens per sample s."""
+    vocab_size: int
+    """Vocabulary V (padded by the framework to a multiple of tp)."""
+    ffn_hidden_size: int | None = None
+    """MLP width f (default 4h)."""
+    num_query_groups: int | None = None
+    """Key/value heads under grouped-query attention (default: one per query head)."""
+    swiglu: bool = False
+    """Gated MLP with three matrices instead of two."""
+    untied: bool = False
+    """Separate output layer instead of the tied word embedding."""
+    learned_positions: bool = True
+    """Learned absolute position embeddings (False: rotary or none)."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv(self) -> int:
+        """Width of k (and of v): groups × head size."""
+        return self.groups * (self.hidden_size // self.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The machines: hosts × devices, their memory and speed, and the network between them."""
+
+    hosts: int
+    """Number of hosts (one NIC each)."""
+    devices_per_host: int
+    """Devices (ranks) per host."""
+    device_memory_gib: float = 80.0
+    """Memory per device, GiB."""
+    device_tflops: float = 989.0
+    """Peak dense bf16 TFLOP/s per device (H100 SXM: 989)."""
+    efficiency: float = 0.45
+    """Fraction of the peak a layer's GEMMs achieve (measure it with tools/bench_train.py)."""
+    nic_gbps: float = 400.0
+    """NIC bandwidth per host and direction, Gbit/s."""
+    intra_gbps: float = 3600.0
+    """Intra-host link bandwidth per device, Gbit/s (NVLink 4: 450 GB/s)."""
+    memory_reserve: float = 0.1
+    """Share of device memory kept free (allocator fragmentation, workspaces, communicators)."""
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    @property
+    def flops(self) -> float:
+        return self.device_tflops * 1e12 * self.efficiency
+
+    @property
+    def nic_Bps(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+    @property
+    def intra_Bps(self) -> float:
+        return self.intra_gbps * 1e9 / 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.device_memory_gib * 2**30 * (1 - self.memory_reserve)
+
+
+def layer_params(m: ModelShape) -> int:
+    """Parameters of one Transformer layer (weights, biases and two norms)."""
+    h, f = m.hidden_size, m.ffn
+    attn = h * (h + 2 * m.kv) + h * h + (h + 2 * m.kv) + h
+    mlp = h * f * (3 if m.swiglu else 2) + f + h
+    return attn + mlp + 4 * h
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage of a candidate, per device: seconds per microbatch and bytes."""
+
+    forward_s: float
+    """F of one microbatch (compute + tensor-parallel collectives)."""
+    backward_s: float
+    """B of one microbatch (I + W; + a forward under full recomputation)."""
+    params: int
+    """Parameters held by one device of the stage."""
+    static_bytes: int
+    """Weights, gradients and optimizer state on one device."""
+    activation_bytes_per_mb: int
+    """Activation memory of one live microbatch."""
+    extra_bytes: int
+    """Memory held once (the last stage's logits)."""
+    tp_bytes_per_mb: int
+    """Bytes one device moves in tensor-parallel collectives per microbatch (F + B)."""
+    dp_seconds: float
+    """The stage's gradient reduction per step (ring over dp, on the slowest link it crosses)."""
+    dp_nic_bytes: int
+    """Bytes the reduction moves through each NIC it crosses (per direction)."""
+
+
+def _ring(n: int, nbytes: float) -> float:
+    return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last: bool, tp: int, dp: int,
+                micro_batch: int, sequence_parallel: bool, recompute: bool, zero: int,
+                dp_crosses_hosts: bool, dp_ranks_per_host: int) -> StageCosts:
+    """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term)."""
+    b, s, h, V = micro_batch, m.seq_length, m.hidden_size, m.vocab_size
+    layer_fwd = (2 * b * s * h * (h + 2 * m.kv) + 2 * b * s * h * h + 4 * b * s * s * h
+                 + 2 * b * s * h * m.ffn * (3 if m.swiglu else 2))
+    fwd_flops = layers * layer_fwd + (2 * b * s * h * V if last else 0)
+    act = b * s * h * 2  # bf16 activation of one layer boundary
+    tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
+    tp_s = layers * tp_bytes_layer / c.intra_Bps
+    f = fwd_flops / tp / c.flops + tp_s
+    bwd = 2 * fwd_flops / tp / c.flops + tp_s
+    if recompute:
+        bwd += f
+    params = layers * layer_params(m)
+    if first:
+        params += V * h + (s * h if m.learned_positions else 0)  # word (+ learned position) embedding
+    if last:
+        params += V * h if (m.untied or not first) else 0  # output layer (a tied copy when pp > 1)
+        params += 2 * h  # final norm
+    per_dev = params // tp
+    opt_div = dp if zero >= 1 else 1
+    grad_div = dp if zero >= 2 else 1
+    static = 2 * per_dev + 4 * per_dev // grad_div + 12 * per_dev // opt_div
+    if recompute:
+        act_mb = layers * (2 * s * b * h // (tp if sequence_parallel else 1))
+    elif sequence_parallel:
+        act_mb = layers * 34 * s * b * h // tp
+    else:
+        act_mb = layers * s * b * h * (10 + 24 // tp)
+    extra = 4 * s * b * V // tp if last else 0
+    grads = 4 * per_dev
+    ring = _ring(dp, grads)
+    if dp_crosses_hosts:
+        nic = ring * dp_ranks_per_host
+        dp_s = nic / c.nic_Bps
+    else:
+        nic = 0
+        dp_s = ring / c.intra_Bps
+    return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
+                      activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
+                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic))
