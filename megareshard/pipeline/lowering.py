@@ -13,8 +13,11 @@ e.dst, "B-direction" = its gradient from e.dst back to e.src):
 * **Wait right before the consumer.** WAIT_F(e, mb) immediately before F(mb) on e.dst,
   for every incoming edge; WAIT_B(e, mb) immediately before B(mb)/I(mb) on e.src, for
   every outgoing edge. (The last stage's B/I needs no wait: its gradient is the loss.)
-* **Post receives early, in the sender's order.** Per (edge, direction) the receiver
-  posts RECV in exactly the order the sender issues SEND (its compute order). With
+* **Post receives early, in the sender's order.** Per channel — a (sending stage,
+  receiving stage) pair, whatever edges and directions it carries — the receiver posts
+  RECV in exactly the order the sender issues SEND (its compute order): messages between
+  two ranks pair in issue order on NCCL, and tensors of several edges between the same
+  stages may share a communicator (`validate` checks it). With
   `lookahead` L (default 1), the receive of the j-th item is posted right after the
   WAIT of the (j-L)-th item; the first L are posted at the start of the list. So at
   most L receives per (edge, direction) are outstanding (bounded buffers), and the
@@ -128,12 +131,16 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
             raise ScheduleError(f"lower(): lookahead {v} for {k} must be >= 1")
     P = graph.num_stages
 
-    # Sender order per (edge, dir): the order in which the producing stage computes.
-    send_order: dict[tuple[Edge, str], list[tuple[int, int]]] = defaultdict(list)
+    # Sender order per channel (sending stage, receiving stage): the order in which the producing stage
+    # computes, across every edge between the two. Messages between two stages pair in issue order
+    # (NCCL), and edges between the same stages may share a communicator, so the receiver posts
+    # receives in exactly this merged order.
+    channel_order: dict[tuple[int, int], list[tuple[Edge, str, int, int]]] = defaultdict(list)
     for acts in schedule.actions:
         for a in acts:
-            for ed in _produces(a, graph):
-                send_order[ed].append((a.mb, a.chunk))
+            for e, d in _produces(a, graph):
+                snd, rcv = (e.src, e.dst) if d == "F" else (e.dst, e.src)
+                channel_order[(snd, rcv)].append((e, d, a.mb, a.chunk))
 
     out: list[list[Action]] = []
     for s in range(P):
@@ -150,25 +157,28 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
             for e, d in _produces(a, graph):
                 skel.append(Action(_SEND[d], a.mb, s, a.chunk, e))
         posts: dict[int, list[Action]] = defaultdict(list)  # before skeleton index
-        for (e, d), order in send_order.items():
-            if (e.dst if d == "F" else e.src) != s:
+        for (snd, rcv), order in sorted(channel_order.items(), key=lambda kv: kv[0]):
+            if rcv != s:
                 continue
-            # Earliest later wait (suffix minimum), so posts stay FIFO and before waits.
-            missing = [(mb, c) for mb, c in order if (e, d, mb, c) not in wait_pos]
+            missing = [(e, d, mb, c) for e, d, mb, c in order if (e, d, mb, c) not in wait_pos]
             if missing:
-                mb, c = missing[0]
+                e, d, mb, c = missing[0]
                 raise ScheduleError(
-                    f"stage {s}: stage {e.src if d == 'F' else e.dst} sends "
-                    f"{'activation' if d == 'F' else 'gradient'} of mb {mb} on edge {e} "
-                    f"but stage {s} never consumes it")
-            wp = [wait_pos[(e, d, mb, c)] for mb, c in order]
+                    f"stage {s}: stage {snd} sends {'activation' if d == 'F' else 'gradient'} of mb {mb} on "
+                    f"edge {e} but stage {s} never consumes it")
+            # Earliest later wait (suffix minimum), so posts stay FIFO and before waits.
+            wp = [wait_pos[item] for item in order]
             suffix_min = wp[:]
             for j in range(len(wp) - 2, -1, -1):
                 suffix_min[j] = min(wp[j], suffix_min[j + 1])
+            # lookahead per (edge, dir): the j-th item of an edge is posted after the (j-L)-th one's wait
+            seen_of: dict[tuple[Edge, str], list[int]] = defaultdict(list)
             prev = 0
-            L = per_edge.get((e, d), default)
-            for j, (mb, c) in enumerate(order):
-                want = 0 if j < L else wp[j - L] + 1
+            for j, (e, d, mb, c) in enumerate(order):
+                mine = seen_of[(e, d)]
+                L = per_edge.get((e, d), default)
+                want = 0 if len(mine) < L else wp[mine[len(mine) - L]] + 1
+                mine.append(j)
                 pos = min(suffix_min[j], max(want, prev))
                 posts[pos].append(Action(_RECV[d], mb, s, c, e))
                 prev = pos

@@ -141,6 +141,29 @@ def _check_comm(schedule: Schedule, graph: PipelineGraph) -> None:
                 f"edge {e} {'activations' if d == 'F' else 'gradients'}: stage {src} sends "
                 f"microbatches {[mb for mb, _ in snd]} but stage {dst} posts receives "
                 f"{[mb for mb, _ in rcv]}; per-edge FIFO matching needs the same order")
+    _check_channels(schedule)
+
+
+def _check_channels(schedule: Schedule) -> None:
+    """Per (sending stage, receiving stage) — one channel, whatever edges it carries — the receiver posts
+    its receives in the order the sender issues its sends. NCCL pairs messages between two ranks in issue
+    order, and tensors of different edges between the same stages may share a communicator."""
+    sends: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+    for s, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.kind in _SENDS:
+                sends[(s, a.peer)].append((str(a.edge), a.kind.direction, a.mb, a.chunk))
+            elif a.kind in _RECVS:
+                recvs[(a.peer, s)].append((str(a.edge), a.kind.direction, a.mb, a.chunk))
+    for ch in sorted(set(sends) | set(recvs)):
+        snd, rcv = sends.get(ch, []), recvs.get(ch, [])
+        if snd != rcv:
+            k = next((i for i, (x, y) in enumerate(zip(snd, rcv)) if x != y), min(len(snd), len(rcv)))
+            raise ScheduleError(
+                f"stage {ch[0]} -> stage {ch[1]}: send #{k} is {snd[k] if k < len(snd) else 'missing'} but "
+                f"receive #{k} is {rcv[k] if k < len(rcv) else 'missing'} (edge, direction, mb, chunk); "
+                "messages between two stages pair in issue order (NCCL), so receives must follow the sends")
 
 
 def _blocker(a: Action, graph: PipelineGraph, done: set, posted: set,
