@@ -318,3 +318,61 @@ def test_grid_dry_run_runs_nothing(tmp_path):
     r = subprocess.run([sys.executable, str(TOOL), "--grid", "--dry-run", "--models", "bert"], env=_env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--models 'bert'" in r.stderr
+
+
+def test_grid_driver_reports_every_point_started(tmp_path, monkeypatch):
+    """The grid loop without a cluster: each point's command is replaced by a fake run that writes the
+    records a worker would (complete; or one timed round, then the cluster's timeout exit 124)."""
+    import emulate_cluster
+
+    pace = [{"F": 20.0, "B": 40.0, "I": 30.0, "W": 10.0}] * 4
+    full = [dict(r, status="complete", rounds_done=4, rounds_planned=4, pace_ms=pace) for r in _recs(_times(200, 110))]
+    part = [dict(r, status="running", rounds_done=1, rounds_planned=4, pace_ms=pace) for r in _recs(_times(300, 250))]
+
+    def fake_command(p, a, model, rate, out):
+        recs, rc = (full, 0) if rate == 80 else (part, 124)
+        src = tmp_path / f"fake-{rate:g}.json"
+        src.write_text(json.dumps(recs))
+        return [sys.executable, "-c", f"import shutil, sys; shutil.copy({str(src)!r}, {out!r}); sys.exit({rc})"]
+
+    monkeypatch.setattr(bp, "point_command", fake_command)
+    monkeypatch.setattr(emulate_cluster, "check_privileges", lambda: None)
+    res, img = tmp_path / "res", tmp_path / "img"
+    argv = ["--grid", "--models", "gpt", "--rates", "80,20", "--point-timeout", "30", "--results-dir", str(res),
+            "--img-dir", str(img)]
+    monkeypatch.setattr(sys, "argv", ["bench_pipeline.py"] + argv)
+    assert bp.main(argv) == 0
+    grid = json.loads((res / "pipeline_grid_gpt.json").read_text())
+    assert grid["kind"] == pg.GRID_KIND and grid["rates_mbit"] == [20, 80] and grid["baseline"] == "1f1b+allgather"
+    p20, p80 = grid["points"]
+    assert p20["status"] == "stopped" and p20["reason"] == "timed out after 30 s" and p20["rounds_done"] == 1
+    assert {r["config"] for r in p20["records"]} == set(_times(1, 1)) and p20["records"][0]["status"] == "stopped"
+    assert p80["status"] == "complete" and p80["reason"] is None
+    for p in (p20, p80):  # the simulator beside every point with numbers, at that point's rate
+        sim = {r["config"]: r for r in p["simulated"]}
+        assert sim["1f1b+allgather"]["mode"] == "simulated" and sim["1f1b+allgather"]["nic_gbps"] == p["rate_mbit"] / 1e3
+        assert sim["1f1b+sendrecv"]["ms_per_iter"] > sim["1f1b+allgather"]["ms_per_iter"]
+    assert (img / "pipeline_grid_gpt.png").exists()
+
+
+def test_ctrl_c_stops_a_point_and_waits_for_its_cluster(tmp_path):
+    """Ctrl-C reaches the whole process group: the point's process ends, the driver waits for it and then
+    sees KeyboardInterrupt (the grid records the point as stopped, 'interrupted')."""
+    script = f"""
+import os, signal, sys, threading
+sys.path.insert(0, {str(ROOT / 'tools')!r})
+import bench_pipeline as bp
+child = [sys.executable, "-c", "import time; open({str(tmp_path / 'started')!r}, 'w').close(); time.sleep(30)"]
+def ctrl_c():
+    while not os.path.exists({str(tmp_path / 'started')!r}):
+        threading.Event().wait(0.05)
+    os.killpg(os.getpgid(0), signal.SIGINT)
+threading.Thread(target=ctrl_c, daemon=True).start()
+try:
+    bp._run_point(child, 60)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    r = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=60,
+                       start_new_session=True)  # its own process group: the SIGINT stays inside it
+    assert r.stdout.strip() == "interrupted", r.stderr[-2000:]

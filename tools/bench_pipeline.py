@@ -852,6 +852,8 @@ def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     interrupted = False
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-grid-") as tmp:
         for m in models:
+            if interrupted:  # the models not started keep no file: nothing of them ran
+                break
             grid, path = grids[m], os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
             for k, rate in enumerate(rates):
                 if interrupted:
