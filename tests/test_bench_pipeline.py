@@ -261,6 +261,22 @@ def test_stopped_run_keeps_its_partial_numbers():
     assert bp.point_from_run(40.0, 0, partial, None, 9.0, 4)["status"] == "stopped"
 
 
+def test_a_stopped_launch_marks_its_json(tmp_path):
+    """tools/bench_pipeline.py's own launcher (timeout, Ctrl-C, a failing rank): the rounds the worker wrote
+    stay, marked stopped with the reason, and the table says so."""
+    partial = _recs(_times(200.0, 110.0))
+    for r in partial:
+        r.update(status="running", rounds_done=2, rounds_planned=4)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(partial))
+    bp.mark_stopped(str(path), "timed out after 40s")
+    recs = json.loads(path.read_text())
+    assert len(recs) == 5 and {(r["status"], r["stop_reason"]) for r in recs} == {("stopped", "timed out after 40s")}
+    assert bp.format_table(recs).startswith("*stopped after 2 of 4 timed rounds (timed out after 40s)*")
+    bp.mark_stopped(str(tmp_path / "none.json"), "interrupted")  # stopped before any round: nothing to mark
+    assert not (tmp_path / "none.json").exists()
+
+
 def test_grid_flags_and_point_command():
     p = bp.build_parser()
     a = bp.resolve_defaults(p.parse_args(["--grid", "--pace-margin", "1.5"]))

@@ -894,6 +894,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     head = ["config", "ms/iter median", "q1–q3", "min", f"vs {r0['baseline']} (median / paired / min)",
             "gap closure", "of signal, same schedule (median / paired / min)", "of best signal", "model ms / transfer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if r0.get("status") not in (None, "complete"):  # a stopped (or still running) launch: say so first
+        lines.insert(0, f"*{r0['status']} after {r0.get('rounds_done')} of {r0.get('rounds_planned')} timed rounds"
+                        + (f" ({r0['stop_reason']})" if r0.get("stop_reason") else "") + "*\n")
     for r in records:
         sig = f"{pct(r['signal_fraction'])} / {pct(r.get('signal_fraction_paired'))} / {pct(r.get('signal_fraction_min'))}"
         if r.get("void"):
@@ -1027,7 +1030,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[bench_pipeline] torchrun --standalone, {a.nproc} ranks", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return proc.wait(timeout=a.timeout)
+        rc = proc.wait(timeout=a.timeout)
+        if rc:
+            mark_stopped(a.json, f"exit code {rc}")
+        return rc
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
         import signal
 
@@ -1039,8 +1045,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc.wait()
         why = f"timed out after {a.timeout:.0f}s" if isinstance(e, subprocess.TimeoutExpired) else "interrupted"
         print(f"[bench_pipeline] stopped: {why}", file=sys.stderr)
+        mark_stopped(a.json, why)
         return 124
 
+
+def mark_stopped(path: str | None, reason: str) -> None:
+    """A stopped launch's --json (the rounds it finished) is marked "stopped", with the reason."""
+    if not path or not os.path.exists(path):
+        if path:
+            print(f"[bench_pipeline] stopped before its first timed round: no {path}", file=sys.stderr)
+        return
+    records = json.load(open(path))
+    for r in records:
+        if r.get("status") != "complete":
+            r.update(status="stopped", stop_reason=reason)
+    write_json(path, records)
+    print(f"[bench_pipeline] {path}: {records[0].get('rounds_done') if records else 0} finished timed rounds, "
+          f"marked stopped", file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())
