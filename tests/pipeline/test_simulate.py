@@ -55,3 +55,18 @@ def test_chain_receiver_gets_activation_and_gradient_one_after_the_other():
     into1 = sorted((x.start, x.end) for x in tl.comm if x.receiver == 1)
     assert len(into1) == 2 * 4 and sum(e - s for s, e in into1) == pytest.approx(2 * 4 * c)
     assert all(a[1] <= b[0] for a, b in zip(into1, into1[1:]))
+
+
+def test_plot_schedule_models_the_receiving_nic_unless_told_not_to():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import plot_schedule
+
+    argv = ["--schedule", "1f1b", "--stages", "4", "--microbatches", "4", "--comm", "1", "--skip", "0", "3",
+            "--skip", "1", "3"]
+    (both,) = plot_schedule.build_timelines(plot_schedule.parse_args(argv))
+    (send_only,) = plot_schedule.build_timelines(plot_schedule.parse_args(argv + ["--no-recv-nic"]))
+    # stage 3 receives three activations per microbatch: they queue on its NIC only in the full model
+    assert both.makespan > send_only.makespan
