@@ -871,8 +871,12 @@ def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
                 if point["records"]:  # the simulator's prediction at the same budgets and rate
                     pa = copy.copy(a)
                     pa.model, pa.nic_gbps = m, rate / 1e3
-                    costs = costs_from_records(point["records"], a.pp)
-                    point["simulated"] = simulate_records(pa, configs, costs, hosts * pph, pph)[0]
+                    try:
+                        costs = costs_from_records(point["records"], a.pp)
+                    except ValueError as e:  # unpaced and stopped before its traces: nothing to feed it
+                        print(f"[bench_pipeline] grid {m} {rate:g} Mbit/s: no prediction: {e}", file=sys.stderr)
+                    else:
+                        point["simulated"] = simulate_records(pa, configs, costs, hosts * pph, pph)[0]
                 grid["points"][k] = point
                 write_json(path, grid)  # after every point: a stopped grid keeps what it ran
             print(pipeline_grid.format_grid(grid, format_table), flush=True)
