@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-w", type=float, default=None, help="default: cost-b - cost-i")
     p.add_argument("--rendezvous", action="store_true",
                    help="a transfer starts only once the receiver posted its receive")
+    p.add_argument("--no-recv-nic", action="store_true",
+                   help="leave the receiving stage's NIC out of the model (only the sender's NIC is a bottleneck)")
     p.add_argument("--skip", nargs=2, type=int, action="append", default=[], metavar=("SRC", "DST"),
                    help="add a skip edge SRC->DST (repeatable)")
     p.add_argument("--trace", type=Path, help="draw a measured trace (JSON) instead of simulating")
@@ -73,7 +75,7 @@ def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     names = args.schedule if args.compare else args.schedule[:1]
     graph = PipelineGraph(args.stages, tuple(tuple(e) for e in args.skip))
     costs = Costs(f=args.cost_f, b=args.cost_b, i=args.cost_i, w=args.cost_w,
-                  comm=args.comm, rendezvous=args.rendezvous)
+                  comm=args.comm, rendezvous=args.rendezvous, recv_nic=not args.no_recv_nic)
     out = []
     for spec in names:
         name, dw = (spec[:-3], True) if spec.endswith("+dw") else (spec, args.delay_wgrad)

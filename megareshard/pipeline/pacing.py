@@ -9,16 +9,37 @@ communication and scheduling differ. Pure Python: parsing and calibration, no pr
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 PACE_KINDS = ("F", "B", "I", "W")
 
 
-def parse_pace(text: str | None, *, warmup: int = 1, quantile: float = 0.9,
-               margin: float = 1.25) -> dict[str, float] | str | None:
+def needed_kinds(delay_wgrad: Iterable[bool]) -> tuple[str, ...]:
+    """The compute kinds that runs with these delayed-W settings execute: F always, B for a run
+    without delayed W, I and W for a run with it."""
+    dw = set(delay_wgrad)
+    return tuple(k for k in PACE_KINDS if k == "F" or (k == "B" and False in dw) or (k in "IW" and True in dw))
+
+
+def _fmt(budgets: dict[str, float]) -> str:
+    return ", ".join(f"{k}={1e3 * v:g} ms" for k, v in budgets.items()) or "none"
+
+
+def check_budgets(budgets: dict[str, float], needed: Sequence[str], where: str) -> None:
+    """Raise unless every kind in `needed` has a budget: an unpaced action in a paced run would
+    give that configuration a device of its own, the comparison paced compute exists to prevent."""
+    missing = [k for k in needed if k not in budgets]
+    if missing:
+        raise ValueError(f"--pace: {where} has no budget for {', '.join(missing)} (the configurations run "
+                         f"execute {', '.join(needed)}); budgets given: {_fmt(budgets)}")
+
+
+def parse_pace(text: str | None, *, warmup: int = 1, quantile: float = 0.9, margin: float = 1.25,
+               needed: Sequence[str] = ()) -> dict[str, float] | str | None:
     """``--pace``: None ("none"), "auto", or {kind: seconds} for every stage from "F=60,B=120" (ms).
 
-    Errors name the bad part; "auto" calibrates on warm-up rounds, so it needs ``warmup >= 1``.
+    Errors name the bad part; "auto" calibrates on warm-up rounds, so it needs ``warmup >= 1``;
+    explicit budgets must cover every kind in `needed` (`needed_kinds`).
     """
     text = (text or "none").strip()
     if text == "none":
@@ -42,12 +63,15 @@ def parse_pace(text: str | None, *, warmup: int = 1, quantile: float = 0.9,
             raise ValueError(f"--pace {text!r}: {part!r} is not KIND=MS with KIND in {'/'.join(PACE_KINDS)} "
                              "and MS > 0 (or use 'auto' / 'none')")
         out[k] = ms / 1e3
+    check_budgets(out, needed, f"{text!r}")
     return out
 
 
 def calibrate_pace(traces: Sequence[list[dict[str, Any]] | None], pp: int, quantile: float,
-                   margin: float) -> list[dict[str, float]]:
+                   margin: float, needed: Sequence[str] = ()) -> list[dict[str, float]]:
     """Per stage {kind: seconds}: the quantile of the traced durations × margin.
+
+    A stage without a traced duration for a kind in `needed` raises (naming stage and kind).
 
     `traces` are runtime traces (records with stage, kind, start, end). B's budget is at
     least I's + W's (a backward split into I and W does the same work), and I and W are
@@ -66,5 +90,6 @@ def calibrate_pace(traces: Sequence[list[dict[str, Any]] | None], pp: int, quant
             q["B"] = max(q.get("B", 0.0), q["I"] + q["W"])
             scale = q["B"] / (q["I"] + q["W"])
             q["I"], q["W"] = q["I"] * scale, q["W"] * scale
+        check_budgets(q, needed, f"auto calibration of stage {s} (from {sum(1 for t in traces if t)} warm-up traces)")
         out.append(q)
     return out

@@ -5,12 +5,18 @@ Model (deliberately simple, so that the numbers can be checked by hand):
 * Each stage executes its list in order. Compute actions (F, B, I, W) take
   `costs.<kind>[stage]`; comm actions take no compute time. Only WAIT blocks: the stage
   idles until the tensor has arrived.
-* Each stage has one send channel ("NIC") that runs in parallel with its compute. A
-  transfer of edge e for mb becomes *ready* when its SEND executed (the tensor exists)
-  — and, with ``costs.rendezvous=True``, also the receiver posted the matching RECV —;
-  it starts when it is ready and the sender's NIC is free (ready transfers are served in
-  the order they became ready), lasts `costs.comm` of the edge (both directions), and
-  arrives at its end. Receiving is free (the receiver's NIC is not modelled).
+* Each stage is one host with one full-duplex NIC that runs in parallel with its
+  compute: a send channel and a receive channel. A transfer of edge e for mb becomes
+  *ready* when its SEND executed (the tensor exists) — and, with
+  ``costs.rendezvous=True``, also the receiver posted the matching RECV —; it holds the
+  sender's send channel and the receiver's receive channel for `costs.comm` of the edge
+  (both directions) and arrives at its end. It starts as soon as it is ready and both
+  channels are free; whenever a channel frees, the waiting transfers are tried in the
+  order they became ready (one whose receiver is busy does not hold back a later one to
+  an idle receiver). So three tensors sent at once into one host arrive one after the
+  other, as on a real NIC (the U-Transformer's last stage receives three per
+  microbatch). ``costs.recv_nic=False`` leaves the receive channel out (receiving is
+  free), for comparison.
 * Bubble fraction = 1 - (sum of compute busy time) / (num_stages x makespan).
 * Live activations: the activation of mb on stage s is live from the start of F(mb)
   until the end of B(mb), or with delayed weight gradients until the end of W(mb),
@@ -48,7 +54,9 @@ class Costs:
 
     `i` and `w` default to half of `b` each (B = I + W). `comm` is a number for every
     edge, or a mapping keyed by `Edge` or its text (``"0->1"``, ``"0->3:skip"``) with an
-    optional ``"*"`` default.
+    optional ``"*"`` default. `rendezvous`: a transfer also waits for the receiver's
+    RECV. `recv_nic`: a transfer also holds the receiving stage's NIC (default; False:
+    only the sender's NIC is a bottleneck).
     """
 
     f: PerStage = 1.0
@@ -57,6 +65,7 @@ class Costs:
     w: PerStage | None = None
     comm: float | Mapping[Any, float] = 0.0
     rendezvous: bool = False
+    recv_nic: bool = True
 
     def compute(self, kind: ActionKind, stage: int) -> float:
         if kind == _K.F:
@@ -218,8 +227,9 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
     posted: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}
     waiting: dict[tuple, int] = {}
-    nic_free = [0.0] * P
-    nic_queue: list[list[tuple[float, int, tuple, Action]]] = [[] for _ in range(P)]
+    send_free = [0.0] * P  # when each stage's send channel is free
+    recv_free = [0.0] * P  # ... and its receive channel
+    pending: list[tuple[tuple, Action]] = []  # ready transfers, in the order they became ready
     events: list[tuple[float, int, int, str, Any]] = []
     seq = 0
 
@@ -233,8 +243,26 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
             return
         if key in sent and (key in posted or not costs.rendezvous):
             queued.add(key)
-            heapq.heappush(nic_queue[send.stage], (t, seq, key, send))
-            push(t, 1, "nic", send.stage)
+            pending.append((key, send))  # events come in time order: the list stays in ready order
+            push(t, 1, "nic", None)
+
+    def dispatch(t: float) -> None:
+        """Start every waiting transfer whose sender's and receiver's channels are free at t."""
+        keep = []
+        for key, send in pending:
+            src, dst = send.stage, send.peer
+            if send_free[src] <= t and (not costs.recv_nic or recv_free[dst] <= t):
+                end = t + costs.edge(send.edge)
+                send_free[src] = end
+                if costs.recv_nic:
+                    recv_free[dst] = end
+                comm.append(CommInterval(t, end, send.edge, send.kind.direction, send.mb, src, dst))
+                arrived[key] = end
+                push(end, 0, "arrive", key)
+                push(end, 1, "nic", None)
+            else:
+                keep.append((key, send))
+        pending[:] = keep
 
     def run(s: int, t: float) -> None:
         while pc[s] < len(acts[s]):
@@ -272,17 +300,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         if kind == "run":
             run(arg, t)
         elif kind == "nic":
-            s = arg
-            if nic_free[s] <= t and nic_queue[s]:
-                _, _, key, send = heapq.heappop(nic_queue[s])
-                dur = costs.edge(send.edge)
-                end = t + dur
-                nic_free[s] = end
-                comm.append(CommInterval(t, end, send.edge, send.kind.direction, send.mb,
-                                         s, send.peer))
-                arrived[key] = end
-                push(end, 0, "arrive", key)
-                push(end, 1, "nic", s)
+            dispatch(t)
         elif kind == "arrive":
             if arg in waiting:
                 push(t, 2, "run", waiting.pop(arg))
