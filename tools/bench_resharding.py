@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark cross-mesh resharding strategies and schedulers (paper §5.1; DESIGN.md §7).
+"""Benchmark cross-mesh resharding strategies and schedulers (Zhuang et al., "On Optimizing the Communication
+of Model Parallelism", MLSys 2023, §5.1; docs/design.md §7).
 
 Three ways to run it:
 
@@ -30,7 +31,7 @@ and lower bound at `--nic-gbps`, its prediction for the order that ran
 the emulated cluster, the bytes really counted on the hosts' eth0. Each broadcast task is
 sent in the chunk count K the network model chooses for it (`NetworkModel.broadcast_chunks`
 at the calibrated rate; `--chunks` fixes one K for all), printed in column K. Only rank 0 prints. Timings on an oversubscribed CPU
-are noisy: compare ratios inside one run (ENVIRONMENT.md).
+are noisy: compare ratios inside one run (docs/design.md §7).
 """
 from __future__ import annotations
 
