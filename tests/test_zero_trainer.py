@@ -3,7 +3,8 @@
 fp32: zero-stage 1 and 2 give the same losses and parameters as zero-stage 0 after 10 steps,
 at tp 2 · pp 2 · dp 2 and tp 1 · pp 2 · dp 4 (delayed weight gradients in the pipeline), within
 tolerances derived from the arithmetic (tests/tolerances.py): the stages reduce gradients in
-other orders, so they agree to rounding, which differs between CPUs. bf16 + fp16 + recomputation run through the pipeline too.
+other orders, so they agree to rounding, which differs between CPUs. bf16 + fp16 +
+recomputation run through the pipeline too.
 """
 import io
 import math

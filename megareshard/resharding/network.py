@@ -21,14 +21,15 @@ Model, kept deliberately simple so predictions can be compared with measurements
 * a task whose receivers all sit on the sender's host uses no NIC; such intra-host
   copies are serialised per host on an "intra" resource.
 
-Broadcast chunk count K (`NetworkModel.broadcast_chunks`): the model's one source of truth,
-chosen per task and stored on the plan's task (`UnitTask.chunks`), which the executor reads.
-A chain through A receiving hosts in K chunks of c/K seconds each, every message also paying a fixed
-overhead o (`message_overhead_s`), takes (K + A - 1)·(c/K + o) = c·(1 + (A-1)/K) + (K + A - 1)·o:
-more chunks shrink the pipeline fill (A-1)/K and add messages. The minimum is at
-K* = sqrt((A-1)·c / o), rounded to the better neighbouring integer, at least 1 (one receiving
-host or a tiny slice: K = 1), at most the slice's elements and `MAX_BROADCAST_CHUNKS`. The time
-predictions count the fill, not the overhead (`latency_s` covers fixed costs per task).
+Broadcast chunk count K (`NetworkModel.broadcast_chunks`): the model's one source of
+truth, chosen per task and stored on the plan's task (`UnitTask.chunks`), which the
+executor reads. A chain through A receiving hosts in K chunks of c/K seconds each, every
+message also paying a fixed overhead o (`message_overhead_s`), takes
+(K + A - 1)·(c/K + o) = c·(1 + (A-1)/K) + (K + A - 1)·o: more chunks shrink the pipeline
+fill (A-1)/K and add messages. The minimum is at K* = sqrt((A-1)·c / o), rounded to the
+better neighbouring integer, at least 1 (one receiving host or a tiny slice: K = 1), at
+most the slice's elements and `MAX_BROADCAST_CHUNKS`. The time predictions count the
+fill, not the overhead (`latency_s` covers fixed costs per task).
 """
 
 from __future__ import annotations
