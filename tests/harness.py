@@ -8,7 +8,7 @@
 
     results = run_ranks(_check, 8, 3.0)          # [rank0_result, ..., rank7_result]
 
-Why it looks like this (ENVIRONMENT.md): importing torch in 8 fresh processes costs
+Why it looks like this (measured on the 2-core development machines): importing torch in 8 fresh processes costs
 ~7 s on 2 cores, and a plain ``fork`` of a parent that already ran an OpenMP matmul
 hangs. So children come from a *forkserver* that imported torch once and never
 computes: every launch is a cheap fork of a clean process. Rendezvous goes through a

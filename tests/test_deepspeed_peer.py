@@ -1,6 +1,6 @@
 """Peer check: our ZeRO-2 matches DeepSpeed's ZeRO-2 on a dp-only run (dp 2, 5 steps, within 1e-5).
 
-DeepSpeed pitfalls (ENVIRONMENT.md): its default ``gradient_clipping`` is 1.0 — set here
+DeepSpeed pitfalls (measured with deepspeed 0.19 on CPU): its default ``gradient_clipping`` is 1.0 — set here
 explicitly to the same value as ours; ``"type": "AdamW"`` with ``"torch_adam": true`` makes
 it use ``torch.optim.AdamW`` (no JIT-compiled FusedAdam/CPUAdam), the same math as ours;
 the decay / no-decay parameter groups are passed to both. On CPU, DeepSpeed's comm

@@ -1,4 +1,5 @@
-"""Topology (pure) and ParallelContext (8 gloo ranks) against each other and against seed 001."""
+"""Topology (pure) and ParallelContext (8 gloo ranks) against each other and against the
+SageMaker model parallelism library's rank mechanism."""
 import json
 import subprocess
 import sys
@@ -61,7 +62,8 @@ def test_tp_groups_inside_a_host_when_tp_first_and_divides(topo):
 
 
 def test_seed_001_table():
-    """The 8-GPU table of seed 001 (tp 2, pp 2, ranks placed pp-tp-dp)."""
+    """The 8-GPU table of the SageMaker model parallelism library's rank mechanism (tp 2, pp 2,
+    ranks placed pp-tp-dp)."""
     text = (ROOT.parent / "shared" / "seeds" / "001_0000785cb3a16ca9.txt")
     expected = [
         (0, 0, 0, 0, 0), (1, 0, 0, 0, 1), (0, 1, 0, 1, 2), (1, 1, 0, 1, 3),

@@ -3,14 +3,20 @@
 One launch per layout (dp2, dp4, tp2·dp2 with sequence parallelism) runs every variant on
 the same data: the reference (``build_adamw`` + ``GradAverager`` + ``clip_grad_norm_``)
 and ``ZeroOptimizer`` at stages 0, 1, 2 and 2 with overlapped (hook-driven) reduction, 10
-iterations, 2 microbatches per iteration, gradient clipping active. Losses and
-parameters must agree within 1e-6 relative.
+iterations, 2 microbatches per iteration, gradient clipping active.
 
-Parameters are compared norm-wise per tensor, except the KEY part of the QKV bias: softmax
-ignores it, so its gradient is pure rounding noise which Adam normalises to steps of ±lr —
-it drifts chaotically between any two runs that sum in a different order (even stage 0
-with other buckets), so it is checked only to stay within the ±lr·steps it can move.
+The variants reduce gradients in other orders (buckets, reduce-scatter, per-microbatch
+reduction), so they agree to rounding, not bitwise; the tolerances follow from the
+arithmetic (tests/tolerances.py), not from a fixed relative error, which an AMD CPU exceeded on
+a layer-norm bias (Adam magnifies rounding on parameters with tiny gradients).
+
+The KEY part of the QKV bias is checked apart: softmax ignores it, so its gradient is pure
+rounding noise which Adam normalises to steps of ±lr — it drifts chaotically between any
+two runs that sum in a different order (even stage 0 with other buckets), so it is checked
+only to stay within the ±lr·steps it can move.
 """
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +29,7 @@ from megareshard.parallel import ParallelContext, Topology
 from megareshard.parallel.data_parallel import GradAverager
 from megareshard.tensor_parallel import sync_sequence_parallel_grads
 from tests.harness import run_ranks
+from tests.tolerances import RHO, U, element_error_bounds
 
 STEPS = 10
 LR, WD, BETAS, EPS, CLIP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
@@ -127,34 +134,54 @@ def _layout(rank, world_size, tp, sp):
     return out, meta_ok
 
 
-def _params_close(got, ref, label, rtol, heads_local):
-    """Norm-wise relative error of every parameter tensor <= rtol (key bias: see the module doc)."""
+def _tolerances(steps: int) -> tuple[float, list[float]]:
+    """Per-element parameter error bound after `steps` updates, and before each of them
+    (tests/tolerances.py derives it)."""
+    bounds = element_error_bounds([LR] * steps, BETAS)
+    return bounds[-1], bounds[:-1]
+
+
+def _params_close(got, ref, label, steps, heads_local):
+    """Norm-wise error of every parameter tensor within sqrt(numel)·E after `steps` updates
+    (see `_tolerances`; key bias: see the module doc)."""
+    per_elem, _ = _tolerances(steps)
     for name, r in ref.items():
         g = got[name]
         if name.endswith("attention.qkv.bias"):
             r, g = r.view(heads_local, 3, -1), g.view(heads_local, 3, -1)
-            assert g[:, 1].abs().max() <= LR * STEPS * 1.01, label
+            assert g[:, 1].abs().max() <= LR * steps * 1.01, label
             r, g = r[:, [0, 2]], g[:, [0, 2]]
-        err = ((g - r).norm() / r.norm()).item()
-        assert err <= rtol, (label, name, err)
+        err = (g - r).norm().item()
+        tol = math.sqrt(r.numel()) * per_elem
+        assert err <= tol, (label, name, err, tol)
 
 
 def _check(results, dp, tp):
+    n_params = sum(p.numel() for p in GPTModel(tiny_cfg(), ParallelContext.single_process(), seed=3).parameters())
+    _, before = _tolerances(STEPS)
+
+    def mean_losses(variant):  # over all ranks = over dp (tp ranks agree): the loss whose gradient is clipped
+        return [sum(r[0][variant][0][0][t] for r in results) / len(results) for t in range(STEPS)]
+
+    for variant in ("0", "1", "2", "2-overlap"):
+        # the parameters differ by at most sqrt(n)·E (`_tolerances`: every parameter, before step t);
+        # to first order (2x for the rest) the mean loss moves by |its gradient|·that, the gradient
+        # norm recorded before clipping
+        ref_norms = results[0][0]["ref"][0][1]
+        for t, (loss, ref_loss) in enumerate(zip(mean_losses(variant), mean_losses("ref"))):
+            tol = 2 * ref_norms[t] * math.sqrt(n_params) * before[t] + 4 * U * abs(ref_loss)
+            assert abs(loss - ref_loss) <= tol, (variant, "mean loss", t, loss, ref_loss, tol)
     for rank_out, meta in results:
         ref_clipped, ref_bytes = rank_out["ref"]
         for variant in ("0", "1", "2", "2-overlap"):
-            # overlapped reduction reduces every microbatch and accumulates the reduced shards: another
-            # summation order than reducing the accumulated gradient, hence the looser tolerance
-            rtol = 1e-5 if variant == "2-overlap" else 1e-6
             clipped, nbytes = rank_out[variant]
-            for i, quantity in ((0, "losses"), (1, "grad norms")):
-                torch.testing.assert_close(torch.tensor(clipped[i], dtype=torch.float64),
-                                           torch.tensor(ref_clipped[i], dtype=torch.float64), rtol=rtol, atol=0,
-                                           msg=f"{quantity} of zero {variant}")
+            for t, (norm, ref_norm) in enumerate(zip(clipped[1], ref_clipped[1])):
+                # one global norm of gradients that carry RHO each step, compounding with the steps
+                assert abs(norm - ref_norm) <= RHO * (1 + t) * ref_norm, (variant, "grad norm", t, norm, ref_norm)
             assert max(ref_clipped[1]) > CLIP, "clipping never triggered: the test would not exercise it"
             heads_local = tiny_cfg().num_attention_heads // tp
-            _params_close(clipped[2], ref_clipped[2], f"zero {variant} after 1 step", rtol, heads_local)
-            _params_close(clipped[3], ref_clipped[3], f"zero {variant} after {STEPS} steps", rtol, heads_local)
+            _params_close(clipped[2], ref_clipped[2], f"zero {variant} after 1 step", 1, heads_local)
+            _params_close(clipped[3], ref_clipped[3], f"zero {variant} after {STEPS} steps", STEPS, heads_local)
         # optimizer-state bytes (exp_avg + exp_avg_sq; fp32 masters are views of the params)
         zero0, zero1, zero2 = rank_out["0"][1], rank_out["1"][1], rank_out["2"][1]
         assert zero0 == ref_bytes

@@ -1,10 +1,13 @@
 """ZeRO through the whole trainer with tensor and pipeline parallelism on (8 ranks, one launch).
 
-fp32: zero-stage 1 and 2 give the same losses and parameters as zero-stage 0 after 10 steps
-(within 1e-6 relative), at tp 2 · pp 2 · dp 2 and tp 1 · pp 2 · dp 4 (delayed weight
-gradients in the pipeline). bf16 + fp16 + recomputation run through the pipeline too.
+fp32: zero-stage 1 and 2 give the same losses and parameters as zero-stage 0 after 10 steps,
+at tp 2 · pp 2 · dp 2 and tp 1 · pp 2 · dp 4 (delayed weight gradients in the pipeline), within
+tolerances derived from the arithmetic (tests/tolerances.py): the stages reduce gradients in
+other orders, so they agree to rounding, which differs between CPUs. bf16 + fp16 +
+recomputation run through the pipeline too.
 """
 import io
+import math
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from megareshard.parallel import ParallelContext, Topology
 from megareshard.tensor_parallel import gather_full_state_dict
 from megareshard.training import Trainer
 from tests.harness import run_ranks
+from tests.tolerances import U, element_error_bounds
 
 STEPS = 10
 LR = 3e-3
@@ -42,8 +46,8 @@ def _all(rank, world):
     out = {}
     for tp, pp in [(2, 2), (1, 2)]:
         for zero in (0, 1, 2):
-            losses, params, memory, _ = _train(rank, world, tp, pp, zero)
-            out[(tp, pp, zero)] = (losses, params, memory)
+            losses, params, memory, records = _train(rank, world, tp, pp, zero)
+            out[(tp, pp, zero)] = (losses, params, memory, [(r["lr"], r["grad_norm"]) for r in records])
     _, _, _, bf16 = _train(rank, world, 2, 2, 1, ("--bf16", "--recompute-granularity", "full"))
     _, _, _, fp16 = _train(rank, world, 2, 2, 2, ("--fp16", "--recompute-activations", "--initial-loss-scale", "1024"))
     return out, [r["loss"] for r in bf16], [(r["loss"], r["loss_scale"], r["skipped"]) for r in fp16]
@@ -58,10 +62,19 @@ def results():
 @pytest.mark.parametrize("tp, pp", [(2, 2), (1, 2)])
 @pytest.mark.parametrize("zero", [1, 2])
 def test_zero_matches_stage0_with_tp_and_pp(results, tp, pp, zero):
+    cfg = _cfg(8, tp, pp, 0).training
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
     for rank, (out, _, _) in enumerate(results):
-        ref_losses, ref_params, _ = out[(tp, pp, 0)]
-        losses, params, _ = out[(tp, pp, zero)]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
+        ref_losses, ref_params, _, ref_steps = out[(tp, pp, 0)]
+        losses, params, _, _ = out[(tp, pp, zero)]
+        # per-element parameter error bound before each step and after the last
+        bounds = element_error_bounds([lr for lr, _ in ref_steps], betas)
+        n_params = sum(p.numel() for p in ref_params.values())
+        for t, (loss, ref_loss) in enumerate(zip(losses, ref_losses)):
+            # the loss (averaged over dp) at parameters apart by <= sqrt(n)·bound: |gradient|·that,
+            # twice for what first order leaves out, plus its own rounding
+            tol = 2 * ref_steps[t][1] * math.sqrt(n_params) * bounds[t] + 4 * U * abs(ref_loss)
+            assert abs(loss - ref_loss) <= tol, (rank, tp, pp, zero, t, loss, ref_loss, tol)
         assert params.keys() == ref_params.keys()
         for name, ref in ref_params.items():
             if name.endswith("attention.qkv.bias"):
@@ -69,8 +82,9 @@ def test_zero_matches_stage0_with_tp_and_pp(results, tp, pp, zero):
                 # into ±lr steps whenever the reduction order differs, so it only stays bounded
                 assert (params[name] - ref).abs().max() <= 2 * LR * STEPS
                 continue
-            err = ((params[name] - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-            assert err <= 1e-6, f"rank {rank} tp{tp} pp{pp} zero{zero}: {name} differs by {err:.2e}"
+            err = (params[name] - ref).norm().item()
+            tol = math.sqrt(ref.numel()) * bounds[-1]
+            assert err <= tol, f"rank {rank} tp{tp} pp{pp} zero{zero}: {name} differs by {err:.2e} > {tol:.2e}"
 
 
 @pytest.mark.slow

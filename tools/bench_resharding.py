@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark cross-mesh resharding strategies and schedulers (paper §5.1; DESIGN.md §7).
+"""Benchmark cross-mesh resharding strategies and schedulers (Zhuang et al., "On Optimizing the Communication
+of Model Parallelism", MLSys 2023, §5.1; docs/design.md §7).
 
 Three ways to run it:
 
@@ -27,8 +28,10 @@ runs, each between two barriers; the median is reported. Alongside: the model's 
 and lower bound at `--nic-gbps`, its prediction for the order that ran
 (`NetworkModel.predict(plan, order)`) at the NIC goodput measured once before the cases
 (`--calibrate-mb`: one message host 0 -> host 1; 0 = predict at `--nic-gbps`), and, inside
-the emulated cluster, the bytes really counted on the hosts' eth0. Only rank 0 prints. Timings on an oversubscribed CPU
-are noisy: compare ratios inside one run (ENVIRONMENT.md).
+the emulated cluster, the bytes really counted on the hosts' eth0. Each broadcast task is
+sent in the chunk count K the network model chooses for it (`NetworkModel.broadcast_chunks`
+at the calibrated rate; `--chunks` fixes one K for all), printed in column K. Only rank 0 prints. Timings on an oversubscribed CPU
+are noisy: compare ratios inside one run (docs/design.md §7).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ class Record:
     shape: list[int] = field(default_factory=list)
     mbytes: float = 0.0
     tasks: int = 0
-    chunks: int = 0
+    chunks: list[int] = field(default_factory=list)  # the broadcast chunk counts K of its tasks (distinct, ascending)
     repeats: list[float] = field(default_factory=list)
     measured_nic_bytes: int | None = None
     simulated: bool = False
@@ -198,9 +201,11 @@ def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Na
         src, dst = case.src_mesh, case.dst_mesh
     else:
         src, dst = place(case.src_mesh, procs_per_host), place(case.dst_mesh, procs_per_host)
+    # `auto` plans for the order that runs; K per task from the model at the rate the NICs deliver
     plan = plan_resharding(case.shape, src, case.src_spec, dst, case.dst_spec, strategy=strategy,
                            scheduler=scheduler, itemsize=itemsize, time_budget_s=args.time_budget,
-                           broadcast_chunks=args.chunks)
+                           order="concurrent" if order == "concurrent" and not args.simulate else "plan",
+                           broadcast_chunks=args.chunks, network=pred_model)
     host_bytes = model.host_bytes(plan)
     nic_bytes = sum(o for o, _ in host_bytes.values())
     lb = model.lower_bound(plan)
@@ -212,7 +217,7 @@ def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Na
     rec = Record(case=case.name, strategy=strategy, scheduler=scheduler, seconds=pred, nic_bytes=nic_bytes,
                  lower_bound_s=lb, ratio_to_bound=None, speedup_vs_sendrecv=None, predicted_s=pred,
                  scheduler_used=plan.scheduler, shape=list(case.shape), mbytes=nbytes * itemsize / 2**20,
-                 tasks=len(plan.tasks), chunks=args.chunks, simulated=args.simulate,
+                 tasks=len(plan.tasks), chunks=sorted({t.chunks for t in plan.tasks}), simulated=args.simulate,
                  order="model" if args.simulate else order, model_nic_gbps=pred_model.nic_gbps)
     if args.simulate:
         rec.ratio_to_bound = pred / lb if lb > 0 and strategy != "signal" else None
@@ -223,7 +228,7 @@ def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Na
     from megareshard.resharding.executor import Resharder
 
     rank = dist.get_rank()
-    res = Resharder(plan, args.torch_dtype, chunks=args.chunks, order=order)
+    res = Resharder(plan, args.torch_dtype, chunks=max(rec.chunks, default=1), order=order)
     src_sl = local_slices(case.shape, src, case.src_spec, rank)
     local = None if src_sl is None else pattern(case.shape, src_sl, args.torch_dtype)
     dist.barrier()
@@ -263,11 +268,18 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _fmt_chunks(chunks: list[int]) -> str:
+    """The broadcast chunk counts of a plan's tasks: `16`, or `1-16` when they differ."""
+    if not chunks:
+        return "-"
+    return str(chunks[0]) if len(chunks) == 1 else f"{chunks[0]}-{chunks[-1]}"
+
+
 def table(records: list[Record]) -> str:
-    rows = [("strategy", "scheduler", "used", "order", "time s", "NIC MB", "meas MB", "bound s", "ratio", "vs sendrecv",
-             "pred s", "pred/meas")]
+    rows = [("strategy", "scheduler", "used", "order", "K", "time s", "NIC MB", "meas MB", "bound s", "ratio",
+             "vs sendrecv", "pred s", "pred/meas")]
     for r in records:
-        rows.append((r.strategy, r.scheduler, r.scheduler_used, r.order, _fmt(r.seconds, ".4f"),
+        rows.append((r.strategy, r.scheduler, r.scheduler_used, r.order, _fmt_chunks(r.chunks), _fmt(r.seconds, ".4f"),
                      _fmt(r.nic_bytes / 1e6, ".1f"),
                      _fmt(None if r.measured_nic_bytes is None else r.measured_nic_bytes / 1e6, ".1f"),
                      _fmt(r.lower_bound_s, ".4f"), _fmt(r.ratio_to_bound, ".2f"),
@@ -287,12 +299,13 @@ def fill_speedups(records: list[Record]) -> None:
 
 def markdown(records: list[Record]) -> str:
     """The records as the markdown table of docs/benchmarks.md."""
-    head = ("| case | strategy | scheduler (used) | order | time s | NIC MB (model / measured) | bound s | ratio "
+    head = ("| case | strategy | scheduler (used) | order | K | time s | NIC MB (model / measured) | bound s | ratio "
             "| vs sendrecv | predicted s | pred/meas |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in records:
         meas = "-" if r.measured_nic_bytes is None else f"{r.measured_nic_bytes / 1e6:.1f}"
-        lines.append(f"| {r.case} | {r.strategy} | {r.scheduler} ({r.scheduler_used}) | {r.order} | {r.seconds:.3f} "
+        lines.append(f"| {r.case} | {r.strategy} | {r.scheduler} ({r.scheduler_used}) | {r.order} "
+                     f"| {_fmt_chunks(r.chunks)} | {r.seconds:.3f} "
                      f"| {r.nic_bytes / 1e6:.1f} / {meas} | {r.lower_bound_s:.3f} | {_fmt(r.ratio_to_bound, '.2f')} "
                      f"| {_fmt(r.speedup_vs_sendrecv, '.2f')}{'x' if r.speedup_vs_sendrecv else ''} "
                      f"| {r.predicted_s:.3f} | {_fmt(r.predicted_s / r.seconds if r.seconds else None, '.2f')} |")
@@ -362,7 +375,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dst-spec", default="S0,R,R")
     ap.add_argument("--strategy", default="sendrecv,allgather,broadcast")
     ap.add_argument("--scheduler", default="naive,auto")
-    ap.add_argument("--chunks", type=int, default=16, help="broadcast pipeline chunks (K)")
+    ap.add_argument("--chunks", type=int, default=None,
+                    help="broadcast pipeline chunks K for every task (default: the network model's choice per task)")
     ap.add_argument("--order", default=None,
                     help="Resharder execution order(s), comma-separated: plan, concurrent (default: the executor's)")
     ap.add_argument("--repeat", type=int, default=3)
@@ -402,7 +416,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ap.error(f"unknown order {o!r}; allowed: {', '.join(ORDERS)}")
     if args.simulate:
         args.orders = ["model"]  # the network model: list scheduling in plan order
-    if args.repeat < 1 or args.chunks < 1 or args.scale <= 0:
+    if args.repeat < 1 or (args.chunks is not None and args.chunks < 1) or args.scale <= 0:
         ap.error(f"--repeat ({args.repeat}) and --chunks ({args.chunks}) must be >= 1, --scale ({args.scale}) > 0")
     args.torch_dtype = getattr(torch, args.dtype)
     return args
@@ -427,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "simulated (network model only)" if args.simulate else \
         f"{world} ranks = {num_hosts} hosts x {procs_per_host} (gloo)"
     say(f"# bench_resharding: {mode}; model NIC {args.nic_gbps} Gbit/s, intra {args.intra_gbps} Gbit/s; "
-        f"dtype {args.dtype}; chunks {args.chunks}; repeat {args.repeat}; order {','.join(args.orders)}")
+        f"dtype {args.dtype}; chunks {args.chunks or 'per task (model)'}; repeat {args.repeat}; order {','.join(args.orders)}")
     if args.scale != 1.0:
         say(f"# tensor scaled by {args.scale} from the paper's size (one dim replicated in both specs shrinks)")
     pred_model = model
@@ -456,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rec = run_config(c, st, sc, args, model, procs_per_host, o, pred_model)
         records.append(rec)
         say(f"[{i}/{len(configs)} {time.monotonic() - t_start:6.1f}s] {c.name} {st}/{sc}({rec.scheduler_used}) "
-            f"{rec.order}: "
+            f"{rec.order} K={_fmt_chunks(rec.chunks)}: "
             f"{rec.seconds:.4f}s (bound {rec.lower_bound_s:.4f}s, predicted {rec.predicted_s:.4f}s)", flush=True)
     fill_speedups(records)
     for c in runnable:

@@ -5,7 +5,7 @@
         tools/bench_resharding.py --suite paper
 
 Why: the paper's cluster model is "fast inside a host, one slow full-duplex NIC per
-host". On one machine we reproduce it (DESIGN.md §7, ENVIRONMENT.md) with one Linux
+host". On one machine we reproduce it (docs/design.md §7) with one Linux
 network namespace per host, one veth "NIC" each plugged into a bridge that lives in
 its own namespace, and a ``tc tbf`` rate limit on both directions of every NIC. Ranks
 of one host talk over that namespace's loopback (unlimited); ranks of different hosts
@@ -63,7 +63,7 @@ class ClusterLayout:
         return [self.host_ns(i) for i in range(self.hosts)] + [self.switch_ns]
 
     def setup_commands(self) -> list[list[str]]:
-        """The ``ip``/``tc`` commands that build the cluster, in order (ENVIRONMENT.md recipe)."""
+        """The ``ip``/``tc`` commands that build the cluster, in order (the recipe of docs/design.md §7)."""
         sw = self.switch_ns
         tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
         cmds = [

@@ -7,7 +7,7 @@
     python tools/show_topology.py --world-size 8 --nproc-per-node 4 --stage-layouts tp1dp4,tp2dp2
     python tools/show_topology.py --world-size 256 --nproc-per-node 8 --tp 8 --pp 8 --communicators
 
-Without --order the order comes from per-layer communication volume (seed 003) for the
+Without --order the order comes from per-layer communication volume (docs/design.md §1) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-tp-in-host", action="store_true", help="fail unless every tp group sits in one host")
     p.add_argument("--stage-layouts", default=None,
                    help="per-stage (tp, dp), e.g. tp1dp4,tp2dp2: each stage on its own block of ranks")
-    p.add_argument("--sagemaker", action="store_true", help="seed 001's names: pp/tp/rdp/dp/mp ranks")
+    p.add_argument("--sagemaker", action="store_true", help="the SageMaker model parallelism library's names: pp/tp/rdp/dp/mp ranks")
     p.add_argument("--json", action="store_true", help="print a JSON list of per-rank records")
     p.add_argument("--communicators", action="store_true",
                    help="also count the communicators a GPT's stage boundaries create (one per distinct "

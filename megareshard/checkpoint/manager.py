@@ -198,6 +198,15 @@ def _sizes(stages: list[list[int]] | None, axis: int) -> str:
     return "?" if not vals else str(vals[0]) if len(set(vals)) == 1 else ",".join(map(str, vals))
 
 
+def dp_changed(saved: list[list[int]] | None, cur: list[list[int]]) -> bool:
+    """Whether the data-parallel sizes differ between two layouts ([tp, dp] per stage).
+
+    A uniform dp is one number whatever the stage count (pp 2 -> 4 at dp 2 keeps dp 2);
+    per-stage dps compare stage by stage. An unknown saved layout counts as changed.
+    """
+    return saved is None or _sizes(saved, 1) != _sizes(cur, 1)
+
+
 @dataclass
 class LoadResult:
     """What ``CheckpointManager.load`` restored (the trainer sets its counters from it)."""
@@ -518,7 +527,7 @@ class CheckpointManager:
                 messages.append(f"data: global batch size changed {s.get('global_batch_size')} -> "
                                 f"{sampler.global_batch_size}: training continues at sample {s['consumed_samples']}, "
                                 "but iterations no longer see the saved run's batches")
-            elif [d for _, d in saved_stages or []] != [d for _, d in cur_stages]:
+            elif dp_changed(saved_stages, cur_stages):
                 messages.append(f"data: dp changed {_sizes(saved_stages, 1)} -> {_sizes(cur_stages, 1)}: each iteration trains on the same "
                                 "global batch as before (the sampler's global order does not depend on dp); the "
                                 "per-rank split and reduction order change, so losses agree to rounding, not bitwise")

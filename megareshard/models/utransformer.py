@@ -1,6 +1,7 @@
 """U-Transformer: a causal language model shaped like a U, with long skip connections.
 
-The paper's second model (seeds/000 §5.2): widths change with depth and long skip
+The second model of Zhuang et al., "On Optimizing the Communication of Model
+Parallelism" (MLSys 2023, §5.2): widths change with depth and long skip
 connections join mirrored levels, so when the U is split into pipeline stages the skip
 tensors cross *non-adjacent* stages — cross-mesh resharding is the bottleneck there.
 

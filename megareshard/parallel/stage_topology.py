@@ -1,7 +1,7 @@
 """Per-stage layouts: every pipeline stage has its own (tp, dp). Pure Python.
 
 ``--stage-layouts "tp1dp4,tp2dp2,tp2dp2,tp1dp4"`` gives one ``tpXdpY`` entry per stage.
-Placement (DESIGN.md §1, by volume): stage ``i`` occupies a *contiguous* block of
+Placement (docs/design.md §1, by volume): stage ``i`` occupies a *contiguous* block of
 ``tp_i × dp_i`` ranks starting after the previous stage's block (so stages sit on
 consecutive hosts and the pipeline axis is outermost), and inside its block tp is
 innermost (stride 1) then dp::

@@ -5,8 +5,10 @@ to outermost, like Megatron-Core's ``RankGenerator``: with ``tp-dp-pp`` consecut
 ranks differ in tp, so a tp group sits inside one host whenever tp divides the number
 of processes per host.
 
-The default order is chosen by communication volume (seed 003): the axis that moves
-the most bytes per Transformer layer goes innermost, on the fast intra-host links.
+The default order is chosen by communication volume (docs/design.md §1, after Narayanan
+et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM"): the axis that moves the most bytes per Transformer layer goes innermost,
+on the fast intra-host links.
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ def parse_order(order: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CommVolume:
-    """Bytes-ish moved per Transformer layer per step by each parallel axis (seed 003).
+    """Bytes-ish moved per Transformer layer per step by each parallel axis (docs/design.md §1).
 
     TP: 4 collectives of b·s·h activations forward and backward -> 8·b·s·h;
-    DP: one all-reduce of the 12·h² layer weights, ring cost ~ 16·h² (rounded as in seed 003);
+    DP: one all-reduce of the 12·h² layer weights, ring cost ~ 16·h² (rounded as in docs/design.md §1);
     PP: the b·s·h activation forward and its gradient backward -> 2·b·s·h.
     An axis of degree 1 moves nothing.
     """
@@ -184,7 +186,7 @@ class Topology:
             out.append(tuple(sorted({first, last})))
         return sorted(out)
 
-    # ---- seed 001 (SageMaker) names -------------------------------------------------------
+    # ---- the SageMaker model parallelism library's names ----------------------------------
     def mp_rank(self, rank: int) -> int:
         """Rank inside the model-parallel (tp × pp) group, ordered by global rank."""
         return self.group_of(("tp", "pp"), rank).index(rank)

@@ -105,7 +105,8 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
     `lookahead=None` posts every receive at the start of the list (unbounded buffers,
     but then no SEND can ever wait for a post). A mapping gives it per (edge, 'F'|'B'),
     default 1. `rendezvous_safe=True` starts from `lookahead` and raises the lookahead of
-    whichever (edge, direction) has a SEND stuck in a rendezvous dry run until none is:
+    whichever (edge, direction) has a SEND stuck in a rendezvous dry run until none is
+    (`ScheduleError` naming the stuck actions when no lookahead helps):
     the smallest buffers for an executor whose sends block until the receive is posted
     (chain-only 1f1b/eager-1f1b need lookahead 1 anyway; skip edges need more, about
     the number of microbatches in flight between the skip's two ends).
@@ -212,6 +213,12 @@ def _lower_rendezvous_safe(schedule: Schedule, graph: PipelineGraph | None,
             return low
         grow = [k for k in blocked if per[k] < cap]
         if not grow:  # not caused by receive posting: the compute order itself deadlocks
-            return low
+            raised = sorted(((e, d), v) for (e, d), v in per.items() if v > 1)
+            lines = [f"  stage {st} step {i}: {a} waits for {why}" for st, i, a, why in stuck]
+            looks = ", ".join(f"{e} {d}: {v}" for (e, d), v in raised) or "all 1"
+            raise ScheduleError(
+                f"lower(rendezvous_safe=True): {len(stuck)} stage(s) stay stuck under rendezvous sends "
+                f"whatever the receive lookahead (up to {cap}; raised: {looks}), so the compute order "
+                f"itself deadlocks:\n" + "\n".join(lines))
         for k in grow:
             per[k] += 1

@@ -1,6 +1,6 @@
 """Pipeline schedule IR: actions, the stage graph, per-stage action lists, text form.
 
-A schedule is *data* (DESIGN.md §4): for every stage, the ordered list of actions its
+A schedule is *data* (docs/design.md §4): for every stage, the ordered list of actions its
 ranks execute. Generators produce compute-only lists (F, B, I, W); `lowering.lower`
 adds the communication actions; `validate` checks them; `simulate` times them; the
 runtime executes them. Keeping it data means every one of those steps can be unit

@@ -1,6 +1,6 @@
 """One pipeline stage: its layers, its mesh, the layout of its boundary tensors, its model part.
 
-DESIGN.md §1: a stage is (its layers, its mesh, the layout of every tensor it consumes
+docs/design.md §1: a stage is (its layers, its mesh, the layout of every tensor it consumes
 and produces). Here the mesh of stage ``i`` is the ranks with pp coordinate ``i`` laid
 out as a 2-D ``dp × tp`` grid (axis 0 = dp, axis 1 = tp) with each rank's host taken
 from the Topology, and the GPT's hidden states ``[s, b, h]`` are

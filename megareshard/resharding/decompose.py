@@ -30,6 +30,7 @@ class UnitTask:
     receivers: tuple[int, ...]  # destination ranks needing it (sorted)
     sender: int | None = None  # chosen sending rank (set by the scheduler)
     nbytes: int = 0  # numel(slice) * itemsize
+    chunks: int = 1  # K of its pipelined broadcast chain (set by the planner; 1 unless broadcast)
 
     @property
     def numel(self) -> int:

@@ -20,6 +20,16 @@ Model, kept deliberately simple so predictions can be compared with measurements
   sharing each NIC side) `predict` takes the busiest NIC side's bytes instead (see there);
 * a task whose receivers all sit on the sender's host uses no NIC; such intra-host
   copies are serialised per host on an "intra" resource.
+
+Broadcast chunk count K (`NetworkModel.broadcast_chunks`): the model's one source of
+truth, chosen per task and stored on the plan's task (`UnitTask.chunks`), which the
+executor reads. A chain through A receiving hosts in K chunks of c/K seconds each, every
+message also paying a fixed overhead o (`message_overhead_s`), takes
+(K + A - 1)·(c/K + o) = c·(1 + (A-1)/K) + (K + A - 1)·o: more chunks shrink the pipeline
+fill (A-1)/K and add messages. The minimum is at K* = sqrt((A-1)·c / o), rounded to the
+better neighbouring integer, at least 1 (one receiving host or a tiny slice: K = 1), at
+most the slice's elements and `MAX_BROADCAST_CHUNKS`. The time predictions count the
+fill, not the overhead (`latency_s` covers fixed costs per task).
 """
 
 from __future__ import annotations
@@ -35,6 +45,12 @@ if TYPE_CHECKING:  # pragma: no cover
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 
 SEND, RECV, INTRA = 0, 1, 2  # NIC directions / resources of a host
+
+DEFAULT_NIC_GBPS = 1.0  # the planner's NIC rate when none is given (that of the emulated cluster)
+# Per-message cost of a point-to-point send (post, match, TCP round of gloo; kernel launch and
+# protocol step of NCCL): of the order of 10-100 µs, the middle taken.
+DEFAULT_MESSAGE_OVERHEAD_S = 50e-6
+MAX_BROADCAST_CHUNKS = 64  # bounds the messages of one broadcast chain per pair of ranks
 
 
 def check_strategy(strategy: str) -> str:
@@ -128,14 +144,38 @@ def task_cost(
 class NetworkModel:
     """Hosts with one full-duplex NIC each (`nic_gbps` each way) and `intra_gbps` inside."""
 
-    def __init__(self, nic_gbps: float, intra_gbps: float = 100.0, *, latency_s: float = 0.0) -> None:
+    def __init__(self, nic_gbps: float = DEFAULT_NIC_GBPS, intra_gbps: float = 100.0, *, latency_s: float = 0.0,
+                 message_overhead_s: float = DEFAULT_MESSAGE_OVERHEAD_S) -> None:
         if nic_gbps <= 0 or intra_gbps <= 0:
             raise ValueError(f"bandwidths must be > 0, got nic {nic_gbps} Gbit/s, intra {intra_gbps} Gbit/s")
         if latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
+        if message_overhead_s <= 0:
+            raise ValueError(f"message_overhead_s must be > 0, got {message_overhead_s}")
         self.nic_gbps = float(nic_gbps)
         self.intra_gbps = float(intra_gbps)
         self.latency_s = float(latency_s)
+        self.message_overhead_s = float(message_overhead_s)
+
+    def broadcast_chunks(self, nbytes: int, hosts: int, numel: int) -> int:
+        """K for a pipelined broadcast of `nbytes` (`numel` elements) along a chain through
+        `hosts` receiving hosts (A in the module docstring).
+
+        Minimises c·(1 + (A-1)/K) + (K + A - 1)·o, c = nbytes / NIC bandwidth, o the
+        per-message overhead: the smallest K >= 1 with K·(K+1) >= (A-1)·c/o (K* = sqrt of
+        that, to an integer), clamped to [1, min(numel, MAX_BROADCAST_CHUNKS)]. Non-decreasing
+        in `nbytes` and in `hosts`; 1 for one receiving host or a slice too small to split.
+        """
+        if hosts <= 1 or numel <= 1 or nbytes <= 0:
+            return 1
+        x = (hosts - 1) * (nbytes / self.nic_Bps) / self.message_overhead_s
+        cap = min(numel, MAX_BROADCAST_CHUNKS)
+        k = max(1, int(x ** 0.5))
+        while k > 1 and (k - 1) * k >= x:  # float rounding of the square root
+            k -= 1
+        while k < cap and k * (k + 1) < x:
+            k += 1
+        return min(k, cap)
 
     @property
     def nic_Bps(self) -> float:

@@ -12,8 +12,8 @@ from typing import Sequence
 
 from .decompose import UnitTask, decompose
 from .mesh import Mesh
-from .network import INTRA, TaskCost, check_strategy, task_cost
-from .schedulers import Option, SchedTask, check_scheduler, run_scheduler
+from .network import INTRA, RECV, SEND, NetworkModel, TaskCost, check_strategy, task_cost
+from .schedulers import Option, SchedTask, check_order, check_scheduler, run_scheduler, schedule_cost
 from .spec import ShardingSpec
 
 __all__ = ["UnitTask", "ReshardingPlan", "plan_resharding"]
@@ -42,9 +42,10 @@ class ReshardingPlan:
     itemsize: int
     tasks: list[UnitTask]  # in execution order, each with .sender set
     rounds: list[list[int]]  # UnitTask.index grouped; concatenation == order of .tasks
-    optimal: bool  # True when dfs finished its search
-    broadcast_chunks: int = 16  # K of the pipelined broadcast chain, as costed
-    makespan_bytes: float = 0.0  # the scheduler's makespan, in bytes over one NIC
+    optimal: bool  # True when the scheduler's search finished (its objective is optimal)
+    order: str = "concurrent"  # the executor order the schedule was optimised for (`auto`)
+    makespan_bytes: float = 0.0  # list-scheduling makespan in plan order, in bytes over one NIC
+    cost_bytes: float = 0.0  # the objective under `order`, in bytes over one NIC
     _costs: dict[int, TaskCost] = field(default_factory=dict, repr=False, compare=False)
 
     # --- host views the executor and network model share ------------------------------
@@ -87,7 +88,7 @@ class ReshardingPlan:
         cost = self._costs.get(task.index)
         if cost is None:
             counts = self.wire_counts(task)
-            cost = task_cost(self.strategy, task.nbytes, self.sender_host(task), counts, self.broadcast_chunks)
+            cost = task_cost(self.strategy, task.nbytes, self.sender_host(task), counts, task.chunks)
             self._costs[task.index] = cost
         return cost
 
@@ -103,14 +104,15 @@ class ReshardingPlan:
         head = (
             f"resharding {tuple(self.shape)} x{self.itemsize}B: {self.src_mesh} {self.src_spec} "
             f"-> {self.dst_mesh} {self.dst_spec}; strategy={self.strategy} scheduler={self.scheduler}"
-            f"{' (optimal)' if self.optimal else ''}; {len(self.tasks)} tasks in {len(self.rounds)} rounds"
+            f"{' (optimal)' if self.optimal else ''} for order={self.order}; "
+            f"{len(self.tasks)} tasks in {len(self.rounds)} rounds"
         )
         rnd = self.round_of()
-        rows = [("task", "slice", "senders", "receivers", "sender@host", "bytes", "round")]
+        rows = [("task", "slice", "senders", "receivers", "sender@host", "bytes", "chunks", "round")]
         for t in self.tasks:
             rows.append((
                 str(t.index), _fmt_slice(t.slice), _fmt_ranks(t.senders), _fmt_ranks(t.receivers),
-                f"{t.sender}@{self.sender_host(t)}", str(t.nbytes), str(rnd[t.index]),
+                f"{t.sender}@{self.sender_host(t)}", str(t.nbytes), str(t.chunks), str(rnd[t.index]),
             ))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -136,11 +138,19 @@ def plan_resharding(
     scheduler: str = "auto",
     itemsize: int = 4,
     *,
+    order: str = "concurrent",
     time_budget_s: float = 1.0,
     seed: int = 0,
-    broadcast_chunks: int = 16,
+    broadcast_chunks: int | None = None,
+    network: NetworkModel | None = None,
 ) -> ReshardingPlan:
     """Decompose, then choose one sending host per task and an order (see schedulers).
+
+    `order` is the executor order the plan will run under ("concurrent", the executor's
+    and the pipeline's default, or "plan"): `auto` minimises that order's cost. Each task's
+    broadcast chunk count (`UnitTask.chunks`, what the executor sends) is `broadcast_chunks`
+    when given (at most the slice's elements), else `network.broadcast_chunks` for the task's size and receiving hosts
+    (default network: `NetworkModel()`); under other strategies it is 1.
 
     Scheduling is at host granularity, in bytes over one NIC (uniform NIC bandwidth is
     assumed, so bytes order schedules as time does); the concrete sender is the lowest
@@ -148,10 +158,13 @@ def plan_resharding(
     """
     check_strategy(strategy)
     check_scheduler(scheduler)
+    check_order(order)
     if itemsize < 1:
         raise ValueError(f"itemsize must be >= 1 byte, got {itemsize}")
-    if broadcast_chunks < 1:
-        raise ValueError(f"broadcast_chunks must be >= 1, got {broadcast_chunks}")
+    if broadcast_chunks is not None and (int(broadcast_chunks) != broadcast_chunks or broadcast_chunks < 1):
+        raise ValueError(f"broadcast_chunks must be an integer >= 1 or None (the network model's choice), "
+                         f"got {broadcast_chunks!r}")
+    net = network if network is not None else NetworkModel()
     shp = src_spec.check(shape)
     dst_spec.check(shp)
     _check_meshes(src_mesh, dst_mesh)
@@ -166,12 +179,21 @@ def plan_resharding(
         held = set(t.senders)
         counts = Counter(host(r) for r in t.receivers if r not in held)
         cand = sorted({src_mesh.host_of(r) for r in t.senders})
+        if strategy == "broadcast":
+            if broadcast_chunks is not None:
+                t.chunks = min(int(broadcast_chunks), max(1, t.numel))  # the executor sends no empty chunk
+            else:  # receiving hosts: the same for every candidate sender unless one of them receives
+                hosts = max(sum(1 for x, c in counts.items() if x != h and c > 0) for h in cand)
+                t.chunks = net.broadcast_chunks(t.nbytes, hosts, t.numel)
         opts = []
         for h in cand:
-            cost = task_cost(strategy, t.nbytes, h, counts, broadcast_chunks)
-            opts.append(Option(h, cost.nic_bytes, frozenset((x, d) for x, d in cost.resources(h) if d != INTRA)))
+            cost = task_cost(strategy, t.nbytes, h, counts, t.chunks)
+            loads = tuple([((x, SEND), float(b)) for x, b in sorted(cost.out_bytes.items())]
+                          + [((x, RECV), float(b)) for x, b in sorted(cost.in_bytes.items())])
+            opts.append(Option(h, cost.nic_bytes, frozenset((x, d) for x, d in cost.resources(h) if d != INTRA),
+                               loads))
         sched_tasks.append(SchedTask(tuple(opts), naive=cand.index(src_mesh.host_of(t.senders[0]))))
-    sched = run_scheduler(scheduler, sched_tasks, time_budget_s=time_budget_s, seed=seed)
+    sched = run_scheduler(scheduler, sched_tasks, order=order, time_budget_s=time_budget_s, seed=seed)
     for pos, t in enumerate(tasks):
         h = sched_tasks[pos].options[sched.choice[pos]].host
         t.sender = min(r for r in t.senders if src_mesh.host_of(r) == h)
@@ -187,7 +209,7 @@ def plan_resharding(
         tasks=[tasks[p] for p in sched.order],
         rounds=[[tasks[p].index for p in rnd] for rnd in sched.rounds],
         optimal=sched.optimal,
-        broadcast_chunks=broadcast_chunks,
+        order=order,
         makespan_bytes=sched.makespan,
+        cost_bytes=schedule_cost(sched_tasks, sched, order),
     )
-

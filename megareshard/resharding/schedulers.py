@@ -2,10 +2,18 @@
 
 The problem is abstract here: each task has options (one per candidate sending host),
 each option a duration and the set of resources it occupies -- a resource is one side
-(SEND/RECV) of one host's NIC. A schedule is a global order plus one option per task;
-its makespan comes from list scheduling: in order, a task starts once all its resources
-are free. Any per-resource order without cycles is reachable from some global order, so
-searching global orders loses nothing.
+(SEND/RECV) of one host's NIC. A schedule is a global order plus one option per task.
+
+Its cost depends on how the executor will run it (`ORDERS`):
+
+* ``"plan"``: one task at a time per NIC side, in plan order. The cost is the makespan of
+  list scheduling: in order, a task starts once all its resources are free. Any
+  per-resource order without cycles is reachable from some global order, so searching
+  global orders loses nothing.
+* ``"concurrent"``: every task on the wire at once, each NIC side shared among its flows.
+  The cost is the busiest NIC side's bytes (or the longest single task), as
+  `NetworkModel.predict(plan, "concurrent")` computes it; only the choice of options
+  matters, not the order.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Hashable, Sequence
 from .network import SEND
 
 SCHEDULERS = ("auto", "naive", "loadbalance", "dfs", "greedy")
+ORDERS = ("plan", "concurrent")  # the executor's execution orders, each with its own objective
 
 # DFS recursion depth equals the number of tasks; beyond this we only check the seeds.
 _MAX_DFS_TASKS = 400
@@ -29,13 +38,28 @@ def check_scheduler(name: str) -> str:
     return name
 
 
+def check_order(order: str) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    return order
+
+
 @dataclass(frozen=True)
 class Option:
     """Running a task from `host`: takes `duration`, occupies `resources`."""
 
     host: int
-    duration: float
+    duration: float  # seconds-as-bytes the task holds its resources (plan order)
     resources: frozenset[Hashable]
+    # (resource, bytes) it puts on each NIC side when sharing it (concurrent order);
+    # empty: `duration` on every resource
+    loads: tuple[tuple[Hashable, float], ...] = ()
+
+    def load_items(self) -> tuple[tuple[Hashable, float], ...]:
+        """(resource, bytes) pairs: what this option adds to each resource's total load."""
+        if self.loads:
+            return self.loads
+        return tuple((r, self.duration) for r in sorted(self.resources, key=repr))
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,25 @@ def simulate(tasks: Sequence[SchedTask], order: Sequence[int], choice: Sequence[
             free[r] = end
         makespan = max(makespan, end)
     return makespan
+
+
+def concurrent_cost(tasks: Sequence[SchedTask], choice: Sequence[int]) -> float:
+    """Cost under the ``"concurrent"`` order: the busiest resource's total load, or the
+    longest chosen task alone, whichever is larger (`NetworkModel.predict` in bytes)."""
+    load: dict[Hashable, float] = {}
+    peak = 0.0
+    for t, i in enumerate(choice):
+        o = tasks[t].options[i]
+        peak = max(peak, o.duration)
+        for r, b in o.load_items():
+            load[r] = load.get(r, 0.0) + b
+    return max(peak, max(load.values(), default=0.0))
+
+
+def schedule_cost(tasks: Sequence[SchedTask], sched: "Schedule", order: str) -> float:
+    """The objective of `sched` under the executor's `order` (module docstring)."""
+    check_order(order)
+    return sched.makespan if order == "plan" else concurrent_cost(tasks, sched.choice)
 
 
 def rounds_from_order(tasks: Sequence[SchedTask], order: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
@@ -417,19 +460,133 @@ def schedule_dfs(tasks: Sequence[SchedTask], time_budget_s: float = 1.0,
                     makespan=best.makespan, optimal=finished, scheduler="dfs")
 
 
-def run_scheduler(name: str, tasks: Sequence[SchedTask], *, time_budget_s: float = 1.0,
-                  seed: int = 0) -> Schedule:
-    """Dispatch by name; `auto` = dfs when it proves optimality in budget, else greedy."""
+class _LoadSearch:
+    """Branch and bound over one option per task, minimising `concurrent_cost`.
+
+    Tasks go largest first; each takes its options in the order of the peak they leave,
+    so the first descent is the longest-processing-time rule on loads. Prune: the peak so
+    far, or any resource's load plus what the remaining tasks must put there whatever
+    their options, reaching the incumbent's cost. Identical tasks (same options) are
+    interchangeable: their option indices are kept non-decreasing.
+    """
+
+    def __init__(self, tasks: Sequence[SchedTask], choice: Sequence[int], budget_s: float) -> None:
+        self.tasks = tasks
+        self.deadline = time.perf_counter() + budget_s
+        self.nodes = 0
+        n = len(tasks)
+        self.items = [[(r, b) for r, b in o.load_items() if b > 0] for t in tasks for o in t.options]
+        self.base = [0] * (n + 1)  # task t's options are items[base[t]: base[t + 1]]
+        for t in range(n):
+            self.base[t + 1] = self.base[t] + len(tasks[t].options)
+        sig = [tuple((o.duration, tuple(sorted(o.load_items(), key=repr))) for o in t.options) for t in tasks]
+        size = [max((sum(b for _, b in o.load_items()) for o in t.options), default=0.0) for t in tasks]
+        self.seq = sorted(range(n), key=lambda t: (-size[t], repr(sig[t]), t))
+        self.same_as_prev = [k > 0 and sig[self.seq[k]] == sig[self.seq[k - 1]] for k in range(n)]
+        # forced[k][r]: load the tasks seq[k:] put on r whatever their options
+        self.forced: list[dict[Hashable, float]] = [{} for _ in range(n + 1)]
+        for k in range(n - 1, -1, -1):
+            f = dict(self.forced[k + 1])
+            t = self.seq[k]
+            opts = tasks[t].options
+            for r in {r for o in opts for r, _ in o.load_items()}:
+                m = min(dict(o.load_items()).get(r, 0.0) for o in opts)
+                if m > 0:
+                    f[r] = f.get(r, 0.0) + m
+            self.forced[k] = f
+        self.floor = max((min(o.duration for o in t.options) for t in tasks), default=0.0)
+        self.best_choice = list(choice)
+        self.best = concurrent_cost(tasks, choice)
+        self.eps = 1e-9 * max(self.best, 1.0)
+        self.load: dict[Hashable, float] = {}
+        self.choice = [0] * n
+
+    def root_bound(self) -> float:
+        return max(self.floor, max(self.forced[0].values(), default=0.0))
+
+    def run(self) -> bool:
+        """True if the search finished (`best_choice` is optimal)."""
+        if self.best <= self.root_bound() + self.eps:
+            return True
+        try:
+            self._rec(0, 0.0)
+        except _Timeout:
+            return False
+        return True
+
+    def _rec(self, k: int, peak: float) -> None:
+        self.nodes += 1
+        if self.nodes & 255 == 0 and time.perf_counter() > self.deadline:
+            raise _Timeout
+        if k == len(self.seq):
+            if peak < self.best - self.eps:
+                self.best, self.best_choice = peak, list(self.choice)
+            return
+        t = self.seq[k]
+        load, fnext = self.load, self.forced[k + 1]
+        lo = self.choice[self.seq[k - 1]] if self.same_as_prev[k] else 0
+        cands = []
+        for i in range(lo, len(self.tasks[t].options)):
+            new_peak = max(peak, self.tasks[t].options[i].duration)
+            for r, b in self.items[self.base[t] + i]:
+                new_peak = max(new_peak, load.get(r, 0.0) + b)
+            cands.append((new_peak, i))
+        cands.sort()
+        for new_peak, i in cands:
+            if new_peak >= self.best - self.eps:
+                break  # sorted: the rest leave a higher peak
+            items = self.items[self.base[t] + i]
+            for r, b in items:
+                load[r] = load.get(r, 0.0) + b
+            bound = max([new_peak] + [load.get(r, 0.0) + m for r, m in fnext.items()])
+            if bound < self.best - self.eps:
+                self.choice[t] = i
+                self._rec(k + 1, new_peak)
+            for r, b in items:
+                load[r] -= b
+
+
+def schedule_concurrent(tasks: Sequence[SchedTask], start: Schedule, time_budget_s: float = 1.0) -> Schedule:
+    """Options minimising `concurrent_cost`, by branch and bound from `start`'s options.
+
+    Never worse than `start` under that cost: when the budget runs out the best options
+    found so far are kept. The order is `start`'s (under concurrent execution it does not
+    change the cost). `optimal` is True only when the search finished.
+    """
+    search = _LoadSearch(tasks, start.choice, time_budget_s)
+    finished = search.run()
+    improved = search.best_choice != list(start.choice)
+    sched = _finish(tasks, list(start.order), list(search.best_choice), "dfs" if improved else start.scheduler,
+                    optimal=finished)
+    return sched
+
+
+def run_scheduler(name: str, tasks: Sequence[SchedTask], *, order: str = "concurrent",
+                  time_budget_s: float = 1.0, seed: int = 0) -> Schedule:
+    """Dispatch by name. `auto` minimises the cost under the executor's `order`.
+
+    ``order="plan"``: the makespan; DFS searches from the best of the naive, load-balance
+    and greedy schedules and keeps its incumbent if the budget runs out. ``"concurrent"``:
+    the busiest NIC side's load; a branch and bound over options (`schedule_concurrent`)
+    starts from the cheapest of those three. Either way `auto` is never worse than any of
+    them under that order's cost. The returned `scheduler` names the algorithm whose
+    schedule was kept ("dfs" when the search improved on its start); `optimal` says the
+    search finished.
+    """
     check_scheduler(name)
+    check_order(order)
     if name == "naive":
         return schedule_naive(tasks)
     if name == "loadbalance":
         return schedule_loadbalance(tasks)
     if name == "greedy":
         return schedule_greedy(tasks, seed)
-    greedy = schedule_greedy(tasks, seed)
-    seeds = [schedule_naive(tasks), schedule_loadbalance(tasks), greedy]
-    dfs = schedule_dfs(tasks, time_budget_s, incumbent=min(seeds, key=lambda s: s.makespan))
-    if name == "dfs" or dfs.optimal:
-        return dfs
-    return greedy
+    seeds = [schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks, seed)]
+    if name == "auto" and order == "concurrent":
+        start = min(seeds, key=lambda s: concurrent_cost(tasks, s.choice))
+        return schedule_concurrent(tasks, start, time_budget_s)
+    start = min(seeds, key=lambda s: s.makespan)
+    dfs = schedule_dfs(tasks, time_budget_s, incumbent=start)
+    if name == "auto" and not dfs.makespan < start.makespan:
+        dfs.scheduler = start.scheduler  # the search kept its start (optimal or out of time)
+    return dfs

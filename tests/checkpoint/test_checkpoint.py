@@ -290,3 +290,15 @@ def test_checkpoint_util_inspect_export_import_roundtrip(saved, tmp_path, capsys
         s1, s2 = a.opt.inner.state[e1.master], b.opt.inner.state[e2.master]
         assert all(torch.equal(s1[k], s2[k]) for k in s1), e1.name
     assert tool.main(["inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_dp_changed_compares_dp_not_stage_counts():
+    """pp 2 -> 4 at dp 2 keeps dp (the loader used to say "data: dp changed 2 -> 2")."""
+    from megareshard.checkpoint.manager import dp_changed
+
+    assert not dp_changed([[2, 2], [2, 2]], [[1, 2]] * 4)          # tp/pp relayout, dp 2 kept
+    assert not dp_changed([[1, 4], [2, 2]], [[1, 4], [2, 2]])
+    assert dp_changed([[2, 2], [2, 2]], [[1, 8]])                   # dp 2 -> 8
+    assert dp_changed([[1, 4], [2, 2]], [[2, 2], [2, 2]])           # per-stage 4,2 -> 2
+    assert dp_changed([[1, 4], [2, 2]], [[1, 2], [2, 4]])           # same values, other stages
+    assert dp_changed(None, [[1, 2]])                               # no saved layout: say so

@@ -80,6 +80,8 @@ def test_trainer_relayout_pp_and_exact_resume(tmp_path):
         assert "RNG: tp/pp changed" in text and "re-seeded" in text, text      # never silent
         if "dp8" in name:
             assert "data: dp changed 2 -> 8" in text and "same global batch" in text, text
+        else:  # tp/pp changed, dp 2 kept (it said "dp changed 2 -> 2" for pp 2 -> 4)
+            assert "dp changed" not in text, text
     assert r["finetune"] == (0, 0, 0)
     ref, start, resumed, loaded_rng = r["dropout"]
     assert start == 5 and loaded_rng

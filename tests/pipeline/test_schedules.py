@@ -148,6 +148,20 @@ def test_rendezvous_safe_lowering(name):
         validate(lower(s), rendezvous=True)
 
 
+def test_rendezvous_safe_lowering_raises_when_no_lookahead_helps():
+    """Stage 0 runs B0 before F0: its backward waits for a gradient that needs its own
+    forward first. No receive lookahead can fix that; the lowering says so and names the
+    stuck actions instead of returning a schedule it knows deadlocks."""
+    g = PipelineGraph(2, [])
+    s = Schedule(g, 1, [[Action(K.B, 0, 0), Action(K.F, 0, 0)], [Action(K.F, 0, 1), Action(K.B, 0, 1)]])
+    with pytest.raises(ScheduleError) as err:
+        lower(s, rendezvous_safe=True)
+    msg = str(err.value)
+    assert "whatever the receive lookahead" in msg and "2 stage(s) stay stuck" in msg
+    assert "stage 0 step 1: WB0<-1 waits for SB0->0 on stage 1" in msg, msg
+    assert "stage 1 step 1: WF0<-0 waits for SF0->1 on stage 0" in msg, msg
+
+
 def test_lowered_ir_guarantees():
     """Sends right after the producer, waits right before the consumer, FIFO posts."""
     s = lower(generate("eager-1f1b", 4, 8, True, graph=_graph(4, True)))

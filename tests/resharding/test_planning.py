@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megareshard.resharding import (
@@ -26,6 +26,10 @@ from megareshard.resharding.network import SEND, RECV
 from megareshard.resharding.schedulers import (
     Option,
     SchedTask,
+    concurrent_cost,
+    lower_bound,
+    run_scheduler,
+    schedule_cost,
     schedule_dfs,
     schedule_greedy,
     schedule_loadbalance,
@@ -387,14 +391,39 @@ def test_dfs_matches_brute_force(seed):
 
 
 def test_dfs_reports_timeout_as_not_optimal():
-    rng = random.Random(7)
-    tasks = _random_sched_tasks(rng, 60, hosts=6)
+    """An instance the seeds do not solve at the root bound, searched with no time (the
+    search stops at its first clock check): not optimal, and the best seed is kept."""
+    rng = random.Random(3)
+    tasks = _random_sched_tasks(rng, 30, hosts=5)
+    seeds = [schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks)]
+    best_seed = min(s.makespan for s in seeds)
+    assert best_seed > lower_bound(tasks) + 1e-9  # the root cannot prove it optimal
     got = schedule_dfs(tasks, time_budget_s=0.0)
-    seeds = min(s.makespan for s in (schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks)))
-    assert got.makespan <= seeds
-    assert sorted(got.order) == list(range(60))
-    if not got.optimal:  # only claims optimality when the seeds already meet the bound
-        assert got.scheduler == "dfs"
+    assert not got.optimal and got.scheduler == "dfs"
+    assert got.makespan <= best_seed and sorted(got.order) == list(range(30))
+    assert simulate(tasks, got.order, got.choice) == pytest.approx(got.makespan)
+    # auto under plan order keeps that incumbent (it used to fall back to greedy's plan)
+    auto = run_scheduler("auto", tasks, order="plan", time_budget_s=0.0)
+    assert not auto.optimal and auto.makespan <= best_seed
+    assert auto.scheduler in ("naive", "loadbalance", "greedy", "dfs")
+
+
+@pytest.mark.parametrize("seed, searched", [(19, False), (1, True)])
+def test_auto_concurrent_out_of_time_keeps_its_best(seed, searched):
+    """Under concurrent order, a branch and bound stopped at its first clock check keeps
+    the cheapest plan it has: the best seed (19) or what it improved it to (1)."""
+    rng = random.Random(seed)
+    tasks = _random_loaded_tasks(rng, 80, 8)
+    best_seed = min(concurrent_cost(tasks, s.choice)
+                    for s in (schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks)))
+    got = run_scheduler("auto", tasks, order="concurrent", time_budget_s=0.0)
+    assert not got.optimal and sorted(got.order) == list(range(80))
+    cost = schedule_cost(tasks, got, "concurrent")
+    assert cost == concurrent_cost(tasks, got.choice)
+    if searched:
+        assert cost < best_seed and got.scheduler == "dfs"
+    else:
+        assert cost == best_seed and got.scheduler != "dfs"
 
 
 @FAST
@@ -402,10 +431,11 @@ def test_dfs_reports_timeout_as_not_optimal():
 def test_greedy_close_to_dfs_optimum(problem, strategy):
     shape, src, sspec, dst, dspec = problem
     dfs = plan_resharding(shape, src, sspec, dst, dspec, strategy=strategy, scheduler="dfs", time_budget_s=0.05)
-    if not dfs.optimal:
-        return
     greedy = plan_resharding(shape, src, sspec, dst, dspec, strategy=strategy, scheduler="greedy")
-    assert dfs.makespan_bytes <= greedy.makespan_bytes + 1e-9
+    assert dfs.makespan_bytes <= greedy.makespan_bytes + 1e-9  # greedy's plan seeds the search
+    # the 10 % claim is against a proved optimum: hypothesis fails the test (filter_too_much)
+    # if too few examples are proved, rather than passing on none
+    assume(dfs.optimal)
     assert greedy.makespan_bytes <= 1.10 * dfs.makespan_bytes + 1e-9
 
 
@@ -425,6 +455,69 @@ def test_greedy_close_to_dfs_on_seeded_random_instances(block):
     assert proved >= 20
 
 
+def _random_loaded_tasks(rng: random.Random, n: int | None = None, hosts: int | None = None) -> list[SchedTask]:
+    """Scheduler instances with per-side loads, as `plan_resharding` builds them: by default
+    4-14 tasks over 3-6 hosts, 1-3 candidate senders each, harder than most resharding cases."""
+    n = rng.randint(4, 14) if n is None else n
+    hosts = rng.randint(3, 6) if hosts is None else hosts
+    strategy = rng.choice(["sendrecv", "allgather", "broadcast"])
+    tasks = []
+    for _ in range(n):
+        senders = sorted(rng.sample(range(hosts), rng.randint(1, 3)))
+        receivers = {h: rng.randint(1, 3) for h in rng.sample(range(hosts), rng.randint(1, 3))}
+        nbytes = rng.choice([1, 2, 3, 5, 8])
+        chunks = rng.choice([1, 4])
+        opts = []
+        for h in senders:
+            c = task_cost(strategy, nbytes, h, receivers, chunks=chunks)
+            loads = tuple([((x, SEND), float(b)) for x, b in sorted(c.out_bytes.items())]
+                          + [((x, RECV), float(b)) for x, b in sorted(c.in_bytes.items())])
+            opts.append(Option(h, c.nic_bytes, frozenset(r for r, _ in loads), loads))
+        tasks.append(SchedTask(tuple(opts)))
+    return tasks
+
+
+@pytest.mark.parametrize("order", ["plan", "concurrent"])
+def test_auto_never_worse_than_its_rivals_under_the_order_used(order):
+    """200 seeded random instances: `auto` is never worse than naive, loadbalance or greedy
+    under the cost of the order it plans for. The search budget is zero (a search stops at
+    its first clock check, after 256 nodes: deterministic), so under "plan" many DFS
+    searches run out of time and must keep their incumbent."""
+    rng = random.Random(1)
+    timed_out = improved = 0
+    for k in range(200):
+        tasks = _random_loaded_tasks(rng)
+        auto = run_scheduler("auto", tasks, order=order, time_budget_s=0.0)
+        got = schedule_cost(tasks, auto, order)
+        assert sorted(auto.order) == list(range(len(tasks)))
+        rivals = {s: schedule_cost(tasks, run_scheduler(s, tasks), order) for s in ("naive", "loadbalance", "greedy")}
+        for s, c in rivals.items():
+            assert got <= c + 1e-9, (k, order, s)
+        timed_out += not auto.optimal
+        improved += got < min(rivals.values()) - 1e-9
+    assert improved >= 10  # the search itself, not only the best of the three, does work
+    if order == "plan":
+        assert timed_out >= 10  # the incumbent-keeping path ran
+
+
+@pytest.mark.parametrize("order", ["plan", "concurrent"])
+def test_auto_cost_is_the_network_models_prediction(order):
+    """The scheduler's cost is `NetworkModel.predict` for that order, in bytes (intra-host
+    links made so fast that only NIC time counts), and `auto` beats none of its rivals
+    under the model either."""
+    nm = NetworkModel(1.0, intra_gbps=1e12)
+    rng = random.Random(4242)
+    for k in range(40):
+        problem = _random_problem(rng, max_dim=40)
+        strategy = rng.choice(["sendrecv", "allgather", "broadcast"])
+        kw = dict(strategy=strategy, order=order, itemsize=rng.choice([1, 4, 4096]))
+        auto = plan_resharding(*problem, scheduler="auto", time_budget_s=0.002, **kw)
+        got = nm.predict(auto, order)
+        assert got == pytest.approx(auto.cost_bytes / nm.nic_Bps, rel=1e-6, abs=1e-12), (k, problem)
+        for s in ("naive", "loadbalance", "greedy"):
+            assert got <= nm.predict(plan_resharding(*problem, scheduler=s, **kw), order) * (1 + 1e-9), (k, s)
+
+
 def test_greedy_is_deterministic():
     case = paper_case(4)
     a = plan_resharding(*case, scheduler="greedy", seed=3)
@@ -434,23 +527,37 @@ def test_greedy_is_deterministic():
 
 
 @pytest.mark.parametrize("n", [3, 4, 9])
-def test_loadbalance_and_dfs_not_worse_than_naive_on_paper_cases(n):
+@pytest.mark.parametrize("order", ["plan", "concurrent"])
+def test_loadbalance_and_dfs_not_worse_than_naive_on_paper_cases(n, order):
     nm = NetworkModel(10.0)
     case = paper_case(n)
-    naive = nm.predict(plan_resharding(*case, scheduler="naive"))
+    naive = nm.predict(plan_resharding(*case, scheduler="naive", order=order), order)
     for sched in ("loadbalance", "dfs", "auto"):
-        plan = plan_resharding(*case, scheduler=sched, time_budget_s=0.5)
-        assert nm.predict(plan) <= naive * (1 + 1e-9), sched
-    best = plan_resharding(*case, scheduler="auto", time_budget_s=0.5)
-    assert best.optimal and nm.predict(best) == pytest.approx(nm.lower_bound(best), rel=1e-6)
-    assert nm.predict(best) < naive  # the paper's point: reordering uses both sender hosts
+        plan = plan_resharding(*case, scheduler=sched, time_budget_s=0.5, order=order)
+        assert nm.predict(plan, order) <= naive * (1 + 1e-9), sched
+    best = plan_resharding(*case, scheduler="auto", time_budget_s=0.5, order=order)
+    assert best.optimal and nm.predict(best, order) == pytest.approx(nm.lower_bound(best), rel=1e-6)
+    if order == "plan":
+        assert nm.predict(best) < naive  # the paper's point: reordering uses both sender hosts
 
 
 def test_auto_records_the_scheduler_used():
-    plan = plan_resharding(*paper_case(3))
-    assert plan.scheduler == "dfs" and plan.optimal
+    """`auto` names the algorithm whose plan it kept: one of the seeds when its cost (under
+    the order) is theirs, "dfs" only when its search beat all of them."""
+    for n in (3, 4, 9):
+        for order in ("plan", "concurrent"):
+            plan = plan_resharding(*paper_case(n), order=order, time_budget_s=0.5)
+            assert plan.order == order and plan.optimal
+            seeds = {s: plan_resharding(*paper_case(n), scheduler=s, order=order).cost_bytes
+                     for s in ("naive", "loadbalance", "greedy")}
+            if plan.scheduler == "dfs":
+                assert plan.cost_bytes < min(seeds.values()) - 1e-9, (n, order)
+            else:
+                assert plan.cost_bytes == pytest.approx(seeds[plan.scheduler]), (n, order)
     assert plan_resharding(*paper_case(3), scheduler="greedy").scheduler == "greedy"
     assert not plan_resharding(*paper_case(3), scheduler="naive").optimal
+    with pytest.raises(ValueError, match="order must be one of plan, concurrent, got 'fast'"):
+        plan_resharding(*paper_case(3), order="fast")
 
 
 # --------------------------------------------------------------------------- network model
@@ -462,7 +569,7 @@ def _one_to_two_hosts(strategy):
     src = Mesh.grid(1, 1)
     dst = Mesh.grid(2, 2, first_rank=1, first_host=1)
     spec = ShardingSpec.parse("R")
-    return plan_resharding((100,), src, spec, dst, spec, strategy=strategy, itemsize=1)
+    return plan_resharding((100,), src, spec, dst, spec, strategy=strategy, itemsize=1, broadcast_chunks=16)
 
 
 @pytest.mark.parametrize(
@@ -572,3 +679,67 @@ def test_plans_pickle_round_trip():
     again = pickle.loads(pickle.dumps(plan))
     assert again.src_mesh == src and again.dst_spec == ShardingSpec.parse("R,S1")
     assert [(t.slice, t.sender, t.receivers) for t in again.tasks] == [(t.slice, t.sender, t.receivers) for t in plan.tasks]
+
+
+# --------------------------------------------------------------------------- broadcast chunk count
+
+
+def test_broadcast_chunks_is_the_models_optimum():
+    """K minimises c·(1 + (A-1)/K) + (K + A - 1)·o over the integers in range."""
+    nm = NetworkModel(1.0, message_overhead_s=50e-6)
+    for nbytes in (1, 100, 10_000, 1 << 20, 1 << 24, 1 << 28):
+        for hosts in (1, 2, 3, 4, 8):
+            numel = max(1, nbytes // 4)
+            k = nm.broadcast_chunks(nbytes, hosts, numel)
+            cap = min(numel, 64)
+            c = nbytes / nm.nic_Bps
+
+            def t(j):
+                return c * (1 + (hosts - 1) / j) + (j + hosts - 1) * nm.message_overhead_s
+
+            assert 1 <= k <= cap
+            assert t(k) == pytest.approx(min(t(j) for j in range(1, cap + 1)), rel=1e-12), (nbytes, hosts)
+
+
+def test_broadcast_chunks_monotone_and_one_for_tiny_slices():
+    nm = NetworkModel(1.0)
+    sizes = [4 << i for i in range(0, 30, 2)]
+    for hosts in (2, 3, 4, 8):
+        ks = [nm.broadcast_chunks(b, hosts, b // 4) for b in sizes]
+        assert ks == sorted(ks) and ks[0] == 1 and ks[-1] == 64, ks  # non-decreasing in size
+    for b in sizes:
+        ks = [nm.broadcast_chunks(b, a, b // 4) for a in range(1, 9)]
+        assert ks == sorted(ks) and ks[0] == 1, ks  # non-decreasing in hosts, 1 for one host
+    # a 1 KiB slice is not worth splitting: one message's overhead exceeds its whole transfer
+    assert nm.broadcast_chunks(1024, 4, 256) == 1
+    assert nm.broadcast_chunks(1 << 24, 4, 1) == 1  # never more chunks than elements
+    # a slower NIC or cheaper messages make splitting pay earlier
+    assert NetworkModel(0.1).broadcast_chunks(1 << 20, 4, 1 << 18) > nm.broadcast_chunks(1 << 20, 4, 1 << 18)
+    with pytest.raises(ValueError, match="message_overhead_s must be > 0, got 0"):
+        NetworkModel(1.0, message_overhead_s=0)
+
+
+def test_plan_stores_the_chunk_count_per_task():
+    """1 -> 4 hosts, one big replicated slice and a small one: each task gets the model's K
+    for its own size, the cost uses it, and an explicit count overrides the model."""
+    src = Mesh.grid(1, 1)
+    dst = Mesh.grid(4, 2, first_rank=1, first_host=1)
+    nm = NetworkModel(1.0)
+    big = plan_resharding((1 << 22,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), network=nm)
+    (task,) = big.tasks
+    assert task.chunks == nm.broadcast_chunks(task.nbytes, 4, task.numel) > 16
+    assert big.task_cost(task).nic_bytes == pytest.approx(task.nbytes * (1 + 3 / task.chunks))
+    assert nm.predict(big) <= 1.15 * nm.lower_bound(big)  # the fill (A-1)/K stays small
+    small = plan_resharding((64,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), network=nm)
+    assert small.tasks[0].chunks == 1
+    fixed = plan_resharding((1 << 22,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), broadcast_chunks=5)
+    assert fixed.tasks[0].chunks == 5
+    assert fixed.task_cost(fixed.tasks[0]).nic_bytes == pytest.approx(fixed.tasks[0].nbytes * (1 + 3 / 5))
+    tiny = plan_resharding((3,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), broadcast_chunks=8)
+    assert tiny.tasks[0].chunks == 3  # as many as the executor can send: one element each
+    other = plan_resharding((1 << 22,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"),
+                            strategy="sendrecv", broadcast_chunks=5)
+    assert other.tasks[0].chunks == 1  # no chain, no chunks
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="broadcast_chunks must be an integer >= 1 or None"):
+            plan_resharding((8,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), broadcast_chunks=bad)

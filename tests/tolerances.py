@@ -1,0 +1,46 @@
+"""Tolerances derived from the arithmetic for comparing two fp32 training runs that reduce
+gradients in different orders (ZeRO vs plain data parallelism, buckets, reduce-scatter).
+
+Such runs agree to rounding, not bitwise, and by how much depends on the CPU's kernels, so
+a fixed relative tolerance is either loose or fails on another machine. What is bounded
+here is the parameter error Adam can build up:
+
+* Adam's step lr·m̂/(sqrt(v̂)+eps) does not depend on the scale of the gradients, so its
+  relative error is that of the gradient elements. Each is the sum of dp × microbatches
+  (<= 8 in these tests) contributions made by the same arithmetic in both runs and reduced
+  in another order: <= 8 units of roundoff, magnified by cancellation between contributions
+  of opposite sign (kappa = sum|g_r| / |sum g_r|). Allowing kappa <= 16 gives `RHO` = 128u.
+  A gradient of pure rounding noise (kappa -> infinity, e.g. the attention key bias, which
+  softmax ignores) is not covered: tests check it apart. The clip coefficient scales a
+  step's gradients alike, which the normalisation cancels.
+* |m̂/sqrt(v̂)| <= `adam_step_bound(t)` at step t whatever the gradients, so one update moves
+  an element by at most lr·that, and its error is at most RHO times it; weight decay only
+  contracts errors. Over n elements the norm-wise error is at most sqrt(n) times the
+  per-element bound.
+* A loss evaluated at parameters that differ by at most D (norm) moves, to first order, by
+  |gradient|·D.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+U = 2.0 ** -24  # unit roundoff of fp32
+RHO = 128 * U  # relative error of one Adam update (module docstring)
+
+
+def adam_step_bound(t: int, betas: tuple[float, float]) -> float:
+    """max |m̂/sqrt(v̂)| at step t (1-based), by Cauchy-Schwarz on the moment sums:
+    (1-b1)/(1-b1^t) · sqrt((1-b2^t)/(1-b2)) · sqrt(sum_{k<t} (b1²/b2)^k)."""
+    b1, b2 = betas
+    r = b1 * b1 / b2
+    return (1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2)) * math.sqrt(sum(r ** k for k in range(t)))
+
+
+def element_error_bounds(lrs: Sequence[float], betas: tuple[float, float]) -> list[float]:
+    """Per-element parameter error bound before each step (index t: after t updates, so
+    [0] == 0) and, last, after all of them; `lrs` the learning rate of each step."""
+    out = [0.0]
+    for t, lr in enumerate(lrs, start=1):
+        out.append(out[-1] + lr * RHO * adam_step_bound(t, betas))
+    return out
