@@ -75,7 +75,8 @@ class PipelineConfig:
                                choices=("sendrecv", "allgather", "broadcast", "signal"))
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
                                 choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
-    reshard_chunks: int = _f(4, "chunks per pipelined broadcast")
+    reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
+                                          "network model)")
     pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
                                           "for tools/plot_schedule.py --trace")
 
@@ -373,7 +374,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     if pl.delay_wgrad_compute and pp == 1:
         raise ConfigError("--delay-wgrad-compute needs --pipeline-model-parallel-size > 1: delaying weight "
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
-    if pl.reshard_chunks < 1:
+    if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
     if mem.overlap_grad_reduce and mem.zero_stage != 2:
         raise ConfigError(f"--overlap-grad-reduce needs --zero-stage 2 (got {mem.zero_stage}): it frees each "

@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--u-shorten-factor", type=int, default=2)
     u.add_argument("--u-skip-merge", default="add", choices=("add", "concat"))
     p.add_argument("--reshard-scheduler", default="auto")
-    p.add_argument("--reshard-chunks", type=int, default=4)
+    p.add_argument("--reshard-chunks", type=int, default=None,
+                   help="broadcast chunks per task (default: the network model's choice per task)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed rounds, one iteration of every config each (default 10; --grid: 4)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2)")
@@ -303,7 +304,9 @@ def model_argv(a: argparse.Namespace, cfg: BenchConfig, world: int) -> list[str]
             "--global-batch-size", str(a.micro_batch_size * dp * a.microbatches),
             "--train-iters", "1000000", "--lr-warmup-iters", "1", "--device", "cpu", "--log-interval", "1000000",
             "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
-            "--reshard-scheduler", a.reshard_scheduler, "--reshard-chunks", str(a.reshard_chunks)]
+            "--reshard-scheduler", a.reshard_scheduler]
+    if a.reshard_chunks is not None:
+        argv += ["--reshard-chunks", str(a.reshard_chunks)]
     if a.procs_per_host:
         argv += ["--nproc-per-node", str(a.procs_per_host)]
     return argv + cfg.flags()

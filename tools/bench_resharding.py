@@ -228,7 +228,7 @@ def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Na
     from megareshard.resharding.executor import Resharder
 
     rank = dist.get_rank()
-    res = Resharder(plan, args.torch_dtype, chunks=max(rec.chunks, default=1), order=order)
+    res = Resharder(plan, args.torch_dtype, order=order)
     src_sl = local_slices(case.shape, src, case.src_spec, rank)
     local = None if src_sl is None else pattern(case.shape, src_sl, args.torch_dtype)
     dist.barrier()

@@ -89,7 +89,7 @@ def count_communicators(topo: Topology, seq: int, micro_batch: int, hidden: int,
     spec = hidden_spec(sequence_parallel and topo.tp > 1)
     shape = (seq, micro_batch * topo.dp, hidden)
     decls = [EdgeTensor(e, shape, torch.bfloat16, meshes[e.src], spec, meshes[e.dst], spec) for e in graph.edges]
-    keys = communicator_keys(plan_edges(graph, decls, strategy=strategy, scheduler="loadbalance", chunks=4))
+    keys = communicator_keys(plan_edges(graph, decls, strategy=strategy, scheduler="loadbalance", chunks=None))
     per_rank: dict[int, int] = {}
     for sender, receivers in keys:
         for r in (sender, *receivers):

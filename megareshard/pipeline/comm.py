@@ -142,6 +142,6 @@ def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strat
     built: dict[Edge, list[Resharder]] = {}
     for e, direction, plan in plan_edges(graph, decls, strategy=strategy, scheduler=scheduler, chunks=chunks,
                                          time_budget_s=time_budget_s):
-        built.setdefault(e, []).append(Resharder(plan, by_edge[e].dtype, chunks=chunks, group=group,
+        built.setdefault(e, []).append(Resharder(plan, by_edge[e].dtype, group=group,
                                                  streams=streams, name=f"edge{e}{direction}"))
     return {e: EdgeComm(by_edge[e], f, b) for e, (f, b) in built.items()}

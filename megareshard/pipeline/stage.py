@@ -143,7 +143,7 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
     if pl.reshard_strategy not in _EXECUTABLE_STRATEGIES:
         raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
                           f"{', '.join(_EXECUTABLE_STRATEGIES)}")
-    if pl.reshard_chunks < 1:
+    if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
     split_layers(cfg.model.num_layers, pp, pl.num_layers_per_stage)
     if not cfg.parallel.stage_layouts and world_size % (cfg.tp * pp):

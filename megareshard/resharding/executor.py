@@ -38,8 +38,8 @@ operations in the same order; one thread drives a communicator.
   of each other host in ascending host order, each hop forwarding chunk k as soon as it has
   it and fanning out to the other receivers on its host), `signal` (one byte per receiver
   per task: the end-to-end upper bound; **the returned tensor then has the right shape but
-  undefined values**). K comes from the plan (per task, chosen by the network model) unless
-  the `chunks` argument overrides it.
+  undefined values**). K comes from the plan (per task, chosen by the network model or
+  fixed by ``plan_resharding(..., broadcast_chunks=K)``): one source of truth.
 * Data lives on the device of its rank (signal bytes and receive buffers too). A destination
   rank that holds a slice in its own source shard copies it locally.
 
@@ -250,12 +250,12 @@ class Resharder:
 
     Every rank of the default process group must construct it, in the same order as its
     other collectives, even ranks in neither mesh. Mesh ranks are ranks of `group`
-    (default: the world). `streams` is the job's `CommStreams` (default: a private one).
-    `chunks` overrides the plan's per-task broadcast chunk count. `name` labels its
-    messages (logs, the NCCL checking mode).
+    (default: the world). `streams` is the job's `CommStreams` (default: the process's
+    shared one). Broadcast chunk counts come from the plan (`UnitTask.chunks`). `name`
+    labels its messages (logs, the NCCL checking mode).
     """
 
-    def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *, chunks: int | None = None,
+    def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *,
                  group: Any = None, sync_plan: bool = True, order: str | None = None, trace: bool = False,
                  streams: CommStreams | None = None, name: str = "") -> None:
         order = DEFAULT_ORDER if order is None else order
@@ -265,8 +265,6 @@ class Resharder:
             raise ValueError(f"strategy {plan.strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        if chunks is not None and (int(chunks) != chunks or chunks < 1):
-            raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
         if not dist.is_initialized():
             raise RuntimeError("Resharder needs an initialised torch.distributed process group")
         self._nccl = dist.get_backend(group) == "nccl"
@@ -276,7 +274,6 @@ class Resharder:
                              "transfer, not built); use order='concurrent' (the default)")
         self.plan = plan
         self.dtype = dtype
-        self.chunks = None if chunks is None else int(chunks)
         self.strategy = plan.strategy
         self.group = group
         self.order = order
@@ -311,7 +308,7 @@ class Resharder:
             local = tuple(r for r in task.receivers if r in held)
             remote = sorted(r for r in task.receivers if r not in held)
             numel = prod(_shape(region))
-            k = self.chunks if self.chunks is not None else int(getattr(task, "chunks", None) or 4)
+            k = int(task.chunks)  # chosen by the planner: plan and executor cannot disagree
             msgs = [] if (self._nccl and self.strategy == "broadcast") else \
                 build_messages(self.strategy, numel, sender, remote, host_of, k)
             members = (sender, *remote) if remote else ()

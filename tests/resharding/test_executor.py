@@ -37,7 +37,7 @@ def _global(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float64).reshape(shape).to(dtype)
 
 
-def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=3,
+def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=None,
                 dtype=torch.float32, label="", order="plan", trace=None) -> list[str]:
     """Plan, build, run; returns this rank's failure messages (empty when correct).
 
@@ -45,8 +45,8 @@ def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, s
     """
     plan = plan_resharding(shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
                            scheduler=scheduler, itemsize=torch.empty(0, dtype=dtype).element_size(),
-                           time_budget_s=0.05)
-    res = Resharder(plan, dtype, chunks=chunks, order=order, trace=trace is not None)
+                           time_budget_s=0.05, broadcast_chunks=chunks)
+    res = Resharder(plan, dtype, order=order, trace=trace is not None)
     full = _global(shape, dtype)
     src_sl = local_slices(shape, src_mesh, src_spec, rank)
     local = None if src_sl is None else full[src_sl].clone()
@@ -212,9 +212,9 @@ def _worker_special(rank: int, world: int) -> dict:
     # start()/wait() with compute in between; three runs in flight; reuse of one Resharder
     local = None if sl is None else full[sl].clone()
     for strategy, orders in (("broadcast", ORDERS), ("allgather", ORDERS)):
-        plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy=strategy)
+        plan = plan_resharding(shape, src, s_spec, dst, d_spec, strategy=strategy, broadcast_chunks=4)
         for order in orders:
-            res = Resharder(plan, torch.float32, chunks=4, order=order)
+            res = Resharder(plan, torch.float32, order=order)
             hs = [res.start(None if local is None else local * (j + 1)) for j in range(3)]
             a = torch.randn(64, 64)
             for _ in range(20):
@@ -360,7 +360,8 @@ def _worker_bad_plan(rank: int, world: int) -> str:
         msg = "no error"
     plan.strategy = "broadcast"
     try:
-        Resharder(plan, torch.float32, chunks=0)
+        plan_resharding((4, 4), Mesh.grid(1, 2), ShardingSpec.parse("S0,R"), Mesh.grid(1, 2, 2, 1),
+                        ShardingSpec.parse("R,R"), strategy="broadcast", broadcast_chunks=0)
     except ValueError as e:
         msg += " | " + str(e)
     try:
@@ -373,5 +374,5 @@ def _worker_bad_plan(rank: int, world: int) -> str:
 @pytest.mark.slow
 def test_bad_strategy_and_chunks_rejected_before_communication() -> None:
     for msg in run_ranks(_worker_bad_plan, 4, timeout=60):
-        assert "strategy 'scatter' cannot be executed" in msg and "chunks must be an integer >= 1" in msg
+        assert "strategy 'scatter' cannot be executed" in msg and "broadcast_chunks must be an integer >= 1" in msg
         assert "order must be one of plan, concurrent, got 'fifo'" in msg
