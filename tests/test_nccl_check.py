@@ -103,3 +103,27 @@ def test_second_thread_on_a_group_is_refused() -> None:
 
 def test_check_logs_without_records(tmp_path) -> None:
     assert check_logs(str(tmp_path)) == [f"no records under {tmp_path} (was MEGARESHARD_NCCL_CHECK set in every rank?)"]
+
+
+def _plan_order_on_nccl(rank: int, world: int) -> str:
+    """The constructor's NCCL branch, reached on gloo by reporting the backend as nccl."""
+    from megareshard.resharding import Mesh, ShardingSpec, plan_resharding
+    from megareshard.resharding.executor import Resharder
+
+    plan = plan_resharding((4,), Mesh([[0]], {0: 0}), ShardingSpec.parse("R"), Mesh([[1]], {1: 1}),
+                           ShardingSpec.parse("R"), strategy="broadcast")
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    try:
+        Resharder(plan, torch.float32, order="plan")
+    except ValueError as e:
+        return str(e)
+    finally:
+        dist.get_backend = real  # type: ignore[assignment]
+    return "no error"
+
+
+@pytest.mark.slow
+def test_plan_order_on_nccl_raises_instead_of_running_concurrent() -> None:
+    for msg in run_ranks(_plan_order_on_nccl, 2, timeout=60):
+        assert "order='plan' is gloo-only" in msg and "use order='concurrent'" in msg, msg
