@@ -107,5 +107,6 @@ def test_zero2_matches_deepspeed_zero2():
         results = run_ranks(_peer, 2, ext, timeout=300)
     for ds_losses, our_losses, ds_params, our_params in results:
         torch.testing.assert_close(torch.tensor(our_losses), torch.tensor(ds_losses), rtol=1e-5, atol=0)
-        # norm-wise per tensor; the key part of the QKV bias has a pure-noise gradient (see test_zero)
-        _params_close(our_params, ds_params, "ours vs DeepSpeed ZeRO-2", 1e-5, tiny_cfg().num_attention_heads)
+        # norm-wise per tensor within the error bound of STEPS Adam updates (tests/tolerances.py); the key
+        # part of the QKV bias has a pure-noise gradient (see test_zero)
+        _params_close(our_params, ds_params, "ours vs DeepSpeed ZeRO-2", STEPS, tiny_cfg().num_attention_heads)
