@@ -22,7 +22,8 @@ RTOL = 1e-5
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000,
+                hidden_dropout=0.0, attention_dropout=0.0)
     base.update(kw)
     return ModelConfig(**base)
 

@@ -22,7 +22,7 @@ def _config(world_size, tp, sp=False, hidden=64, heads=4):
             "--num-attention-heads", str(heads), "--seq-length", "16", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-2", "--min-lr", "1e-3",
             "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--device", "cpu", "--seed", "7",
-            "--tensor-model-parallel-size", str(tp)]
+            "--tensor-model-parallel-size", str(tp), "--hidden-dropout", "0", "--attention-dropout", "0"]
     return parse_args(argv + (["--sequence-parallel"] if sp else []), world_size=world_size)
 
 
