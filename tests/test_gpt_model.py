@@ -259,8 +259,10 @@ def test_flops_formula_matches_megatron():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_matches_cpu_and_bf16_autocast_keeps_fp32_loss():
-    cfg = _cfg(num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+def test_cuda_matches_cpu_and_bf16_autocast_keeps_fp32_loss(llama):
+    kw = dict(num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+    cfg = _llama(num_query_groups=2, **kw) if llama else _cfg(**kw)   # llama: SDPA's fused kernels with GQA
     ctx = ParallelContext.single_process()
     tokens, labels = _batch(cfg)
     cpu = GPTModel(cfg, ctx, seed=SEED).eval()
