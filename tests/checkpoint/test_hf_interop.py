@@ -6,7 +6,8 @@ the trainer loads the checkpoint (``--load --finetune``, vocabulary padded to 12
 model's logits equal Hugging Face's within fp32 tolerance (1e-5 of the largest logit: the two
 sum in different orders over at most a few hundred terms). ``export-hf`` writes it back;
 ``from_pretrained`` loads it and gives Hugging Face's logits again, bit for bit (same weights,
-same code). Refusals name the reason.
+same code). The imported Llama also loads into tp 2 with sequence parallelism (2 ranks: the key/value
+groups split over tp) with the same logits. Refusals name the reason.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from megareshard.arguments import parse_args
 from megareshard.checkpoint import CheckpointError
 from megareshard.models import hf as hf_map
 from megareshard.parallel import ParallelContext
-from megareshard.training import Trainer
+from megareshard.tensor_parallel import all_gather_dim
+from megareshard.training import Trainer, build_context
+from tests.harness import run_ranks
 
 from ._helpers import load_tool
 
@@ -59,9 +62,17 @@ def _gpt2(tmp):
     return model
 
 
-@pytest.mark.parametrize("make, expect", [(_llama, "LlamaForCausalLM"), (_gpt2, "GPT2LMHeadModel")],
+def _tp2_logits(rank: int, world: int, argv: list[str], tokens: torch.Tensor) -> torch.Tensor:
+    cfg = parse_args(argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=world)
+    ctx, _ = build_context(cfg, world)
+    model = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO()).model.eval()
+    with torch.no_grad():
+        return all_gather_dim(model(tokens), ctx, -1)[..., :VOCAB]    # vocabulary shards -> full logits
+
+
+@pytest.mark.parametrize("make, expect, tp2", [(_llama, "LlamaForCausalLM", True), (_gpt2, "GPT2LMHeadModel", False)],
                          ids=["llama", "gpt2"])
-def test_import_run_export_roundtrip_against_transformers(tmp_path, make, expect, capsys):
+def test_import_run_export_roundtrip_against_transformers(tmp_path, make, expect, tp2, capsys):
     hf_dir, ck, back = tmp_path / "hf", tmp_path / "ck", tmp_path / "back"
     hf_model = make(hf_dir)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -72,8 +83,8 @@ def test_import_run_export_roundtrip_against_transformers(tmp_path, make, expect
     assert tool.main(["import-hf", str(hf_dir), str(ck)]) == 0
     printed = capsys.readouterr().out
     flags = printed.split("--finetune ", 1)[1].split()
-    cfg = parse_args(["--mock-data", "--seq-length", str(SEQ), "--load", str(ck), "--finetune", "--device", "cpu",
-                      *flags], world_size=1)
+    argv = ["--mock-data", "--seq-length", str(SEQ), "--load", str(ck), "--finetune", "--device", "cpu", *flags]
+    cfg = parse_args(argv, world_size=1)
     saved = json.loads((hf_dir / "config.json").read_text())
     assert cfg.model == dataclasses.replace(hf_map.model_config_from_hf(saved), seq_length=SEQ)   # flags say it all
     trainer = Trainer(cfg, ParallelContext.single_process(), torch.device("cpu"), out=io.StringIO())
@@ -83,6 +94,10 @@ def test_import_run_export_roundtrip_against_transformers(tmp_path, make, expect
         logits = model(tokens)[..., :VOCAB]
     err = (logits - ref).abs().max().item()
     assert err <= 1e-5 * ref.abs().max().item(), f"logits differ from transformers' by {err:.3g}"
+    if tp2:
+        for got in run_ranks(_tp2_logits, 2, argv, tokens, timeout=120):
+            err = (got - ref).abs().max().item()
+            assert err <= 1e-5 * ref.abs().max().item(), f"tp 2 logits differ from transformers' by {err:.3g}"
 
     assert tool.main(["export-hf", str(ck), str(back)]) == 0
     reloaded = getattr(transformers, expect).from_pretrained(back).eval()
