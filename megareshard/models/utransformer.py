@@ -64,10 +64,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arguments import Config, ConfigError
-from .config import ModelConfig
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, WeightGradStore, padded_vocab_size,
                                set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
+from .config import ModelConfig
 from .gpt import GPTEmbedding, TransformerLayer, _norm, param_init_generator
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
