@@ -14,40 +14,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
+from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .parallel.topology import TopologyError, parse_order
-
-
-class ConfigError(ValueError):
-    """Invalid or inconsistent arguments; the message names the values and why."""
-
-
-def _f(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
-       metavar: str | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
-
-
-@dataclass
-class ModelConfig:
-    """Shape of the GPT."""
-
-    num_layers: int = _f(4, "number of Transformer layers")
-    hidden_size: int = _f(256, "hidden size h")
-    num_attention_heads: int = _f(4, "attention heads (divisible by tp)")
-    ffn_hidden_size: int | None = _f(None, "MLP inner size (default 4·h)")
-    seq_length: int = _f(256, "tokens per sample")
-    max_position_embeddings: int | None = _f(None, "learned positions (default seq-length)")
-    vocab_size: int | None = _f(None, "vocabulary size (default: the tokenizer's; required with --mock-data)")
-    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this × tp")
-    hidden_dropout: float = _f(0.0, "dropout on hidden states (0 makes runs comparable across layouts)")
-    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
-    init_method_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
-    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
-
-    def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
 
 
 @dataclass
@@ -269,32 +238,6 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)
     return cfg
-
-
-def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, *, as_flags: bool = True,
-                      tp_name: str | None = None) -> None:
-    """Shape rules of the Transformer under a tensor-parallel size, shared by the CLI's ``validate``
-    (messages name flags), per-stage layouts (``tp_name="stage 1's tp"``) and the model
-    constructors (``as_flags=False``: messages name config fields)."""
-    def n(field_name: str) -> str:
-        return "--" + field_name.replace("_", "-") if as_flags else field_name
-
-    tp_name = tp_name or ("--tensor-model-parallel-size" if as_flags else "tensor-parallel size")
-    for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
-        if getattr(m, f) < 1:
-            raise ConfigError(f"{n(f)} must be at least 1, got {getattr(m, f)}")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"{n('hidden_size')} {m.hidden_size} is not divisible by {n('num_attention_heads')} "
-                          f"{m.num_attention_heads}")
-    for f in ("hidden_size", "num_attention_heads", "ffn_hidden_size"):
-        if getattr(m, f) % tp:
-            raise ConfigError(f"{n(f)} {getattr(m, f)} is not divisible by {tp_name} {tp}")
-    if m.max_position_embeddings < m.seq_length:
-        raise ConfigError(f"{n('max_position_embeddings')} {m.max_position_embeddings} is smaller than "
-                          f"{n('seq_length')} {m.seq_length}")
-    if sequence_parallel and tp > 1 and m.seq_length % tp:
-        sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
-        raise ConfigError(f"{sp_name} needs {n('seq_length')} {m.seq_length} divisible by {tp_name} {tp}")
 
 
 def validate(cfg: Config, world_size: int) -> Config:

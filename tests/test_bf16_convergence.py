@@ -16,7 +16,7 @@ def _losses(data, *extra):
                       "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(ITERS),
                       "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "5", "--device", "cpu",
                       "--data-path", str(data / "text"), "--tokenizer-model", str(data / "tok.model"),
-                      "--split", "100,0,0", *extra], world_size=1)
+                      "--split", "100,0,0", "--hidden-dropout", "0", "--attention-dropout", "0", *extra], world_size=1)
     trainer = Trainer(cfg, ParallelContext.single_process(), torch.device("cpu"), out=io.StringIO())
     return [r["loss"] for r in trainer.train()]
 

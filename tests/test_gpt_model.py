@@ -2,7 +2,9 @@
 
 Same seed, same global batch, fp32, dropout 0: per-token losses and full gradients
 (tp shards all-gathered, vocabulary padding removed) agree within 1e-5 relative, and
-the full initial weights agree bit for bit. One ``run_ranks`` launch per world size.
+the full initial weights agree bit for bit. One ``run_ranks`` launch per world size runs
+the GPT-2 configuration and a Llama-style one (RMSNorm, RoPE, SwiGLU, grouped-query
+attention with the key/value heads split over tp, untied output layer, no biases).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ RTOL = 1e-5
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000,
+                hidden_dropout=0.0, attention_dropout=0.0)
     base.update(kw)
     return ModelConfig(**base)
 
@@ -45,16 +48,26 @@ def _run(model: GPTModel, ctx: ParallelContext, cfg: ModelConfig):
     return loss.detach(), params, grads
 
 
-def _layouts_worker(rank: int, world_size: int, layouts: list[tuple[int, bool]], cfg: ModelConfig):
-    """For each (tp, sequence_parallel): build, run, gather. Rank 0 returns the full results."""
+def _llama(**kw) -> ModelConfig:
+    """Llama-style: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied, no biases."""
+    return _cfg(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, group_query_attention=True,
+                untie_embeddings_and_output_weights=True, disable_bias_linear=True, **kw)
+
+
+def _layouts_worker(rank: int, world_size: int, layouts: list[tuple[int, bool]], cfg: ModelConfig | list):
+    """For each config and (tp, sequence_parallel): build, run, gather. Rank 0 returns the full results."""
     import torch.distributed as dist
     out = []
-    for tp, sp in layouts:
-        ctx = ParallelContext.create(Topology(world_size=world_size, tp=tp))
-        assert dist.get_rank(ctx.tp_group) == ctx.tp_rank()
-        model = GPTModel(cfg, ctx, sequence_parallel=sp, seed=SEED)
-        loss, params, grads = _run(model, ctx, cfg)
-        out.append((tp, sp, ctx.dp_rank(), loss, params if rank == 0 else None, grads if rank == 0 else None))
+    contexts = {}
+    for c in (cfg if isinstance(cfg, list) else [cfg]):
+        for tp, sp in layouts:
+            if tp not in contexts:
+                contexts[tp] = ParallelContext.create(Topology(world_size=world_size, tp=tp))
+            ctx = contexts[tp]
+            assert dist.get_rank(ctx.tp_group) == ctx.tp_rank()
+            model = GPTModel(c, ctx, sequence_parallel=sp, seed=SEED)
+            loss, params, grads = _run(model, ctx, c)
+            out.append((tp, sp, ctx.dp_rank(), loss, params if rank == 0 else None, grads if rank == 0 else None))
     return out
 
 
@@ -95,16 +108,26 @@ def _flatten(per_rank):
     return [r for rank_results in per_rank for r in rank_results]
 
 
+def _check_configs(per_rank, cfgs, reference, world_size: int) -> None:
+    """Results of one launch over ``cfgs`` (each over the same layouts), config by config."""
+    per_cfg = len(per_rank[0]) // len(cfgs)
+    for i, cfg in enumerate(cfgs):
+        _check_against([r for rank_results in per_rank for r in rank_results[i * per_cfg:(i + 1) * per_cfg]],
+                       reference(cfg), world_size)
+
+
 def test_tp2_and_sequence_parallel_match_single_process(reference):
-    cfg = _cfg()
-    results = run_ranks(_layouts_worker, 2, [(2, False), (2, True)], cfg, timeout=120)
-    _check_against(_flatten(results), reference(cfg), 2)
+    cfgs = [_cfg(), _llama(num_query_groups=2)]            # tp 2: one key/value head per rank
+    results = run_ranks(_layouts_worker, 2, [(2, False), (2, True)], cfgs, timeout=120)
+    _check_configs(results, cfgs, reference, 2)
 
 
 def test_tp4_and_tp2_dp2_match_single_process(reference):
-    cfg = _cfg()
-    results = run_ranks(_layouts_worker, 4, [(4, False), (4, True), (2, False)], cfg, timeout=120)
-    _check_against(_flatten(results), reference(cfg), 4)
+    # Llama at tp 4 and tp 2: 4 groups of 2 query heads, 12 channels per head (8 × 12 != h), half of them rotated
+    cfgs = [_cfg(), _llama(num_attention_heads=8, num_query_groups=4, kv_channels=12, rotary_percent=0.5,
+                           add_qkv_bias=True)]
+    results = run_ranks(_layouts_worker, 4, [(4, False), (4, True), (2, False)], cfgs, timeout=120)
+    _check_configs(results, cfgs, reference, 4)
 
 
 def test_vocab_padding_tp3_matches_tp1(reference, caplog):
@@ -236,8 +259,10 @@ def test_flops_formula_matches_megatron():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_matches_cpu_and_bf16_autocast_keeps_fp32_loss():
-    cfg = _cfg(num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+def test_cuda_matches_cpu_and_bf16_autocast_keeps_fp32_loss(llama):
+    kw = dict(num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+    cfg = _llama(num_query_groups=2, **kw) if llama else _cfg(**kw)   # llama: SDPA's fused kernels with GQA
     ctx = ParallelContext.single_process()
     tokens, labels = _batch(cfg)
     cpu = GPTModel(cfg, ctx, seed=SEED).eval()

@@ -2,6 +2,8 @@
 
 Same seed, same global batch, fp32, dropout 0: the losses of 10 iterations and the full
 gradients after the first step must match the single-process trainer within 1e-5 relative.
+The GPT-2 configuration and a Llama-style one (RMSNorm, RoPE, SwiGLU, grouped-query
+attention, untied output layer, no biases) run in the same launches.
 """
 import io
 
@@ -15,15 +17,17 @@ from megareshard.training import Trainer
 from tests.harness import run_ranks
 
 ITERS = 10
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
 
-def _config(world_size, tp, sp=False, hidden=64, heads=4):
+def _config(world_size, tp, sp=False, hidden=64, heads=4, llama=False):
     argv = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", str(hidden),
             "--num-attention-heads", str(heads), "--seq-length", "16", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-2", "--min-lr", "1e-3",
             "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--device", "cpu", "--seed", "7",
-            "--tensor-model-parallel-size", str(tp)]
-    return parse_args(argv + (["--sequence-parallel"] if sp else []), world_size=world_size)
+            "--tensor-model-parallel-size", str(tp), "--hidden-dropout", "0", "--attention-dropout", "0"]
+    return parse_args(argv + (["--sequence-parallel"] if sp else []) + (LLAMA if llama else []), world_size=world_size)
 
 
 def _run(cfg, ctx):
@@ -38,10 +42,11 @@ def _run(cfg, ctx):
 
 
 def _layouts(rank, world_size, layouts):
-    out = []
-    for tp, sp in layouts:
-        ctx = ParallelContext.create(Topology(world_size, tp=tp))
-        losses, norm, grads = _run(_config(world_size, tp, sp), ctx)
+    out, contexts = [], {}
+    for tp, sp, *llama in layouts:
+        if tp not in contexts:
+            contexts[tp] = ParallelContext.create(Topology(world_size, tp=tp))
+        losses, norm, grads = _run(_config(world_size, tp, sp, llama=bool(llama and llama[0])), contexts[tp])
         out.append((losses, norm, grads if rank == 0 else None))
     return out
 
@@ -49,6 +54,11 @@ def _layouts(rank, world_size, layouts):
 @pytest.fixture(scope="module")
 def reference():
     return _run(_config(1, 1), ParallelContext.single_process())
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return _run(_config(1, 1, llama=True), ParallelContext.single_process())
 
 
 def _assert_close(ref, got, label):
@@ -70,19 +80,22 @@ def test_loss_falls_in_reference(reference):
 
 
 @pytest.mark.slow
-def test_tp2_dp2_and_sequence_parallel_on_2_ranks(reference):
-    layouts = [(2, False), (2, True), (1, False)]  # tp 2; tp 2 + sp; dp 2
+def test_tp2_dp2_and_sequence_parallel_on_2_ranks(reference, llama_reference):
+    # tp 2; tp 2 + sp; dp 2; then the Llama-style model: tp 2 + sp (one key/value head per rank); dp 2
+    layouts = [(2, False), (2, True), (1, False), (2, True, True), (1, False, True)]
     results = run_ranks(_layouts, 2, layouts, timeout=300)[0]
-    for (tp, sp), got in zip(layouts, results):
-        _assert_close(reference, got, f"world 2, tp {tp}, sp {sp}")
+    for (tp, sp, *llama), got in zip(layouts, results):
+        ref = llama_reference if llama else reference
+        _assert_close(ref, got, f"world 2, tp {tp}, sp {sp}{', Llama-style' if llama else ''}")
 
 
 @pytest.mark.slow
-def test_tp2_x_dp2_on_4_ranks(reference):
-    layouts = [(2, False), (2, True)]
+def test_tp2_x_dp2_on_4_ranks(reference, llama_reference):
+    layouts = [(2, False), (2, True), (2, True, True)]
     results = run_ranks(_layouts, 4, layouts, timeout=300, nccl_check=True)[0]
-    for (tp, sp), got in zip(layouts, results):
-        _assert_close(reference, got, f"world 4, tp {tp} × dp 2, sp {sp}")
+    for (tp, sp, *llama), got in zip(layouts, results):
+        ref = llama_reference if llama else reference
+        _assert_close(ref, got, f"world 4, tp {tp} × dp 2, sp {sp}{', Llama-style' if llama else ''}")
 
 
 def _vocab_padding(rank, world_size):

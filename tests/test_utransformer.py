@@ -14,7 +14,8 @@ SEQ = 16
 
 
 def _model(levels=3, widths=(16, 24, 32), blocks=(1, 2, 1), f=2, merge="add", **kw):
-    m = ModelConfig(num_layers=1, hidden_size=widths[0], num_attention_heads=2, seq_length=SEQ, vocab_size=50)
+    m = ModelConfig(num_layers=1, hidden_size=widths[0], num_attention_heads=2, seq_length=SEQ, vocab_size=50,
+                    hidden_dropout=0.0, attention_dropout=0.0)
     u = UTransformerConfig(levels=levels, widths=widths, blocks_per_level=blocks, shorten_factor=f, skip_merge=merge)
     return UTransformerModel(m, u, ParallelContext.single_process(), seed=5, **kw), m, u
 
@@ -87,7 +88,8 @@ def test_untied_head_and_shapes():
 
 
 _BASE = ["--mock-data", "--vocab-size", "64", "--u-levels", "3", "--u-widths", "16,24,32", "--num-attention-heads", "2",
-         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "2", "--lr-warmup-iters", "1"]
+         "--seq-length", "16", "--micro-batch-size", "1", "--train-iters", "2", "--lr-warmup-iters", "1",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def test_cli_derives_layers_and_hidden_size():

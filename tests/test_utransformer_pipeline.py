@@ -41,7 +41,7 @@ def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="broadcast", merge=
             "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "1e-2", "--min-lr", "1e-3",
             "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--device", "cpu", "--seed", "11",
             "--pipeline-schedule", schedule, "--reshard-strategy", strategy, "--reshard-chunks", "2",
-            "--eval-interval", str(ITERS), "--eval-iters", "1"]
+            "--eval-interval", str(ITERS), "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
     if stage_layouts:
         argv += ["--stage-layouts", stage_layouts]
     else:

@@ -38,7 +38,7 @@ VOCAB, SEQ, MB, NMB = 50, 8, 2, 2
 
 def tiny_cfg(**kw):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=SEQ,
-                vocab_size=VOCAB, make_vocab_size_divisible_by=1)
+                vocab_size=VOCAB, make_vocab_size_divisible_by=1, hidden_dropout=0.0, attention_dropout=0.0)
     base.update(kw)
     return ModelConfig(**base)
 

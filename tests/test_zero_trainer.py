@@ -29,7 +29,8 @@ def _cfg(world, tp, pp, zero, extra=()):
             "--global-batch-size", "16", "--train-iters", str(STEPS), "--lr", str(LR), "--min-lr", "3e-4",
             "--lr-warmup-iters", "2", "--device", "cpu", "--seed", "11", "--zero-stage", str(zero),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute", *extra]
+            "--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute",
+            "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
     return parse_args(argv, world_size=world)
 
 

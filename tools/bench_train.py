@@ -72,7 +72,8 @@ def _model_args(a: argparse.Namespace, world: int, tp: int, sp: bool) -> list[st
             "--seq-length", str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
             "--global-batch-size", str(a.global_batch_size or a.micro_batch_size * (world // tp)),
             "--train-iters", str(a.warmup + a.iters), "--lr-warmup-iters", "1", "--tensor-model-parallel-size", str(tp),
-            "--device", a.device, "--log-interval", "1000000"]
+            "--device", a.device, "--log-interval", "1000000",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
     return argv + (["--sequence-parallel"] if sp else [])
 
 

@@ -6,6 +6,8 @@
     python tools/checkpoint_util.py inspect CKPT --summary  # without the per-key listing
     python tools/checkpoint_util.py export CKPT OUT.pt [--weights-only]
     python tools/checkpoint_util.py import IN.pt OUTDIR [--iteration N] [--weights-only]
+    python tools/checkpoint_util.py import-hf HF_DIR OUTDIR     # Llama / GPT-2: config.json + safetensors
+    python tools/checkpoint_util.py export-hf CKPT HF_DIR
 
 ``export`` writes ONE consolidated state dict, usable outside the framework with
 ``torch.load(OUT.pt, weights_only=True)``::
@@ -18,6 +20,13 @@
 ``import`` turns such a file (or a plain ``{name: tensor}`` dict of full tensors with the
 model's global names) into a fresh checkpoint directory ``OUTDIR/iter_N`` + ``OUTDIR/latest``
 that the trainer loads in any layout (``--load OUTDIR``; ``--finetune`` for weights only).
+
+``import-hf`` reads a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory
+(``config.json`` and ``model.safetensors``, or shards listed in ``model.safetensors.index.json``),
+derives the architecture flags from the config, writes a fresh checkpoint recording them and
+prints them (pass them with ``--load OUTDIR --finetune``). ``export-hf`` writes a checkpoint's
+weights back as ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads. The
+mappings are ``megareshard/models/hf.py``; needs the ``safetensors`` package.
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import dataclasses  # noqa: E402
+
 import torch  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
@@ -36,6 +47,8 @@ from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, chec
                                     read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
                                     write_checkpoint)
 from megareshard.checkpoint.manager import describe_layout  # noqa: E402
+from megareshard.models import hf as hf_map  # noqa: E402
+from megareshard.models.config import ModelConfig  # noqa: E402
 
 EXPORT_FORMAT = "megareshard-export"
 
@@ -148,23 +161,103 @@ def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_on
     if bad:
         raise CheckpointError(f"{in_path}: entries {bad[:5]} are not tensors")
     it = int(iteration if iteration is not None else data.get("iteration", 0) if "model" in data else 0)
+    if iteration is not None or "model" not in data:
+        common.update({"iteration": it})
+    return _write_imported(model, optim, common, model_cfg, it, in_path, out_dir)
+
+
+def _write_imported(model: dict, optim: dict | None, common: dict, model_cfg: dict | None, it: int, source: str,
+                    out_dir: str) -> str:
+    """A checkpoint directory from full tensors (and optionally optimizer state), recording where they came from."""
     pieces = {f"model.{k}": Piece(v.contiguous(), tuple(v.shape), (0,) * v.dim()) for k, v in model.items()}
     for name, kinds in (optim or {}).items():
         for kind, v in kinds.items():
             pieces[f"optim.{kind}.{name}"] = Piece(v.contiguous(), tuple(v.shape), (0,) * v.dim())
-    if iteration is not None or "model" not in data:
-        common.update({"iteration": it})
     common.setdefault("iteration", it)
     common.update({"format_version": FORMAT_VERSION, "model_config": model_cfg,
-                   "layout": {"imported_from": os.path.abspath(in_path)}})
+                   "layout": {"imported_from": os.path.abspath(source)}})
     if optim is None:
         common["loss_scaler"] = None
-    info = {"layout": {"imported_from": os.path.abspath(in_path), "rank_coords": []}, "model_config": model_cfg,
+    info = {"layout": {"imported_from": os.path.abspath(source), "rank_coords": []}, "model_config": model_cfg,
             "args": common.get("args"), "has_optimizer": bool(optim), "has_rng": False,
             "consumed_samples": common.get("consumed_samples"), "wandb_run_id": common.get("wandb_run_id")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return write_checkpoint(out_dir, it, pieces, {"common": common}, info)
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise CheckpointError("Hugging Face checkpoints need the safetensors package: pip install safetensors") from None
+    return st
+
+
+def _model_config_from_dict(d: dict) -> ModelConfig:
+    """A saved ``model_config`` dict as a ModelConfig (older checkpoints name norm_epsilon layernorm_epsilon)."""
+    d = dict(d)
+    if "layernorm_epsilon" in d:
+        d.setdefault("norm_epsilon", d.pop("layernorm_epsilon"))
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def import_hf(hf_dir: str, out_dir: str) -> tuple[str, ModelConfig]:
+    """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama or GPT-2 directory."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(cfg_path) as f:
+            hf_cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {cfg_path}: {e}") from None
+    st = _safetensors()
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    hf_sd = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing (only safetensors checkpoints are read)")
+        hf_sd.update(st.load_file(path))
+    try:
+        cfg = hf_map.model_config_from_hf(hf_cfg)
+        model = hf_map.state_dict_from_hf(hf_sd, cfg)
+    except hf_map.HFInteropError as e:
+        raise CheckpointError(f"{hf_dir}: {e}") from None
+    common = {"iteration": 0, "imported_from_hf": hf_cfg.get("model_type")}
+    return _write_imported(model, None, common, dataclasses.asdict(cfg), 0, hf_dir, out_dir), cfg
+
+
+def export_hf(path: str, hf_dir: str) -> dict:
+    """``config.json`` + ``model.safetensors`` (Llama or GPT-2) of a checkpoint's weights; returns the config."""
+    st = _safetensors()
+    ckpt = resolve_checkpoint_dir(path)
+    saved = read_info(ckpt).get("model_config")
+    if not saved:
+        raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
+    cfg = _model_config_from_dict(saved)
+    md = read_metadata(ckpt)
+    check_files(ckpt, read_info(ckpt), md)
+    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+               for k, v in md.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
+    read_pieces(ckpt, tensors, [], no_dist=True)
+    model = {k[len("model."):]: p.tensor for k, p in tensors.items()}
+    try:
+        hf_cfg = hf_map.hf_config_from_model_config(cfg)
+        hf_sd = hf_map.state_dict_to_hf(model, cfg)
+    except hf_map.HFInteropError as e:
+        raise CheckpointError(f"{ckpt}: {e}") from None
+    os.makedirs(hf_dir, exist_ok=True)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    st.save_file(hf_sd, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    return hf_cfg
 
 
 def main(argv=None) -> int:
@@ -183,6 +276,12 @@ def main(argv=None) -> int:
     c.add_argument("out_dir")
     c.add_argument("--iteration", type=int, default=None, help="iteration to record (default: the file's, or 0)")
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state from the input")
+    d = sub.add_parser("import-hf", help="a fresh checkpoint from a Hugging Face Llama or GPT-2 directory")
+    d.add_argument("hf_dir")
+    d.add_argument("out_dir")
+    e = sub.add_parser("export-hf", help="a checkpoint's weights as a Hugging Face Llama or GPT-2 directory")
+    e.add_argument("ckpt")
+    e.add_argument("hf_dir")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -193,6 +292,13 @@ def main(argv=None) -> int:
             print(f"exported iteration {res['iteration']}: {len(res['model'])} weights ({n:,} parameters)"
                   + (f", optimizer state of {len(res['optimizer'])} parameters" if "optimizer" in res else "")
                   + f" -> {args.out}")
+        elif args.cmd == "import-hf":
+            path, cfg = import_hf(args.hf_dir, args.out_dir)
+            print(f"imported {args.hf_dir} -> {path}; train it with --load {args.out_dir} --finetune "
+                  + " ".join(hf_map.megatron_flags(cfg)))
+        elif args.cmd == "export-hf":
+            hf_cfg = export_hf(args.ckpt, args.hf_dir)
+            print(f"exported {args.ckpt} -> {args.hf_dir} ({hf_cfg['architectures'][0]}: config.json, model.safetensors)")
         else:
             path = import_(args.input, args.out_dir, args.iteration, args.weights_only)
             print(f"imported {args.input} -> {path} (load it with --load {args.out_dir})")

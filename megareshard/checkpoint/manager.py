@@ -60,9 +60,11 @@ logger = logging.getLogger("megareshard")
 
 # model-config fields that change a tensor's shape or meaning: a mismatch is an error
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                       "max_position_embeddings")
+                       "max_position_embeddings", "normalization", "position_embedding_type", "rotary_base",
+                       "rotary_percent", "swiglu", "openai_gelu", "group_query_attention", "num_query_groups",
+                       "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias")
 # fields that only change numerics / the data: a mismatch is a warning
-_ADVISORY_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon")
+_ADVISORY_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon")
 
 
 def model_key(name: str) -> str:
@@ -75,8 +77,9 @@ def optim_key(kind: str, name: str) -> str:
 
 
 def _canonical(name: str, param: torch.Tensor) -> str:
-    """The tied output-layer copy on a last pipeline stage is the word embedding."""
-    if name == "output_layer.weight" or getattr(param, "shared_embedding_duplicate", False):
+    """The tied output-layer copy on a last pipeline stage (marked ``shared_embedding_duplicate``) is the
+    word embedding; an untied output layer is its own tensor."""
+    if getattr(param, "shared_embedding_duplicate", False):
         return WORD_EMBEDDING_NAME
     return name
 

@@ -1,4 +1,11 @@
-"""GPT-2/3 style decoder, tensor- and sequence-parallel, sliceable into pipeline stages.
+"""GPT decoder (GPT-2/3 by default, Llama-style by options), tensor- and sequence-parallel,
+sliceable into pipeline stages.
+
+Architecture options (``ModelConfig``, Megatron-LM's flags): LayerNorm or RMSNorm; learned
+absolute positions, rotary embeddings or none; exact or tanh GELU, or SwiGLU (two
+column-parallel projections, ``fc1_gate`` and ``fc1_up``, sharing one input gather);
+grouped-query attention (key/value heads split over tp with their query heads); head width
+``kv_channels``; biases on or off; the output layer tied to the word embedding or not.
 
 Layout of hidden states: ``[s, b, h]`` (sequence first, like Megatron). With sequence
 parallelism the hidden states between blocks are ``[s/tp, b, h]``: this tp rank's
@@ -19,19 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arguments import ConfigError, ModelConfig, check_model_shape
+from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLinear, VocabParallelEmbedding,
                                WeightGradStore, padded_vocab_size, set_tensor_model_parallel_attributes,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import scaled_init_std
 from ..tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM
+from .components import RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
+from .config import ModelConfig, check_model_shape
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
 __all__ = ["GPTModel", "check_gpt_config", "gpt_flops_per_token", "model_flops_per_iteration",
-           "param_init_generator", "WORD_EMBEDDING_NAME"]
+           "param_init_generator", "WORD_EMBEDDING_NAME", "OUTPUT_LAYER_NAME"]
 
 WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+OUTPUT_LAYER_NAME = "output_layer.weight"
 
 
 # ---- deterministic, layout-independent initialisation ------------------------------------
@@ -44,6 +54,15 @@ def param_init_generator(seed: int, name: str) -> torch.Generator:
 def _normal_init(seed: int, name: str, std: float):
     def init(shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape).normal_(0.0, std, generator=param_init_generator(seed, name))
+    return init
+
+
+def _padded_init(seed: int, name: str, std: float, rows: int):
+    """Normal init of the first ``rows`` rows (the real vocabulary), zeros in the padding rows below."""
+    def init(shape: tuple[int, ...]) -> torch.Tensor:
+        full = torch.zeros(shape)
+        full[:rows] = _normal_init(seed, name, std)((rows, *shape[1:]))
+        return full
     return init
 
 
@@ -70,47 +89,65 @@ def _fused_layer_norm_cls():
     return FusedLayerNorm
 
 
-def _layer_norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module:
-    """LayerNorm (apex's fused kernel on GPU when importable: same parameters, same names)."""
-    fused = _fused_layer_norm_cls() if device is not None and torch.device(device).type == "cuda" else None
-    if fused is not None:
-        ln = fused(cfg.hidden_size, eps=cfg.layernorm_epsilon).to(device=device, dtype=dtype)
+def _norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module:
+    """The configured normalization: RMSNorm, or LayerNorm (apex's fused kernel on GPU when importable:
+    same parameters, same names). Replicated over tp; under sequence parallelism its gradient covers
+    this rank's sequence chunk only."""
+    if cfg.normalization == "RMSNorm":
+        norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=device, dtype=dtype)
     else:
-        ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, device=device, dtype=dtype)
-    for p in ln.parameters():
+        fused = _fused_layer_norm_cls() if device is not None and torch.device(device).type == "cuda" else None
+        if fused is not None:
+            norm = fused(cfg.hidden_size, eps=cfg.norm_epsilon).to(device=device, dtype=dtype)
+        else:
+            norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
+    for p in norm.parameters():
         set_tensor_model_parallel_attributes(p, False, -1, sequence_parallel=sequence_parallel)
-    return ln
+    return norm
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention; this rank holds ``heads / tp`` heads (QKV column-, proj row-parallel).
+    """Causal self-attention; this rank holds ``heads / tp`` query heads and ``groups / tp`` key/value
+    heads (QKV column-, proj row-parallel).
 
-    The fused QKV weight is laid out per head, ``[heads, (q, k, v), head_dim]`` along the
-    output dim, so a contiguous tp split gives each rank whole heads with their q, k, v.
+    The fused QKV weight is laid out per key/value group along the output dim (Megatron-LM's
+    layout): ``[groups, (q_1 .. q_{heads/groups}, k, v), head_dim]``; without grouped-query
+    attention every head is its own group, ``[heads, (q, k, v), head_dim]``. A contiguous tp
+    split therefore gives each rank whole groups with their query heads. Rotary embeddings
+    (``position_embedding_type="rope"``) rotate q and k over the full sequence (the input is
+    all-gathered first under sequence parallelism, so positions are global).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, seed: int, sequence_parallel: bool,
                  streams: RNGStreams, device, dtype) -> None:
         super().__init__()
-        h = cfg.hidden_size
-        self.heads_local = cfg.num_attention_heads // ctx.tp_size
-        self.head_dim = h // cfg.num_attention_heads
+        h, heads, groups, d = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        self.heads_local, self.groups_local = heads // ctx.tp_size, groups // ctx.tp_size
+        self.heads_per_group, self.head_dim = heads // groups, d
+        self.rotary_dim, self.rotary_base = cfg.rotary_dim, cfg.rotary_base
         self.dropout = cfg.attention_dropout
         self.streams = streams
         self.recompute_core = False   # selective recomputation: GPTModel(recompute_granularity="selective")
-        self.qkv = ColumnParallelLinear(h, 3 * h, ctx, sequence_parallel=sequence_parallel,
+        self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, ctx, bias=cfg.qkv_bias,
+                                        sequence_parallel=sequence_parallel,
                                         init_method=_normal_init(seed, f"{prefix}.qkv.weight", cfg.init_method_std),
                                         device=device, dtype=dtype)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers)
-        self.proj = RowParallelLinear(h, h, ctx, sequence_parallel=sequence_parallel,
+        self.proj = RowParallelLinear(heads * d, h, ctx, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                                       init_method=_normal_init(seed, f"{prefix}.proj.weight", out_std),
                                       device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                        # [s, b, 3h/tp]
+        qkv = self.qkv(x)                                        # [s, b, groups/tp · (heads/groups + 2) · d]
         s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.heads_local, 3, self.head_dim).unbind(3)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads, s, d]
+        per = self.heads_per_group
+        qkv = qkv.view(s, b, self.groups_local, per + 2, self.head_dim)
+        q = qkv[:, :, :, :per].reshape(s, b, self.heads_local, self.head_dim)
+        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]          # [s, b, groups/tp, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads (groups), s, d]
+        if self.rotary_dim:
+            cos, sin = rotary_cos_sin(s, self.rotary_dim, self.rotary_base, device=q.device, dtype=q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core:
             ctx = recompute_checkpoint(self._core, q, k, v, streams=self.streams)
         else:
@@ -119,35 +156,58 @@ class ParallelAttention(nn.Module):
         return self.proj(ctx)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QKᵀ/√d)V with dropout on the probabilities: the selectively recomputed part."""
+        """softmax(QKᵀ/√d)V with dropout on the probabilities: the selectively recomputed part.
+
+        Grouped-query attention: SDPA's ``enable_gqa`` shares key/value head ``j`` among query
+        heads ``j·heads/groups .. (j+1)·heads/groups - 1`` without copying K and V.
+        """
         p = self.dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
         if p > 0.0:
             with self.streams.fork(MODEL_PARALLEL_STREAM):       # heads differ per tp rank
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> activation -> h (row-parallel).
+
+    GELU (exact, or tanh with ``openai_gelu``): one column-parallel ``fc1``. SwiGLU: two,
+    ``fc1_gate`` and ``fc1_up``, sharing one input mapping (one all-gather under sequence
+    parallelism), each slicing like any column-parallel weight, so checkpoints relayout by tp
+    without reordering and both go through the weight-gradient store.
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, seed: int, sequence_parallel: bool,
                  device, dtype) -> None:
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.fc1 = ColumnParallelLinear(h, f, ctx, sequence_parallel=sequence_parallel,
-                                        init_method=_normal_init(seed, f"{prefix}.fc1.weight", cfg.init_method_std),
+        h, f, bias = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear
+        self.swiglu, self.openai_gelu = cfg.swiglu, cfg.openai_gelu
+
+        def column(name: str) -> ColumnParallelLinear:
+            return ColumnParallelLinear(h, f, ctx, bias=bias, sequence_parallel=sequence_parallel,
+                                        init_method=_normal_init(seed, f"{prefix}.{name}.weight", cfg.init_method_std),
                                         device=device, dtype=dtype)
+        if self.swiglu:
+            self.fc1_gate, self.fc1_up = column("fc1_gate"), column("fc1_up")
+        else:
+            self.fc1 = column("fc1")
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers)
-        self.fc2 = RowParallelLinear(f, h, ctx, sequence_parallel=sequence_parallel,
+        self.fc2 = RowParallelLinear(f, h, ctx, bias=bias, sequence_parallel=sequence_parallel,
                                      init_method=_normal_init(seed, f"{prefix}.fc2.weight", out_std),
                                      device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
+        if self.swiglu:
+            x = self.fc1_gate.map_input(x)
+            inner = swiglu(self.fc1_gate(x, input_mapped=True), self.fc1_up(x, input_mapped=True))
+        else:
+            inner = gelu(self.fc1(x), openai=self.openai_gelu)
+        return self.fc2(inner)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm block: ``x + drop(attn(ln(x)))``, then ``x + drop(mlp(ln(x)))``."""
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, index: int, seed: int, sequence_parallel: bool,
                  streams: RNGStreams, device, dtype) -> None:
@@ -158,10 +218,10 @@ class TransformerLayer(nn.Module):
         self.streams = streams
         # replicated hidden states need identical masks on all tp ranks; sequence shards different ones
         self.dropout_stream = MODEL_PARALLEL_STREAM if sequence_parallel else DEFAULT_STREAM
-        self.input_layernorm = _layer_norm(cfg, sequence_parallel, device, dtype)
+        self.input_layernorm = _norm(cfg, sequence_parallel, device, dtype)
         self.attention = ParallelAttention(cfg, ctx, f"{prefix}.attention", seed, sequence_parallel, streams,
                                            device, dtype)
-        self.post_attention_layernorm = _layer_norm(cfg, sequence_parallel, device, dtype)
+        self.post_attention_layernorm = _norm(cfg, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(cfg, ctx, f"{prefix}.mlp", seed, sequence_parallel, device, dtype)
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -179,6 +239,9 @@ class TransformerLayer(nn.Module):
 class GPTEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position embeddings -> ``[s(/tp), b, h]``.
 
+    With ``position_embedding_type`` ``rope`` or ``none`` there is no position table (rotary
+    embeddings act inside attention).
+
     Under sequence parallelism the word embedding's partial sums are reduce-scattered
     straight into the sequence chunk and only the chunk's positions are added, so the
     position-embedding gradient covers only this chunk: it is marked ``sequence_parallel``.
@@ -192,20 +255,24 @@ class GPTEmbedding(nn.Module):
             cfg.vocab_size, cfg.hidden_size, ctx, padded_num_embeddings=padded_vocab,
             init_method=_normal_init(seed, WORD_EMBEDDING_NAME, cfg.init_method_std),
             reduce_scatter_output=sequence_parallel, device=device, dtype=dtype)
-        full_pos = _normal_init(seed, "embedding.position_embeddings.weight", cfg.init_method_std)(
-            (cfg.max_position_embeddings, cfg.hidden_size))
-        # _weight: no default init (it would draw from, and advance, the global RNG)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                _weight=full_pos.to(device=device, dtype=dtype))
-        set_tensor_model_parallel_attributes(self.position_embeddings.weight, False, -1,
-                                             sequence_parallel=sequence_parallel)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            full_pos = _normal_init(seed, "embedding.position_embeddings.weight", cfg.init_method_std)(
+                (cfg.max_position_embeddings, cfg.hidden_size))
+            # _weight: no default init (it would draw from, and advance, the global RNG)
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    _weight=full_pos.to(device=device, dtype=dtype))
+            set_tensor_model_parallel_attributes(self.position_embeddings.weight, False, -1,
+                                                 sequence_parallel=sequence_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
+        words = self.word_embeddings(tokens.t())                 # [s(/tp), b, h]
+        if self.position_embeddings is None:
+            return words
         max_pos = self.position_embeddings.num_embeddings
         if s > max_pos:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings {max_pos}")
-        words = self.word_embeddings(tokens.t())                 # [s(/tp), b, h]
         if self.sequence_parallel:
             chunk = words.size(0)
             start = self.ctx.tp_rank() * chunk
@@ -219,11 +286,14 @@ class GPTModel(nn.Module):
     """GPT decoder (or one pipeline stage of it) for this rank of ``ctx``.
 
     ``pre_process``: this stage holds the embeddings and takes tokens. ``post_process``:
-    it holds the final LayerNorm and the output layer and returns losses or logits. The
-    output layer is tied to the word embedding; a last stage without the embedding holds
-    its own copy, ``output_layer.weight``, initialised identically (keeping the copies in
-    sync across stages is the pipeline's job). ``layer_range=(start, stop)`` selects
-    global layers ``start..stop-1`` (default: all).
+    it holds the final norm and the output layer and returns losses or logits. By default
+    the output layer is tied to the word embedding (``tied_embedding``); a last stage
+    without the embedding holds its own copy, ``output_layer.weight``, initialised
+    identically and marked ``shared_embedding_duplicate`` (keeping the copies in sync across
+    stages is the trainer's job: it sums their gradients). With
+    ``untie_embeddings_and_output_weights`` the output layer has its own weight
+    ``output_layer.weight`` (normal init, vocabulary padding rows zero) on whichever stage
+    is last. ``layer_range=(start, stop)`` selects global layers ``start..stop-1`` (default: all).
 
     Activation recomputation (``models/recompute.py``): ``recompute_granularity="selective"``
     recomputes the attention core of every layer; ``"full"`` recomputes whole layers, the
@@ -249,6 +319,7 @@ class GPTModel(nn.Module):
         self.layer_range = tuple(layer_range) if layer_range is not None else (0, cfg.num_layers)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.vocab_size = cfg.vocab_size
+        self.tied_embedding = cfg.tied_embeddings
         self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         self.streams = RNGStreams.for_context(seed, ctx, self.device)
         sp, dev, dt = self.sequence_parallel, self.device, params_dtype
@@ -259,24 +330,33 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(cfg, ctx, i, seed, sp, self.streams, dev, dt)
             for i in range(*self.layer_range)})
         if post_process:
-            self.final_layernorm = _layer_norm(cfg, sp, dev, dt)
-            self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx, bias=False,
-                                                     sequence_parallel=sp, skip_weight_param_allocation=True,
-                                                     device=dev, dtype=dt)
-            if not pre_process:
-                own = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx,
-                                             padded_num_embeddings=self.padded_vocab_size,
-                                             init_method=_normal_init(seed, WORD_EMBEDDING_NAME, cfg.init_method_std),
-                                             device=dev, dtype=dt)
-                self.output_layer.weight = own.weight
+            self.final_layernorm = _norm(cfg, sp, dev, dt)
+            if self.tied_embedding:
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx, bias=False,
+                                                         sequence_parallel=sp, skip_weight_param_allocation=True,
+                                                         device=dev, dtype=dt)
+                if not pre_process:
+                    own = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx,
+                                                 padded_num_embeddings=self.padded_vocab_size,
+                                                 init_method=_normal_init(seed, WORD_EMBEDDING_NAME,
+                                                                          cfg.init_method_std),
+                                                 device=dev, dtype=dt)
+                    self.output_layer.weight = own.weight
+                    self.output_layer.weight.shared_embedding_duplicate = True
+            else:
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx, bias=False,
+                                                         sequence_parallel=sp, device=dev, dtype=dt,
+                                                         init_method=_padded_init(seed, OUTPUT_LAYER_NAME,
+                                                                                  cfg.init_method_std, cfg.vocab_size))
+                self.output_layer.weight.unpadded_rows = cfg.vocab_size  # checkpoints and gathers drop the padding
         self.recompute_granularity = recompute_granularity
         self.recompute_num_layers = configure_recompute(self.layers.values(), recompute_granularity,
                                                         recompute_num_layers)
 
     # ---- helpers ------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
-        """The (tied) vocab-parallel weight of the output layer."""
-        if self.pre_process:
+        """The vocab-parallel weight of the output layer (the word embedding's when tied on this stage)."""
+        if self.tied_embedding and self.pre_process:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
@@ -327,15 +407,18 @@ def gpt_flops_per_token(cfg: ModelConfig, seq_length: int | None = None, *, reco
                         vocab_size: int | None = None) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward; 4 × with full recomputation).
 
-    Forward per token: per layer 2·(3h² + h² + 2·h·f) for the GEMMs plus 4·s·h for the
-    attention scores and their product with V (counted as non-causal, like Megatron),
-    plus 2·h·V for the logits. With f = 4h this is Megatron's
+    Forward per token, with q = heads·d query channels and kv = groups·d key/value channels:
+    per layer 2·h·(q + 2·kv) (QKV) + 2·q·h (projection) + 2·h·f·(3 with SwiGLU, else 2) (MLP)
+    plus 4·s·q for the attention scores and their product with V (counted as non-causal, like
+    Megatron), plus 2·h·V for the logits. For GPT-2 (q = kv = h, f = 4h) this is Megatron's
     ``72·l·h²·(1 + s/(6h) + V/(12·l·h))`` per token.
     """
     s = seq_length if seq_length is not None else cfg.seq_length
     v = vocab_size if vocab_size is not None else cfg.vocab_size
     h, f, l = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    forward = l * (2 * (4 * h * h + 2 * h * f) + 4 * s * h) + 2 * h * v
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.query_groups * cfg.head_dim
+    mlp_matrices = 3 if cfg.swiglu else 2
+    forward = l * (2 * h * (q + 2 * kv) + 2 * q * h + 2 * mlp_matrices * h * f + 4 * s * q) + 2 * h * v
     return float((4 if recompute else 3) * forward)
 
 

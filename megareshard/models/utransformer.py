@@ -64,11 +64,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arguments import Config, ConfigError, ModelConfig
+from ..arguments import Config, ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, WeightGradStore, padded_vocab_size,
                                set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
-from .gpt import GPTEmbedding, TransformerLayer, _layer_norm, param_init_generator
+from .config import ModelConfig
+from .gpt import GPTEmbedding, TransformerLayer, _norm, param_init_generator
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
 __all__ = ["UTransformerConfig", "UBlock", "UPlan", "UTransformerModel", "UTransformerSpec",
@@ -341,7 +342,7 @@ class UTransformerModel(nn.Module):
                          if a <= plan.skip_consumer(k) < b and not a <= plan.skip_producer(k) < b]
         if post_process:
             w0, V, Vp = u.widths[0], cfg.vocab_size, self.padded_vocab_size
-            self.final_layernorm = _layer_norm(level_cfg(0), False, dev, dt)
+            self.final_layernorm = _norm(level_cfg(0), False, dev, dt)
 
             def head_init(shape: tuple[int, ...]) -> torch.Tensor:  # real rows drawn, padding rows zero
                 full = torch.zeros(shape)

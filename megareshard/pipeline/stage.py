@@ -168,9 +168,10 @@ def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *,
     """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
 
     A last stage without the embedding holds its own copy of the tied word embedding
-    (``output_layer.weight``, initialised identically); it is marked
+    (``output_layer.weight``, initialised identically); ``GPTModel`` marks it
     ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
-    runtime all-reduces the two copies' gradients over ``ctx.embedding_group``.
+    trainer all-reduces the two copies' gradients over ``ctx.embedding_group`` (nothing to
+    tie with ``--untie-embeddings-and-output-weights``).
     ``model_kwargs`` (dtype, recomputation) go to ``GPTModel`` unchanged.
     """
     from ..models.gpt import GPTModel
@@ -179,8 +180,6 @@ def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *,
     model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
                      seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
                      device=device, **model_kwargs)
-    if last and not first:
-        model.output_layer.weight.shared_embedding_duplicate = True
     return model
 
 

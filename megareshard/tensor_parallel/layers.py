@@ -217,17 +217,27 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def map_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as every tp rank needs it: all-gathered along s (sequence parallel), else the
+        identity whose backward all-reduces the input gradient over tp.
+
+        Column-parallel layers sharing one input (SwiGLU's gate and up projections) map it once
+        and pass ``input_mapped=True``: one all-gather forward and one reduction backward (the
+        input gradients of both layers are summed by autograd before it)."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.ctx, tensor_parallel_output_grad=True)
+        return copy_to_tp_region(x, self.ctx)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, *,
+                input_mapped: bool = False) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight")
         if weight.shape != (self.output_size_per_partition, self.input_size):
             raise ValueError(f"weight shape {tuple(weight.shape)} != expected "
                              f"({self.output_size_per_partition}, {self.input_size})")
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tp_region(x, self.ctx)
+        if not input_mapped:
+            x = self.map_input(x)
         out = linear_with_wgrad_store(x, weight, self.bias, self)
         return gather_from_tp_region(out, self.ctx) if self.gather_output else out
 

@@ -18,7 +18,8 @@ from ._helpers import load_tool
 
 MODEL = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "100", "--device", "cpu"]
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "100", "--device", "cpu",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 # (name, tp, pp, zero): targets of the tp 2 · pp 2 · dp 2 · ZeRO 1 source
 TARGETS = [("tp1_pp4_dp2_z0", 1, 4, 0), ("tp4_pp1_dp2_z2", 4, 1, 2), ("tp1_pp1_dp8_z0", 1, 1, 0),

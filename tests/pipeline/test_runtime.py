@@ -45,7 +45,7 @@ def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="sendrecv", sp=Fals
             "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--device", "cpu", "--seed", "7",
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--pipeline-schedule", schedule, "--reshard-strategy", strategy, "--reshard-chunks", "3",
-            "--eval-interval", str(ITERS), "--eval-iters", "1"]
+            "--eval-interval", str(ITERS), "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
     argv += ["--delay-wgrad-compute"] if delay else []
     argv += ["--sequence-parallel"] if sp else []
     argv += ["--pipeline-trace", trace] if trace else []

@@ -7,6 +7,10 @@
   each stage's tp under --sequence-parallel), each stage's dp group reducing its own
   gradients (ZeRO 1 in one case), the tied embedding between a first and last stage with
   different tp (and vocabulary padding), the global norm counting every element once.
+* A Llama-style GPT (RMSNorm, RoPE, SwiGLU, grouped-query attention with 4 key/value groups
+  split over each stage's tp, untied output layer, no biases) in both layouts, in the same
+  launch: delayed weight gradients with ZeRO 1, and sequence parallelism with selective
+  recomputation and ZeRO 2.
 * StageTopology placement and groups; validation errors name the numbers.
 """
 from __future__ import annotations
@@ -28,6 +32,13 @@ CASES = [("tp1dp4,tp2dp2", dict(schedule="1f1b", strategy="broadcast"), []),
          ("tp1dp4,tp2dp2", dict(schedule="eager-1f1b", delay=True, strategy="sendrecv"), ["--zero-stage", "1"]),
          ("tp2dp2,tp4dp1", dict(schedule="eager-1f1b", delay=True, strategy="broadcast", sp=True), []),
          ("tp2dp2,tp4dp1", dict(schedule="1f1b", strategy="allgather"), ["--zero-stage", "2"])]
+# Llama-style: 8 query heads in 4 key/value groups (tp 4: one group per rank), 4 channels per head
+LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
+         "--num-attention-heads", "8", "--num-query-groups", "4", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear"]
+LLAMA_CASES = [("tp1dp4,tp2dp2", dict(schedule="eager-1f1b", delay=True, strategy="sendrecv"), LLAMA + ["--zero-stage", "1"]),
+               ("tp2dp2,tp4dp1", dict(schedule="1f1b", delay=True, strategy="broadcast", sp=True),
+                LLAMA + ["--zero-stage", "2", "--recompute-activations"])]
 
 
 def _stage_argv(layouts: str, kw: dict, extra: list[str]) -> list[str]:
@@ -50,13 +61,41 @@ def _worker(rank, world_size, cases):
     return out
 
 
-def test_gpt_with_per_stage_layouts_matches_single_process(reference):
-    results = run_ranks(_worker, WORLD, CASES, timeout=300, nccl_check=True)
-    for k, (layouts, kw, extra) in enumerate(CASES):
+@pytest.fixture(scope="module")
+def llama_reference():
+    cfg = parse_args(_argv() + LLAMA, world_size=1)
+    ctx = ParallelContext.single_process()
+    trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+    losses, norm, grads, records = _run(trainer, ctx)
+    return losses, norm, grads, records[-1]["eval_loss"]
+
+
+def _check_untied(ref, per_stage: dict[int, tuple], label: str) -> None:
+    """Like ``_check``, for an untied output layer: every parameter, the head included, lives on one stage."""
+    ref_losses, ref_norm, ref_grads, ref_eval = ref
+    losses, norm, _, extra = per_stage[1]
+    assert extra["eval"] == pytest.approx(ref_eval, rel=1e-5), f"{label}: forward-only (evaluation) loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0, msg=label)
+    assert per_stage[0][0] == losses and norm == pytest.approx(ref_norm, rel=1e-5), label
+    grads = {**per_stage[0][2], **per_stage[1][2]}
+    assert len(grads) == len(per_stage[0][2]) + len(per_stage[1][2]) and grads.keys() == ref_grads.keys(), label
+    for name, want in ref_grads.items():
+        scale = want.abs().max().item()
+        err = (grads[name] - want).abs().max().item()
+        assert err <= 1e-5 * max(scale, 1e-12), f"{label}: gradient of {name} differs by {err:.3g} (max {scale:.3g})"
+
+
+def test_gpt_with_per_stage_layouts_matches_single_process(reference, llama_reference):
+    results = run_ranks(_worker, WORLD, CASES + LLAMA_CASES, timeout=400, nccl_check=True)
+    for k, (layouts, kw, extra) in enumerate(CASES + LLAMA_CASES):
         label = f"{layouts} {kw} {extra}"
         per_stage = {r[k][0]: r[k][1] for r in results if r[k][1] is not None}
         assert sorted(per_stage) == [0, 1], label
-        _check(reference, per_stage, 2, label)
+        if k < len(CASES):
+            _check(reference, per_stage, 2, label)
+        else:
+            assert "output_layer.weight" in per_stage[1][2] and "output_layer.weight" not in per_stage[0][2]
+            _check_untied(llama_reference, per_stage, label)
         assert len(per_stage[1][0]) == ITERS
         assert per_stage[1][3]["m"] == 8 // (1 * 4 if layouts.startswith("tp1dp4") else 2), label
 

@@ -1,0 +1,25 @@
+"""The error type and the field helper shared by every config dataclass.
+
+Lives apart from the command-line module so that ``models/config.py`` can define the
+model's config without importing the argument parser (which imports it).
+"""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any, Sequence
+
+__all__ = ["ConfigError", "config_field"]
+
+
+class ConfigError(ValueError):
+    """Invalid or inconsistent arguments; the message names the values and why."""
+
+
+def config_field(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
+                 metavar: str | None = None) -> Any:
+    """A dataclass field whose ``help`` is its one-line docstring and its ``--flag`` help at once.
+
+    The flag is the field name with dashes unless ``flag`` names another; a bool field is a
+    ``store_true`` switch.
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})

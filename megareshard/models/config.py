@@ -1,0 +1,149 @@
+"""The model's configuration (``ModelConfig``) and its shape rules under tensor parallelism.
+
+Flag names, meanings and defaults are Megatron-LM's: the GPT-2 architecture by default
+(LayerNorm, exact GELU, learned absolute positions, tied embeddings, biases), and the
+options a Llama-style decoder needs (``--normalization RMSNorm``, ``--position-embedding-type
+rope``, ``--swiglu``, ``--group-query-attention --num-query-groups``, ``--kv-channels``,
+``--untie-embeddings-and-output-weights``, ``--disable-bias-linear``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config_fields import ConfigError, config_field as _f
+
+__all__ = ["ModelConfig", "check_model_shape", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron's default MLP width with SwiGLU: 2/3 of 4·h (three matrices instead of two), a multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture of the GPT (Megatron-LM's model flags)."""
+
+    num_layers: int = _f(4, "number of Transformer layers")
+    hidden_size: int = _f(256, "hidden size h")
+    num_attention_heads: int = _f(4, "attention heads (divisible by tp)")
+    ffn_hidden_size: int | None = _f(None, "MLP inner size (default 4·h; with --swiglu 2/3 of that, a multiple of 64)")
+    seq_length: int = _f(256, "tokens per sample")
+    max_position_embeddings: int | None = _f(None, "learned positions (default seq-length)")
+    vocab_size: int | None = _f(None, "vocabulary size (default: the tokenizer's; required with --mock-data)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this × tp")
+    hidden_dropout: float = _f(0.1, "dropout on hidden states (0 makes runs comparable across layouts)")
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities")
+    init_method_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
+    normalization: str = _f("LayerNorm", "normalization of the blocks and the final norm", choices=NORMALIZATIONS)
+    norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm and RMSNorm")
+    position_embedding_type: str = _f("learned_absolute", "learned_absolute: a learned table added to the word "
+                                      "embedding; rope: rotary embeddings on queries and keys; none",
+                                      choices=POSITION_EMBEDDING_TYPES)
+    rotary_base: float = _f(10000.0, "base of the rotary embeddings' frequencies (theta)")
+    rotary_percent: float = _f(1.0, "fraction of each head's channels that rotary embeddings rotate")
+    swiglu: bool = _f(False, "gated MLP: silu(x W_gate) * (x W_up), then W_down (instead of GELU)")
+    openai_gelu: bool = _f(False, "GPT-2's tanh approximation of GELU (default: the exact erf GELU)")
+    group_query_attention: bool = _f(False, "grouped-query attention: --num-query-groups key/value heads")
+    num_query_groups: int = _f(1, "key/value heads with --group-query-attention (divides the heads and by tp)")
+    kv_channels: int | None = _f(None, "channels per attention head (default hidden-size / num-attention-heads)")
+    untie_embeddings_and_output_weights: bool = _f(False, "the output layer has its own weight (default: the word "
+                                                          "embedding's)")
+    disable_bias_linear: bool = _f(False, "no biases in the attention and MLP linear layers")
+    add_qkv_bias: bool = _f(False, "a bias in the query/key/value projection even with --disable-bias-linear")
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head: ``kv_channels``, or ``hidden_size // num_attention_heads``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups`` with grouped-query attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def add_bias_linear(self) -> bool:
+        """Whether the attention and MLP linear layers have biases (Megatron's ``add_bias_linear``)."""
+        return not self.disable_bias_linear
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query/key/value projection has a bias."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotary embeddings rotate (the first ones; 0 without rope)."""
+        if self.position_embedding_type != "rope":
+            return 0
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the output layer uses the word embedding's weight."""
+        return not self.untie_embeddings_and_output_weights
+
+
+def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, *, as_flags: bool = True,
+                      tp_name: str | None = None) -> None:
+    """Shape rules of the Transformer under a tensor-parallel size, shared by the CLI's ``validate``
+    (messages name flags), per-stage layouts (``tp_name="stage 1's tp"``) and the model
+    constructors (``as_flags=False``: messages name config fields)."""
+    def n(field_name: str) -> str:
+        return "--" + field_name.replace("_", "-") if as_flags else field_name
+
+    tp_name = tp_name or ("--tensor-model-parallel-size" if as_flags else "tensor-parallel size")
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
+        if getattr(m, f) < 1:
+            raise ConfigError(f"{n(f)} must be at least 1, got {getattr(m, f)}")
+    for f, allowed in (("normalization", NORMALIZATIONS), ("position_embedding_type", POSITION_EMBEDDING_TYPES)):
+        if getattr(m, f) not in allowed:
+            raise ConfigError(f"{n(f)} must be one of {', '.join(allowed)}, got {getattr(m, f)!r}")
+    if m.kv_channels is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"{n('hidden_size')} {m.hidden_size} is not divisible by {n('num_attention_heads')} "
+                              f"{m.num_attention_heads} (or give {n('kv_channels')})")
+    elif m.kv_channels < 1:
+        raise ConfigError(f"{n('kv_channels')} must be at least 1, got {m.kv_channels}")
+    for f in ("hidden_size", "num_attention_heads", "ffn_hidden_size"):
+        if getattr(m, f) % tp:
+            raise ConfigError(f"{n(f)} {getattr(m, f)} is not divisible by {tp_name} {tp}")
+    if m.group_query_attention:
+        g, h = m.num_query_groups, m.num_attention_heads
+        if g < 1:
+            raise ConfigError(f"{n('num_query_groups')} must be at least 1, got {g}")
+        if h % g:
+            raise ConfigError(f"{n('num_attention_heads')} {h} is not divisible by {n('num_query_groups')} {g}: "
+                              "every key/value head serves the same number of query heads")
+        if g % tp:
+            raise ConfigError(f"{n('num_query_groups')} {g} is not divisible by {tp_name} {tp}: each tensor-parallel "
+                              f"rank holds whole key/value heads ({h} query heads in {g} groups)")
+    if m.swiglu and m.openai_gelu:
+        raise ConfigError(f"{n('swiglu')} and {n('openai_gelu')} conflict: the MLP has one activation")
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"{n('max_position_embeddings')} {m.max_position_embeddings} is smaller than "
+                          f"{n('seq_length')} {m.seq_length}")
+    if m.position_embedding_type == "rope":
+        if m.rotary_base <= 0:
+            raise ConfigError(f"{n('rotary_base')} must be positive, got {m.rotary_base}")
+        if not 0.0 < m.rotary_percent <= 1.0:
+            raise ConfigError(f"{n('rotary_percent')} must be in (0, 1], got {m.rotary_percent}")
+        if m.rotary_dim < 2 or m.rotary_dim % 2:
+            raise ConfigError(f"{n('rotary_percent')} {m.rotary_percent} of {m.head_dim} channels per head rotates "
+                              f"{m.rotary_dim}: it must be an even number of at least 2")
+    if m.norm_epsilon < 0:
+        raise ConfigError(f"{n('norm_epsilon')} must be >= 0, got {m.norm_epsilon}")
+    if sequence_parallel and tp > 1 and m.seq_length % tp:
+        sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
+        raise ConfigError(f"{sp_name} needs {n('seq_length')} {m.seq_length} divisible by {tp_name} {tp}")
