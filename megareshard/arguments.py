@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .pipeline.generators import SCHEDULES
+
 from .parallel.topology import TopologyError, parse_order
 
 
@@ -68,7 +70,8 @@ class ParallelConfig:
 class PipelineConfig:
     """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
 
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "eager-1f1b"))
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; virtual-stage kinds are simulated "
+                                        "but not run yet)", choices=SCHEDULES)
     delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
     num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage (default: even split)")
     reshard_strategy: str = _f("broadcast", "how tensors cross stages",
