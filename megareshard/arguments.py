@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
+from .pipeline.generators import SCHEDULES
 from .parallel.topology import TopologyError, parse_order
 
 
@@ -37,7 +38,8 @@ class ParallelConfig:
 class PipelineConfig:
     """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
 
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "eager-1f1b"))
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; virtual-stage kinds are simulated "
+                                        "but not run yet)", choices=SCHEDULES)
     delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
     num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage (default: even split)")
     reshard_strategy: str = _f("broadcast", "how tensors cross stages",

@@ -10,7 +10,8 @@
 No torch.distributed here; `runtime.py` executes lowered lists on real ranks.
 """
 
-from .generators import SCHEDULES, delay_weight_grads, forwards_before_first_backward, generate
+from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, delay_weight_grads, forwards_before_first_backward,
+                         generate, placement_of)
 from .lowering import lower
 from .schedule import (
     Action,
@@ -33,6 +34,9 @@ __all__ = [
     "ScheduleError",
     "parse_action",
     "SCHEDULES",
+    "REGISTRY",
+    "RUNTIME_SCHEDULES",
+    "placement_of",
     "generate",
     "delay_weight_grads",
     "forwards_before_first_backward",

@@ -13,8 +13,11 @@ e.dst, "B-direction" = its gradient from e.dst back to e.src):
 * **Wait right before the consumer.** WAIT_F(e, mb) immediately before F(mb) on e.dst,
   for every incoming edge; WAIT_B(e, mb) immediately before B(mb)/I(mb) on e.src, for
   every outgoing edge. (The last stage's B/I needs no wait: its gradient is the loss.)
-* **Post receives early, in the sender's order.** Per channel — a (sending stage,
-  receiving stage) pair, whatever edges and directions it carries — the receiver posts
+* **Local hand-offs.** An edge between two stages of one mesh (virtual stages) carries
+  nothing: the consumer reads the producer's output (and its gradient) in place; program
+  order guarantees the producer ran first (`validate` checks it).
+* **Post receives early, in the sender's order.** Per channel — a (sending mesh,
+  receiving mesh) pair, whatever edges and directions it carries — the receiver posts
   RECV in exactly the order the sender issues SEND (its compute order): messages between
   two ranks pair in issue order on NCCL, and tensors of several edges between the same
   stages may share a communicator (`validate` checks it). With
@@ -68,27 +71,33 @@ from typing import Mapping
 
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
 
-__all__ = ["lower"]
+__all__ = ["lower", "local_edges"]
 
 _K = ActionKind
 
 
-def _consumes(a: Action, graph: PipelineGraph) -> list[tuple[Edge, str]]:
-    """(edge, direction) pairs whose received tensor compute action `a` needs."""
+def _consumes(a: Action, graph: PipelineGraph, local: frozenset[Edge] = frozenset()) -> list[tuple[Edge, str]]:
+    """(edge, direction) pairs whose received tensor compute action `a` needs (`local` edges are handed
+    off inside a mesh: nothing is received)."""
     if a.kind == _K.F:
-        return [(e, "F") for e in graph.in_edges(a.stage)]
+        return [(e, "F") for e in graph.in_edges(a.stage) if e not in local]
     if a.kind in (_K.B, _K.I):
-        return [(e, "B") for e in graph.out_edges(a.stage)]
+        return [(e, "B") for e in graph.out_edges(a.stage) if e not in local]
     return []
 
 
-def _produces(a: Action, graph: PipelineGraph) -> list[tuple[Edge, str]]:
-    """(edge, direction) pairs whose tensor compute action `a` produces (to send)."""
+def _produces(a: Action, graph: PipelineGraph, local: frozenset[Edge] = frozenset()) -> list[tuple[Edge, str]]:
+    """(edge, direction) pairs whose tensor compute action `a` produces to send (not `local` ones)."""
     if a.kind == _K.F:
-        return [(e, "F") for e in graph.out_edges(a.stage)]
+        return [(e, "F") for e in graph.out_edges(a.stage) if e not in local]
     if a.kind in (_K.B, _K.I):
-        return [(e, "B") for e in graph.in_edges(a.stage)]
+        return [(e, "B") for e in graph.in_edges(a.stage) if e not in local]
     return []
+
+
+def local_edges(schedule: Schedule) -> frozenset[Edge]:
+    """Edges between two stages of one mesh: local hand-offs, no communication."""
+    return frozenset(e for e in schedule.graph.edges if schedule.is_local(e))
 
 
 _SEND = MappingProxyType({"F": _K.SEND_F, "B": _K.SEND_B})
@@ -118,8 +127,7 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
         raise ScheduleError(f"lower(): graph {graph} differs from the schedule's {schedule.graph}")
     if schedule.is_lowered:
         raise ScheduleError("lower(): schedule already contains communication actions")
-    everything = schedule.num_microbatches * (1 + max(
-        (a.chunk for acts in schedule.actions for a in acts), default=0))
+    everything = schedule.num_microbatches * max(len(schedule.stages_of(m)) for m in range(schedule.num_meshes))
     per_edge: dict[tuple[Edge, str], int] = {}
     if lookahead is None:
         default = everything
@@ -130,43 +138,45 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
     for k, v in [("default", default), *per_edge.items()]:
         if v < 1:
             raise ScheduleError(f"lower(): lookahead {v} for {k} must be >= 1")
-    P = graph.num_stages
+    local = local_edges(schedule)
+    mesh_of = schedule.mesh_of
 
-    # Sender order per channel (sending stage, receiving stage): the order in which the producing stage
-    # computes, across every edge between the two. Messages between two stages pair in issue order
-    # (NCCL), and edges between the same stages may share a communicator, so the receiver posts
+    # Sender order per channel (sending mesh, receiving mesh): the order in which the producing mesh
+    # computes, across every edge between the two. Messages between two ranks pair in issue order
+    # (NCCL), and edges between the same meshes may share a communicator, so the receiver posts
     # receives in exactly this merged order.
-    channel_order: dict[tuple[int, int], list[tuple[Edge, str, int, int]]] = defaultdict(list)
+    channel_order: dict[tuple[int, int], list[tuple[Edge, str, int]]] = defaultdict(list)
     for acts in schedule.actions:
         for a in acts:
-            for e, d in _produces(a, graph):
+            for e, d in _produces(a, graph, local):
                 snd, rcv = (e.src, e.dst) if d == "F" else (e.dst, e.src)
-                channel_order[(snd, rcv)].append((e, d, a.mb, a.chunk))
+                channel_order[(mesh_of(snd), mesh_of(rcv))].append((e, d, a.mb))
 
     out: list[list[Action]] = []
-    for s in range(P):
+    for s in range(schedule.num_meshes):
         acts = schedule.actions[s]
         # Skeleton: compute actions with their waits before and sends after.
         # slots[i] holds actions inserted *before* skeleton position i (RECV posts).
         skel: list[Action] = []
-        wait_pos: dict[tuple[Edge, str, int, int], int] = {}
+        wait_pos: dict[tuple[Edge, str, int], int] = {}
         for a in acts:
-            for e, d in _consumes(a, graph):
-                wait_pos[(e, d, a.mb, a.chunk)] = len(skel)
-                skel.append(Action(_WAIT[d], a.mb, s, a.chunk, e))
+            for e, d in _consumes(a, graph, local):
+                wait_pos[(e, d, a.mb)] = len(skel)
+                skel.append(Action(_WAIT[d], a.mb, a.stage, e))
             skel.append(a)
-            for e, d in _produces(a, graph):
-                skel.append(Action(_SEND[d], a.mb, s, a.chunk, e))
+            for e, d in _produces(a, graph, local):
+                skel.append(Action(_SEND[d], a.mb, a.stage, e))
         posts: dict[int, list[Action]] = defaultdict(list)  # before skeleton index
         for (snd, rcv), order in sorted(channel_order.items(), key=lambda kv: kv[0]):
             if rcv != s:
                 continue
-            missing = [(e, d, mb, c) for e, d, mb, c in order if (e, d, mb, c) not in wait_pos]
+            missing = [item for item in order if item not in wait_pos]
             if missing:
-                e, d, mb, c = missing[0]
+                e, d, mb = missing[0]
+                peer = e.dst if d == "F" else e.src
                 raise ScheduleError(
-                    f"stage {s}: stage {snd} sends {'activation' if d == 'F' else 'gradient'} of mb {mb} on "
-                    f"edge {e} but stage {s} never consumes it")
+                    f"mesh {s}: mesh {snd} sends {'activation' if d == 'F' else 'gradient'} of mb {mb} on "
+                    f"edge {e} but stage {peer} never consumes it")
             # Earliest later wait (suffix minimum), so posts stay FIFO and before waits.
             wp = [wait_pos[item] for item in order]
             suffix_min = wp[:]
@@ -175,13 +185,13 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
             # lookahead per (edge, dir): the j-th item of an edge is posted after the (j-L)-th one's wait
             seen_of: dict[tuple[Edge, str], list[int]] = defaultdict(list)
             prev = 0
-            for j, (e, d, mb, c) in enumerate(order):
+            for j, (e, d, mb) in enumerate(order):
                 mine = seen_of[(e, d)]
                 L = per_edge.get((e, d), default)
                 want = 0 if len(mine) < L else wp[mine[len(mine) - L]] + 1
                 mine.append(j)
                 pos = min(suffix_min[j], max(want, prev))
-                posts[pos].append(Action(_RECV[d], mb, s, c, e))
+                posts[pos].append(Action(_RECV[d], mb, e.dst if d == "F" else e.src, e))
                 prev = pos
         lowered: list[Action] = []
         for i, a in enumerate(skel):
@@ -189,7 +199,7 @@ def lower(schedule: Schedule, graph: PipelineGraph | None = None,
             lowered.append(a)
         lowered.extend(posts.get(len(skel), ()))
         out.append(lowered)
-    return Schedule(graph, schedule.num_microbatches, out, schedule.name)
+    return Schedule(graph, schedule.num_microbatches, out, schedule.name, schedule.placement)
 
 
 def _lower_rendezvous_safe(schedule: Schedule, graph: PipelineGraph | None,
@@ -202,8 +212,7 @@ def _lower_rendezvous_safe(schedule: Schedule, graph: PipelineGraph | None,
         per: dict[tuple[Edge, str], int] = {(e, d): base for e in graph.edges for d in "FB"}
     else:
         per = {(e, d): 1 for e in graph.edges for d in "FB"} | dict(lookahead)
-    cap = schedule.num_microbatches * (1 + max(
-        (a.chunk for acts in schedule.actions for a in acts), default=0))
+    cap = schedule.num_microbatches * max(len(schedule.stages_of(m)) for m in range(schedule.num_meshes))
     while True:
         low = lower(schedule, graph, per)
         stuck = dry_run(low, graph, rendezvous=True)

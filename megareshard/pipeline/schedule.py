@@ -8,8 +8,8 @@ tested on CPU without processes.
 
 Text form of one action (``str(action)`` / `parse_action`)::
 
-    F3  B3  I3  W3            compute on microbatch 3 (chunk 0)
-    F3c1                      the same on virtual-stage chunk 1 (room for `interleaved`)
+    F3  B3  I3  W3            compute on microbatch 3
+    F3@5                      the same on stage 5 (a program holding several stages)
     SF3->1                    SEND_F: send mb 3's activation along edge <me>->1
     RF3<-0   WF3<-0           RECV_F (post a non-blocking receive) / WAIT_F (block on it)
     SB3->0                    SEND_B: send mb 3's gradient back along edge 0-><me>
@@ -17,7 +17,8 @@ Text form of one action (``str(action)`` / `parse_action`)::
     SF3->3:skip               a named (skip) edge; chain edges have the empty name
 
 The arrow always points the way the data moves; the number after it is the *peer*
-stage, the executing stage is the line's stage, so the edge is recoverable.
+stage; the executing stage is the line's stage unless the action ends in ``@stage``,
+so the edge is recoverable.
 
 Schedule text (`Schedule.dumps` / `Schedule.loads`)::
 
@@ -26,6 +27,13 @@ Schedule text (`Schedule.dumps` / `Schedule.loads`)::
     edge 0->3:skip
     stage 0: F0 F1 ...
     stage 1: ...
+
+With virtual stages (a mesh running several stages) the placement is listed and each
+line is one mesh's program, every action naming its stage::
+
+    stages 4 microbatches 4
+    placement 0,1,0,1
+    mesh 0: F0@0 F1@0 F0@2 ...
 
 Chain edges i->i+1 are implicit; only skip edges are listed.
 """
@@ -195,16 +203,15 @@ class PipelineGraph:
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one stage's program.
+    """One step of one program: what a stage does to a microbatch.
 
-    `stage` is the executing stage; `edge` is set for communication actions only;
-    `chunk` is the virtual-stage index for interleaved schedules (0 otherwise).
+    `stage` is the executing stage (a mesh's program may hold several: virtual stages);
+    `edge` is set for communication actions only.
     """
 
     kind: ActionKind
     mb: int
     stage: int
-    chunk: int = 0
     edge: Edge | None = None
 
     def __post_init__(self) -> None:
@@ -230,67 +237,104 @@ class Action:
         return self.edge.dst if self.stage == self.edge.src else self.edge.src
 
     @property
-    def key(self) -> tuple[Edge | None, str, int, int]:
-        """(edge, direction, mb, chunk): what a SEND/RECV/WAIT triple has in common."""
-        return (self.edge, self.kind.direction, self.mb, self.chunk)
+    def key(self) -> tuple[Edge | None, str, int]:
+        """(edge, direction, mb): what a SEND/RECV/WAIT triple has in common."""
+        return (self.edge, self.kind.direction, self.mb)
 
-    def __str__(self) -> str:
-        c = f"c{self.chunk}" if self.chunk else ""
+    def text(self, with_stage: bool = False) -> str:
+        """The text form; ``with_stage`` appends ``@stage`` (programs holding several stages)."""
+        at = f"@{self.stage}" if with_stage else ""
         if self.kind.is_compute:
-            return f"{self.kind.value}{self.mb}{c}"
+            return f"{self.kind.value}{self.mb}{at}"
         arrow = "->" if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<-"
         name = f":{self.edge.name}" if self.edge.name else ""
-        return f"{_COMM_PREFIX[self.kind]}{self.mb}{c}{arrow}{self.peer}{name}"
+        return f"{_COMM_PREFIX[self.kind]}{self.mb}{arrow}{self.peer}{name}{at}"
+
+    def __str__(self) -> str:
+        return self.text()
 
 
-_COMPUTE_RE = re.compile(r"([FBIW])(\d+)(?:c(\d+))?")
-_COMM_RE = re.compile(r"([SRW][FB])(\d+)(?:c(\d+))?(->|<-)(\d+)(?::(\w+))?")
+_COMPUTE_RE = re.compile(r"([FBIW])(\d+)(?:@(\d+))?")
+_COMM_RE = re.compile(r"([SRW][FB])(\d+)(->|<-)(\d+)(?::(\w+))?(?:@(\d+))?")
 
 
 def parse_action(text: str, stage: int) -> Action:
-    """Inverse of `str(Action)` for an action executed by `stage`."""
+    """Inverse of `Action.text`: an action executed by `stage` unless the text names one (``F3@4``)."""
     t = text.strip()
     m = _COMPUTE_RE.fullmatch(t)
     if m:
-        return Action(ActionKind(m[1]), int(m[2]), stage, int(m[3] or 0))
+        return Action(ActionKind(m[1]), int(m[2]), int(m[3]) if m[3] else stage)
     m = _COMM_RE.fullmatch(t)
     if not m:
         raise ScheduleError(f"stage {stage}: cannot parse action {text!r} (expected e.g. "
-                            f"F3, I3, W3, B3, SF3->1, RF3<-0, WF3<-0, SB3->0, RB3<-1)")
+                            f"F3, I3, W3, B3, SF3->1, RF3<-0, WF3<-0, SB3->0, RB3<-1, F3@4)")
     kind = _PREFIX_COMM[m[1]]
-    arrow_ok = (m[4] == "->") == (kind in (ActionKind.SEND_F, ActionKind.SEND_B))
+    arrow_ok = (m[3] == "->") == (kind in (ActionKind.SEND_F, ActionKind.SEND_B))
     if not arrow_ok:
         raise ScheduleError(f"stage {stage}: {text!r}: sends use '->', receives '<-'")
-    peer, name = int(m[5]), m[6] or ""
-    src, dst = (stage, peer) if _ON_SRC[kind] else (peer, stage)
-    return Action(kind, int(m[2]), stage, int(m[3] or 0), Edge(src, dst, name))
+    me = int(m[6]) if m[6] else stage
+    peer, name = int(m[4]), m[5] or ""
+    src, dst = (me, peer) if _ON_SRC[kind] else (peer, me)
+    return Action(kind, int(m[2]), me, Edge(src, dst, name))
 
 
 @dataclass
 class Schedule:
-    """Per-stage action lists plus the graph they run on.
+    """Per-mesh programs plus the graph and the placement they run on.
 
-    `actions[s]` is stage s's program, executed in order by every rank of stage s.
-    A schedule is *lowered* once it contains communication actions.
+    `actions[m]` is mesh m's program, executed in order by every rank of the mesh; each
+    action names the stage it runs. `placement[s]` is the mesh of stage s (default: stage s
+    on mesh s, one stage per mesh); a mesh holding several stages holds *virtual stages*
+    (interleaved, V-shaped placements). An edge between two stages of one mesh is a local
+    hand-off: no communication. A schedule is *lowered* once it contains communication actions.
     """
 
     graph: PipelineGraph
     num_microbatches: int
     actions: list[list[Action]] = field(default_factory=list)
     name: str = ""
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_microbatches < 1:
             raise ScheduleError(f"num_microbatches={self.num_microbatches}: need >= 1")
+        P = self.graph.num_stages
+        place = tuple(range(P)) if self.placement is None else tuple(int(x) for x in self.placement)
+        if len(place) != P:
+            raise ScheduleError(f"placement {list(place)} names {len(place)} stages but the graph has {P}")
+        meshes = max(place) + 1
+        empty = sorted(set(range(meshes)) - set(place))
+        if min(place) < 0 or empty:
+            raise ScheduleError(f"placement {list(place)}: meshes must be numbered 0..{meshes - 1}, each holding "
+                                f"a stage (empty: {empty})")
+        self.placement = place
         if not self.actions:
-            self.actions = [[] for _ in range(self.num_stages)]
-        if len(self.actions) != self.num_stages:
-            raise ScheduleError(f"schedule has {len(self.actions)} stage lists but the "
-                                f"graph has {self.num_stages} stages")
+            self.actions = [[] for _ in range(meshes)]
+        if len(self.actions) != meshes:
+            raise ScheduleError(f"schedule has {len(self.actions)} programs but the placement has {meshes} meshes")
 
     @property
     def num_stages(self) -> int:
         return self.graph.num_stages
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.actions)
+
+    @property
+    def virtual(self) -> bool:
+        """True when some mesh holds several stages."""
+        return self.num_meshes < self.num_stages
+
+    def mesh_of(self, stage: int) -> int:
+        return self.placement[stage]  # type: ignore[index]
+
+    def stages_of(self, mesh: int) -> tuple[int, ...]:
+        return tuple(s for s, m in enumerate(self.placement) if m == mesh)  # type: ignore[arg-type]
+
+    def is_local(self, edge: Edge) -> bool:
+        """An edge between two stages of one mesh: a local hand-off, no communication."""
+        return self.mesh_of(edge.src) == self.mesh_of(edge.dst)
 
     @property
     def is_lowered(self) -> bool:
@@ -300,7 +344,7 @@ class Schedule:
         """The schedule with every comm action removed (undoes `lower`)."""
         return Schedule(self.graph, self.num_microbatches,
                         [[a for a in acts if a.kind.is_compute] for acts in self.actions],
-                        self.name)
+                        self.name, self.placement)
 
     def __iter__(self) -> Iterator[list[Action]]:
         return iter(self.actions)
@@ -309,14 +353,18 @@ class Schedule:
         if not isinstance(other, Schedule):
             return NotImplemented
         return (self.graph == other.graph and self.num_microbatches == other.num_microbatches
-                and self.actions == other.actions)
+                and self.actions == other.actions and self.placement == other.placement)
 
     # ---------------------------------------------------------------- text form
     def dumps(self) -> str:
         lines = ["# megareshard pipeline schedule" + (f": {self.name}" if self.name else ""),
                  f"stages {self.num_stages} microbatches {self.num_microbatches}"]
         lines += [f"edge {e}" for e in self.graph.skip_edges]
-        lines += [f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.actions)]
+        if self.virtual:
+            lines.append("placement " + ",".join(map(str, self.placement)))  # type: ignore[arg-type]
+            lines += [f"mesh {m}: " + " ".join(a.text(True) for a in acts) for m, acts in enumerate(self.actions)]
+        else:
+            lines += [f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.actions)]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -324,6 +372,7 @@ class Schedule:
         header: tuple[int, int] | None = None
         name = ""
         skips: list[Edge] = []
+        placement: tuple[int, ...] | None = None
         rows: dict[int, list[str]] = {}
         for lineno, raw in enumerate(text.splitlines(), 1):
             line = raw.strip()
@@ -339,33 +388,40 @@ class Schedule:
             if m:
                 skips.append(Edge(int(m[1]), int(m[2]), m[3]))
                 continue
-            m = re.fullmatch(r"stage\s+(\d+):(.*)", line)
+            m = re.fullmatch(r"placement\s+([\d,\s]+)", line)
             if m:
-                s = int(m[1])
-                if s in rows:
-                    raise ScheduleError(f"line {lineno}: stage {s} listed twice")
-                rows[s] = m[2].split()
+                placement = tuple(int(x) for x in m[1].replace(" ", "").split(",") if x)
+                continue
+            m = re.fullmatch(r"(?:stage|mesh)\s+(\d+):(.*)", line)
+            if m:
+                k = int(m[1])
+                if k in rows:
+                    raise ScheduleError(f"line {lineno}: program {k} listed twice")
+                rows[k] = m[2].split()
                 continue
             raise ScheduleError(f"line {lineno}: cannot parse {raw!r}")
         if header is None:
             raise ScheduleError("missing 'stages P microbatches M' line")
         graph = PipelineGraph(header[0], tuple(skips))
-        if set(rows) != set(range(graph.num_stages)):
-            raise ScheduleError(f"expected lines for stages 0..{graph.num_stages - 1}, "
-                                f"got {sorted(rows)}")
-        acts = [[parse_action(t, s) for t in rows[s]] for s in range(graph.num_stages)]
-        return cls(graph, header[1], acts, name)
+        meshes = (max(placement) + 1) if placement else graph.num_stages
+        if set(rows) != set(range(meshes)):
+            raise ScheduleError(f"expected lines for programs 0..{meshes - 1}, got {sorted(rows)}")
+        acts = [[parse_action(t, k) for t in rows[k]] for k in range(meshes)]
+        return cls(graph, header[1], acts, name, placement)
 
     def to_csv(self) -> str:
-        """CSV: ``#``-comment header, then one row per stage: stage,action,action,..."""
+        """CSV: ``#``-comment header, then one row per program: mesh,action,action,..."""
         lines = [f"#stages,{self.num_stages},microbatches,{self.num_microbatches}"]
         lines += [f"#edge,{e.src},{e.dst},{e.name}" for e in self.graph.skip_edges]
-        lines += [",".join([str(s)] + [str(a) for a in acts]) for s, acts in enumerate(self.actions)]
+        if self.virtual:
+            lines.append("#placement," + ",".join(map(str, self.placement)))  # type: ignore[arg-type]
+        lines += [",".join([str(m)] + [a.text(self.virtual) for a in acts]) for m, acts in enumerate(self.actions)]
         return "\n".join(lines) + "\n"
 
     @classmethod
     def from_csv(cls, text: str) -> "Schedule":
         out = []
+        virtual = False
         for line in text.splitlines():
             cells = [c.strip() for c in line.split(",")]
             if not cells or cells == [""]:
@@ -374,10 +430,13 @@ class Schedule:
                 out.append(f"stages {cells[1]} microbatches {cells[3]}")
             elif cells[0] == "#edge":
                 out.append(f"edge {cells[1]}->{cells[2]}:{cells[3]}")
+            elif cells[0] == "#placement":
+                out.append("placement " + ",".join(cells[1:]))
+                virtual = True
             elif cells[0].startswith("#"):
                 continue
             else:
-                out.append(f"stage {cells[0]}: " + " ".join(c for c in cells[1:] if c))
+                out.append(f"{'mesh' if virtual else 'stage'} {cells[0]}: " + " ".join(c for c in cells[1:] if c))
         return cls.loads("\n".join(out))
 
     def save(self, path: str | Path) -> None:

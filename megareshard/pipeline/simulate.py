@@ -2,8 +2,10 @@
 
 Model (deliberately simple, so that the numbers can be checked by hand):
 
-* Each stage executes its list in order. Compute actions (F, B, I, W) take
-  `costs.<kind>[stage]`; comm actions take no compute time. Only WAIT blocks: the stage
+* Each mesh executes its program in order (one row per mesh; with virtual stages a mesh
+  runs several stages). Compute actions (F, B, I, W) take `costs.<kind>[stage]` of the
+  action's stage; comm actions take no compute time; local hand-offs between two stages
+  of one mesh cost nothing. Only WAIT blocks: the stage
   idles until the tensor has arrived.
 * Each stage is one host with one full-duplex NIC that runs in parallel with its
   compute: a send channel and a receive channel. A transfer of edge e for mb becomes
@@ -138,13 +140,14 @@ class Timeline:
 
     @property
     def peak_activations(self) -> list[int]:
-        """Max number of microbatches whose activations are live at once, per stage."""
+        """Max number of (stage, microbatch) activations live at once, per row (per mesh: a mesh holding
+        virtual stages counts each of its stages' microbatches)."""
         out = []
         for row in self.compute:
             start: dict[tuple[int, int], float] = {}
             end: dict[tuple[int, int], float] = {}
             for iv in row:
-                k = (iv.action.mb, iv.action.chunk)
+                k = (iv.action.mb, iv.action.stage)
                 if iv.action.kind == _K.F:
                     start[k] = iv.start
                 elif iv.action.kind in (_K.B, _K.W):
@@ -167,7 +170,7 @@ class Timeline:
         """The runtime's trace format: {stage, kind, mb, start, end} (+ edge/peer for comm)."""
         out: list[dict[str, Any]] = [
             {"stage": s, "kind": iv.action.kind.value, "mb": iv.action.mb,
-             "start": iv.start, "end": iv.end}
+             "start": iv.start, "end": iv.end, **({"vstage": iv.action.stage} if iv.action.stage != s else {})}
             for s, row in enumerate(self.compute) for iv in row]
         out += [{"stage": c.sender, "kind": "SEND_" + c.direction, "mb": c.mb, "start": c.start,
                  "end": c.end, "edge": str(c.edge), "peer": c.receiver} for c in self.comm]
@@ -187,7 +190,7 @@ class Timeline:
             s, kind, mb = int(r["stage"]), str(r["kind"]), int(r["mb"])
             t0, t1 = float(r["start"]), float(r["end"])
             if kind in ("F", "B", "I", "W"):
-                compute[s].append(Interval(t0, t1, Action(_K(kind), mb, s, int(r.get("chunk", 0)))))
+                compute[s].append(Interval(t0, t1, Action(_K(kind), mb, int(r.get("vstage", s)))))
             elif kind in ("SEND_F", "SEND_B"):
                 d = kind[-1]
                 peer = int(r.get("peer", s + 1 if d == "F" else max(s - 1, 0)))
@@ -217,7 +220,8 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
     elif not isinstance(costs, Costs):
         costs = Costs(**{str(k).lower(): v for k, v in costs.items()})
     sched = schedule if schedule.is_lowered else lower(schedule, graph, lookahead=lookahead)
-    P = graph.num_stages
+    P = sched.num_meshes  # one row (program, NIC) per mesh; a mesh may run several stages
+    mesh_of = sched.mesh_of
     acts = sched.actions
 
     pc = [0] * P
@@ -250,7 +254,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         """Start every waiting transfer whose sender's and receiver's channels are free at t."""
         keep = []
         for key, send in pending:
-            src, dst = send.stage, send.peer
+            src, dst = mesh_of(send.stage), mesh_of(send.peer)
             if send_free[src] <= t and (not costs.recv_nic or recv_free[dst] <= t):
                 end = t + costs.edge(send.edge)
                 send_free[src] = end
@@ -268,7 +272,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         while pc[s] < len(acts[s]):
             a = acts[s][pc[s]]
             if a.kind.is_compute:
-                end = t + costs.compute(a.kind, s)
+                end = t + costs.compute(a.kind, a.stage)
                 compute[s].append(Interval(t, end, a))
                 pc[s] += 1
                 push(end, 2, "run", s)
@@ -307,6 +311,6 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
     stuck = [s for s in range(P) if pc[s] < len(acts[s])]
     if stuck:
         raise ScheduleError("simulate: deadlock; " + "; ".join(
-            f"stage {s} step {pc[s]}: {acts[s][pc[s]]}" for s in stuck)
+            f"program {s} step {pc[s]}: {acts[s][pc[s]].text(True)}" for s in stuck)
             + " (run validate() for a full report)")
     return Timeline(P, compute, comm, schedule.name)

@@ -25,7 +25,7 @@ import torch
 from ..arguments import Config, ConfigError
 from ..parallel import ParallelContext, Topology
 from ..resharding import Mesh, ShardingSpec
-from .generators import SCHEDULES
+from .generators import RUNTIME_SCHEDULES, SCHEDULES
 from .schedule import PipelineGraph
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
@@ -139,7 +139,11 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
     pp, pl, t = cfg.pp, cfg.pipeline, cfg.training
     if pl.pipeline_schedule not in SCHEDULES:
         raise ConfigError(f"unknown --pipeline-schedule {pl.pipeline_schedule!r}; available: "
-                          f"{', '.join(SCHEDULES)}")
+                          f"{', '.join(RUNTIME_SCHEDULES)}")
+    if pl.pipeline_schedule not in RUNTIME_SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule} needs several stages per rank (virtual "
+                          "stages), which the runtime does not run yet (tools/plot_schedule.py and the simulator "
+                          f"do); runnable: {', '.join(RUNTIME_SCHEDULES)}")
     if pl.reshard_strategy not in _EXECUTABLE_STRATEGIES:
         raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
                           f"{', '.join(_EXECUTABLE_STRATEGIES)}")

@@ -1,4 +1,4 @@
-"""Receives follow sends per channel (sending stage -> receiving stage), across every edge it carries.
+"""Receives follow sends per channel (sending mesh -> receiving mesh), across every edge it carries.
 
 NCCL pairs the messages between two ranks in issue order, and tensors of several edges between the
 same two stages can share a communicator, so the lowering posts receives in the sender's merged
@@ -33,7 +33,7 @@ def test_a_crossed_receive_is_refused() -> None:
     i, j = [k for k, a in enumerate(acts) if a.kind == ActionKind.RECV_F and a.peer == 0][:2]
     assert acts[i].edge != acts[j].edge
     acts[i], acts[j] = acts[j], acts[i]
-    with pytest.raises(ScheduleError, match=r"stage 0 -> stage 1: send #0 is \('0->1', 'F', 0, 0\) but receive "
-                                            r"#0 is \('0->1:x', 'F', 0, 0\).*pair in issue order"):
+    with pytest.raises(ScheduleError, match=r"mesh 0 -> mesh 1: send #0 is \('0->1', 'F', 0\) but receive "
+                                            r"#0 is \('0->1:x', 'F', 0\).*pair in issue order"):
         validate(Schedule(graph, low.num_microbatches, [list(a) for a in low.actions[:1]] + [acts]
                           + [list(a) for a in low.actions[2:]]))

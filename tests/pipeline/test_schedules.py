@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megareshard.pipeline import (
-    SCHEDULES,
+    RUNTIME_SCHEDULES,
     Action,
     ActionKind,
     Costs,
@@ -42,7 +42,7 @@ def _graph(P: int, skip: bool) -> PipelineGraph:
 def test_action_text_round_trip():
     e = Edge(0, 3, "skip")
     cases = [
-        (Action(K.F, 3, 1), "F3"), (Action(K.W, 0, 2), "W0"), (Action(K.I, 5, 0, chunk=1), "I5c1"),
+        (Action(K.F, 3, 1), "F3"), (Action(K.W, 0, 2), "W0"), (Action(K.I, 5, 0), "I5"),
         (Action(K.SEND_F, 3, 0, edge=Edge(0, 1)), "SF3->1"),
         (Action(K.RECV_F, 3, 1, edge=Edge(0, 1)), "RF3<-0"),
         (Action(K.WAIT_B, 2, 0, edge=Edge(0, 1)), "WB2<-1"),
@@ -74,7 +74,7 @@ def test_graph_edges():
     assert g.out_edges(3) == ()
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
 @pytest.mark.parametrize("delay", [False, True])
 def test_dumps_loads_and_csv_round_trip(tmp_path, name, delay):
     s = lower(generate(name, 4, 6, delay, graph=_graph(4, True)))
@@ -106,10 +106,9 @@ def test_generator_shapes():
 
 
 def test_generator_errors():
-    with pytest.raises(ValueError, match="gpipe, 1f1b, eager-1f1b"):
+    with pytest.raises(ValueError, match="gpipe, 1f1b, eager-1f1b, interleaved-1f1b, eager-interleaved-1f1b, "
+                                         "zb-h1, zbv"):
         generate("zero-bubble", 4, 8)
-    with pytest.raises(NotImplementedError, match="planned"):
-        generate("interleaved", 4, 8)
     with pytest.raises(ValueError, match="num_microbatches=0"):
         generate("1f1b", 4, 0)
     with pytest.raises(ValueError, match="graph has 3 stages"):
@@ -119,7 +118,7 @@ def test_generator_errors():
 def test_every_generated_schedule_validates_after_lowering():
     """name x delay x P in 1..6 x m in 1..12, with and without a skip edge 0->P-1."""
     n = 0
-    for name in SCHEDULES:
+    for name in RUNTIME_SCHEDULES:
         for delay in (False, True):
             for skip in (False, True):
                 for P in range(1, 7):
@@ -131,7 +130,7 @@ def test_every_generated_schedule_validates_after_lowering():
     assert n == 3 * 2 * 2 * 6 * 12
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
 def test_rendezvous_safe_lowering(name):
     """A synchronous matched-pair executor (send blocks until the receive is posted):
     chain-only lowering with lookahead 1 is safe; skip edges need the per-edge
