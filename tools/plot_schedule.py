@@ -30,6 +30,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megareshard.pipeline import (  # noqa: E402
+    REGISTRY,
     SCHEDULES,
     Costs,
     PipelineGraph,
@@ -79,8 +80,18 @@ def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     out = []
     for spec in names:
         name, dw = (spec[:-3], True) if spec.endswith("+dw") else (spec, args.delay_wgrad)
-        sched = generate(name, args.stages, args.microbatches, delay_wgrad=dw, graph=graph)
-        out.append(simulate(sched, costs=costs))
+        if REGISTRY[name].stages_per_mesh == 1:
+            sched = generate(name, args.stages, args.microbatches, delay_wgrad=dw, graph=graph)
+            out.append(simulate(sched, costs=costs))
+            continue
+        if args.skip:
+            raise SystemExit(f"plot_schedule: --skip applies to one-stage-per-mesh schedules, not {name}")
+        sched = generate(name, args.stages, args.microbatches, delay_wgrad=dw)
+        V = sched.num_stages // args.stages  # a virtual stage is 1/V of a mesh's layers: 1/V of its costs
+        per = {k: (None if v is None else v / V) for k, v in (("f", args.cost_f), ("b", args.cost_b),
+                                                               ("i", args.cost_i), ("w", args.cost_w))}
+        out.append(simulate(sched, costs=Costs(**per, comm=args.comm, rendezvous=args.rendezvous,
+                                               recv_nic=not args.no_recv_nic)))
     return out
 
 
@@ -106,13 +117,15 @@ def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float) -> None:
                              figsize=(fig_w, 1.0 + 0.55 * n_rows + 0.5 * len(timelines)))
     for ax, tl in zip(axes[:, 0], timelines):
         P = tl.num_stages
+        row_stages = [sorted({iv.action.stage for iv in row}) for row in tl.compute]
         for s, row in enumerate(tl.compute):
             y = P - 1 - s
             for iv in row:
                 k = iv.action.kind.value
                 w = iv.end - iv.start
+                chunk = row_stages[s].index(iv.action.stage)  # virtual stages: later chunks hatched
                 ax.add_patch(plt.Rectangle((iv.start, y + 0.22), w, 0.66, facecolor=COLORS[k],
-                                           edgecolor="black", linewidth=0.6))
+                                           edgecolor="black", linewidth=0.6, hatch=("", "//", "..", "xx")[chunk % 4]))
                 if w >= 0.02 * span or w >= 0.4:
                     label = f"{iv.action.mb}" if k in "FB" else f"{k}{iv.action.mb}"
                     ax.text(iv.start + w / 2, y + 0.55, label, ha="center", va="center",
@@ -125,7 +138,8 @@ def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float) -> None:
                                        linewidth=0.5))
         ax.set_ylim(-0.1, P)
         ax.set_yticks([P - 1 - s + 0.55 for s in range(P)])
-        ax.set_yticklabels([f"stage {s}" for s in range(P)])
+        ax.set_yticklabels([f"stage {s}" if row_stages[s] in ([s], []) else
+                            f"mesh {s} ({','.join(map(str, row_stages[s]))})" for s in range(P)])
         ax.set_title(f"{tl.name}: makespan {tl.makespan:g}, bubble {tl.bubble_fraction:.1%}, "
                      f"peak activations {tl.peak_activations}", fontsize=9, loc="left")
         ax.grid(axis="x", linestyle=":", linewidth=0.5)
