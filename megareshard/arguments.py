@@ -32,6 +32,13 @@ class ParallelConfig:
     stage_layouts: str | None = _f(None, "per-stage (tp, dp), one entry per pipeline stage, e.g. "
                                          "tp1dp4,tp2dp2: stage i on its own contiguous block of ranks, tp innermost; "
                                          "the global microbatch is --micro-batch-size × the largest dp")
+    auto_layout: bool = _f(False, "let the layout planner choose tp, pp, micro batch, schedule, resharding "
+                                  "strategy, sequence parallelism, recomputation and ZeRO (tools/plan_layout.py)")
+    auto_layout_device_memory_gib: float | None = _f(None, "--auto-layout: memory per device, GiB (default: the "
+                                                           "device's; on CPU the RAM per process)")
+    auto_layout_device_tflops: float = _f(989.0, "--auto-layout: peak dense bf16 TFLOP/s per device")
+    auto_layout_nic_gbps: float = _f(100.0, "--auto-layout: NIC bandwidth per host and direction, Gbit/s")
+    auto_layout_intra_gbps: float = _f(3600.0, "--auto-layout: intra-host bandwidth per device, Gbit/s")
 
 
 @dataclass
@@ -244,6 +251,10 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
 
 def validate(cfg: Config, world_size: int) -> Config:
     """Check every constraint before anything is built; fills derived defaults (global batch)."""
+    if cfg.parallel.auto_layout and not getattr(cfg.parallel, "auto_layout_note", None):
+        from .planner.auto import apply_auto_layout  # the planner chooses the layout flags first
+
+        cfg.parallel.auto_layout_note = apply_auto_layout(cfg, world_size)  # type: ignore[attr-defined]
     m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
     pl, mem = cfg.pipeline, cfg.memory
     positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),

@@ -474,6 +474,9 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> l
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     ctx, placement = build_context(cfg, world)
     if ctx.rank == 0:
+        note = getattr(cfg.parallel, "auto_layout_note", None)
+        if note:
+            print(f"megareshard: {note}", file=out, flush=True)
         print(f"megareshard: {placement}; device {device}, {cfg.num_microbatches(world)} microbatch(es) "
               f"per iteration", file=out, flush=True)
         if infos:
