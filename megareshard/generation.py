@@ -1,0 +1,98 @@
+"""Text generation from a checkpoint of any layout, in one process: greedy or top-p sampling.
+
+    model, cfg = load_for_generation("runs/x")          # the checkpoint root (its latest) or a directory
+    ids = generate_ids(model, cfg, prompt_ids, max_new_tokens=20, top_p=0.9, temperature=0.8, seed=0)
+
+The checkpoint's full tensors are read whatever layout saved them (tp, pp, dp, ZeRO: every
+piece is described by its global box), so no process group is needed. No key/value cache:
+each new token runs the whole (truncated) context — meant for looking at what a fine-tune did,
+not for serving.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .checkpoint import CheckpointError, Piece, check_files, read_info, read_metadata, read_pieces, \
+    resolve_checkpoint_dir
+from .models import GPTModel, ModelConfig
+from .parallel import ParallelContext
+
+__all__ = ["read_model_weights", "load_for_generation", "generate_ids"]
+
+
+def read_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model configuration a checkpoint recorded and its full (unpadded) weights by name."""
+    ckpt = resolve_checkpoint_dir(path)
+    info = read_info(ckpt)
+    saved = info.get("model_config")
+    if not saved:
+        raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+    md = read_metadata(ckpt)
+    check_files(ckpt, info, md)
+    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+               for k, v in md.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
+    read_pieces(ckpt, tensors, [], no_dist=True)
+    return cfg, {k[len("model."):]: p.tensor for k, p in tensors.items()}
+
+
+def load_for_generation(path: str, device: str | torch.device = "cpu") -> tuple[GPTModel, ModelConfig]:
+    """A single-process GPT (eval mode, dropout off) holding a checkpoint's weights."""
+    cfg, weights = read_model_weights(path)
+    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(cfg, ParallelContext.single_process(), seed=0, device=torch.device(device))
+    missing = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = weights.get(name)
+            if w is None:
+                missing.append(name)
+                continue
+            if tuple(w.shape) == tuple(p.shape):
+                p.copy_(w)
+            elif w.dim() == p.dim() and w.shape[1:] == p.shape[1:] and w.shape[0] <= p.shape[0]:
+                p.zero_()
+                p[: w.shape[0]].copy_(w)  # the vocabulary padding rows of this process's layout stay zero
+            else:
+                raise CheckpointError(f"{path}: {name} is {tuple(w.shape)} in the checkpoint but "
+                                      f"{tuple(p.shape)} in a model built from its configuration")
+    if missing:
+        raise CheckpointError(f"{path}: the checkpoint has no weights for {missing[:5]}"
+                              f"{' …' if len(missing) > 5 else ''}")
+    return model.eval(), cfg
+
+
+@torch.no_grad()
+def generate_ids(model: GPTModel, cfg: ModelConfig, prompt: list[int], *, max_new_tokens: int,
+                 top_p: float | None = None, temperature: float = 1.0, seed: int = 0,
+                 eod: int | None = None) -> list[int]:
+    """Extend `prompt` by up to `max_new_tokens`: greedy (`top_p` None) or nucleus sampling."""
+    if not prompt:
+        raise ValueError("the prompt encodes to no tokens: give some text")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if temperature <= 0:
+        raise ValueError(f"--temperature must be positive, got {temperature}")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ctx = torch.tensor([ids[-cfg.seq_length:]], dtype=torch.long, device=device)
+        logits = model(tokens=ctx)[0, -1, :cfg.vocab_size].float().cpu()  # drop the padding columns
+        if top_p is None:
+            nxt = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p  # smallest prefix whose mass reaches top_p
+            sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+            nxt = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
+        ids.append(nxt)
+        if eod is not None and nxt == eod:
+            break
+    return ids
