@@ -149,8 +149,9 @@ def megatron_flags(cfg: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             if value:
                 flags.append(flag)
-        elif value is not None and (value != getattr(default, f.name) or f.name in ("ffn_hidden_size",
-                                                                                   "max_position_embeddings")):
+        elif value is not None and (value != getattr(default, f.name) or f.name in (
+                "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                "vocab_size")):  # the shape is always spelled out: defaults may change, a checkpoint's shape not
             flags += [flag, str(value)]
     return flags
 
