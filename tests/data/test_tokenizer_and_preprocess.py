@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megareshard.data.indexed_dataset import IndexedDataset
-from megareshard.data.tokenizer import SentencePieceTokenizer
+from megareshard.data.tokenizer import SentencePieceTokenizer, TokenizerError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STDLIB = os.path.dirname(os.__file__)
@@ -88,7 +88,7 @@ def test_special_ids(tok):
 
 def test_missing_model_names_path(tmp_path):
     missing = tmp_path / "nope.model"
-    with pytest.raises(FileNotFoundError, match="nope.model"):
+    with pytest.raises(TokenizerError, match="nope.model"):
         SentencePieceTokenizer(missing)
 
 
