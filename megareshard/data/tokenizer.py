@@ -63,7 +63,7 @@ class SentencePieceTokenizer:
         self.model_path = os.fspath(model_path)
         if not os.path.isfile(self.model_path):
             raise TokenizerError(
-                f"sentencepiece model file not found: {self.model_path!r} "
+                f"--tokenizer-model {self.model_path}: sentencepiece model file not found "
                 f"(train one with tools/train_tokenizer.py --model-prefix PREFIX, which writes PREFIX.model)")
         self._sp = spm.SentencePieceProcessor()
         try:
