@@ -299,6 +299,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
+    refused, _ = megatron_flags.refusals(ns, [])
+    if refused:
+        raise ConfigError(f"not supported by megareshard: {', '.join(refused)}")
     values = vars(ns)
     used = [old for old in DEPRECATED if values.get(f"deprecated{old}") is not None]
     if used:
