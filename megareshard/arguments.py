@@ -95,7 +95,7 @@ class MemoryConfig:
     bf16: bool = _f(False, "bf16 compute with fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
     loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
-    initial_loss_scale: float = _f(2.0 ** 16, "initial dynamic loss scale")
+    initial_loss_scale: float = _f(2.0 ** 32, "initial dynamic loss scale")
     min_loss_scale: float = _f(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = _f(1000, "overflow-free iterations before the scale doubles")
     hysteresis: int = _f(2, "overflows tolerated before the scale halves")
