@@ -148,6 +148,9 @@ class DataConfig:
     train_data_path: list[str] | None = _f(None, "PREFIX or blend for training only (instead of --data-path)")
     valid_data_path: list[str] | None = _f(None, "PREFIX or blend for validation only")
     test_data_path: list[str] | None = _f(None, "PREFIX or blend for testing only")
+    data_args_path: str | None = _f(None, "file holding the --data-path arguments (for long blends)")
+    per_split_data_args_path: str | None = _f(None, "JSON file with 'train', 'valid', 'test' keys holding the "
+                                                    "per-split data paths (for long blends)")
     data_cache_path: str | None = _f(None, "directory where built sample indices are cached and reused")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
     mock_data: bool = _f(False, "synthetic deterministic data (no files needed)")
@@ -546,6 +549,7 @@ def _validate_data(cfg: "Config") -> None:
     from .data.blended import parse_blend
 
     d, m = cfg.data, cfg.model
+    _read_data_args_files(d)
     split_paths = [p for p in (d.train_data_path, d.valid_data_path, d.test_data_path) if p]
     if d.mock_data and (d.data_path or split_paths):
         given = d.data_path or split_paths[0]
@@ -573,6 +577,40 @@ def _validate_data(cfg: "Config") -> None:
         given = " ".join(d.data_path or d.train_data_path)
         raise ConfigError(f"--data-path {given} needs a tokenizer (--tokenizer-type with --tokenizer-model, or "
                           "--vocab-file and --merge-file) or --vocab-size")
+
+
+def _read_data_args_files(d: "DataConfig") -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths read from files, as Megatron-LM does."""
+    import json
+
+    if d.data_args_path:
+        if d.data_path:
+            raise ConfigError("--data-args-path and --data-path conflict: give one")
+        try:
+            with open(d.data_args_path, encoding="utf-8") as f:
+                d.data_path = f.read().split()
+        except OSError as e:
+            raise ConfigError(f"--data-args-path {d.data_args_path}: {e.strerror}") from None
+        d.data_args_path = None
+    if d.per_split_data_args_path:
+        if d.train_data_path or d.valid_data_path or d.test_data_path:
+            raise ConfigError("--per-split-data-args-path conflicts with --train/valid/test-data-path: give one")
+        try:
+            with open(d.per_split_data_args_path, encoding="utf-8") as f:
+                per_split = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: not JSON ({e})") from None
+        if not isinstance(per_split, dict) or not set(per_split) <= {"train", "valid", "test"}:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: expected an object with "
+                              "'train', 'valid' and 'test' keys")
+        for key in ("train", "valid", "test"):
+            value = per_split.get(key)
+            if isinstance(value, str):
+                value = value.split()
+            setattr(d, f"{key}_data_path", [str(v) for v in value] if value else None)
+        d.per_split_data_args_path = None
 
 
 def _validate_checkpoint(ck: "CheckpointConfig") -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 
@@ -99,3 +100,16 @@ def test_training_on_a_blend_and_on_per_split_paths(corpora, tmp_path):
         run(["--data-path", "0.5", a, "0.5"], tmp_path)
     with pytest.raises(ConfigError, match="--data-path conflicts with --train-data-path"):
         run(["--data-path", a, "--train-data-path", b], tmp_path)
+
+
+def test_data_args_files(corpora, tmp_path):
+    a, b = corpora
+    (tmp_path / "args.txt").write_text(f"0.4 {a}\n0.6 {b}\n")
+    base = ["--vocab-size", "200"]
+    d = parse_args(base + ["--data-args-path", str(tmp_path / "args.txt")], world_size=1).data
+    assert d.data_path == ["0.4", a, "0.6", b]
+    (tmp_path / "split.json").write_text(json.dumps({"train": f"1 {a} 1 {b}", "valid": [b], "test": None}))
+    d = parse_args(base + ["--per-split-data-args-path", str(tmp_path / "split.json")], world_size=1).data
+    assert d.train_data_path == ["1", a, "1", b] and d.valid_data_path == [b] and d.test_data_path is None
+    with pytest.raises(ConfigError, match="--data-args-path .*missing.txt: No such file"):
+        parse_args(base + ["--data-args-path", str(tmp_path / "missing.txt")], world_size=1)
