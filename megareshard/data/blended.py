@@ -12,7 +12,11 @@
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import tempfile
 from typing import Sequence
 
 import numpy as np
@@ -82,16 +86,34 @@ def blending_indices(weights: Sequence[float], num_samples: int) -> tuple[np.nda
     return dataset_index, sample_index
 
 
+def _cached_blending_indices(weights: list[float], num_samples: int, cache_dir: str | None):
+    """``blending_indices``, kept in ``cache_dir`` (named by a hash of the weights and the count) when given."""
+    if not cache_dir:
+        return blending_indices(weights, num_samples)
+    key = hashlib.md5(json.dumps({"kind": "blend/1", "weights": weights, "n": num_samples}).encode()).hexdigest()
+    paths = [os.path.join(cache_dir, f"{key}-blend-{what}.npy") for what in ("dataset_index", "sample_index")]
+    if all(os.path.isfile(p) for p in paths):
+        return tuple(np.load(p, mmap_mode="r") for p in paths)
+    arrays = blending_indices(weights, num_samples)
+    os.makedirs(cache_dir, exist_ok=True)
+    for path, arr in zip(paths, arrays):  # temp file + rename: ranks writing at once never see half a file
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path), suffix=".tmp", dir=cache_dir)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, arr)
+        os.replace(tmp, path)
+    return arrays
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     """``num_samples`` samples drawn from ``datasets`` in proportion to ``weights`` (see the module doc)."""
 
     def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float], num_samples: int,
-                 name: str = "train") -> None:
+                 name: str = "train", cache_dir: str | None = None) -> None:
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets, self.weights, self.name = list(datasets), normalise(weights), name
         self.num_samples = int(num_samples)
-        self.dataset_index, self.sample_index = blending_indices(self.weights, self.num_samples)
+        self.dataset_index, self.sample_index = _cached_blending_indices(self.weights, self.num_samples, cache_dir)
         for d, ds in enumerate(self.datasets):
             need = int((self.dataset_index == d).sum())
             if need > len(ds):
@@ -144,5 +166,5 @@ def build_blend(values: Sequence[str], split: str | None, seq_length: int, num_s
         parts = [GPTDataset(indexed[k], seq_length, counts[k], seed, split_range=ranges[k][s], name=name,
                             cache_dir=cache_dir) if counts[k] > 0 else None for k in range(len(indexed))]
         keep = [k for k in range(len(indexed)) if parts[k] is not None]
-        out.append(BlendedDataset([parts[k] for k in keep], [w[k] for k in keep], n, name=name))
+        out.append(BlendedDataset([parts[k] for k in keep], [w[k] for k in keep], n, name=name, cache_dir=cache_dir))
     return out
