@@ -76,3 +76,26 @@ def test_errors_are_one_line(tmp_path, args, message):
     assert res.returncode == 2 and res.stderr.startswith("preprocess_data.py: error: ") and message in res.stderr
     assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1
     assert os.listdir(tmp_path) == ["x.jsonl"]
+
+
+def test_preprocessed_gpt2_corpus_trains_with_megatrons_flags(tmp_path, gpt2_files):
+    """The Megatron-LM path end to end: preprocess with GPT-2 BPE, then train on PREFIX_text_document."""
+    import io
+
+    from megareshard.arguments import parse_args
+    from megareshard.training import pretrain
+
+    vocab, merges = gpt2_files
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": t * 4}, ensure_ascii=False) + "\n" for t in CORPUS * 3),
+                   encoding="utf-8")
+    res = run_tool("--input", str(src), "--output-prefix", str(tmp_path / "c"), "--vocab-file", vocab,
+                   "--merge-file", merges, "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "1",
+                   "--quiet")
+    assert res.returncode == 0, res.stderr
+    cfg = parse_args(["--data-path", str(tmp_path / "c_text_document"), "--vocab-file", vocab, "--merge-file", merges,
+                      "--split", "90,10,0", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                      "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2", "--eval-interval", "2",
+                      "--eval-iters", "1", "--device", "cpu"], world_size=1)
+    records = pretrain(cfg, out=io.StringIO())
+    assert cfg.model.vocab_size == len(json.load(open(vocab))) and len(records) == 2 and "eval_loss" in records[-1]
