@@ -169,8 +169,9 @@ class LoggingConfig:
     """What is reported, where and how often."""
 
     log_interval: int = _f(100, "iterations between log lines")
-    eval_interval: int = _f(0, "iterations between evaluations (0 disables)")
-    eval_iters: int = _f(10, "batches per evaluation")
+    eval_interval: int | None = _f(None, "iterations between evaluations (default 1000, skipped when there is no "
+                                         "validation data; 0 disables)")
+    eval_iters: int = _f(100, "batches per evaluation")
     metrics_file: str | None = _f(None, "write one JSON object per iteration to this file")
     wandb_project: str | None = _f(None, "W&B project (offline when there is no network)")
     wandb_exp_name: str | None = _f(None, "W&B run name")
@@ -479,7 +480,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     if cfg.launch.preflight_timeout <= 0 or cfg.launch.comm_timeout <= 0:
         raise ConfigError(f"--preflight-timeout {cfg.launch.preflight_timeout} and --comm-timeout "
                           f"{cfg.launch.comm_timeout} must be positive seconds")
-    if lg.eval_interval < 0 or lg.eval_iters < 0:
+    if (lg.eval_interval is not None and lg.eval_interval < 0) or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
     if lg.tensorboard_log_interval < 1:
         raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")

@@ -262,7 +262,9 @@ class Trainer:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         gb = t.global_batch_size
         n_train = t.train_iters * gb
-        n_evals = (t.train_iters // lg.eval_interval + 1) if lg.eval_interval > 0 else 0
+        # Megatron's default: every 1000 iterations, skipped (with a note) when there is no validation data
+        self.eval_interval = lg.eval_interval if lg.eval_interval is not None else 1000
+        n_evals = (t.train_iters // self.eval_interval + 1) if self.eval_interval > 0 and lg.eval_iters > 0 else 0
         n_valid = n_evals * lg.eval_iters * gb
         if cfg.data.mock_data:
             train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_train, seed=t.seed)
@@ -284,7 +286,11 @@ class Trainer:
             if n_valid and valid is None:
                 where = (f"--split {d.split} leaves no validation documents in {' '.join(d.data_path)}" if d.data_path
                          else "no --valid-data-path was given")
-                raise ConfigError(f"--eval-interval {lg.eval_interval} needs validation data, but {where}")
+                if lg.eval_interval is not None:
+                    raise ConfigError(f"--eval-interval {lg.eval_interval} needs validation data, but {where}")
+                self.eval_interval = 0
+                if self.ctx.rank == 0:
+                    print(f" no evaluation: {where}", file=self.out, flush=True)
         self.train_data, self.valid_data = train, valid
         # "megatron" order: global microbatch k is the same samples whatever the dp, which pipeline
         # stages with different dp sizes rely on
@@ -359,8 +365,8 @@ class Trainer:
     def evaluate(self) -> float:
         self.model.eval()
         lg, t = self.cfg.logging, self.cfg.training
-        start = (self.iteration // lg.eval_interval) * lg.eval_iters * t.global_batch_size \
-            if lg.eval_interval else 0
+        start = (self.iteration // self.eval_interval) * lg.eval_iters * t.global_batch_size \
+            if self.eval_interval else 0
         sampler = GlobalBatchSampler(len(self.valid_data), t.global_batch_size, self.local_micro_batch_size, self.dp,
                                      self.ctx.dp_rank(), consumed_samples=start, order="megatron")
         total = torch.zeros((), device=self.device)
@@ -405,7 +411,7 @@ class Trainer:
             rec["peak_mem_mb_per_stage"] = per_stage
             if not math.isfinite(res.loss) and not res.skipped:
                 raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
-            if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
+            if self.eval_interval and self.iteration % self.eval_interval == 0 and self.valid_data is not None:
                 with self._activity(f"evaluation at iteration {self.iteration}"):
                     rec["eval_loss"] = self.evaluate()
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))

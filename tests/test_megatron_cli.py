@@ -72,3 +72,24 @@ def test_fresh_run_with_load_equal_to_save_starts_from_scratch(tmp_path):
                      world_size=1)
     records = pretrain(cfg, out=out)
     assert [r["iteration"] for r in records] == [3] and "holds no checkpoint" not in out.getvalue()
+
+
+def test_default_evaluation_is_megatrons_and_skipped_without_validation_data(tmp_path):
+    import numpy as np
+
+    from megareshard.arguments import ConfigError
+    from megareshard.data.indexed_dataset import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "d_text_document")
+    write_indexed_dataset(prefix, [rng.integers(0, 64, size=40) for _ in range(20)])
+    cfg = parse_args(["--data-path", prefix, "--vocab-size", "64", "--split", "100,0,0", "--train-iters", "2"] + TINY,
+                     world_size=1)
+    assert (cfg.logging.eval_interval, cfg.logging.eval_iters, cfg.logging.log_interval) == (None, 100, 100)
+    out = io.StringIO()
+    records = pretrain(cfg, out=out)  # Megatron-LM skips validation it has no data for; here it also says so
+    assert len(records) == 2 and "no evaluation: --split 100,0,0 leaves no validation documents" in out.getvalue()
+    cfg = parse_args(["--data-path", prefix, "--vocab-size", "64", "--split", "100,0,0", "--train-iters", "2",
+                      "--eval-interval", "1"] + TINY, world_size=1)
+    with pytest.raises(ConfigError, match="--eval-interval 1 needs validation data"):
+        pretrain(cfg, out=io.StringIO())

@@ -93,7 +93,8 @@ def test_training_on_a_blend_and_on_per_split_paths(corpora, tmp_path):
     recs, _ = run(["--data-path", "0.5", a, "0.5", b, "--train-iters", "2", "--data-cache-path",
                    str(tmp_path / "c")], tmp_path)
     cached = sorted(os.listdir(tmp_path / "c"))
-    assert len(recs) == 2 and sum("-blend-" in f for f in cached) == 2 and sum("-train-" in f for f in cached) == 8
+    # train and (default evaluation) valid blends: 2 blend index files each, 4 sample-index files per dataset
+    assert len(recs) == 2 and sum("-blend-" in f for f in cached) == 4 and sum("-train-" in f for f in cached) == 8
     recs, _ = run(["--train-data-path", a, "--valid-data-path", b, "--train-iters", "2", "--eval-interval", "2",
                    "--eval-iters", "1"], tmp_path)
     assert "eval_loss" in recs[-1]
