@@ -14,6 +14,7 @@ __all__ = [
     "SentencePieceTokenizer", "build_tokenizer", "TokenizerError",
     "IndexedDataset", "IndexedDatasetWriter", "IndexedDatasetError", "best_dtype",
     "GPTDataset", "split_documents", "build_train_valid_test_datasets",
+    "BlendedDataset", "build_blend", "parse_blend",
     "MockGPTDataset",
     "GlobalBatchSampler", "build_microbatches", "collate",
 ]
@@ -26,6 +27,8 @@ def _module_of(name: str) -> str:
         return "indexed_dataset"
     if name in ("GPTDataset", "split_documents", "build_train_valid_test_datasets"):
         return "gpt_dataset"
+    if name in ("BlendedDataset", "build_blend", "parse_blend"):
+        return "blended"
     if name == "MockGPTDataset":
         return "mock"
     return "sampler"
