@@ -178,7 +178,7 @@ class LoggingConfig:
     wandb_save_dir: str | None = _f(None, "directory for W&B files")
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files (loss, learning rate, ...) here")
     tensorboard_log_interval: int = _f(1, "iterations between TensorBoard records")
-    log_throughput: bool = _f(False, "add TFLOP/s per rank to the log line")
+    log_throughput: bool = _f(False, "also write TFLOP/s per rank to TensorBoard (the log line always shows it)")
     profile: bool = _f(False, "record a PyTorch profiler trace of iterations [--profile-step-start, "
                               "--profile-step-end) into --tensorboard-dir (or the current directory)")
     profile_step_start: int = _f(10, "first profiled iteration")
