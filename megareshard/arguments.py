@@ -108,6 +108,10 @@ class TrainingConfig:
                                  choices=("exponential", "linear", "cosine", "minus_sqrt"))
     lr_wsd_decay_iters: int | None = _f(None, "iterations of the WSD anneal (at the end of the decay steps)")
     lr_wsd_decay_samples: int | None = _f(None, "samples of the WSD anneal, instead of --lr-wsd-decay-iters")
+    decoupled_lr: float | None = _f(None, "peak learning rate of the input embedding and output layer (their own "
+                                          "schedule, the same shape)")
+    decoupled_min_lr: float | None = _f(None, "minimum learning rate of the input embedding and output layer "
+                                              "(default --min-lr)")
     weight_decay: float = _f(0.01, "AdamW weight decay (not on biases and LayerNorm)")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
@@ -473,6 +477,13 @@ def _validate_schedule(t: "TrainingConfig") -> None:
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"learning rates must satisfy 0 <= --min-lr <= --lr and --lr > 0, got "
                           f"--lr {t.lr}, --min-lr {t.min_lr}")
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr")
+    if t.decoupled_lr is not None:
+        low = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+        if t.decoupled_lr <= 0 or low < 0 or low > t.decoupled_lr:
+            raise ConfigError(f"decoupled learning rates must satisfy 0 <= minimum <= --decoupled-lr and "
+                              f"--decoupled-lr > 0, got --decoupled-lr {t.decoupled_lr}, minimum {low}")
     for name, value in (("--lr-warmup-iters", t.lr_warmup_iters), ("--lr-warmup-samples", t.lr_warmup_samples),
                         ("--lr-warmup-init", t.lr_warmup_init)):
         if value < 0:

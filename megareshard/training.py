@@ -32,7 +32,7 @@ from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration
 from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .memory import ActivationMeter, MemoryReport, memory_report
-from .optim.lr_scheduler import LRScheduler, schedule_from_config
+from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
@@ -197,7 +197,7 @@ class Trainer:
         self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
                                               overlap_grad_reduce=mem.overlap_grad_reduce,
                                               use_apex=self.device.type == "cuda")
-        self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t))
+        self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
         self.memory: list[MemoryReport] | None = None
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once

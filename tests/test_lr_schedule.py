@@ -74,3 +74,38 @@ def test_megatron_defaults():
 def test_schedule_errors(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_args(BASE + argv, world_size=1)
+
+
+def _trainer(extra):
+    import io
+
+    import torch
+
+    from megareshard.parallel import ParallelContext
+    from megareshard.training import Trainer
+
+    argv = BASE + ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+                   "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+                   "--lr-warmup-iters", "1", "--device", "cpu", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    return Trainer(parse_args(argv + extra, world_size=1), ParallelContext.single_process(),
+                   torch.device("cpu"), out=io.StringIO())
+
+
+def test_decoupled_lr_for_embedding_and_output_layer():
+    plain = [r["loss"] for r in _trainer([]).train()]
+    same = _trainer(["--decoupled-lr", "1e-3"])
+    assert [r["loss"] for r in same.train()] == plain  # own groups at the same rates: bitwise the same run
+    t = _trainer(["--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"])
+    t.train()
+    groups = t.optimizer.param_groups
+    assert [g["decoupled"] for g in groups] == [False, False, True, True]
+    names = {id(e.master): e.name for e in t.optimizer.entries}
+    own = {names[id(p)] for g in groups if g["decoupled"] for p in g["params"]}
+    assert own and all("word_embeddings" in n or n.startswith("output_layer") for n in own)
+    base = schedule_from_config(t.cfg.training)
+    for g in groups:  # after 4 iterations: the rate of iteration 4, each on its own peak and floor
+        want = base(4) if not g["decoupled"] else ParamSchedule(5e-3, 5e-4, base.warmup_steps, base.decay_steps,
+                                                                base.decay_style, base.samples_per_iter)(4)
+        assert g["lr"] == pytest.approx(want)
+    with pytest.raises(ConfigError, match="--decoupled-min-lr 0.001 needs --decoupled-lr"):
+        parse_args(BASE + ["--decoupled-min-lr", "1e-3"], world_size=1)

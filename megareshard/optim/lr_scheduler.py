@@ -8,6 +8,7 @@ decay samples, ``min_lr`` after. ``WarmupCosine`` is the simpler per-iteration f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,15 @@ class ParamSchedule:
         return self.at_samples((step - 1) * self.samples_per_iter)
 
 
+def decoupled_schedule_from_config(t: Any) -> ParamSchedule | None:
+    """--decoupled-lr / --decoupled-min-lr (default --min-lr): the schedule of the embedding and output layer."""
+    if getattr(t, "decoupled_lr", None) is None:
+        return None
+    base = schedule_from_config(t)
+    min_lr = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+    return dataclasses.replace(base, max_lr=t.decoupled_lr, min_lr=min_lr)
+
+
 def schedule_from_config(t: Any) -> ParamSchedule:
     """The schedule of a TrainingConfig (validated: global batch, decay iterations or samples filled in)."""
     gb = t.global_batch_size
@@ -102,18 +112,25 @@ class WarmupCosine:
 
 
 class LRScheduler:
-    """Sets the optimizer's learning rate from a schedule before every step."""
+    """Sets the optimizer's learning rate from a schedule before every step.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine | ParamSchedule) -> None:
+    Parameter groups marked ``decoupled`` (Megatron's ``--decoupled-lr``: the input embedding and output
+    layer) follow ``decoupled_schedule``, the same shape between their own peak and minimum rates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine | ParamSchedule,
+                 decoupled_schedule: WarmupCosine | ParamSchedule | None = None) -> None:
         self.optimizer = optimizer
         self.schedule = schedule
+        self.decoupled_schedule = decoupled_schedule
         self.num_steps = 0
         self._apply()
 
     def _apply(self) -> None:
-        lr = self.schedule(max(self.num_steps, 1))
+        step = max(self.num_steps, 1)
+        lr = self.schedule(step)
+        other = self.decoupled_schedule(step) if self.decoupled_schedule is not None else lr
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = other if group.get("decoupled") else lr
 
     def step(self) -> float:
         """Advance to the next iteration and return its learning rate."""
