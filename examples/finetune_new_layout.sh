@@ -21,7 +21,7 @@ FINETUNE=${FINETUNE:-0}
 RUN_DIR=${RUN_DIR:-runs/finetune_new_layout}
 export WANDB_MODE=${WANDB_MODE:-offline} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 COMMON="--mock-data --vocab-size 1000 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
-        --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 2
+        --micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 2 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95
         --train-iters $TOTAL_ITERS --lr-decay-iters $TOTAL_ITERS --log-interval 1 --device cpu
         --hidden-dropout 0 --attention-dropout 0"
 

@@ -16,5 +16,5 @@ fi
 if [ ! -f "$DATA_DIR/stdlib_text_document.idx" ]; then
     echo "== tokenizing $stdlib/*.py into $DATA_DIR/stdlib_text_document.{bin,idx}"
     "$VENV_PY" tools/preprocess_data.py --input "$stdlib"/*.py --tokenizer-model "$DATA_DIR/tokenizer.model" \
-        --output-prefix "$DATA_DIR/stdlib_text_document" --append-eod --workers 2
+        --output-prefix "$DATA_DIR/stdlib" --append-eod --workers 2
 fi

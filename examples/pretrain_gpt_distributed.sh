@@ -38,7 +38,7 @@ PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size
 [ "${SEQUENCE_PARALLEL:-0}" = 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
 TRAINING_ARGS=(--micro-batch-size "${MICRO_BATCH:-2}" --global-batch-size "${GLOBAL_BATCH:-256}"
                --train-iters "${TRAIN_ITERS:-10000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}"
-               --lr-warmup-iters "${WARMUP:-500}" --weight-decay 0.1 --clip-grad 1.0 --device "$DEVICE"
+               --lr-warmup-iters "${WARMUP:-500}" --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --device "$DEVICE"
                --preflight-timeout "${PREFLIGHT_TIMEOUT:-300}" --comm-timeout "${COMM_TIMEOUT:-600}")
 if [ -n "${DATA_PATH:-}" ]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL with DATA_PATH}"

@@ -52,7 +52,8 @@ trap 'rm -rf "$TMPDIR"' EXIT
     --u-levels "$LEVELS" --u-widths "$WIDTHS" --u-blocks-per-level "$BLOCKS" --u-shorten-factor "$SHORTEN" \
     --u-skip-merge "$SKIP_MERGE" --num-attention-heads "$HEADS" --seq-length "$SEQ" \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 4 --device cpu --hidden-dropout 0 --attention-dropout 0 \
+    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
+    --device cpu --hidden-dropout 0 --attention-dropout 0 \
     --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
     --split 98,2,0 --log-interval 5 --metrics-file "$RUN_DIR/metrics.jsonl" \
     $PIPELINE_ARGS $EXTRA_ARGS

@@ -50,7 +50,8 @@ trap 'rm -rf "$TMPDIR"' EXIT
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --seq-length "$SEQ" \
     --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 5 --device cpu --hidden-dropout 0 --attention-dropout 0 \
+    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
+    --device cpu --hidden-dropout 0 --attention-dropout 0 \
     --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
     --split 98,2,0 --eval-interval 20 --eval-iters 2 --log-interval 5 \
     --metrics-file "$RUN_DIR/metrics.jsonl" \

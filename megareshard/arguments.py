@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from . import megatron_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .pipeline.generators import SCHEDULES
@@ -64,18 +65,24 @@ class MemoryConfig:
     """ZeRO, mixed precision and activation recomputation."""
 
     zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
-    overlap_grad_reduce: bool = _f(False, "ZeRO 2: reduce-scatter each gradient bucket during backward, as soon as "
-                                          "it is complete (every microbatch), instead of after the last backward")
+    use_distributed_optimizer: bool = _f(False, "Megatron's distributed optimizer: shard the optimizer state over "
+                                                "dp and reduce-scatter gradients (= --zero-stage 1)")
+    overlap_grad_reduce: bool = _f(False, "reduce-scatter each gradient bucket during backward, as soon as it is "
+                                          "complete (every microbatch), instead of after the last backward; needs "
+                                          "--use-distributed-optimizer (which then runs as --zero-stage 2: full "
+                                          "gradients are freed as their buckets are reduced) or --zero-stage 2")
     bf16: bool = _f(False, "bf16 compute with fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
     loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
-    initial_loss_scale: float = _f(2.0 ** 16, "initial dynamic loss scale")
+    initial_loss_scale: float = _f(2.0 ** 32, "initial dynamic loss scale")
     min_loss_scale: float = _f(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = _f(1000, "overflow-free iterations before the scale doubles")
     hysteresis: int = _f(2, "overflows tolerated before the scale halves")
     recompute_activations: bool = _f(False, "selective recomputation: the attention core")
     recompute_granularity: str | None = _f(None, "full: recompute whole layers", choices=("full", "selective"))
     recompute_num_layers: int | None = _f(None, "layers per stage recomputed with --recompute-granularity full")
+    checkpoint_activations: bool = _f(False, "old Megatron-LM name for recomputing every layer "
+                                             "(= --recompute-granularity full)")
 
 
 @dataclass
@@ -84,41 +91,81 @@ class TrainingConfig:
 
     micro_batch_size: int = _f(4, "samples per microbatch per dp rank")
     global_batch_size: int | None = _f(None, "samples per iteration (default micro-batch-size × dp)")
-    train_iters: int = _f(100, "iterations to train")
+    train_iters: int | None = _f(None, "iterations to train (default 100 unless --train-samples is given)")
+    train_samples: int | None = _f(None, "samples to train, instead of --train-iters (iterations = samples / "
+                                         "global batch)")
     lr: float = _f(3e-4, "peak learning rate")
-    min_lr: float = _f(3e-5, "learning rate at the end of the cosine decay")
-    lr_warmup_iters: int = _f(10, "linear warm-up iterations")
-    lr_decay_iters: int | None = _f(None, "iterations of the cosine decay (default train-iters)")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not on biases and LayerNorm)")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = _f("linear", "decay after the warm-up", choices=("constant", "linear", "cosine",
+                                                                            "inverse-square-root", "WSD"))
+    lr_decay_iters: int | None = _f(None, "iterations of warm-up plus decay (default: all of training)")
+    lr_decay_samples: int | None = _f(None, "samples of warm-up plus decay, instead of --lr-decay-iters")
+    lr_warmup_iters: int = _f(0, "linear warm-up iterations")
+    lr_warmup_samples: int = _f(0, "linear warm-up samples, instead of --lr-warmup-iters")
+    lr_warmup_fraction: float | None = _f(None, "warm-up as a fraction of the decay steps, instead of the above")
+    lr_warmup_init: float = _f(0.0, "learning rate the warm-up starts from")
+    lr_wsd_decay_style: str = _f("exponential", "shape of the WSD anneal",
+                                 choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: int | None = _f(None, "iterations of the WSD anneal (at the end of the decay steps)")
+    lr_wsd_decay_samples: int | None = _f(None, "samples of the WSD anneal, instead of --lr-wsd-decay-iters")
+    decoupled_lr: float | None = _f(None, "peak learning rate of the input embedding and output layer (their own "
+                                          "schedule, the same shape)")
+    decoupled_min_lr: float | None = _f(None, "minimum learning rate of the input embedding and output layer "
+                                              "(default --min-lr)")
+    weight_decay: float = _f(0.01, "AdamW weight decay (not on biases and LayerNorm)")
     adam_beta1: float = _f(0.9, "AdamW beta1")
-    adam_beta2: float = _f(0.95, "AdamW beta2")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
     adam_eps: float = _f(1e-8, "AdamW epsilon")
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
     seed: int = _f(1234, "seed for weights, data order and dropout")
     device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=("cpu", "cuda"))
+    exit_duration_in_mins: float | None = _f(None, "save (with --save) and exit once training has run this long")
 
 
 @dataclass
 class DataConfig:
     """Where samples come from."""
 
-    data_path: str | None = _f(None, "prefix of a preprocessed dataset (.bin/.idx)")
-    tokenizer_model: str | None = _f(None, "sentencepiece model file")
+    data_path: list[str] | None = _f(None, "PREFIX of a preprocessed dataset (.bin/.idx), or a blend "
+                                           "W1 PREFIX1 W2 PREFIX2 ... split by --split")
+    train_data_path: list[str] | None = _f(None, "PREFIX or blend for training only (instead of --data-path)")
+    valid_data_path: list[str] | None = _f(None, "PREFIX or blend for validation only")
+    test_data_path: list[str] | None = _f(None, "PREFIX or blend for testing only")
+    data_args_path: str | None = _f(None, "file holding the --data-path arguments (for long blends)")
+    per_split_data_args_path: str | None = _f(None, "JSON file with 'train', 'valid', 'test' keys holding the "
+                                                    "per-split data paths (for long blends)")
+    data_cache_path: str | None = _f(None, "directory where built sample indices are cached and reused")
     split: str = _f("969,30,1", "train,valid,test proportions of the documents")
     mock_data: bool = _f(False, "synthetic deterministic data (no files needed)")
+    tokenizer_type: str | None = _f(None, "Megatron-LM tokenizer (default: GPT2BPETokenizer with --vocab-file, "
+                                          "megareshard's sentencepiece with only --tokenizer-model)",
+                                    choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
+                                             "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                             "HuggingFaceTokenizer", "NullTokenizer"))
+    tokenizer_model: str | None = _f(None, "sentencepiece model file, or a local Hugging Face tokenizer directory")
+    vocab_file: str | None = _f(None, "GPT-2 BPE vocabulary (vocab.json)")
+    merge_file: str | None = _f(None, "GPT-2 BPE merges (merges.txt)")
 
 
 @dataclass
 class LoggingConfig:
     """What is reported, where and how often."""
 
-    log_interval: int = _f(10, "iterations between log lines")
-    eval_interval: int = _f(0, "iterations between evaluations (0 disables)")
-    eval_iters: int = _f(10, "batches per evaluation")
+    log_interval: int = _f(100, "iterations between log lines")
+    eval_interval: int | None = _f(None, "iterations between evaluations (default 1000, skipped when there is no "
+                                         "validation data; 0 disables)")
+    eval_iters: int = _f(100, "batches per evaluation")
     metrics_file: str | None = _f(None, "write one JSON object per iteration to this file")
     wandb_project: str | None = _f(None, "W&B project (offline when there is no network)")
     wandb_exp_name: str | None = _f(None, "W&B run name")
     wandb_save_dir: str | None = _f(None, "directory for W&B files")
+    tensorboard_dir: str | None = _f(None, "write TensorBoard event files (loss, learning rate, ...) here")
+    tensorboard_log_interval: int = _f(1, "iterations between TensorBoard records")
+    log_throughput: bool = _f(False, "also write TFLOP/s per rank to TensorBoard (the log line always shows it)")
+    profile: bool = _f(False, "record a PyTorch profiler trace of iterations [--profile-step-start, "
+                              "--profile-step-end) into --tensorboard-dir (or the current directory)")
+    profile_step_start: int = _f(10, "first profiled iteration")
+    profile_step_end: int = _f(12, "iteration the profiler stops at")
 
 
 @dataclass
@@ -128,6 +175,8 @@ class LaunchConfig:
     preflight_timeout: float = _f(300.0, "seconds to wait for every rank to join before naming the missing ones")
     comm_timeout: float = _f(600.0, "seconds one collective or pipeline action may take before the watchdog "
                                     "dumps every rank's activity and exits")
+    distributed_timeout_minutes: float | None = _f(None, "Megatron's name for the collective timeout, in minutes "
+                                                         "(sets --comm-timeout)")
 
 
 @dataclass
@@ -143,6 +192,8 @@ class CheckpointConfig:
     exit_interval: int | None = _f(None, "save (with --save) and exit after an iteration divisible by this")
     exit_signal_handler: bool = _f(False, "on SIGTERM: finish the iteration, save, exit (schedulers preempt)")
     async_save: bool = _f(False, "write checkpoints in a background thread (state copied to CPU first)")
+    ckpt_format: str = _f("torch_dist", "checkpoint format: torch_dist, megareshard's sharded format that any "
+                                        "layout loads (the only one)")
 
 
 @dataclass
@@ -158,6 +209,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: Megatron-LM flags given that change nothing here, and flags mapped to megareshard's own ('--flag (why)')
+    notes: list[str] = field(default_factory=list)
 
     @property
     def tp(self) -> int:
@@ -202,6 +255,8 @@ def _flag(f: dataclasses.Field) -> str:
 
 def _base_type(annotation: Any) -> type:
     text = str(annotation)
+    if text.startswith("list[str]"):
+        return list
     for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if text.startswith(name):
             return t
@@ -218,15 +273,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             dest = f"{section}.{f.name}"
             if kind is bool:
                 group.add_argument(_flag(f), dest=dest, action="store_true", default=f.default, help=f.metadata["help"])
+            elif kind is list:
+                group.add_argument(_flag(f), dest=dest, nargs="+", default=f.default, help=f.metadata["help"],
+                                   metavar=f.metadata.get("metavar"))
             else:
                 group.add_argument(_flag(f), dest=dest, type=kind, default=f.default, help=f.metadata["help"],
                                    choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
     for old, (new, _) in DEPRECATED.items():
         parser.add_argument(old, dest=f"deprecated{old}", default=None, help=f"deprecated: use {new}")
+    megatron_flags.add_megatron_flags(parser)
     return parser
 
 
 def config_from_namespace(ns: argparse.Namespace) -> Config:
+    refused, _ = megatron_flags.refusals(ns, [])
+    if refused:
+        raise ConfigError(f"not supported by megareshard: {', '.join(refused)}")
     values = vars(ns)
     used = [old for old in DEPRECATED if values.get(f"deprecated{old}") is not None]
     if used:
@@ -236,12 +298,26 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
-    return Config(**kwargs)
+    return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns))
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
-    """Parse Megatron-style flags and validate them for ``world_size`` (default: ``$WORLD_SIZE`` or 1)."""
-    ns = build_parser().parse_args(argv)
+    """Parse Megatron-style flags and validate them for ``world_size`` (default: ``$WORLD_SIZE`` or 1).
+
+    Megatron-LM flags for features not built here, and unknown flags, end in one ConfigError naming
+    every one of them (never argparse's "unrecognized arguments")."""
+    ns, unknown = build_parser().parse_known_args(argv)
+    refused, strange = megatron_flags.refusals(ns, unknown)
+    if refused or strange:
+        parts = []
+        if refused:
+            parts.append(f"not supported by megareshard: {', '.join(refused)}")
+        if strange:
+            parts.append(f"unknown flag(s) {' '.join(strange)}: neither megareshard's nor Megatron-LM's "
+                         "(see --help)")
+        raise ConfigError("; ".join(parts))
+    if unknown:
+        raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")
     cfg = config_from_namespace(ns)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -259,7 +335,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     pl, mem = cfg.pipeline, cfg.memory
     positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
                 ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-                ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
+                ("--micro-batch-size", t.micro_batch_size),
                 ("--log-interval", lg.log_interval), ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
     for name, value in positive:
         if value < 1:
@@ -292,26 +368,10 @@ def validate(cfg: Config, world_size: int) -> Config:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
                           f"{t.micro_batch_size} × dp {dp} = {t.micro_batch_size * dp}")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"learning rates must satisfy 0 <= --min-lr <= --lr and --lr > 0, got "
-                          f"--lr {t.lr}, --min-lr {t.min_lr}")
-    if t.lr_warmup_iters < 0:
-        raise ConfigError(f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}")
-    if t.lr_decay_iters is None:
-        t.lr_decay_iters = t.train_iters
-    if t.lr_warmup_iters > t.lr_decay_iters:
-        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} is longer than the decay "
-                          f"(--lr-decay-iters {t.lr_decay_iters})")
+    _validate_schedule(t)
     if t.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {t.clip_grad}")
-    if d.mock_data and d.data_path:
-        raise ConfigError(f"--mock-data and --data-path {d.data_path} conflict: use one of them")
-    if not d.mock_data and not d.data_path:
-        raise ConfigError("no training data: give --data-path PREFIX (with --tokenizer-model) or --mock-data")
-    if d.mock_data and m.vocab_size is None:
-        raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
-    if d.data_path and not d.tokenizer_model and m.vocab_size is None:
-        raise ConfigError(f"--data-path {d.data_path} needs --tokenizer-model (or --vocab-size)")
+    _validate_data(cfg)
     if pp > m.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every "
                           "pipeline stage needs at least one Transformer layer")
@@ -332,9 +392,23 @@ def validate(cfg: Config, world_size: int) -> Config:
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
     if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    if mem.use_distributed_optimizer:
+        if mem.zero_stage == 0:
+            mem.zero_stage = 1
+        if mem.overlap_grad_reduce and mem.zero_stage == 1:
+            mem.zero_stage = 2
+            cfg.notes.append("--use-distributed-optimizer with --overlap-grad-reduce runs as --zero-stage 2 (the "
+                             "same reduce-scatter into optimizer shards, issued per bucket during backward; full "
+                             "gradients are freed as they are reduced)")
     if mem.overlap_grad_reduce and mem.zero_stage != 2:
-        raise ConfigError(f"--overlap-grad-reduce needs --zero-stage 2 (got {mem.zero_stage}): it frees each "
-                          "gradient once reduced into its shard")
+        raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 (got "
+                          f"--zero-stage {mem.zero_stage}): gradients are reduce-scattered into optimizer shards "
+                          "as their buckets complete")
+    if mem.checkpoint_activations:
+        if mem.recompute_activations or mem.recompute_granularity == "selective":
+            raise ConfigError("--checkpoint-activations (every layer) conflicts with selective recomputation")
+        mem.recompute_granularity = "full"
+        cfg.notes.append("--checkpoint-activations runs as --recompute-granularity full")
     if mem.bf16 and mem.fp16:
         raise ConfigError("--bf16 and --fp16 conflict: choose one")
     if mem.loss_scale is not None and not mem.fp16:
@@ -348,6 +422,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--recompute-num-layers {mem.recompute_num_layers} needs --recompute-granularity full")
     if mem.recompute_granularity == "full" and mem.recompute_num_layers is None:
         mem.recompute_num_layers = m.num_layers // pp
+    d.split = d.split.strip("'\"")  # Megatron scripts pass "--split '99,1,0'" through word splitting
     parts = d.split.split(",")
     try:
         weights = [float(x) for x in parts]
@@ -355,13 +430,156 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--split {d.split!r} must be comma-separated numbers such as 969,30,1") from None
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(f"--split {d.split!r} must be 1 to 3 non-negative numbers with a positive sum")
+    minutes = cfg.launch.distributed_timeout_minutes
+    if minutes is not None:
+        if minutes <= 0:
+            raise ConfigError(f"--distributed-timeout-minutes must be positive, got {minutes}")
+        if cfg.launch.comm_timeout not in (600.0, minutes * 60):
+            raise ConfigError(f"--distributed-timeout-minutes {minutes} and --comm-timeout {cfg.launch.comm_timeout} "
+                              "disagree: give one")
+        cfg.launch.comm_timeout = minutes * 60.0
     if cfg.launch.preflight_timeout <= 0 or cfg.launch.comm_timeout <= 0:
         raise ConfigError(f"--preflight-timeout {cfg.launch.preflight_timeout} and --comm-timeout "
                           f"{cfg.launch.comm_timeout} must be positive seconds")
-    if lg.eval_interval < 0 or lg.eval_iters < 0:
+    if (lg.eval_interval is not None and lg.eval_interval < 0) or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
+    if lg.tensorboard_log_interval < 1:
+        raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")
+    if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
+        raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
+                          f"--profile-step-end {lg.profile_step_end}")
+    if cfg.checkpoint.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
+                          "format, torch_dist (sharded, loadable into any layout)")
     _validate_checkpoint(cfg.checkpoint)
     return cfg
+
+
+def _validate_schedule(t: "TrainingConfig") -> None:
+    """Iterations or samples (one of each pair), Megatron's warm-up and decay rules; fills --train-iters."""
+    for a, b, x, y in (("--train-iters", "--train-samples", t.train_iters, t.train_samples),
+                       ("--lr-decay-iters", "--lr-decay-samples", t.lr_decay_iters, t.lr_decay_samples),
+                       ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples", t.lr_wsd_decay_iters,
+                        t.lr_wsd_decay_samples)):
+        if x is not None and y is not None:
+            raise ConfigError(f"{a} {x} and {b} {y} conflict: count the schedule in iterations or in samples")
+    for name, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
+                        ("--lr-decay-iters", t.lr_decay_iters), ("--lr-decay-samples", t.lr_decay_samples)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if t.train_samples is not None:
+        if t.train_samples < t.global_batch_size:
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                              f"({t.global_batch_size} samples)")
+        t.train_iters = t.train_samples // t.global_batch_size
+    elif t.train_iters is None:
+        t.train_iters = 100
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"learning rates must satisfy 0 <= --min-lr <= --lr and --lr > 0, got "
+                          f"--lr {t.lr}, --min-lr {t.min_lr}")
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr")
+    if t.decoupled_lr is not None:
+        low = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+        if t.decoupled_lr <= 0 or low < 0 or low > t.decoupled_lr:
+            raise ConfigError(f"decoupled learning rates must satisfy 0 <= minimum <= --decoupled-lr and "
+                              f"--decoupled-lr > 0, got --decoupled-lr {t.decoupled_lr}, minimum {low}")
+    for name, value in (("--lr-warmup-iters", t.lr_warmup_iters), ("--lr-warmup-samples", t.lr_warmup_samples),
+                        ("--lr-warmup-init", t.lr_warmup_init)):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
+        raise ConfigError(f"--lr-warmup-fraction {t.lr_warmup_fraction} conflicts with --lr-warmup-iters "
+                          f"{t.lr_warmup_iters} / --lr-warmup-samples {t.lr_warmup_samples}: give one")
+    if t.lr_warmup_iters and t.lr_warmup_samples:
+        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} and --lr-warmup-samples {t.lr_warmup_samples} "
+                          "conflict: give one")
+    if t.lr_decay_iters is None and t.lr_decay_samples is None:
+        if t.train_samples is not None:
+            t.lr_decay_samples = t.train_samples
+        else:
+            t.lr_decay_iters = t.train_iters
+    from .optim.lr_scheduler import schedule_from_config
+
+    sched = schedule_from_config(t)
+    if sched.warmup_steps > sched.decay_steps and t.lr_decay_style != "constant":
+        what = "--lr-warmup-iters" if t.lr_warmup_iters else "--lr-warmup-samples"
+        raise ConfigError(f"{what} {t.lr_warmup_iters or t.lr_warmup_samples} is longer than the decay "
+                          f"(--lr-decay-iters {t.lr_decay_iters}, --lr-decay-samples {t.lr_decay_samples}): "
+                          f"{sched.warmup_steps} warm-up samples > {sched.decay_steps} decay samples")
+    if t.lr_decay_style == "WSD" and sched.wsd_decay_steps is None:
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+
+
+def _validate_data(cfg: "Config") -> None:
+    """One data source; blends parse; a tokenizer (or --vocab-size) for real data."""
+    from .data.blended import parse_blend
+
+    d, m = cfg.data, cfg.model
+    _read_data_args_files(d)
+    split_paths = [p for p in (d.train_data_path, d.valid_data_path, d.test_data_path) if p]
+    if d.mock_data and (d.data_path or split_paths):
+        given = d.data_path or split_paths[0]
+        raise ConfigError(f"--mock-data and --data-path {' '.join(given)} conflict: use one of them")
+    if d.data_path and split_paths:
+        raise ConfigError("--data-path conflicts with --train-data-path/--valid-data-path/--test-data-path: "
+                          "give one blend split by --split, or one per split")
+    if split_paths and not d.train_data_path:
+        raise ConfigError("--valid-data-path/--test-data-path need --train-data-path")
+    if not d.mock_data and not d.data_path and not split_paths:
+        raise ConfigError("no training data: give --data-path PREFIX (with a tokenizer) or --mock-data")
+    for flag, value in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                        ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
+        if value:
+            try:
+                parse_blend(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+    has_tokenizer = d.tokenizer_type is not None or d.tokenizer_model or d.vocab_file or d.merge_file
+    if d.mock_data and m.vocab_size is None and not has_tokenizer:
+        raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
+    if d.tokenizer_type == "NullTokenizer" and m.vocab_size is None:
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if (d.data_path or split_paths) and not has_tokenizer and m.vocab_size is None:
+        given = " ".join(d.data_path or d.train_data_path)
+        raise ConfigError(f"--data-path {given} needs a tokenizer (--tokenizer-type with --tokenizer-model, or "
+                          "--vocab-file and --merge-file) or --vocab-size")
+
+
+def _read_data_args_files(d: "DataConfig") -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths read from files, as Megatron-LM does."""
+    import json
+
+    if d.data_args_path:
+        if d.data_path:
+            raise ConfigError("--data-args-path and --data-path conflict: give one")
+        try:
+            with open(d.data_args_path, encoding="utf-8") as f:
+                d.data_path = f.read().split()
+        except OSError as e:
+            raise ConfigError(f"--data-args-path {d.data_args_path}: {e.strerror}") from None
+        d.data_args_path = None
+    if d.per_split_data_args_path:
+        if d.train_data_path or d.valid_data_path or d.test_data_path:
+            raise ConfigError("--per-split-data-args-path conflicts with --train/valid/test-data-path: give one")
+        try:
+            with open(d.per_split_data_args_path, encoding="utf-8") as f:
+                per_split = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: not JSON ({e})") from None
+        if not isinstance(per_split, dict) or not set(per_split) <= {"train", "valid", "test"}:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: expected an object with "
+                              "'train', 'valid' and 'test' keys")
+        for key in ("train", "valid", "test"):
+            value = per_split.get(key)
+            if isinstance(value, str):
+                value = value.split()
+            setattr(d, f"{key}_data_path", [str(v) for v in value] if value else None)
+        d.per_split_data_args_path = None
 
 
 def _validate_checkpoint(ck: "CheckpointConfig") -> None:

@@ -92,3 +92,41 @@ class WandbTracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+class TensorBoardWriter:
+    """TensorBoard event files (``torch.utils.tensorboard``) under ``--tensorboard-dir``, with
+    Megatron-LM's tags: ``lm loss``, ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``,
+    ``throughput`` (TFLOP/s per rank), ``iteration-time``, each also against consumed samples
+    (``... vs samples``), and ``lm loss validation`` / ``lm loss validation ppl``. A no-op without a directory."""
+
+    TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
+            "batch_size": "batch-size", "tflops_per_rank": "throughput", "ms_per_iter": "iteration-time"}
+
+    def __init__(self, log_dir: str | None, interval: int = 1) -> None:
+        self.writer = None
+        self.interval = interval
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def log(self, rec: dict[str, Any], step: int) -> None:
+        if self.writer is None:
+            return
+        samples = rec.get("consumed_samples", step)
+        if step % self.interval == 0 or step == 1:
+            for key, tag in self.TAGS.items():
+                if isinstance(rec.get(key), (int, float)):
+                    self.writer.add_scalar(tag, rec[key], step)
+                    self.writer.add_scalar(f"{tag} vs samples", rec[key], samples)
+        if "eval_loss" in rec:
+            self.writer.add_scalar("lm loss validation", rec["eval_loss"], step)
+            self.writer.add_scalar("lm loss validation vs samples", rec["eval_loss"], samples)
+            self.writer.add_scalar("lm loss validation ppl", rec["eval_ppl"], step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -25,20 +25,21 @@ import torch.distributed as dist
 
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointManager, LoadResult
+from .data.blended import build_blend
 from .data.gpt_dataset import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration
 from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .memory import ActivationMeter, MemoryReport, memory_report
-from .optim import LRScheduler, WarmupCosine
+from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
 from .tensor_parallel import sync_sequence_parallel_grads
-from .tracking import MetricsFile, WandbTracker, format_log_line
+from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -196,8 +197,7 @@ class Trainer:
         self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
                                               overlap_grad_reduce=mem.overlap_grad_reduce,
                                               use_apex=self.device.type == "cuda")
-        self.scheduler = LRScheduler(self.optimizer, WarmupCosine(t.lr, t.min_lr, t.lr_warmup_iters,
-                                                                  t.lr_decay_iters))
+        self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
         self.memory: list[MemoryReport] | None = None
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
@@ -217,7 +217,11 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
-        if ck.load:
+        if ck.load and _nothing_to_load(ck.load):  # Megatron-LM scripts pass --load = --save on the first run too
+            if ctx.rank == 0:
+                print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
+                      "starts from scratch", file=self.out, flush=True)
+        elif ck.load:
             self.loaded = self.checkpoints.load(ck.load, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler, sampler=self.sampler, config=cfg,
                                                 finetune=ck.finetune, no_load_optim=ck.no_load_optim,
@@ -233,36 +237,61 @@ class Trainer:
                                     {**cfg.to_dict(), "layout": ctx.topology.describe()},
                                     enabled=self.reporting, log=self.out,
                                     run_id=self.loaded.wandb_run_id if self.loaded is not None else None)
+        self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir if self.reporting else None,
+                                             cfg.logging.tensorboard_log_interval)
 
     # ---- set-up ---------------------------------------------------------------------
     def _resolve_vocab(self) -> None:
+        """The vocabulary comes from the tokenizer (NullTokenizer: --vocab-size ids plus its eod)."""
         m, d = self.cfg.model, self.cfg.data
-        if d.tokenizer_model:
-            from .data.tokenizer import SentencePieceTokenizer
+        if d.tokenizer_type is None and not (d.tokenizer_model or d.vocab_file or d.merge_file):
+            return
+        from .data.tokenizer import TokenizerError, build_tokenizer
 
-            tok = SentencePieceTokenizer(d.tokenizer_model)
-            if m.vocab_size is not None and m.vocab_size != tok.vocab_size:
-                raise ConfigError(f"--vocab-size {m.vocab_size} differs from the vocabulary of tokenizer "
-                                  f"{d.tokenizer_model} ({tok.vocab_size} pieces); drop --vocab-size or use "
-                                  "the tokenizer the data was made with")
-            m.vocab_size = tok.vocab_size
+        try:
+            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
+                                  merge_file=d.merge_file, vocab_size=m.vocab_size)
+        except TokenizerError as e:
+            raise ConfigError(str(e)) from None
+        if d.tokenizer_type != "NullTokenizer" and m.vocab_size is not None and m.vocab_size != tok.vocab_size:
+            raise ConfigError(f"--vocab-size {m.vocab_size} differs from the vocabulary of tokenizer "
+                              f"{tok!r} ({tok.vocab_size} ids); drop --vocab-size or use the tokenizer the data "
+                              "was made with")
+        m.vocab_size = tok.vocab_size
 
     def _build_data(self) -> None:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         gb = t.global_batch_size
         n_train = t.train_iters * gb
-        n_evals = (t.train_iters // lg.eval_interval + 1) if lg.eval_interval > 0 else 0
+        # Megatron's default: every 1000 iterations, skipped (with a note) when there is no validation data
+        self.eval_interval = lg.eval_interval if lg.eval_interval is not None else 1000
+        n_evals = (t.train_iters // self.eval_interval + 1) if self.eval_interval > 0 and lg.eval_iters > 0 else 0
         n_valid = n_evals * lg.eval_iters * gb
         if cfg.data.mock_data:
             train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_train, seed=t.seed)
             valid = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_valid, seed=t.seed + 1) \
                 if n_valid else None
         else:
-            train, valid, _ = build_train_valid_test_datasets(cfg.data.data_path, cfg.data.split,
-                                                              cfg.model.seq_length, [n_train, n_valid, 0], t.seed)
+            d = cfg.data
+            try:
+                if d.data_path:
+                    train, valid, _ = build_train_valid_test_datasets(d.data_path, d.split, cfg.model.seq_length,
+                                                                      [n_train, n_valid, 0], t.seed, d.data_cache_path)
+                else:  # one blend per split, each dataset used whole
+                    train = build_blend(d.train_data_path, None, cfg.model.seq_length, [n_train, 0, 0], t.seed,
+                                        d.data_cache_path)[0]
+                    valid = build_blend(d.valid_data_path, None, cfg.model.seq_length, [0, n_valid, 0], t.seed,
+                                        d.data_cache_path)[1] if d.valid_data_path else None
+            except (OSError, ValueError) as e:
+                raise ConfigError(str(e)) from None
             if n_valid and valid is None:
-                raise ConfigError(f"--eval-interval {lg.eval_interval} needs a validation split, but --split "
-                                  f"{cfg.data.split} leaves no validation documents in {cfg.data.data_path}")
+                where = (f"--split {d.split} leaves no validation documents in {' '.join(d.data_path)}" if d.data_path
+                         else "no --valid-data-path was given")
+                if lg.eval_interval is not None:
+                    raise ConfigError(f"--eval-interval {lg.eval_interval} needs validation data, but {where}")
+                self.eval_interval = 0
+                if self.ctx.rank == 0:
+                    print(f" no evaluation: {where}", file=self.out, flush=True)
         self.train_data, self.valid_data = train, valid
         # "megatron" order: global microbatch k is the same samples whatever the dp, which pipeline
         # stages with different dp sizes rely on
@@ -277,7 +306,8 @@ class Trainer:
         for mb in mbs:  # data made with another tokenizer would index past the embedding
             top = int(mb["tokens"].max())
             if top >= vocab:
-                raise ConfigError(f"token id {top} in {self.cfg.data.data_path or 'the data'} is outside the "
+                data = " ".join(self.cfg.data.data_path or self.cfg.data.train_data_path or ["the data"])
+                raise ConfigError(f"token id {top} in {data} is outside the "
                                   f"model's vocabulary of {vocab}: was the dataset made with another tokenizer?")
         return mbs
 
@@ -336,8 +366,8 @@ class Trainer:
     def evaluate(self) -> float:
         self.model.eval()
         lg, t = self.cfg.logging, self.cfg.training
-        start = (self.iteration // lg.eval_interval) * lg.eval_iters * t.global_batch_size \
-            if lg.eval_interval else 0
+        start = (self.iteration // self.eval_interval) * lg.eval_iters * t.global_batch_size \
+            if self.eval_interval else 0
         sampler = GlobalBatchSampler(len(self.valid_data), t.global_batch_size, self.local_micro_batch_size, self.dp,
                                      self.ctx.dp_rank(), consumed_samples=start, order="megatron")
         total = torch.zeros((), device=self.device)
@@ -354,14 +384,22 @@ class Trainer:
         flops = (self.model_spec.flops_per_iteration(cfg, t.global_batch_size) if self.model_spec is not None
                  else model_flops_per_iteration(cfg.model, t.global_batch_size))
         self.model.train()
+        self._train_start = time.monotonic()
+        profiler = None
         while self.iteration < t.train_iters:
+            if lg.profile and self.iteration == lg.profile_step_start:
+                profiler = self._start_profiler()
             indices = next(self._train_iter)
             start = time.perf_counter()
             with self._activity(f"iteration {self.iteration + 1}"):
                 res = self.train_step(self._microbatches(self.train_data, indices))
             elapsed = time.perf_counter() - start
             self.iteration += 1
+            if profiler is not None and self.iteration >= lg.profile_step_end:
+                self._stop_profiler(profiler)
+                profiler = None
             rec = {"iteration": self.iteration, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
+                   "batch_size": t.global_batch_size,
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
                    "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12,
                    "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped}
@@ -374,7 +412,7 @@ class Trainer:
             rec["peak_mem_mb_per_stage"] = per_stage
             if not math.isfinite(res.loss) and not res.skipped:
                 raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
-            if lg.eval_interval and self.iteration % lg.eval_interval == 0 and self.valid_data is not None:
+            if self.eval_interval and self.iteration % self.eval_interval == 0 and self.valid_data is not None:
                 with self._activity(f"evaluation at iteration {self.iteration}"):
                     rec["eval_loss"] = self.evaluate()
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
@@ -382,6 +420,8 @@ class Trainer:
             if self.reporting:
                 self.metrics.write(rec)
                 self.tracker.log(rec, step=self.iteration)
+                self.tensorboard.log(rec if lg.log_throughput else
+                                     {k: v for k, v in rec.items() if k != "tflops_per_rank"}, step=self.iteration)
                 if self.iteration % lg.log_interval == 0 or self.iteration == 1:
                     print(format_log_line(rec, t.train_iters), file=self.out, flush=True)
                 if "eval_loss" in rec:
@@ -392,6 +432,8 @@ class Trainer:
         else:
             if self.cfg.checkpoint.save and self._last_saved != self.iteration:
                 self.save_checkpoint()
+        if profiler is not None:
+            self._stop_profiler(profiler)
         if self.records and self.reporting:
             kind = "max allocated" if self.device.type == "cuda" else "max RSS"
             per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
@@ -399,6 +441,25 @@ class Trainer:
                   file=self.out, flush=True)
         self._write_trace()
         return self.records
+
+    def _start_profiler(self):
+        """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+        profiler.__enter__()
+        return profiler
+
+    def _stop_profiler(self, profiler) -> None:
+        profiler.__exit__(None, None, None)
+        out_dir = self.cfg.logging.tensorboard_dir or os.getcwd()
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"profile_rank{self.ctx.rank}.json")
+        profiler.export_chrome_trace(path)
+        if self.ctx.rank == 0:
+            print(f" profiler trace of iterations {self.cfg.logging.profile_step_start + 1}-{self.iteration} written "
+                  f"to {path} (one file per rank; open in Perfetto or chrome://tracing)", file=self.out, flush=True)
 
     def _activity(self, what: str):
         return self.watchdog.activity(what) if self.watchdog is not None else contextlib.nullcontext()
@@ -444,7 +505,17 @@ class Trainer:
         """After an iteration: --save-interval saves; --exit-interval and SIGTERM (agreed on by every rank,
         whichever got the signal) save and stop. Returns True to leave the loop."""
         ck = self.cfg.checkpoint
-        stop = bool(ck.exit_interval and self.iteration % ck.exit_interval == 0)
+        by_interval = stop = bool(ck.exit_interval and self.iteration % ck.exit_interval == 0)
+        limit = self.cfg.training.exit_duration_in_mins
+        if limit is not None:  # every rank agrees: the slowest clock decides
+            flag = torch.tensor([(time.monotonic() - self._train_start) / 60.0], device=self.device)
+            if dist.is_initialized() and self.world_size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > limit:
+                stop = True
+                if self.ctx.rank == 0:
+                    print(f" exiting at iteration {self.iteration}: training ran {flag.item():.1f} min > "
+                          f"--exit-duration-in-mins {limit}", file=self.out, flush=True)
         if ck.exit_signal_handler:
             flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.device)
             if dist.is_initialized() and self.world_size > 1:
@@ -457,7 +528,7 @@ class Trainer:
         due = bool(ck.save_interval and self.iteration % ck.save_interval == 0)
         if ck.save and (due or stop) and self._last_saved != self.iteration:
             self.save_checkpoint()
-        if stop and self.ctx.rank == 0 and not self._sigterm:
+        if by_interval and self.ctx.rank == 0 and not self._sigterm:
             print(f" exiting at iteration {self.iteration} (--exit-interval {ck.exit_interval})", file=self.out,
                   flush=True)
         return stop
@@ -466,6 +537,14 @@ class Trainer:
         self.checkpoints.close()
         self.metrics.close()
         self.tracker.finish()
+        self.tensorboard.finish()
+
+
+def _nothing_to_load(path: str) -> bool:
+    """True when ``path`` is absent or an empty checkpoint root (a fresh run's --load = --save directory)."""
+    if not os.path.isdir(path):
+        return not os.path.exists(path)
+    return not any(n == "latest" or n == "checkpoint.json" or n.startswith("iter_") for n in os.listdir(path))
 
 
 def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> list[dict[str, Any]]:
@@ -479,6 +558,9 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> l
             print(f"megareshard: {note}", file=out, flush=True)
         print(f"megareshard: {placement}; device {device}, {cfg.num_microbatches(world)} microbatch(es) "
               f"per iteration", file=out, flush=True)
+        if cfg.notes:
+            print(f"megareshard: Megatron-LM flags without effect or mapped here: {'; '.join(cfg.notes)}", file=out,
+                  flush=True)
         if infos:
             print(rank_map_table(infos, ctx.topology), file=out, flush=True)
             for warning in tp_placement_warnings(infos, ctx.topology):

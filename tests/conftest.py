@@ -22,4 +22,6 @@ def stdlib_text(tmp_path_factory):
     subprocess.run([sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input", *STDLIB_FILES,
                     "--tokenizer-model", str(d / "tok.model"), "--output-prefix", str(d / "text"),
                     "--append-eod", "--quiet"], check=True)
+    for ext in (".bin", ".idx"):  # the tool names its output as Megatron-LM does: PREFIX_text_document
+        (d / f"text_text_document{ext}").rename(d / f"text{ext}")
     return d

@@ -25,7 +25,8 @@ def _config(world_size, tp, sp=False, hidden=64, heads=4, llama=False):
     argv = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", str(hidden),
             "--num-attention-heads", str(heads), "--seq-length", "16", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-2", "--min-lr", "1e-3",
-            "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--device", "cpu", "--seed", "7",
+            "--lr-warmup-iters", "3", "--clip-grad", "1.0", "--device", "cpu", "--seed", "7",
+            "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95",
             "--tensor-model-parallel-size", str(tp), "--hidden-dropout", "0", "--attention-dropout", "0"]
     return parse_args(argv + (["--sequence-parallel"] if sp else []) + (LLAMA if llama else []), world_size=world_size)
 

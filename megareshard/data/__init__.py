@@ -1,4 +1,4 @@
-"""Data pipeline: sentencepiece tokenizer, memory-mapped indexed datasets, GPT samples, mock data
+"""Data pipeline: tokenizers (Megatron-LM's types), memory-mapped indexed datasets, GPT samples, mock data
 and deterministic global-batch sampling.
 
 Submodules are imported lazily so that the data tools (tokenizer training, preprocessing) do not
@@ -11,21 +11,24 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "SentencePieceTokenizer",
+    "SentencePieceTokenizer", "build_tokenizer", "TokenizerError",
     "IndexedDataset", "IndexedDatasetWriter", "IndexedDatasetError", "best_dtype",
     "GPTDataset", "split_documents", "build_train_valid_test_datasets",
+    "BlendedDataset", "build_blend", "parse_blend",
     "MockGPTDataset",
     "GlobalBatchSampler", "build_microbatches", "collate",
 ]
 
 
 def _module_of(name: str) -> str:
-    if name == "SentencePieceTokenizer":
+    if name in ("SentencePieceTokenizer", "build_tokenizer", "TokenizerError"):
         return "tokenizer"
     if name.startswith("Indexed") or name == "best_dtype":
         return "indexed_dataset"
     if name in ("GPTDataset", "split_documents", "build_train_valid_test_datasets"):
         return "gpt_dataset"
+    if name in ("BlendedDataset", "build_blend", "parse_blend"):
+        return "blended"
     if name == "MockGPTDataset":
         return "mock"
     return "sampler"

@@ -5,8 +5,9 @@ Each sample is ``seq_length + 1`` consecutive tokens (inputs = ``tokens[:-1]``, 
 boundaries (an ``<eod>`` appended by ``tools/preprocess_data.py --append-eod`` marks them).
 Consecutive samples overlap by one token, so every token is a label exactly once per epoch.
 
-Indices, built with numpy at construction (nothing is cached on disk; building is O(documents x
-epochs + samples) and takes well under a second for millions of documents):
+Indices, built with numpy at construction (building is O(documents x epochs + samples) and takes
+well under a second for millions of documents; with ``cache_dir`` (``--data-cache-path``) they are
+saved there as .npy files named by a hash of everything they depend on, and reused):
 
 * ``doc_idx``: for each epoch, a seeded permutation of the split's documents, concatenated
   for as many epochs as ``num_samples`` needs;
@@ -19,8 +20,11 @@ stable across versions, so a resumed run sees the same samples in the same order
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+import tempfile
 from typing import Sequence
 
 import numpy as np
@@ -70,7 +74,7 @@ class GPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, indexed: IndexedDataset | str | os.PathLike, seq_length: int, num_samples: int, seed: int,
-                 split_range: tuple[int, int] | None = None, name: str = "train") -> None:
+                 split_range: tuple[int, int] | None = None, name: str = "train", cache_dir: str | None = None) -> None:
         if not isinstance(indexed, IndexedDataset):
             indexed = IndexedDataset(indexed)
         self.indexed, self.name = indexed, name
@@ -91,17 +95,54 @@ class GPTDataset(torch.utils.data.Dataset):
         # Tokens needed: samples overlap by one, so n samples span n * seq_length + 1 tokens.
         self.num_epochs = max(1, math.ceil((self.num_samples * self.seq_length + 1) / self.tokens_per_epoch))
 
+        self.cache_files: list[str] = []
+        arrays = self._load_cached(cache_dir) if cache_dir else None
+        if arrays is None:
+            arrays = self._build_indices(lengths, begin, end)
+            if cache_dir:
+                self._save_cached(cache_dir, arrays)
+        self.doc_idx, self.sample_doc, self.sample_offset, self.shuffle_idx = arrays
+
+    _INDEX_NAMES = ("doc_idx", "sample_doc", "sample_offset", "shuffle_idx")
+
+    def _build_indices(self, lengths: np.ndarray, begin: int, end: int) -> tuple[np.ndarray, ...]:
         rng = np.random.RandomState(self.seed)
         docs = np.arange(begin, end, dtype=np.int64)
-        self.doc_idx = np.concatenate([rng.permutation(docs) for _ in range(self.num_epochs)])
-        cum = np.zeros(len(self.doc_idx) + 1, dtype=np.int64)
-        np.cumsum(lengths[self.doc_idx - begin], out=cum[1:])
+        doc_idx = np.concatenate([rng.permutation(docs) for _ in range(self.num_epochs)])
+        cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+        np.cumsum(lengths[doc_idx - begin], out=cum[1:])
         starts = np.arange(self.num_samples, dtype=np.int64) * self.seq_length
         # side="right" - 1 lands on the last document starting at or before the position,
         # which skips empty documents.
-        self.sample_doc = np.searchsorted(cum, starts, side="right") - 1
-        self.sample_offset = starts - cum[self.sample_doc]
-        self.shuffle_idx = rng.permutation(self.num_samples)
+        sample_doc = np.searchsorted(cum, starts, side="right") - 1
+        sample_offset = starts - cum[sample_doc]
+        shuffle_idx = rng.permutation(self.num_samples)
+        return doc_idx, sample_doc, sample_offset, shuffle_idx
+
+    def _cache_paths(self, cache_dir: str) -> list[str]:
+        ix = self.indexed
+        desc = dict(kind="GPTDataset/1", prefix=os.path.abspath(ix.prefix), sequences=len(ix), tokens=ix.num_tokens,
+                    idx_bytes=os.path.getsize(ix.prefix + ".idx"), split_range=list(self.split_range),
+                    seq_length=self.seq_length, num_samples=self.num_samples, seed=self.seed)
+        key = hashlib.md5(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+        return [os.path.join(cache_dir, f"{key}-{self.name}-{n}.npy") for n in self._INDEX_NAMES]
+
+    def _load_cached(self, cache_dir: str) -> tuple[np.ndarray, ...] | None:
+        paths = self._cache_paths(cache_dir)
+        if not all(os.path.isfile(p) for p in paths):
+            return None
+        self.cache_files = paths
+        return tuple(np.load(p, mmap_mode="r") for p in paths)
+
+    def _save_cached(self, cache_dir: str, arrays: tuple[np.ndarray, ...]) -> None:
+        os.makedirs(cache_dir, exist_ok=True)
+        paths = self._cache_paths(cache_dir)
+        for path, arr in zip(paths, arrays):  # temp file + rename: ranks writing at once never see half a file
+            fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path), suffix=".tmp", dir=cache_dir)
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, arr)
+            os.replace(tmp, path)
+        self.cache_files = paths
 
     def __len__(self) -> int:
         return self.num_samples
@@ -134,14 +175,13 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{self.seq_length}, samples={self.num_samples}, epochs={self.num_epochs}, seed={self.seed})")
 
 
-def build_train_valid_test_datasets(prefix: str, split: str, seq_length: int, num_samples: Sequence[int],
-                                    seed: int) -> list[GPTDataset | None]:
-    """Megatron-style helper: one GPTDataset per split with ``num_samples[i]`` samples (None when 0 or empty)."""
-    indexed = IndexedDataset(prefix)
-    out: list[GPTDataset | None] = []
-    for name, rng, n in zip(("train", "valid", "test"), split_documents(len(indexed), split), num_samples):
-        if n <= 0 or rng[1] <= rng[0]:
-            out.append(None)
-        else:
-            out.append(GPTDataset(indexed, seq_length, n, seed, split_range=rng, name=name))
-    return out
+def build_train_valid_test_datasets(prefix: str | Sequence[str], split: str, seq_length: int,
+                                    num_samples: Sequence[int], seed: int,
+                                    cache_dir: str | None = None) -> list:
+    """Megatron-style helper: one dataset per split with ``num_samples[i]`` samples (None when 0 or empty).
+
+    ``prefix`` is one dataset prefix or a blend (``["0.3", "P1", "0.7", "P2"]``, see ``data.blended``)."""
+    from .blended import build_blend
+
+    values = [prefix] if isinstance(prefix, (str, os.PathLike)) else list(prefix)
+    return build_blend([os.fspath(v) for v in values], split, seq_length, num_samples, seed, cache_dir)

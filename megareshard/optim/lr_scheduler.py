@@ -1,10 +1,95 @@
-"""Linear warm-up then cosine decay, as in Megatron-LM; the state is just the step count."""
+"""Learning-rate schedules, as Megatron-LM's OptimizerParamScheduler computes them; the state is the step count.
+
+``ParamSchedule`` counts in samples, as Megatron does: iteration k (1-based) trains at the rate of
+``(k - 1) × global batch`` consumed samples. Linear warm-up from ``init_lr`` over the warm-up samples,
+then ``constant``, ``linear``, ``cosine``, ``inverse-square-root`` or ``WSD`` (warm-up, stable, then
+an anneal over the last ``wsd_decay_steps`` samples of the decay) down to ``min_lr`` at the end of the
+decay samples, ``min_lr`` after. ``WarmupCosine`` is the simpler per-iteration form kept for tools and tests.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+@dataclass(frozen=True)
+class ParamSchedule:
+    """Megatron-LM's learning rate per (1-based) iteration, with its steps counted in samples."""
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int  # samples of linear warm-up
+    decay_steps: int  # samples of warm-up plus decay
+    decay_style: str = "linear"
+    samples_per_iter: int = 1  # the global batch
+    init_lr: float = 0.0  # where the warm-up starts
+    wsd_decay_steps: int | None = None  # samples of the WSD anneal
+    wsd_decay_style: str = "exponential"
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in DECAY_STYLES:
+            raise ValueError(f"lr decay style {self.decay_style!r} is not one of {DECAY_STYLES}")
+        if self.wsd_decay_style not in WSD_STYLES:
+            raise ValueError(f"WSD decay style {self.wsd_decay_style!r} is not one of {WSD_STYLES}")
+
+    def at_samples(self, n: int) -> float:
+        """The rate once ``n`` samples have been consumed (Megatron's ``get_lr`` at ``num_steps = n``)."""
+        if self.warmup_steps > 0 and n <= self.warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * n / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > self.decay_steps:
+            return self.min_lr
+        if self.decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * math.sqrt(max(self.warmup_steps, 1)) / math.sqrt(max(n, 1)))
+        ratio = (n - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: stable at max_lr, then anneal over the last wsd_decay_steps samples
+            start = self.decay_steps - self.wsd_decay_steps
+            if n <= start:
+                coeff = 1.0
+            else:
+                r = (n - start) / self.wsd_decay_steps
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * math.pow(0.5, r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[
+                    self.wsd_decay_style]
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def __call__(self, step: int) -> float:
+        return self.at_samples((step - 1) * self.samples_per_iter)
+
+
+def decoupled_schedule_from_config(t: Any) -> ParamSchedule | None:
+    """--decoupled-lr / --decoupled-min-lr (default --min-lr): the schedule of the embedding and output layer."""
+    if getattr(t, "decoupled_lr", None) is None:
+        return None
+    base = schedule_from_config(t)
+    min_lr = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+    return dataclasses.replace(base, max_lr=t.decoupled_lr, min_lr=min_lr)
+
+
+def schedule_from_config(t: Any) -> ParamSchedule:
+    """The schedule of a TrainingConfig (validated: global batch, decay iterations or samples filled in)."""
+    gb = t.global_batch_size
+    decay = t.lr_decay_samples if t.lr_decay_samples is not None else t.lr_decay_iters * gb
+    if t.lr_warmup_fraction is not None:
+        warmup = int(t.lr_warmup_fraction * decay)
+    else:
+        warmup = t.lr_warmup_samples or t.lr_warmup_iters * gb
+    wsd = (t.lr_wsd_decay_samples if t.lr_wsd_decay_samples is not None
+           else t.lr_wsd_decay_iters * gb if t.lr_wsd_decay_iters is not None else None)
+    return ParamSchedule(t.lr, t.min_lr, warmup, decay, t.lr_decay_style, gb, t.lr_warmup_init, wsd,
+                         t.lr_wsd_decay_style)
 
 
 @dataclass(frozen=True)
@@ -27,18 +112,25 @@ class WarmupCosine:
 
 
 class LRScheduler:
-    """Sets the optimizer's learning rate from a schedule before every step."""
+    """Sets the optimizer's learning rate from a schedule before every step.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine) -> None:
+    Parameter groups marked ``decoupled`` (Megatron's ``--decoupled-lr``: the input embedding and output
+    layer) follow ``decoupled_schedule``, the same shape between their own peak and minimum rates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine | ParamSchedule,
+                 decoupled_schedule: WarmupCosine | ParamSchedule | None = None) -> None:
         self.optimizer = optimizer
         self.schedule = schedule
+        self.decoupled_schedule = decoupled_schedule
         self.num_steps = 0
         self._apply()
 
     def _apply(self) -> None:
-        lr = self.schedule(max(self.num_steps, 1))
+        step = max(self.num_steps, 1)
+        lr = self.schedule(step)
+        other = self.decoupled_schedule(step) if self.decoupled_schedule is not None else lr
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = other if group.get("decoupled") else lr
 
     def step(self) -> float:
         """Advance to the next iteration and return its learning rate."""

@@ -158,6 +158,7 @@ class ZeroOptimizer:
                  loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
                  is_no_decay: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  defer_grad_reduce: Callable[[str, torch.nn.Parameter], bool] | None = None,
+                 decoupled: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  use_apex: bool = False) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
@@ -210,6 +211,11 @@ class ZeroOptimizer:
         decay = [e.master for e in self.entries if e.info.decay]
         no_decay = [e.master for e in self.entries if not e.info.decay]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if decoupled is not None:  # Megatron's --decoupled-lr: own groups (own learning rate) for these parameters
+            own = {e.name for e in self.entries if decoupled(e.name, e.param)}
+            groups = [{"params": [e.master for e in self.entries if (e.name in own) == dec and e.info.decay == d],
+                       "weight_decay": weight_decay if d else 0.0, "decoupled": dec}
+                      for dec in (False, True) for d in (True, False)]
         on_gpu = self.entries[0].param.is_cuda
         if use_apex and on_gpu and apex_fused_adam_available():
             from apex.optimizers import FusedAdam
@@ -519,6 +525,8 @@ def build_zero_optimizer(model: torch.nn.Module, ctx: ParallelContext, training_
                          loss_scaler: LossScaler | None = None, **kwargs) -> ZeroOptimizer:
     """The trainer's constructor: hyper-parameters from ``TrainingConfig``, stage from ``MemoryConfig``."""
     t = training_cfg
+    if getattr(t, "decoupled_lr", None) is not None:  # Megatron's --decoupled-lr: the input embedding and output layer
+        kwargs.setdefault("decoupled", lambda name, p: "word_embeddings" in name or name.startswith("output_layer"))
     return ZeroOptimizer(model.named_parameters(), ctx, stage=memory_cfg.zero_stage, lr=t.lr,
                          weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                          loss_scaler=loss_scaler, **kwargs)

@@ -107,7 +107,7 @@ def test_truncated_index(dataset):
     size = os.path.getsize(dataset + ".idx")
     with open(dataset + ".idx", "r+b") as f:
         f.truncate(size - 4)
-    with pytest.raises(IndexedDatasetError, match=r"c\.idx.*truncated index.*10 documents"):
+    with pytest.raises(IndexedDatasetError, match=r"c\.idx.*truncated index.*10 sequences"):
         IndexedDataset(dataset)
 
 
@@ -118,14 +118,14 @@ def test_bin_size_mismatch(dataset):
         IndexedDataset(dataset)
 
 
-def test_corrupt_offsets_and_version(dataset):
-    with open(dataset + ".idx", "r+b") as f:
-        f.seek(HEADER_SIZE + 8 * 3)
-        f.write(struct.pack("<q", 1))
-    with pytest.raises(IndexedDatasetError, match=r"c\.idx: corrupt index: document 2"):
+def test_corrupt_lengths_and_version(dataset):
+    with open(dataset + ".idx", "r+b") as f:  # sequence 2's length: the pointers no longer line up
+        f.seek(HEADER_SIZE + 4 * 2)
+        f.write(struct.pack("<i", 100000))
+    with pytest.raises(IndexedDatasetError, match=r"c\.bin: size .* does not match"):
         IndexedDataset(dataset)
     with open(dataset + ".idx", "r+b") as f:
-        f.seek(8)
+        f.seek(9)
         f.write(struct.pack("<Q", 99))
     with pytest.raises(IndexedDatasetError, match=r"c\.idx: unsupported index version 99"):
         IndexedDataset(dataset)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megareshard.data.indexed_dataset import IndexedDataset
-from megareshard.data.tokenizer import SentencePieceTokenizer
+from megareshard.data.tokenizer import SentencePieceTokenizer, TokenizerError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STDLIB = os.path.dirname(os.__file__)
@@ -88,7 +88,7 @@ def test_special_ids(tok):
 
 def test_missing_model_names_path(tmp_path):
     missing = tmp_path / "nope.model"
-    with pytest.raises(FileNotFoundError, match="nope.model"):
+    with pytest.raises(TokenizerError, match="nope.model"):
         SentencePieceTokenizer(missing)
 
 
@@ -109,14 +109,14 @@ def test_preprocess_text_files_end_to_end(tmp_path, model_path, tok, workers):
                    "--output-prefix", prefix, "--workers", str(workers), "--append-eod")
     assert res.returncode == 0, res.stderr
     assert "documents" in res.stderr and "MB/s" in res.stderr
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(prefix + "_text_document")
     assert len(ds) == len(files) and ds.dtype == np.uint16
     assert ds.num_tokens == int(np.sum(ds.doc_lengths))
     for i, path in enumerate(files):
         doc = ds[i]
         assert doc[-1] == tok.eod
         assert tok.decode(doc.tolist()) == open(path, encoding="utf-8", newline="").read()
-    assert sorted(os.listdir(tmp_path / "out")) == ["code.bin", "code.idx"]  # no temp files left
+    assert sorted(os.listdir(tmp_path / "out")) == ["code_text_document.bin", "code_text_document.idx"]  # no temp files
 
 
 def test_preprocess_jsonl(tmp_path, model_path, tok):
@@ -127,7 +127,7 @@ def test_preprocess_jsonl(tmp_path, model_path, tok):
     res = run_tool("preprocess_data.py", "--input", str(src), "--json-key", "text", "--tokenizer-model",
                    model_path, "--output-prefix", prefix)
     assert res.returncode == 0, res.stderr
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(prefix + "_text_document")
     assert [tok.decode(ds[i].tolist()) for i in range(len(ds))] == texts
     assert ds.doc_lengths[2] == 0
 

@@ -1,0 +1,168 @@
+"""Megatron-LM flags that megareshard accepts without effect, and those it refuses as not built.
+
+A launch script written for Megatron-LM passes flags of three kinds besides the ones megareshard
+implements (``megareshard.arguments``):
+
+* ``NO_EFFECT``: kernel fusions, data-loader and logging knobs, attention back-ends... that change
+  nothing about what is computed here. They parse, and the run's first line names them with why.
+* ``NOT_BUILT``: features megareshard does not have (mixture of experts, fp8 / Transformer Engine,
+  context parallelism, ...). A run that gives any of them stops with one message naming every one.
+* ``NOT_BUILT_IF``: flags whose neutral value is fine (``--context-parallel-size 1``) and any other
+  value is a feature not built.
+
+A flag already defined by megareshard's own parser is never shadowed by these tables.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Sequence
+
+# flag -> (argparse kwargs, why it changes nothing here)
+_FLAG = dict(action="store_true", default=None)
+_INT = dict(type=int, default=None)
+_STR = dict(type=str, default=None)
+NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
+    "--use-mcore-models": (_FLAG, "there is one model implementation"),
+    "--use-legacy-models": (_FLAG, "there is one model implementation"),
+    "--transformer-impl": (dict(type=str, default=None, choices=("local", "transformer_engine")),
+                           "layers are PyTorch modules"),
+    "--use-flash-attn": (_FLAG, "attention is PyTorch's scaled_dot_product_attention, which picks its "
+                                "flash kernel itself"),
+    "--attention-backend": (dict(type=str, default=None, choices=("flash", "fused", "unfused", "local", "auto")),
+                            "attention is PyTorch's scaled_dot_product_attention"),
+    "--no-masked-softmax-fusion": (_FLAG, "kernel fusion"),
+    "--masked-softmax-fusion": (_FLAG, "kernel fusion"),
+    "--no-bias-gelu-fusion": (_FLAG, "kernel fusion"),
+    "--no-bias-swiglu-fusion": (_FLAG, "kernel fusion"),
+    "--no-bias-dropout-fusion": (_FLAG, "kernel fusion"),
+    "--no-rope-fusion": (_FLAG, "kernel fusion"),
+    "--cross-entropy-loss-fusion": (_FLAG, "kernel fusion"),
+    "--no-gradient-accumulation-fusion": (_FLAG, "kernel fusion"),
+    "--no-async-tensor-model-parallel-allreduce": (_FLAG, "communication overlap detail"),
+    "--tp-comm-overlap": (_FLAG, "communication overlap detail"),
+    "--overlap-param-gather": (_FLAG, "updated parameter shards are all-gathered right after the step"),
+    "--grad-reduce-in-bf16": (_FLAG, "gradients are reduced in fp32"),
+    "--calculate-per-token-loss": (_FLAG, "the loss is already the mean over every token of the global batch"),
+    "--manual-gc": (_FLAG, "Python's garbage collector is left as it is"),
+    "--manual-gc-interval": (_INT, "Python's garbage collector is left as it is"),
+    "--empty-unused-memory-level": (_INT, "the allocator cache is not emptied"),
+    "--num-workers": (_INT, "samples are read in the training process (memory-mapped)"),
+    "--no-mmap-bin-files": (_FLAG, ".bin files are always memory-mapped"),
+    "--no-create-attention-mask-in-dataloader": (_FLAG, "attention is causal without a mask tensor"),
+    "--data-impl": (_STR, "the indexed dataset is always memory-mapped"),
+    "--distributed-backend": (dict(type=str, default=None, choices=("nccl", "gloo")),
+                              "nccl on GPUs, gloo on CPUs, chosen by the device"),
+    "--tiktoken-pattern": (_STR, "for TikTokenizer only"),
+    "--log-timers-to-tensorboard": (_FLAG, "timers are not written to TensorBoard"),
+    "--log-memory-to-tensorboard": (_FLAG, "memory is printed after the first iteration"),
+    "--log-validation-ppl-to-tensorboard": (_FLAG, "validation perplexity is always logged"),
+    "--log-num-zeros-in-grad": (_FLAG, "not logged"),
+    "--log-params-norm": (_FLAG, "not logged"),
+    "--timing-log-level": (_INT, "not logged"),
+    "--use-cpu-initialization": (_FLAG, "weights are initialised from the seed on their device"),
+    "--no-check-for-nan-in-loss-and-grad": (_FLAG, "a non-finite loss always stops the run"),
+    "--check-for-nan-in-loss-and-grad": (_FLAG, "a non-finite loss always stops the run"),
+    "--accumulate-allreduce-grads-in-fp32": (_FLAG, "gradients are accumulated and reduced in fp32"),
+}
+
+# flags that name features megareshard does not have: flag -> (argparse kwargs, the feature)
+NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
+    "--num-experts": (_INT, "mixture of experts"),
+    "--expert-tensor-parallel-size": (_INT, "mixture of experts"),
+    "--fp8-format": (_STR, "fp8 / Transformer Engine"),
+    "--fp8-recipe": (_STR, "fp8 / Transformer Engine"),
+    "--fp8-amax-history-len": (_INT, "fp8 / Transformer Engine"),
+    "--fp8-amax-compute-algo": (_STR, "fp8 / Transformer Engine"),
+    "--fp8-param-gather": (_FLAG, "fp8 / Transformer Engine"),
+    "--fp8-margin": (_INT, "fp8 / Transformer Engine"),
+    "--fp4-format": (_STR, "fp4"),
+    "--rampup-batch-size": (dict(nargs="*", default=None), "batch-size ramp-up"),
+    "--num-layers-per-virtual-pipeline-stage": (_INT, "interleaved (virtual) pipeline stages"),
+    "--use-torch-fsdp2": (_FLAG, "FSDP2"),
+    "--use-custom-fsdp": (_FLAG, "Megatron FSDP"),
+    "--mtp-num-layers": (_INT, "multi-token prediction"),
+    "--multi-latent-attention": (_FLAG, "multi-latent attention"),
+    "--spec": (dict(nargs="*", default=None), "custom layer specs"),
+    "--retro-project-dir": (_STR, "Retro"),
+    "--tp-comm-overlap-cfg": (_STR, "Transformer Engine communication overlap"),
+    # model-architecture options: these entries only apply while the model does not define the flag
+    "--group-query-attention": (_FLAG, "architecture: grouped-query attention"),
+    "--num-query-groups": (_INT, "architecture: grouped-query attention"),
+    "--kv-channels": (_INT, "architecture: a head size other than hidden / heads"),
+    "--position-embedding-type": (_STR, "architecture: position embeddings other than learned"),
+    "--use-rotary-position-embeddings": (_FLAG, "architecture: rotary position embeddings"),
+    "--rotary-base": (_INT, "architecture: rotary position embeddings"),
+    "--rotary-percent": (dict(type=float, default=None), "architecture: rotary position embeddings"),
+    "--rotary-seq-len-interpolation-factor": (_INT, "architecture: rotary position embeddings"),
+    "--no-position-embedding": (_FLAG, "architecture: no position embedding"),
+    "--swiglu": (_FLAG, "architecture: SwiGLU MLP"),
+    "--squared-relu": (_FLAG, "architecture: squared-ReLU MLP"),
+    "--normalization": (_STR, "architecture: a normalization other than LayerNorm"),
+    "--norm-epsilon": (dict(type=float, default=None), "architecture: the normalization epsilon"),
+    "--apply-layernorm-1p": (_FLAG, "architecture: LayerNorm with zero-centred gamma"),
+    "--untie-embeddings-and-output-weights": (_FLAG, "architecture: an output layer untied from the embedding"),
+    "--disable-bias-linear": (_FLAG, "architecture: linear layers without biases"),
+    "--add-qkv-bias": (_FLAG, "architecture: query/key/value biases only"),
+    "--qk-layernorm": (_FLAG, "architecture: query/key normalization"),
+}
+# families refused by prefix, whatever the flag's exact name
+NOT_BUILT_PREFIXES = {"--moe-": "mixture of experts", "--fp8-": "fp8 / Transformer Engine",
+                      "--fp4-": "fp4", "--mtp-": "multi-token prediction", "--retro-": "Retro",
+                      "--hybrid-": "hybrid (Mamba) models", "--mamba-": "hybrid (Mamba) models"}
+
+# flags whose neutral value is accepted: flag -> (argparse kwargs, neutral value, the feature)
+NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
+    "--context-parallel-size": (_INT, 1, "context parallelism"),
+    "--expert-model-parallel-size": (_INT, 1, "mixture of experts (expert parallelism)"),
+    "--virtual-pipeline-model-parallel-size": (_INT, 1, "interleaved (virtual) pipeline stages"),
+    "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
+}
+
+
+def _dest(flag: str) -> str:
+    return "megatron." + flag[2:].replace("-", "_")
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """Register every table's flags that ``parser`` does not define already."""
+    have = set(parser._option_string_actions)  # argparse keeps no public list of option strings
+    group = parser.add_argument_group("Megatron-LM flags without effect or not built here",
+                                      "accepted so Megatron-LM launch scripts run unchanged; see docs/megatron.md")
+    for table in (NO_EFFECT, NOT_BUILT):
+        for flag, (kwargs, why) in table.items():
+            if flag not in have:
+                group.add_argument(flag, dest=_dest(flag), help=f"{'no effect' if table is NO_EFFECT else 'refused'}"
+                                                                f": {why}", **kwargs)
+    for flag, (kwargs, neutral, what) in NOT_BUILT_IF.items():
+        if flag not in have:
+            group.add_argument(flag, dest=_dest(flag), help=f"only {neutral} ({what} is not built)", **kwargs)
+
+
+def given(ns: argparse.Namespace, flag: str) -> Any:
+    """The value ``flag`` was given in ``ns`` (None when absent or not registered by this module)."""
+    return getattr(ns, _dest(flag), None)
+
+
+def no_effect_flags(ns: argparse.Namespace) -> list[str]:
+    """'--flag (why)' for every no-effect flag given."""
+    return [f"{flag} ({why})" for flag, (_, why) in NO_EFFECT.items() if given(ns, flag) is not None]
+
+
+def refusals(ns: argparse.Namespace, unknown: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(not built: '--flag: feature', unknown flags) for the parsed namespace and argparse's leftovers."""
+    refused = [f"{flag} ({what})" for flag, (_, what) in NOT_BUILT.items() if given(ns, flag) is not None]
+    for flag, (_, neutral, what) in NOT_BUILT_IF.items():
+        value = given(ns, flag)
+        if value is not None and value != neutral:
+            refused.append(f"{flag} {value} ({what}; only {neutral} is accepted)")
+    strange = []
+    for tok in unknown:
+        if not tok.startswith("--"):
+            continue
+        name = tok.split("=", 1)[0]
+        family = next((what for p, what in NOT_BUILT_PREFIXES.items() if name.startswith(p)), None)
+        if family is not None:
+            refused.append(f"{name} ({family})")
+        else:
+            strange.append(name)
+    return refused, strange

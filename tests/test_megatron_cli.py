@@ -1,0 +1,95 @@
+"""pretrain_gpt.py as a Megatron-LM user meets it: one-line errors, TensorBoard event files, start-up notes."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+
+import pytest
+
+from megareshard.arguments import parse_args
+from megareshard.training import pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "2", "--device", "cpu"]
+
+
+def pretrain_gpt_main():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_script", os.path.join(ROOT, "pretrain_gpt.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mock-data", "--tokenizer-model", "/nonexistent/tok.model"], "--tokenizer-model /nonexistent/tok.model"),
+    (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/v.json", "--merge-file",
+      "/nonexistent/m.txt"], "--vocab-file /nonexistent/v.json: file not found"),
+    (["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "org/model"],
+     "directory not found"),
+    (["--mock-data", "--vocab-size", "64", "--fp8-format", "hybrid", "--num-experts", "8"],
+     "--num-experts (mixture of experts)"),
+])
+def test_bad_tokenizer_or_feature_is_one_line(argv, message, capsys):
+    assert pretrain_gpt_main()(argv + TINY + ["--train-iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain_gpt.py: error: ") and message in err and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_tensorboard_events_and_no_effect_line(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    out = io.StringIO()
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "3", "--tensorboard-dir", tb,
+                      "--log-throughput", "--use-flash-attn", "--no-masked-softmax-fusion", "--lr", "1e-3",
+                      "--lr-warmup-iters", "1"] + TINY, world_size=1)
+    records = pretrain(cfg, out=out)
+    log = out.getvalue()
+    lines = [ln for ln in log.splitlines() if "flags without effect" in ln]
+    assert len(lines) == 1 and "--use-flash-attn" in lines[0] and "--no-masked-softmax-fusion" in lines[0]
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "throughput", "lm loss vs samples"} <= tags
+    loss = acc.Scalars("lm loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records])
+    assert [e.value for e in acc.Scalars("learning-rate")] == pytest.approx([0.0, 1e-3, 5e-4])  # Megatron's warm-up
+
+
+def test_fresh_run_with_load_equal_to_save_starts_from_scratch(tmp_path):
+    ck = str(tmp_path / "ck")
+    out = io.StringIO()
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "2", "--save", ck, "--load", ck] + TINY,
+                     world_size=1)
+    pretrain(cfg, out=out)
+    assert "holds no checkpoint" in out.getvalue() and "latest" in os.listdir(ck)
+    out = io.StringIO()  # the second run resumes from it
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "3", "--save", ck, "--load", ck] + TINY,
+                     world_size=1)
+    records = pretrain(cfg, out=out)
+    assert [r["iteration"] for r in records] == [3] and "holds no checkpoint" not in out.getvalue()
+
+
+def test_default_evaluation_is_megatrons_and_skipped_without_validation_data(tmp_path):
+    import numpy as np
+
+    from megareshard.arguments import ConfigError
+    from megareshard.data.indexed_dataset import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    prefix = str(tmp_path / "d_text_document")
+    write_indexed_dataset(prefix, [rng.integers(0, 64, size=40) for _ in range(20)])
+    cfg = parse_args(["--data-path", prefix, "--vocab-size", "64", "--split", "100,0,0", "--train-iters", "2"] + TINY,
+                     world_size=1)
+    assert (cfg.logging.eval_interval, cfg.logging.eval_iters, cfg.logging.log_interval) == (None, 100, 100)
+    out = io.StringIO()
+    records = pretrain(cfg, out=out)  # Megatron-LM skips validation it has no data for; here it also says so
+    assert len(records) == 2 and "no evaluation: --split 100,0,0 leaves no validation documents" in out.getvalue()
+    cfg = parse_args(["--data-path", prefix, "--vocab-size", "64", "--split", "100,0,0", "--train-iters", "2",
+                      "--eval-interval", "1"] + TINY, world_size=1)
+    with pytest.raises(ConfigError, match="--eval-interval 1 needs validation data"):
+        pretrain(cfg, out=io.StringIO())
