@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointManager, LoadResult
 from .data.blended import build_blend
-from .data.gpt_dataset import build_train_valid_test_datasets
+from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration

@@ -25,9 +25,9 @@ def _module_of(name: str) -> str:
         return "tokenizer"
     if name.startswith("Indexed") or name == "best_dtype":
         return "indexed_dataset"
-    if name in ("GPTDataset", "split_documents", "build_train_valid_test_datasets"):
+    if name in ("GPTDataset", "split_documents"):
         return "gpt_dataset"
-    if name in ("BlendedDataset", "build_blend", "parse_blend"):
+    if name in ("BlendedDataset", "build_blend", "parse_blend", "build_train_valid_test_datasets"):
         return "blended"
     if name == "MockGPTDataset":
         return "mock"

@@ -168,3 +168,13 @@ def build_blend(values: Sequence[str], split: str | None, seq_length: int, num_s
         keep = [k for k in range(len(indexed)) if parts[k] is not None]
         out.append(BlendedDataset([parts[k] for k in keep], [w[k] for k in keep], n, name=name, cache_dir=cache_dir))
     return out
+
+
+def build_train_valid_test_datasets(prefix: str | Sequence[str], split: str, seq_length: int,
+                                    num_samples: Sequence[int], seed: int,
+                                    cache_dir: str | None = None) -> list:
+    """Megatron-style helper: one dataset per split with ``num_samples[i]`` samples (None when 0 or empty).
+
+    ``prefix`` is one dataset prefix or a blend (``["0.3", "P1", "0.7", "P2"]``, see ``data.blended``)."""
+    values = [prefix] if isinstance(prefix, (str, os.PathLike)) else list(prefix)
+    return build_blend([os.fspath(v) for v in values], split, seq_length, num_samples, seed, cache_dir)

@@ -173,15 +173,3 @@ class GPTDataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return (f"GPTDataset({self.indexed.prefix!r}, {self.name}, docs {self.split_range}, seq_length="
                 f"{self.seq_length}, samples={self.num_samples}, epochs={self.num_epochs}, seed={self.seed})")
-
-
-def build_train_valid_test_datasets(prefix: str | Sequence[str], split: str, seq_length: int,
-                                    num_samples: Sequence[int], seed: int,
-                                    cache_dir: str | None = None) -> list:
-    """Megatron-style helper: one dataset per split with ``num_samples[i]`` samples (None when 0 or empty).
-
-    ``prefix`` is one dataset prefix or a blend (``["0.3", "P1", "0.7", "P2"]``, see ``data.blended``)."""
-    from .blended import build_blend
-
-    values = [prefix] if isinstance(prefix, (str, os.PathLike)) else list(prefix)
-    return build_blend([os.fspath(v) for v in values], split, seq_length, num_samples, seed, cache_dir)

@@ -69,35 +69,12 @@ from types import MappingProxyType
 from collections import defaultdict
 from typing import Mapping
 
+from .dataflow import _consumes, _produces, local_edges
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
 
 __all__ = ["lower", "local_edges"]
 
 _K = ActionKind
-
-
-def _consumes(a: Action, graph: PipelineGraph, local: frozenset[Edge] = frozenset()) -> list[tuple[Edge, str]]:
-    """(edge, direction) pairs whose received tensor compute action `a` needs (`local` edges are handed
-    off inside a mesh: nothing is received)."""
-    if a.kind == _K.F:
-        return [(e, "F") for e in graph.in_edges(a.stage) if e not in local]
-    if a.kind in (_K.B, _K.I):
-        return [(e, "B") for e in graph.out_edges(a.stage) if e not in local]
-    return []
-
-
-def _produces(a: Action, graph: PipelineGraph, local: frozenset[Edge] = frozenset()) -> list[tuple[Edge, str]]:
-    """(edge, direction) pairs whose tensor compute action `a` produces to send (not `local` ones)."""
-    if a.kind == _K.F:
-        return [(e, "F") for e in graph.out_edges(a.stage) if e not in local]
-    if a.kind in (_K.B, _K.I):
-        return [(e, "B") for e in graph.in_edges(a.stage) if e not in local]
-    return []
-
-
-def local_edges(schedule: Schedule) -> frozenset[Edge]:
-    """Edges between two stages of one mesh: local hand-offs, no communication."""
-    return frozenset(e for e in schedule.graph.edges if schedule.is_local(e))
 
 
 _SEND = MappingProxyType({"F": _K.SEND_F, "B": _K.SEND_B})

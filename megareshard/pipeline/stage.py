@@ -26,6 +26,7 @@ from ..arguments import Config, ConfigError
 from ..parallel import ParallelContext, Topology
 from ..resharding import Mesh, ShardingSpec
 from .generators import RUNTIME_SCHEDULES, SCHEDULES
+from .meshes import stage_mesh, stage_tp_dp
 from .schedule import PipelineGraph
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
@@ -84,22 +85,6 @@ def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None)
         ranges.append((start, start + c))
         start += c
     return ranges
-
-
-def stage_tp_dp(topology: Topology, stage: int) -> tuple[int, int]:
-    """(tp, dp) of one stage: the uniform degrees, or the stage's own entry of a `StageTopology`."""
-    if getattr(topology, "per_stage", False):
-        return topology.tp_of(stage), topology.dp_of(stage)
-    return topology.tp, topology.dp
-
-
-def stage_mesh(topology: Topology, stage: int) -> Mesh:
-    """The ``dp × tp`` mesh of ranks with pp coordinate ``stage``; hosts from the topology."""
-    tp, dp = stage_tp_dp(topology, stage)
-    ranks = [[topology.rank_of(tp=t, dp=d, pp=stage) for t in range(tp)]
-             for d in range(dp)]
-    hosts = {r: r // topology.nproc_per_node for row in ranks for r in row}
-    return Mesh(ranks, hosts)
 
 
 def hidden_spec(sequence_parallel: bool) -> ShardingSpec:

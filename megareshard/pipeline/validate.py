@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .lowering import _consumes, _produces, local_edges
+from .dataflow import _consumes, _produces, local_edges
 from .schedule import Action, ActionKind, PipelineGraph, Schedule, ScheduleError
 
 __all__ = ["validate", "dry_run"]

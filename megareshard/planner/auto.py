@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..config_fields import ConfigError
 from .costs import ClusterSpec, ModelShape
 from .search import PlanError, plan_layouts
 
@@ -29,8 +30,6 @@ def device_memory_gib(nproc_per_node: int) -> float:
 
 def apply_auto_layout(cfg: Any, world_size: int) -> str:
     """Set the layout flags of `cfg` from the planner's best layout; returns the start-up line."""
-    from ..arguments import ConfigError
-
     p, pl, t, mem, m = cfg.parallel, cfg.pipeline, cfg.training, cfg.memory, cfg.model
     given = [f for f, v, default in (("--tensor-model-parallel-size", p.tensor_model_parallel_size, 1),
                                      ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size, 1),

@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 from ..parallel import CommVolume, Topology, hosts_spanned
 from ..pipeline.generators import RUNTIME_SCHEDULES, forwards_before_first_backward, generate
+from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import NetworkModel, ShardingSpec, plan_resharding
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
@@ -161,8 +162,6 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
         return 0.0, 0
     key = (sh.tp, sh.dp, sh.b, sh.sp, strategy, sh.topo.order)  # every edge of a uniform layout alike
     if key not in cache:
-        from ..pipeline.stage import stage_mesh  # pure, but pulls the argument module: import late
-
         spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
         shape = (model.seq_length, sh.b * sh.dp, model.hidden_size)
         plan = plan_resharding(shape, stage_mesh(sh.topo, 0), spec, stage_mesh(sh.topo, 1), spec, strategy=strategy,

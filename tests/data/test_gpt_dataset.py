@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megareshard.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets, split_documents
+from megareshard.data.blended import build_train_valid_test_datasets
+from megareshard.data.gpt_dataset import GPTDataset, split_documents
 from megareshard.data.indexed_dataset import IndexedDataset, write_indexed_dataset
 from megareshard.data.mock import MockGPTDataset
 
