@@ -301,7 +301,6 @@ def test_grid_flags_and_point_command():
 
 
 def test_from_json_redraws_the_grid(tmp_path):
-    pytest.importorskip("matplotlib")
     grid = _grid([_point(80, _times(200.0, 110.0)), _point(40, _times(200.0, 80.0)),
                   _point(20, _times(400.0, 300.0), status="stopped")])
     src = tmp_path / "pipeline_grid_gpt.json"

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..resharding.network import NetworkModel
+
 __all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params"]
 
 
@@ -97,12 +99,17 @@ class ClusterSpec:
         return self.device_tflops * 1e12 * self.efficiency
 
     @property
+    def network(self) -> NetworkModel:
+        """The resharding network model of these hosts (one NIC each, the intra-host link)."""
+        return NetworkModel(self.nic_gbps, self.intra_gbps)
+
+    @property
     def nic_Bps(self) -> float:
-        return self.nic_gbps * 1e9 / 8
+        return self.network.nic_Bps
 
     @property
     def intra_Bps(self) -> float:
-        return self.intra_gbps * 1e9 / 8
+        return self.network.intra_Bps
 
     @property
     def memory_bytes(self) -> float:

@@ -31,7 +31,7 @@ from ..parallel import CommVolume, Topology, hosts_spanned
 from ..pipeline.generators import RUNTIME_SCHEDULES, forwards_before_first_backward, generate
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
-from ..resharding import NetworkModel, ShardingSpec, plan_resharding
+from ..resharding import ShardingSpec, plan_resharding
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES"]
@@ -166,7 +166,7 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
         shape = (model.seq_length, sh.b * sh.dp, model.hidden_size)
         plan = plan_resharding(shape, stage_mesh(sh.topo, 0), spec, stage_mesh(sh.topo, 1), spec, strategy=strategy,
                                scheduler="loadbalance", itemsize=2, time_budget_s=0.05)
-        net = NetworkModel(cluster.nic_gbps, cluster.intra_gbps)
+        net = cluster.network
         busiest = max((max(i, o) for i, o in net.host_bytes(plan).values()), default=0)
         cache[key] = (net.predict(plan, order="concurrent"), int(busiest))
     return cache[key]

@@ -141,7 +141,7 @@ class CommStreams:
     Share one instance between every Resharder of a job (the pipeline does): tasks with the
     same (sender, receivers) then share a communicator. Creation is collective over the
     parent group and must happen in the same order on every rank (Resharder construction
-    guarantees it). ``counts()`` says how many communicators exist.
+    guarantees it); `pipeline.comm.communicator_keys` counts them without processes.
     """
 
     def __init__(self) -> None:
@@ -175,10 +175,6 @@ class CommStreams:
         if key not in self._streams:
             self._streams[key] = _Stream(f"reshard-stream-r{self._rank}-{key}")
         return self._streams[key]
-
-    def counts(self) -> dict[str, int]:
-        tokens = sum(1 for k in self._groups if k[0] == "tokens")
-        return {"task_communicators": len(self._groups) - tokens, "token_communicators": tokens}
 
     def close(self) -> None:
         for s in self._streams.values():
@@ -455,10 +451,6 @@ class Resharder:
     def _release(self, bufs: dict[int, torch.Tensor]) -> None:
         with self._lock:
             self._pool.append(bufs)
-
-    def communicators(self) -> int:
-        """How many task communicators this Resharder uses (its keys)."""
-        return len(self._group_of)
 
     # ------------------------------------------------------------------ running
     def _check_input(self, local_src: torch.Tensor | None) -> None:

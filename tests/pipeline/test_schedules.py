@@ -309,7 +309,6 @@ def test_simulator_timeline_details():
 
 # -------------------------------------------------------------------------- the tool
 def test_plot_schedule_tool_writes_png(tmp_path):
-    pytest.importorskip("matplotlib")
     out = tmp_path / "cmp.png"
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_schedule.py"), "--compare",
                         "--schedule", "1f1b", "eager-1f1b+dw", "--stages", "3",
