@@ -64,8 +64,9 @@ from megareshard.pipeline.pacing import calibrate_pace, parse_pace  # noqa: E402
 
 ENV_ARGV = "MR_BENCH_PEERS_ARGV"
 METHOD = "eager-1f1b+broadcast+dw"
-GRID_DEFAULTS = {"iters": 3, "warmup": 2, "pace": "auto"}
-RUN_DEFAULTS = {"iters": 5, "warmup": 2, "pace": "none"}
+# the grid: few participants and rounds (paced compute repeats to within a few %), so 10 points fit in 20 min
+GRID_DEFAULTS = {"iters": 3, "warmup": 1, "pace": "auto", "strategies": "broadcast"}
+RUN_DEFAULTS = {"iters": 5, "warmup": 2, "pace": "none", "strategies": "allgather,broadcast"}
 GRID_SETUP_S = 45.0  # start-up of one point: torchrun on 4 namespaces, every runtime, every peer's probe step
 
 
@@ -83,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--strategies", default="allgather,broadcast",
-                   help="megareshard strategies per schedule (the first is the baseline's)")
+    p.add_argument("--strategies", default=None,
+                   help="megareshard strategies per schedule (default allgather,broadcast; --grid: broadcast); "
+                        "1f1b+allgather, the baseline, always runs")
     p.add_argument("--schedules", default=None, help="megareshard schedules (default: every runtime schedule)")
     p.add_argument("--no-method", action="store_true", help=f"leave out {METHOD}")
     p.add_argument("--peers", default=",".join(PEER_SCHEDULES), help="torch schedules (comma list)")
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-scheduler", default="auto")
     p.add_argument("--reshard-chunks", type=int, default=None)
     p.add_argument("--iters", type=int, default=None, help="timed rounds (default 5; --grid 3)")
-    p.add_argument("--warmup", type=int, default=None, help="unpaced rounds first (default 2)")
+    p.add_argument("--warmup", type=int, default=None, help="unpaced rounds first (default 2; --grid 1)")
     p.add_argument("--pace", default=None, help="'none' (default), 'auto' (--grid default) or 'F=..,B=..,I=..,W=..' ms")
     p.add_argument("--pace-quantile", type=float, default=0.9)
     p.add_argument("--pace-margin", type=float, default=1.25)
@@ -156,7 +158,7 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
         out += [bp.BenchConfig(n, s, k.zero_bubble) for s in strategies]
     if not a.no_method and "eager-1f1b" in names:
         out.append(bp.BenchConfig("eager-1f1b", "broadcast", True))
-    base = bp.BenchConfig("1f1b", strategies[0], False)
+    base = bp.BenchConfig("1f1b", "allgather", False)  # the baseline, whatever --strategies says
     if base not in out:
         out.insert(0, base)
     seen: list[bp.BenchConfig] = []
@@ -285,7 +287,7 @@ def _worker(a: argparse.Namespace) -> int:
     from megareshard.pipeline.runtime import PipelineRuntime, gather_trace
     from megareshard.pipeline.stage import stage_layouts
     from megareshard.training import Trainer, build_context, init_distributed
-    from peers_torch import LifetimeMeter
+    from peers_torch import LifetimeMeter, compute_order
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -316,6 +318,7 @@ def _worker(a: argparse.Namespace) -> int:
                                     for n, r in skipped]
     # the peers: built and stepped once each (their probe, also the loss check); a failure is reported
     peer_names = [s.strip() for s in a.peers.split(",") if s.strip()]
+    orders: dict[str, Any] = {}
     for name in peer_names:
         group = _timeout_groups(ctx, a.peer_timeout)
         err = None
@@ -332,6 +335,10 @@ def _worker(a: argparse.Namespace) -> int:
         else:
             peer.name = f"torch {name}"
             parts.append(peer)
+            try:
+                orders[name] = compute_order(peer.peer.schedule)
+            except ValueError as e:  # the prediction says why it is missing; the run goes on
+                say(f"[bench_peers] torch {name}: no compute order for the simulator ({e})")
     say(f"[bench_peers] {world} ranks ({placement}); {len(parts)} participants: "
         + ", ".join(p.name for p in parts) + f" (set-up {time.monotonic() - t_start:.0f}s)")
 
@@ -396,7 +403,7 @@ def _worker(a: argparse.Namespace) -> int:
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        run = assemble(a, parts, failed, times[:, skip:].tolist(), losses, every, budgets, world, pph)
+        run = assemble(a, parts, failed, times[:, skip:].tolist(), losses, every, budgets, world, pph, orders)
         print(rep.format_table(run), flush=True)
         if a.json:
             rep.write_json(a.json, run)
@@ -407,7 +414,7 @@ def _worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph) -> dict[str, Any]:
+def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph, orders=None) -> dict[str, Any]:
     """Rank 0: the run's JSON from the per-rank measurements."""
     budgets_ms = None if budgets is None else [{k: round(1e3 * v, 3) for k, v in b.items()} for b in budgets]
     ref = losses[0]
@@ -432,7 +439,7 @@ def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph) -> d
             rec["loss_ok"] = rec["loss_diff"] <= tol
         records.append(rec)
     records += [{**f, "ms_all": []} for f in failed]
-    predict(a, records, budgets_ms, world, pph)
+    predict(a, records, budgets_ms, world, pph, orders)
     bound = rep.compute_bound_ms(budgets_ms, a.microbatches)
     run = {"kind": rep.RUN_KIND, "status": "complete",
            "setup": {"cluster": f"{world // pph} hosts × {pph} ranks, tp {a.tp}, pp {a.pp}, --pace {a.pace}",
@@ -447,11 +454,13 @@ def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph) -> d
     return run
 
 
-def predict(a, records, budgets_ms, world: int, pph: int) -> None:
+def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any] | None = None) -> None:
     """``predicted_ms`` per record: the simulator at the paced budgets (or F=10, B=20 ms unpaced: then only
-    the shape of the prediction means something) and the network model's transfer time per edge."""
-    from megareshard.pipeline import Costs, generate, placement_of, simulate
-    from peers_torch import EQUIVALENT
+    the shape of the prediction means something) and the network model's transfer time per edge (torch's
+    point-to-point copies priced as ``sendrecv``). A torch schedule runs through its own compute order
+    (``orders``: ``peers_torch.compute_order``) or, for the single-stage ones, the registry's equivalent."""
+    from megareshard.pipeline import Costs, ScheduleError, generate, simulate
+    from peers_torch import EQUIVALENT, order_to_schedule
 
     costs = budgets_ms or [{"F": 10.0, "B": 20.0, "I": 10.0, "W": 10.0}] * a.pp
     strategies = sorted({r["strategy"] for r in records if r["status"] == "ok" and r["strategy"] != "p2p"}
@@ -461,21 +470,25 @@ def predict(a, records, budgets_ms, world: int, pph: int) -> None:
         r["predicted_ms"] = None
         if r["status"] != "ok":
             continue
-        name = r["schedule"] if r["framework"] == "megareshard" else EQUIVALENT.get(r["schedule"].split()[-1])
-        if name is None:
-            r["predicted_note"] = "no registry schedule with the same order"
-            continue
-        comm = 1e3 * net["sendrecv" if r["strategy"] == "p2p" else r["strategy"]]["model_s"]
         try:
-            sched = generate(name, a.pp, a.microbatches, delay_wgrad=bool(r.get("delay_wgrad")))
-        except ValueError as e:
-            r["predicted_note"] = str(e)
+            if r["framework"] == "torch" and (orders or {}).get(r["schedule"]):
+                sched = order_to_schedule(orders[r["schedule"]], r["schedule"], a.pp, a.microbatches)
+            elif r["framework"] == "torch" and r["schedule"] in EQUIVALENT:
+                sched = generate(EQUIVALENT[r["schedule"]], a.pp, a.microbatches)
+            elif r["framework"] == "torch":
+                r["predicted_note"] = "no compute order known for this schedule"
+                continue
+            else:
+                sched = generate(r["schedule"], a.pp, a.microbatches, delay_wgrad=bool(r.get("delay_wgrad")))
+            comm = 1e3 * net["sendrecv" if r["strategy"] == "p2p" else r["strategy"]]["model_s"]
+            place, n = sched.placement, sched.graph.num_stages
+            share = a.pp / n  # a chunk holds an even share of its rank's layers
+            per = {k: [costs[place[s]][k] * share for s in range(n)] for k in "FBIW"}
+            edges = {str(e): (0.0 if place[e.src] == place[e.dst] else comm) for e in sched.graph.edges}
+            tl = simulate(sched, costs=Costs(f=per["F"], b=per["B"], i=per["I"], w=per["W"], comm=edges))
+        except (ValueError, KeyError, ScheduleError) as e:  # the simulator refuses it: say why, predict nothing
+            r["predicted_note"] = f"{type(e).__name__}: {e}"
             continue
-        place = placement_of(name, a.pp, sched.graph.num_stages // a.pp)
-        share = a.pp / sched.graph.num_stages
-        per = {k: [costs[place[s]][k] * share for s in range(sched.graph.num_stages)] for k in "FBIW"}
-        edges = {str(e): (0.0 if place[e.src] == place[e.dst] else comm) for e in sched.graph.edges}
-        tl = simulate(sched, costs=Costs(f=per["F"], b=per["B"], i=per["I"], w=per["W"], comm=edges))
         r["predicted_ms"] = round(tl.makespan, 3)
 
 

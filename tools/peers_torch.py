@@ -225,3 +225,40 @@ class TorchPeer:
         if dist.is_initialized() and self.ctx.pp_size > 1:
             dist.all_reduce(loss, group=self.ctx.pp_group)
         return loss
+
+
+def compute_order(schedule) -> list[list[tuple[str, int, int]]] | None:
+    """A multi-stage torch schedule's compute order per rank, ``(kind, microbatch, stage)`` with kind
+    F/B/I/W (an overlapped F+B of DualPipeV is its sub-actions in order); None for single-stage
+    schedules (no ``pipeline_order``: their order is the registry's 1f1b / gpipe)."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return None
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
+             "F": "F", "B": "B", "I": "I", "W": "W"}
+    out = []
+    for rank in sorted(order):
+        acts = []
+        for a in order[rank]:
+            if a is None:
+                continue
+            for sub in (a.sub_actions or ()) if a.sub_actions else (a,):
+                ct = getattr(sub.computation_type, "value", str(sub.computation_type))
+                if ct not in kinds:
+                    raise ValueError(f"{type(schedule).__name__}: action {sub} of kind {ct} has no simulator kind")
+                acts.append((kinds[ct], int(sub.microbatch_index), int(sub.stage_index)))
+        out.append(acts)
+    return out
+
+
+def order_to_schedule(order: list[list[tuple[str, int, int]]], name: str, pp: int, num_microbatches: int):
+    """megareshard's Schedule IR of a torch schedule's compute order (for the simulator)."""
+    from megareshard.pipeline import Action, ActionKind, PipelineGraph, Schedule
+
+    v = PEER_SCHEDULES[name][1]
+    place = [0] * (pp * v)
+    for r in range(pp):
+        for s in peer_stages_of(name, r, pp):
+            place[s] = r
+    acts = [[Action(ActionKind(k), mb, s) for k, mb, s in rank] for rank in order]
+    return Schedule(PipelineGraph(pp * v), num_microbatches, acts, f"torch {name}", tuple(place))
