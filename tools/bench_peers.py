@@ -281,6 +281,13 @@ def _agree_failed(err: str | None) -> str | None:
 
 
 def _worker(a: argparse.Namespace) -> int:
+    run_worker(a)
+    return 0
+
+
+def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
+    """Every rank: the whole benchmark; rank 0 returns the run's JSON (and prints, writes --json/--plot).
+    Uses the process group already initialised (a test's gloo ranks), else torchrun's environment."""
     import torch
     import torch.distributed as dist
 
@@ -291,8 +298,11 @@ def _worker(a: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    world = init_distributed(torch.device("cpu"))
-    world = world[0] if isinstance(world, tuple) else world
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = init_distributed(torch.device("cpu"))
+        world = world[0] if isinstance(world, tuple) else world
     rank = dist.get_rank()
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if rank == 0 else (lambda *x: None)
     resolve(a)
@@ -402,6 +412,7 @@ def _worker(a: argparse.Namespace) -> int:
              "peak": peaks[i], "overruns": p.overruns()} for i, p in enumerate(parts)]
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
+    run = None
     if rank == 0:
         run = assemble(a, parts, failed, times[:, skip:].tolist(), losses, every, budgets, world, pph, orders)
         print(rep.format_table(run), flush=True)
@@ -411,7 +422,7 @@ def _worker(a: argparse.Namespace) -> int:
             rep.plot_run(run, a.plot)
     dist.barrier()
     trainer.close()
-    return 0
+    return run
 
 
 def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph, orders=None) -> dict[str, Any]:

@@ -228,25 +228,29 @@ class TorchPeer:
 
 
 def compute_order(schedule) -> list[list[tuple[str, int, int]]] | None:
-    """A multi-stage torch schedule's compute order per rank, ``(kind, microbatch, stage)`` with kind
-    F/B/I/W (an overlapped F+B of DualPipeV is its sub-actions in order); None for single-stage
-    schedules (no ``pipeline_order``: their order is the registry's 1f1b / gpipe)."""
+    """A torch schedule's compute order per rank, ``(kind, microbatch, stage)`` with kind F/B/I/W (an
+    overlapped F+B of DualPipeV is its sub-actions in order); None where the schedule keeps no
+    ``pipeline_order`` it executes (then the registry's equivalent, 1f1b or gpipe, stands in). The
+    single-stage schedules execute a loop of their own; their ``pipeline_order`` is a description
+    (torch 2.13's 1F1B one skips microbatch 0 on the last rank), so it is not used."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    if not isinstance(schedule, PipelineScheduleMulti):
+        return None
     order = getattr(schedule, "pipeline_order", None)
     if not order:
         return None
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
-             "F": "F", "B": "B", "I": "I", "W": "W"}
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}  # _ComputationType values; the rest are not compute
     out = []
     for rank in sorted(order):
         acts = []
         for a in order[rank]:
             if a is None:
                 continue
-            for sub in (a.sub_actions or ()) if a.sub_actions else (a,):
+            for sub in a.sub_actions or (a,):  # OVERLAP_F_B: its forward and backward, in order
                 ct = getattr(sub.computation_type, "value", str(sub.computation_type))
-                if ct not in kinds:
-                    raise ValueError(f"{type(schedule).__name__}: action {sub} of kind {ct} has no simulator kind")
-                acts.append((kinds[ct], int(sub.microbatch_index), int(sub.stage_index)))
+                if ct in kinds:  # REDUCE_GRAD, UNSHARD, RESHARD: no compute of the pipeline
+                    acts.append((kinds[ct], int(sub.microbatch_index), int(sub.stage_index)))
         out.append(acts)
     return out
 
