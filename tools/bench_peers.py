@@ -501,6 +501,10 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
             r["predicted_note"] = f"{type(e).__name__}: {e}"
             continue
         r["predicted_ms"] = round(tl.makespan, 3)
+        r["predicted_bubble"] = round(tl.bubble_fraction, 4)
+        # live (stage, microbatch) activations per rank at the peak; a chunk of a 2-chunk schedule is half a stage
+        r["predicted_peak_activations"] = tl.peak_activations
+        r["chunks_per_rank"] = n // a.pp
 
 
 # ---- grid -------------------------------------------------------------------------------------------

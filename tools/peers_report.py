@@ -82,6 +82,13 @@ def verdict(summary: dict[str, Any]) -> str:
     return f"{'met' if ratio >= need else 'not met'} (need >= {need:.1f}x)"
 
 
+def sim_peak(r: dict[str, Any]) -> str:
+    """The simulator's live activations per stage at the peak, in microbatches of a whole stage (a
+    chunk of a V-chunk schedule holds 1/V of a rank's layers)."""
+    peak, v = r.get("predicted_peak_activations"), r.get("chunks_per_rank") or 1
+    return "-" if not peak else "/".join(f"{x / v:g}" for x in peak)
+
+
 def format_table(run: dict[str, Any]) -> str:
     """Markdown: one row per participant."""
     def f(v, fmt):
@@ -92,11 +99,13 @@ def format_table(run: dict[str, Any]) -> str:
              f"{s['num_layers']} layers, hidden {s['hidden_size']}; NIC {s['nic_gbps'] * 1e3:g} Mbit/s; "
              f"{run['status']}*", ""]
     head = ["participant", "ms/iter (median)", "q1-q3", "vs torch best", "vs baseline", "of signal",
-            "bubble per stage", "peak act. MiB per stage", "predicted ms", "loss - ref", "note"]
+            "bubble per stage", "peak act. MiB per stage", "sim. peak live per stage", "predicted ms",
+            "pace overruns", "loss - ref", "note"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in run["records"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | - | - | - | - | - | - | - | - | - | {r['status']}: {r['reason']} |")
+            lines.append("| " + " | ".join([r["name"]] + ["-"] * (len(head) - 2) + [f"{r['status']}: {r['reason']}"])
+                         + " |")
             continue
         bub = "/".join(f(b, ".0%") for b in r.get("bubble") or [])
         mem = "/".join(f(None if b is None else b / 2 ** 20, ".1f") for b in r.get("act_peak_bytes") or [])
@@ -106,7 +115,8 @@ def format_table(run: dict[str, Any]) -> str:
         lines.append("| " + " | ".join([
             r["name"], f(r["ms_per_iter"], ".0f"), f"{r['ms_q1']:.0f}-{r['ms_q3']:.0f}", f(r.get("vs_torch_best"), ".2f"),
             f(r.get("vs_baseline"), ".2f"), f(r.get("signal_fraction"), ".0%"), bub or "-", mem or "-",
-            f(r.get("predicted_ms"), ".0f"), f(r.get("loss_diff"), ".1e"), note.strip()]) + " |")
+            sim_peak(r), f(r.get("predicted_ms"), ".0f"), f(r.get("pace_overruns"), "d"),
+            f(r.get("loss_diff"), ".1e"), note.strip()]) + " |")
     sm = run.get("summary") or {}
     lines.append("")
     lines.append(f"megareshard best {sm.get('megareshard_best')} vs torch best {sm.get('torch_best')}: "
