@@ -126,7 +126,7 @@ def _side_by_side(rank, world):
         "--seq-length", "8", "--micro-batch-size", "1", "--microbatches", "4", "--vocab-size", "64",
         "--schedules", "1f1b", "--strategies", "allgather", "--no-method", "--iters", "1", "--warmup", "1",
         "--peers", "Schedule1F1B,ScheduleZBVZeroBubble", "--peer-timeout", "60"])
-    run = bpe.run_worker(a)
+    run = bpe.run_worker(bpe.resolve(a))
     return run
 
 

@@ -207,25 +207,56 @@ def plot_run(run: dict[str, Any], path: str) -> None:
 
 
 def plot_grid(grid: dict[str, Any], path: str) -> None:
-    """Best megareshard / best torch throughput ratio against the NIC rate, one line per tp."""
+    """Three panels: megareshard's best / torch's best against the NIC rate (one line per tp); every
+    participant's throughput relative to torch's best at each rate (bars, the tp with most points);
+    the measured peak activation memory per stage of every participant (its first complete point)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    done = [p for p in grid["points"] if p["status"] == "complete" and p.get("run")]
+    names: list[str] = []
+    for p in done:
+        names += [r["name"] for r in p["run"]["records"] if r["status"] == "ok" and r["name"] not in names]
+    fig, (ax, ax2, ax3) = plt.subplots(3, 1, figsize=(max(7.0, 1.5 + 0.6 * len(names)), 11))
     for tp in grid["tps"]:
-        pts = [(p["rate_mbit"], (p.get("run") or {}).get("summary", {}).get("best_ratio")) for p in grid["points"]
-               if p["tp"] == tp]
+        pts = [(p["rate_mbit"], p["run"]["summary"].get("best_ratio")) for p in done if p["tp"] == tp]
         pts = [(r, v) for r, v in pts if v is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=f"tp {tp}")
-    ax.axhline(TARGET, color="grey", ls="--", lw=1)
+    ax.axhline(TARGET, color="grey", ls="--", lw=1, label=f"target {TARGET}x where communication matters")
     ax.axhline(1.0, color="grey", ls=":", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("NIC rate, Mbit/s")
-    ax.set_ylabel("megareshard best / torch best (throughput)")
-    ax.legend()
+    ax.set_ylabel("megareshard best / torch best")
+    ax.set_title(f"megareshard vs torch.distributed.pipelining, pp {grid['pp']} (throughput ratios)", fontsize=9)
+    ax.legend(fontsize=7)
+    if done:
+        tp = max(grid["tps"], key=lambda t: sum(p["tp"] == t for p in done))
+        pts = [p for p in done if p["tp"] == tp]
+        w = 0.8 / len(pts)
+        for k, p in enumerate(pts):
+            by = {r["name"]: r for r in p["run"]["records"]}
+            vals = [(by.get(n) or {}).get("vs_torch_best") or 0.0 for n in names]
+            ax2.bar([i - 0.4 + w * (k + 0.5) for i in range(len(names))], vals, w, label=f"{p['rate_mbit']:g} Mbit/s")
+        ax2.axhline(1.0, color="grey", ls=":", lw=1)
+        ax2.set_xticks(range(len(names)))
+        ax2.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+        ax2.set_ylabel(f"throughput / torch's best (tp {tp})")
+        ax2.legend(fontsize=7, ncol=len(pts))
+        pp = grid["pp"]
+        w = 0.8 / pp
+        for st in range(pp):
+            vals = []
+            for n in names:
+                rec = next((r for p in done for r in p["run"]["records"] if r["name"] == n and r["status"] == "ok"), {})
+                vals.append(((rec.get("act_peak_bytes") or [0] * pp)[st] or 0) / 2 ** 20)
+            ax3.bar([i - 0.4 + w * (st + 0.5) for i in range(len(names))], vals, w, label=f"stage {st}")
+        ax3.set_xticks(range(len(names)))
+        ax3.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+        ax3.set_ylabel("peak saved activations, MiB")
+        ax3.legend(fontsize=7, ncol=pp)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
