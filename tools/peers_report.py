@@ -188,10 +188,10 @@ def plot_run(run: dict[str, Any], path: str) -> None:
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(x))
     ax.set_xticklabels([r["name"] for r in recs], rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel("ms per iteration (median, q1-q3; bar = simulated)")
+    ax.set_ylabel("ms per iteration (median, q1-q3)\nblack line: simulated")
     s = run["setup"]
-    ax.set_title(f"megareshard (blue, grey: signal bound) vs torch.distributed.pipelining (red); {s['cluster']}, "
-                 f"NIC {s['nic_gbps'] * 1e3:g} Mbit/s; labels: throughput vs torch's best", fontsize=8)
+    ax.set_title(f"megareshard (blue; grey: signal bound; hatched: void) vs torch.distributed.pipelining (red)\n"
+                 f"{s['cluster']}, NIC {s['nic_gbps'] * 1e3:g} Mbit/s; labels: throughput vs torch's best", fontsize=8)
     pp = s["pp"]
     w = 0.8 / pp
     for st in range(pp):
