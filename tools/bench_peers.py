@@ -42,6 +42,10 @@ torch's best and to the baseline, fraction of the signal bound (megareshard), bu
 torch's schedules through the registry schedule with the same order, where there is one). A result
 faster than the compute bound (every rank's paced compute, ``peers_report.compute_bound_ms``) or than
 its own signal run is void and never counts as best.
+
+Files: this one (arguments, the grid, redraws), ``peers_worker.py`` (the launch on every rank),
+``peers_torch.py`` (torch's stages, pacing wrappers, the activation meter), ``peers_report.py``
+(ratios, void rule, tables, pictures: pure).
 """
 from __future__ import annotations
 
