@@ -85,17 +85,20 @@ def test_run_json_round_trip_and_redraw(tmp_path, capsys):
         rep.load_json(str(tmp_path / "bad.json"))
 
 
-def test_lifetime_meter_counts_saved_tensors_until_freed_even_with_retain_graph():
+def test_lifetime_meter_counts_saved_tensors_while_anyone_holds_them():
     w = torch.randn(64, 64, requires_grad=True)
-    x = torch.randn(8, 64, requires_grad=True)
+    kib2 = 8 * 64 * 4
     with pt.LifetimeMeter(exclude=[w]) as m:
-        h = torch.tanh(x @ w)  # saves x (2 KiB; w excluded) and tanh's output (2 KiB)
-        y = (h * h).sum()      # saves h once more: the same storage counts once
-        assert m.live == 2 * 8 * 64 * 4
-        torch.autograd.grad(y, x, retain_graph=True)  # I: unpacks everything, frees nothing
-        assert m.live == 2 * 8 * 64 * 4
-        torch.autograd.grad(y, w)                      # W: the graph goes
-    assert m.live == 0 and m.peak_bytes == 2 * 8 * 64 * 4
+        x = torch.randn(8, 64, requires_grad=True)
+        y = (torch.tanh(x @ w) ** 2).sum()  # saves x (w excluded), tanh's output, and it again for ** 2
+        assert m.live == 2 * kib2            # the same storage counts once
+        torch.autograd.grad(y, x, retain_graph=True)  # I: the retained graph still holds everything
+        assert m.live == 2 * kib2
+        torch.autograd.grad(y, w)                      # W: the graph goes; x is still held here
+        del y
+        assert m.live == kib2
+        del x
+    assert m.live == 0 and m.peak_bytes == 2 * kib2
 
 
 def test_torch_orders_map_onto_our_ir():
@@ -147,7 +150,8 @@ def test_smoke_peer_and_megareshard_losses_agree():
         peak = by[name]["act_peak_bytes"]
         assert len(peak) == 2 and all(p > 0 for p in peak)
         assert peak[0] > peak[1]
-    # the same layers save the same tensors; torch's stage keeps a few bookkeeping bytes more
-    assert by["torch Schedule1F1B"]["act_peak_bytes"] == pytest.approx(by["1f1b+allgather"]["act_peak_bytes"],
-                                                                        rel=0.02)
+    # the same layers save the same tensors; torch's stage holds a few of them a little longer (its
+    # caches of a microbatch's inputs and outputs): within a tenth, never less
+    ours, torchs = by["1f1b+allgather"]["act_peak_bytes"], by["torch Schedule1F1B"]["act_peak_bytes"]
+    assert torchs == pytest.approx(ours, rel=0.1) and all(t >= o for t, o in zip(torchs, ours))
     assert by["torch ScheduleZBVZeroBubble"]["predicted_ms"] and by["torch Schedule1F1B"]["predicted_ms"]

@@ -12,13 +12,14 @@ Paced compute: ``pace_stage`` wraps the stage's ``forward_one_chunk`` (F), ``bac
 per-kind budget has passed, the same budgets as megareshard's runtime (``PipelineRuntime.pace``), scaled
 by the share of the rank's layers the chunk holds when a rank holds several chunks.
 
-``LifetimeMeter`` measures saved-activation bytes by the lifetime of what autograd saves (a pack hook's
-object lives exactly as long as the saved tensor), which stays right under ``retain_graph`` (torch's
-zero-bubble I/W split unpacks a saved tensor twice), unlike counting unpacks.
+``LifetimeMeter`` measures saved-activation bytes by the lifetime of the tensors autograd saves, which
+stays right under ``retain_graph`` (torch's zero-bubble I/W split unpacks a saved tensor twice) and
+when a weight-gradient store keeps a layer's input for a delayed W, unlike counting unpacks.
 """
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -57,40 +58,47 @@ def chunk_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
 
 
 class LifetimeMeter:
-    """Context manager: the most bytes of distinct storages autograd holds for backward at once (CPU).
+    """Context manager: the most bytes of distinct storages saved for backward that are alive at once (CPU).
 
-    A storage counts from the first pack of a tensor on it until the last packed object referring to it
-    is dropped (the node that saved it freed it). ``exclude``: parameters (not activations).
+    A storage counts from the first time autograd saves a tensor on it until every tensor object saved on
+    it is gone (``weakref.finalize``): whoever holds it — the graph, a retained graph (torch's I/W
+    split unpacks a saved tensor twice), or a weight-gradient store that keeps a layer's input for a
+    delayed W (megareshard's ``--delay-wgrad-compute``) — so no schedule's held activations are missed.
+    ``exclude``: parameters (not activations).
     """
 
     def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._refs: dict[int, int] = {}
+        self._tensors: set[int] = set()    # ids of saved tensor objects still alive
+        self._refs: dict[int, int] = {}    # storage -> saved tensor objects alive on it
         self._bytes: dict[int, int] = {}
         self.live = 0
         self.peak_bytes = 0
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr in self._exclude or not st.nbytes():
-            return _Held(t, None, None)
+        if ptr in self._exclude or not st.nbytes() or id(t) in self._tensors:
+            return t
+        self._tensors.add(id(t))
         if self._refs.get(ptr, 0) == 0:
             self._bytes[ptr] = st.nbytes()
             self.live += st.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.live)
         self._refs[ptr] = self._refs.get(ptr, 0) + 1
-        return _Held(t, self, ptr)
+        weakref.finalize(t, self._release, ptr, id(t))
+        return t
 
-    def _release(self, ptr: int) -> None:
+    def _release(self, ptr: int, key: int) -> None:
+        self._tensors.discard(key)
         self._refs[ptr] -= 1
         if self._refs[ptr] == 0:
             del self._refs[ptr]
             self.live -= self._bytes.pop(ptr)
 
     @staticmethod
-    def _unpack(held: "_Held") -> torch.Tensor:
-        return held.t
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def __enter__(self) -> "LifetimeMeter":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -99,17 +107,6 @@ class LifetimeMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-
-
-class _Held:
-    __slots__ = ("t", "meter", "ptr")
-
-    def __init__(self, t: torch.Tensor, meter: LifetimeMeter | None, ptr: int | None) -> None:
-        self.t, self.meter, self.ptr = t, meter, ptr
-
-    def __del__(self) -> None:
-        if self.meter is not None:
-            self.meter._release(self.ptr)
 
 
 class PeerChunk(torch.nn.Module):
