@@ -47,9 +47,8 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
         out += [bp.BenchConfig(n, s, k.zero_bubble) for s in strategies]
     if not a.no_method and "eager-1f1b" in names:
         out.append(bp.BenchConfig("eager-1f1b", "broadcast", True))
-    base = bp.BenchConfig("1f1b", "allgather", False)  # the baseline, whatever --strategies says
-    if base not in out:
-        out.insert(0, base)
+    base = bp.BenchConfig("1f1b", "allgather", False)  # the baseline, whatever --strategies says: first
+    out = [base] + [c for c in out if c != base]
     seen: list[bp.BenchConfig] = []
     for c in out:
         if c not in seen:
@@ -197,7 +196,18 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     t_start = time.monotonic()
     from megareshard.arguments import parse_args
 
-    cfgs = [parse_args(_model_argv(a, c, world), world_size=world) for c in configs]
+    cfgs, kept, failed = [], [], []
+    for c in configs:  # deterministic on every rank: a configuration the arguments refuse is reported, not run
+        try:
+            cfgs.append(parse_args(_model_argv(a, c, world), world_size=world))
+            kept.append(c)
+        except (ValueError, SystemExit) as e:  # ConfigError is a ValueError; argparse exits
+            failed.append({"name": c.name, "framework": "megareshard", "status": "not run",
+                           "reason": f"refused by the arguments: {e}"})
+    if not kept or kept[0].name != rep.BASELINE:
+        raise ValueError(f"the baseline {rep.BASELINE} cannot run: "
+                         + "; ".join(f["reason"] for f in failed if f["name"] == rep.BASELINE))
+    configs = kept
     ctx, placement = build_context(cfgs[0], world)
     trainer = Trainer(cfgs[0], ctx, torch.device("cpu"), out=__import__("io").StringIO())
     layouts = stage_layouts(cfgs[0], ctx.topology)
@@ -207,8 +217,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
                                                       record_trace=True), trainer))
     parts[0].rt.record_trace = True
     batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
-    failed: list[dict[str, Any]] = [{"name": n, "framework": "megareshard", "status": "not run", "reason": r}
-                                    for n, r in skipped]
+    failed += [{"name": n, "framework": "megareshard", "status": "not run", "reason": r} for n, r in skipped]
     # the peers: built and stepped once each (their probe, also the loss check); a failure is reported
     peer_names = [s.strip() for s in a.peers.split(",") if s.strip()]
     orders: dict[str, Any] = {}
