@@ -155,3 +155,38 @@ def test_smoke_peer_and_megareshard_losses_agree():
     ours, torchs = by["1f1b+allgather"]["act_peak_bytes"], by["torch Schedule1F1B"]["act_peak_bytes"]
     assert torchs == pytest.approx(ours, rel=0.1) and all(t >= o for t, o in zip(torchs, ours))
     assert by["torch ScheduleZBVZeroBubble"]["predicted_ms"] and by["torch Schedule1F1B"]["predicted_ms"]
+
+
+def test_grid_records_every_point_and_its_worker_arguments_parse(tmp_path, monkeypatch):
+    """The grid's bookkeeping without a cluster: each point's worker argv parses back to the grid's own
+    settings; a point that fails is kept as stopped with its reason; JSON and picture are written."""
+    import emulate_cluster
+
+    monkeypatch.setattr(emulate_cluster, "check_privileges", lambda: None)
+    recs = [_rec("1f1b+allgather", "megareshard", [200, 210], "allgather"),
+            _rec("torch Schedule1F1B", "torch", [240, 250], "p2p")]
+    calls = []
+
+    def fake_point(cmd, timeout_s):
+        worker = cmd[cmd.index("--") + 2:]
+        wa = bpe.build_parser().parse_args(worker)
+        calls.append((wa.tp, wa.nic_gbps, wa.strategies, wa.iters, wa.pace))
+        if wa.nic_gbps == 0.01:
+            return 1, None  # a failed point: no JSON
+        run = {"kind": rep.RUN_KIND, "status": "complete", "records": [dict(r) for r in recs], "budgets_ms": None,
+               "setup": {"cluster": "x", "pp": 4, "tp": wa.tp, "microbatches": 8, "micro_batch_size": 2,
+                         "seq_length": 64, "num_layers": 8, "hidden_size": 128, "nic_gbps": wa.nic_gbps}}
+        run["summary"] = rep.fill_ratios(run["records"], None)
+        Path(worker[worker.index("--json") + 1]).write_text(json.dumps(run))
+        return 0, None
+
+    monkeypatch.setattr(bpe.bp, "_run_point", fake_point)
+    out, pic = tmp_path / "peers.json", tmp_path / "peers.png"
+    assert bpe.main(["--grid", "--rates", "10,40", "--grid-tp", "1,2", "--results", str(out),
+                     "--picture", str(pic)]) == 0
+    assert sorted(calls) == sorted((tp, r, "broadcast", 3, "auto") for tp in (1, 2) for r in (0.01, 0.04))
+    grid = rep.load_json(str(out))
+    st = {(p["tp"], p["rate_mbit"]): p for p in grid["points"]}
+    assert st[(1, 10.0)]["status"] == "stopped" and st[(1, 10.0)]["reason"] == "exit code 1"
+    assert st[(2, 40.0)]["status"] == "complete" and st[(2, 40.0)]["run"]["summary"]["torch_best"]
+    assert pic.stat().st_size > 0
