@@ -504,14 +504,15 @@ class Trainer:
 
     def _show_activations(self) -> None:
         """Pipeline runs: every stage's measured and simulated peak activations in one line and in the trace."""
-        if self.pipeline is None or not self.records or self.memory is None:
-            return
-        measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
-        simulated = memory_view.simulated_inflight(self.pipeline, self.cfg.num_microbatches(self.world_size))
-        nbytes = [m.activations for m in self.memory]
-        if self.reporting:
-            print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
-        self._write_trace(memory_view.memory_records(nbytes, measured, simulated))
+        records: list[dict[str, Any]] = []
+        if self.pipeline is not None and self.records and self.memory is not None:
+            measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
+            simulated = memory_view.simulated_inflight(self.pipeline, self.cfg.num_microbatches(self.world_size))
+            nbytes = [m.activations for m in self.memory]
+            if self.reporting:
+                print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
+            records = memory_view.memory_records(nbytes, measured, simulated)
+        self._write_trace(records)
 
     def _write_trace(self, memory: list[dict[str, Any]] = ()) -> None:
         path = self.cfg.pipeline.pipeline_trace

@@ -317,7 +317,7 @@ class PipelineRuntime:
         return self._programs[key]
 
     def describe(self) -> str:
-        what = (f"the schedule file's {self.schedule_file.name or 'schedule'}" if self.schedule_file is not None
+        what = (f"the schedule file's {self.schedule_file.name or 'program'}" if self.schedule_file is not None
                 else f"schedule {self.schedule_name}{' + delayed weight gradients' if self.delay_wgrad else ''}")
         lines = [f"pipeline: {self.num_stages} stages, {what}"
                  + (", each stage's gradient reduction started by an R action" if self.grad_reduce_handler else "")]
