@@ -20,7 +20,8 @@ import torch
 
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.parallel import ParallelContext, Topology
-from megareshard.pipeline import Action, ActionKind, Costs, Schedule, ScheduleError, generate, lower, simulate, validate
+from megareshard.pipeline import (Action, ActionKind, Costs, PipelineGraph, Schedule, ScheduleError, generate, lower,
+                                  simulate, validate)
 from megareshard.pipeline.grad_reduce import insert_grad_reduce
 from megareshard.pipeline.schedule import parse_action
 from megareshard.pipeline.schedule_io import load_schedule_file
@@ -130,6 +131,17 @@ def test_flags(tmp_path):
                    world_size=WORLD)
     assert parse_args(_argv("--pipeline-schedule-file", str(path), schedule=None),
                       world_size=WORLD).pipeline.pipeline_schedule_file == str(path)
+    bad = tmp_path / "bad.csv"  # refused at start-up, before any process group or model exists
+    bad.write_text(generate("1f1b", PP, M).to_csv().replace("1,F0,B0,F1,B1,F2,B2", "1,F0,B0,F1,B1,B2,F2"))
+    with pytest.raises(ConfigError, match=r"bad.csv: mesh 1 action 4 'B2@1': backward before its forward"):
+        parse_args(_argv("--pipeline-schedule-file", str(bad), schedule=None), world_size=WORLD)
+    with pytest.raises(ConfigError, match="written for 4 microbatches but this run has 2"):
+        parse_args(_argv("--pipeline-schedule-file", str(path), "--global-batch-size", "4", schedule=None),
+                   world_size=WORLD)
+    # the model's stage graph (a U-Transformer has skip edges) is checked when the runtime is built
+    with pytest.raises(ConfigError, match=r"its skip edges \(none\) are not the model's \(0->1:skip0\)"):
+        load_schedule_file(str(path), num_meshes=PP, num_microbatches=M,
+                           graph=PipelineGraph(PP, ((0, 1, "skip0"),)))
     for zero in ("0", "1", "2"):  # pp > 1: every ZeRO stage overlaps through R
         cfg = parse_args(_argv("--overlap-grad-reduce", "--zero-stage", zero), world_size=WORLD)
         assert cfg.memory.zero_stage == int(zero)
