@@ -6,8 +6,10 @@ before the optimizer step. Placed by this pass right after the stage's last back
 (B, or W under delayed weight gradients) and the sends that follow it, so the reduction of a
 stage that finishes early overlaps the rest of the pipeline — the later stages' tails, the
 sends still draining, and (with several stages per mesh) the mesh's other stages. That is
-what Megatron-LM's ``--overlap-grad-reduce`` means under pipeline parallelism: each model
-chunk's buckets go out once its last microbatch's backward is done.
+what Megatron-LM's ``--overlap-grad-reduce`` means under pipeline parallelism — gradients are
+reduced once per iteration, after a model chunk's last microbatch, overlapping what follows —
+at the granularity of a stage: Megatron launches each bucket from a hook during that last
+backward, R launches all of the stage's buckets right after it.
 
 The runtime runs ``R`` through a handler the trainer registers
 (``PipelineRuntime.grad_reduce_handler = fn(stage)``); every rank of a mesh runs the same

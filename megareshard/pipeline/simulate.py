@@ -132,7 +132,8 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        ends = [iv.end for row in self.compute for iv in row] + [c.end for c in self.comm] + [r.end for r in self.reduce]
+        ends = ([iv.end for row in self.compute for iv in row] + [c.end for c in self.comm]
+                + [r.end for r in self.reduce])
         starts = ([iv.start for row in self.compute for iv in row] + [c.start for c in self.comm]
                   + [r.start for r in self.reduce])
         return (max(ends) - min(starts)) if ends else 0.0

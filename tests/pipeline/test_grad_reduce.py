@@ -98,7 +98,8 @@ def test_schedule_file_forms_and_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"mesh 0 action 1 'X1': cannot parse action"):
         load_schedule_file(str(garbled), num_meshes=PP, num_microbatches=M)
     stuck = tmp_path / "stuck.txt"  # stage 0 waits for B0's gradient, stage 1 for F1's activation first
-    stuck.write_text(text.replace("stage 0: F0 F1 B0", "stage 0: F0 B0 F1").replace("stage 1: F0 B0 F1", "stage 1: F0 F1 B0"))
+    stuck.write_text(text.replace("stage 0: F0 F1 B0", "stage 0: F0 B0 F1")
+                     .replace("stage 1: F0 B0 F1", "stage 1: F0 F1 B0"))
     with pytest.raises(ConfigError, match=r"mesh 0 action 1 'B0@0': deadlock: waits for B0/I0 on stage 1"):
         load_schedule_file(str(stuck), num_meshes=PP, num_microbatches=M)
     with pytest.raises(ConfigError, match="written for 4 microbatches but this run has 8"):
