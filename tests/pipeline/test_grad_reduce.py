@@ -220,3 +220,16 @@ def test_trace_and_summary_show_peak_activations(launched):
     assert sorted(out["file"][3] for out in results) == [1, 1, 2, 2]  # per rank: two ranks per stage
     line = [ln for r in results for ln in r["file"][2].splitlines() if "peak activations per pipeline stage" in ln]
     assert len(line) == 1 and "2/2" in line[0] and "1/1" in line[0], line
+
+
+def test_plot_schedule_simulates_a_schedule_file(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import plot_schedule
+
+    path = tmp_path / "mine.csv"
+    insert_grad_reduce(generate("1f1b", PP, M)).save(path)
+    (tl,) = plot_schedule.build_timelines(plot_schedule.parse_args(["--schedule-file", str(path)]))
+    assert tl.name == "mine" and tl.peak_activations == [2, 1] and len(tl.reduce) == PP
