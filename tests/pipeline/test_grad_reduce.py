@@ -5,7 +5,8 @@ cost; the schedule file's forms and its one-line errors naming the offending act
 
 One 4-rank launch (pp 2 × dp 2, NCCL's rules checked): with and without --overlap-grad-reduce the
 trained parameters are bitwise equal — the same buckets reduced with the same arithmetic, only
-earlier — at ZeRO 0, 1 and 2 and with delayed weight gradients; the overlapped reductions are really
+earlier — at ZeRO 0, 1 and 2, with delayed weight gradients, and with tp 2 and sequence parallelism
+(the tp and tied-embedding reductions R runs between the buckets); the overlapped reductions are really
 in flight when the pipeline's program ends; a schedule file written from the generated 1f1b trains
 bitwise equal to --pipeline-schedule 1f1b; and the trace holds every stage's measured and simulated
 peak activations, in the order 1F1B implies.
@@ -157,14 +158,19 @@ CONFIGS = {
     "zero2": ["--zero-stage", "2"], "zero2+overlap": ["--zero-stage", "2", "--overlap-grad-reduce"],
     "dw": ["--delay-wgrad-compute"], "dw+overlap": ["--delay-wgrad-compute", "--overlap-grad-reduce"],
 }
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--delay-wgrad-compute"]  # tp 2 × pp 2, dp 1
 
 
 def _worker(rank, world, file_path, trace_path):
     ctx = ParallelContext.create(Topology(world, tp=1, pp=PP))
     out = {}
-    runs = [(k, _argv(*v)) for k, v in CONFIGS.items()]
-    runs.append(("file", _argv("--pipeline-schedule-file", file_path, "--pipeline-trace", trace_path, schedule=None)))
-    for name, argv in runs:
+    runs = [(k, _argv(*v), ctx) for k, v in CONFIGS.items()]
+    runs.append(("file", _argv("--pipeline-schedule-file", file_path, "--pipeline-trace", trace_path, schedule=None),
+                 ctx))
+    # R's sequence-parallel (tp) and tied-embedding reductions between the launched buckets
+    sp_ctx = ParallelContext.create(Topology(world, tp=2, pp=PP))
+    runs += [("sp", _argv(*SP), sp_ctx), ("sp+overlap", _argv(*SP, "--overlap-grad-reduce"), sp_ctx)]
+    for name, argv, ctx in runs:
         buf = io.StringIO()
         trainer = Trainer(parse_args(argv, world_size=world), ctx, torch.device("cpu"), out=buf)
         in_flight = []
@@ -189,7 +195,7 @@ def launched(tmp_path_factory):
     return results, json.loads(open(trace_path).read())
 
 
-@pytest.mark.parametrize("base", ["zero0", "zero1", "zero2", "dw"])
+@pytest.mark.parametrize("base", ["zero0", "zero1", "zero2", "dw", "sp"])
 def test_overlap_grad_reduce_is_bitwise_equal(launched, base):
     results, _ = launched
     for rank, out in enumerate(results):
