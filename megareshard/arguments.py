@@ -57,7 +57,11 @@ class PipelineConfig:
     reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
                                           "network model)")
     pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
-                                          "for tools/plot_schedule.py --trace")
+                                          "for tools/plot_schedule.py --trace; it also holds every stage's "
+                                          "measured and simulated peak activations (MEMORY records)")
+    pipeline_schedule_file: str | None = _f(None, "run the schedule written in this file (the schedule IR's text "
+                                                  "form, or CSV if it ends in .csv: one row per stage, one action "
+                                                  "per cell); validated at start-up; excludes --pipeline-schedule")
 
 
 @dataclass
@@ -67,10 +71,13 @@ class MemoryConfig:
     zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
     use_distributed_optimizer: bool = _f(False, "Megatron's distributed optimizer: shard the optimizer state over "
                                                 "dp and reduce-scatter gradients (= --zero-stage 1)")
-    overlap_grad_reduce: bool = _f(False, "reduce-scatter each gradient bucket during backward, as soon as it is "
-                                          "complete (every microbatch), instead of after the last backward; needs "
-                                          "--use-distributed-optimizer (which then runs as --zero-stage 2: full "
-                                          "gradients are freed as their buckets are reduced) or --zero-stage 2")
+    overlap_grad_reduce: bool = _f(False, "overlap the data-parallel gradient reduction with the backward. With "
+                                          "pp > 1: each stage starts its reduction (all-reduce, or ZeRO's "
+                                          "reduce-scatter) as an action right after its last backward, waited "
+                                          "before the optimizer step (any --zero-stage). With pp 1: each bucket "
+                                          "is reduce-scattered as soon as it is complete (every microbatch); "
+                                          "needs --use-distributed-optimizer (then run as --zero-stage 2) or "
+                                          "--zero-stage 2")
     bf16: bool = _f(False, "bf16 compute with fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
     loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
@@ -271,7 +278,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         for f in dataclasses.fields(cls):
             kind = _base_type(f.type)
             dest = f"{section}.{f.name}"
-            if kind is bool:
+            if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
+                group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
+                                   + f" (default {f.default})", choices=f.metadata.get("choices"))
+            elif kind is bool:
                 group.add_argument(_flag(f), dest=dest, action="store_true", default=f.default, help=f.metadata["help"])
             elif kind is list:
                 group.add_argument(_flag(f), dest=dest, nargs="+", default=f.default, help=f.metadata["help"],
@@ -295,6 +305,13 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
         old = used[0]
         new, why = DEPRECATED[old]
         raise ConfigError(f"{old} is deprecated: use {new} ({why})")
+    values = dict(values)
+    schedule, schedule_file = values.get("pipeline.pipeline_schedule"), values.get("pipeline.pipeline_schedule_file")
+    if schedule is not None and schedule_file is not None:
+        raise ConfigError(f"--pipeline-schedule {schedule} and --pipeline-schedule-file {schedule_file} conflict: "
+                          "the file is the schedule; give one of them")
+    if schedule is None:
+        values["pipeline.pipeline_schedule"] = PipelineConfig.pipeline_schedule
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
@@ -395,15 +412,18 @@ def validate(cfg: Config, world_size: int) -> Config:
     if mem.use_distributed_optimizer:
         if mem.zero_stage == 0:
             mem.zero_stage = 1
-        if mem.overlap_grad_reduce and mem.zero_stage == 1:
+        if mem.overlap_grad_reduce and mem.zero_stage == 1 and pp == 1:
             mem.zero_stage = 2
             cfg.notes.append("--use-distributed-optimizer with --overlap-grad-reduce runs as --zero-stage 2 (the "
                              "same reduce-scatter into optimizer shards, issued per bucket during backward; full "
                              "gradients are freed as they are reduced)")
-    if mem.overlap_grad_reduce and mem.zero_stage != 2:
+    if mem.overlap_grad_reduce and mem.zero_stage != 2 and pp == 1:
         raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 (got "
-                          f"--zero-stage {mem.zero_stage}): gradients are reduce-scattered into optimizer shards "
-                          "as their buckets complete")
+                          f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
+                          "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
+                          "ZeRO stage overlaps, through the pipeline's R action)")
+    if pl.pipeline_schedule_file is not None:
+        _validate_schedule_file(cfg, world_size)
     if mem.checkpoint_activations:
         if mem.recompute_activations or mem.recompute_granularity == "selective":
             raise ConfigError("--checkpoint-activations (every layer) conflicts with selective recomputation")
@@ -453,6 +473,24 @@ def validate(cfg: Config, world_size: int) -> Config:
                           "format, torch_dist (sharded, loadable into any layout)")
     _validate_checkpoint(cfg.checkpoint)
     return cfg
+
+
+def _validate_schedule_file(cfg: Config, world_size: int) -> None:
+    """--pipeline-schedule-file: the flags it cannot go with, then the file itself against pp and the
+    microbatch count (its stage graph is checked against the model's when the runtime is built)."""
+    pl, path = cfg.pipeline, cfg.pipeline.pipeline_schedule_file
+    if cfg.pp == 1:
+        raise ConfigError(f"--pipeline-schedule-file {path} needs --pipeline-model-parallel-size > 1")
+    if pl.delay_wgrad_compute:
+        raise ConfigError(f"--delay-wgrad-compute conflicts with --pipeline-schedule-file {path}: the file says "
+                          "where weight gradients run (write I and W actions instead of B)")
+    if cfg.parallel.auto_layout:
+        raise ConfigError(f"--auto-layout chooses the schedule itself; drop --pipeline-schedule-file {path} "
+                          "(or drop --auto-layout)")
+    from .pipeline.schedule_io import load_schedule_file
+
+    load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=cfg.num_microbatches(world_size),
+                       overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
 
 
 def _validate_schedule(t: "TrainingConfig") -> None:

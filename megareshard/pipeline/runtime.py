@@ -24,10 +24,14 @@ W(mb)      flush mb's store (this is where the weight gradients appear).
 SEND_B     start the backward resharder on the input gradient.
 =========  ===============================================================================
 
-After the list: the ``finalize_grads`` hook (sequence-parallel, data-parallel and tied-
-embedding gradient reductions — they start after the stage's last W, or B), then every
-pending send is waited, then the loss is summed over the pipeline group so every rank
-(in particular the logging rank, last stage tp0 dp0) holds it.
+R          (``--overlap-grad-reduce``) ``grad_reduce_handler(stage)``: the trainer starts the stage's
+           data-parallel gradient reduction asynchronously (`grad_reduce.py` places R right after
+           the stage's last W, or B); the trainer waits for it before the optimizer step.
+
+After the list: without R actions, the ``finalize_grads`` hook (sequence-parallel, data-parallel
+and tied-embedding gradient reductions, blocking), then every pending send is waited, then the
+loss is summed over the pipeline group so every rank (in particular the logging rank, last
+stage tp0 dp0) holds it.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import generate
+from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
 from .stage import StageLayout, chain_graph, hidden_global_shape
@@ -184,6 +189,7 @@ class _Step:
     stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
     reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
     freed: set[int] = field(default_factory=set)  # microbatches whose sent activation data was freed
+    live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
 
 
 class PipelineRuntime:
@@ -198,7 +204,7 @@ class PipelineRuntime:
     def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
                  comms: dict[Edge, EdgeComm], *, schedule: str, delay_wgrad: bool = False,
                  finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                 lookahead: int = 1) -> None:
+                 lookahead: int = 1, schedule_file: Schedule | None = None) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
         self.stage = ctx.pp_rank()
         self.num_stages = graph.num_stages
@@ -221,6 +227,11 @@ class PipelineRuntime:
                             if dp_of[e.src] != dp_of[e.dst]}
         self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
         self.finalize_grads = finalize_grads
+        # --overlap-grad-reduce: the trainer's fn(stage) that starts a stage's dp gradient reduction; when set,
+        # training programs get an R action per stage (grad_reduce.py) and finalize_grads is not called
+        self.grad_reduce_handler: Callable[[int], None] | None = None
+        # --pipeline-schedule-file: the validated schedule to run instead of generating one (schedule_io.py)
+        self.schedule_file = schedule_file
         self.record_trace = record_trace
         self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
@@ -258,22 +269,47 @@ class PipelineRuntime:
         layouts from ``layouts`` (source: the producing stage's mesh and hidden spec, destination:
         the consuming stage's), its own forward and backward resharders. Collective over the world.
         """
+        pl = cfg.pipeline
+        schedule_file = None
+        if pl.pipeline_schedule_file is not None:  # checked against the model's graph before any collective
+            from .schedule_io import load_schedule_file
+
+            schedule_file = load_schedule_file(pl.pipeline_schedule_file, num_meshes=ctx.pp_size,
+                                               num_microbatches=cfg.num_microbatches(ctx.world_size), graph=graph,
+                                               overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
         decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
                             layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges]
-        pl = cfg.pipeline
         comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
                                  chunks=pl.reshard_chunks)
         return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule,
-                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace)
+                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace,
+                   schedule_file=schedule_file)
+
+    def training_schedule(self, num_microbatches: int) -> Schedule:
+        """Every stage's lowered training program: the schedule file's or the generated one, with R actions
+        when a gradient-reduction handler is registered; validated."""
+        if self.schedule_file is not None:
+            sched = self.schedule_file
+            if sched.num_microbatches != num_microbatches:
+                raise ValueError(f"the schedule file is written for {sched.num_microbatches} microbatches, this "
+                                 f"step has {num_microbatches}")
+        else:
+            sched = generate(self.schedule_name, self.num_stages, num_microbatches, self.delay_wgrad, self.graph)
+        if self.grad_reduce_handler is not None:
+            sched = insert_grad_reduce(sched)
+        elif has_grad_reduce(sched):
+            raise ValueError("the schedule holds gradient-reduction (R) actions but no grad_reduce_handler is "
+                             "registered (--overlap-grad-reduce)")
+        low = sched if sched.is_lowered else lower(sched, lookahead=self.lookahead)
+        validate(low)
+        return low
 
     def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
         """This stage's lowered action list (cached per microbatch count)."""
-        key = (num_microbatches, train)
+        key = (num_microbatches, train, self.grad_reduce_handler is not None)
         if key not in self._programs:
             if train:
-                sched = generate(self.schedule_name, self.num_stages, num_microbatches, self.delay_wgrad, self.graph)
-                low = lower(sched, lookahead=self.lookahead)
-                validate(low)
+                low = self.training_schedule(num_microbatches)
             else:  # forward only (evaluation): every stage runs F0..F(m-1)
                 acts = [[Action(_K.F, j, s) for j in range(num_microbatches)] for s in range(self.num_stages)]
                 low = lower(Schedule(self.graph, num_microbatches, acts, "forward-only"), lookahead=self.lookahead)
@@ -281,8 +317,10 @@ class PipelineRuntime:
         return self._programs[key]
 
     def describe(self) -> str:
-        lines = [f"pipeline: {self.num_stages} stages, schedule {self.schedule_name}"
-                 f"{' + delayed weight gradients' if self.delay_wgrad else ''}"]
+        what = (f"the schedule file's {self.schedule_file.name or 'program'}" if self.schedule_file is not None
+                else f"schedule {self.schedule_name}{' + delayed weight gradients' if self.delay_wgrad else ''}")
+        lines = [f"pipeline: {self.num_stages} stages, {what}"
+                 + (", each stage's gradient reduction started by an R action" if self.grad_reduce_handler else "")]
         lines += ["  " + lay.describe() for lay in self.layouts]
         for e, c in self.comms.items():
             lines.append(f"  edge {e}: {c.decl.shape} {c.decl.dtype} {c.fwd.strategy} "
@@ -302,10 +340,13 @@ class PipelineRuntime:
         try:
             for a in prog:
                 with self._activity(a):
-                    if a.kind.is_compute:
+                    if a.kind.is_reduce:
+                        self._reduce_grads(a, st)
+                    elif a.kind.is_compute:
                         self._poll_sends(st)
                         t0 = time.time()
                         self._compute(model, a, st)
+                        self._count_live(a, st)
                         if self.pace is not None:
                             self._pad(a, t0, st)
                         if self.record_trace:
@@ -313,7 +354,7 @@ class PipelineRuntime:
                                              "start": t0, "end": time.time()})
                     else:
                         self._communicate(a, st)
-            if train and self.finalize_grads is not None:
+            if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
             for s in st.sends:
                 self._finish_send(s, st)
@@ -347,6 +388,27 @@ class PipelineRuntime:
         if self.watchdog is None:
             return contextlib.nullcontext()
         return self.watchdog.activity(f"stage {self.stage} action {a} (microbatch {a.mb})")
+
+    def _reduce_grads(self, a: Action, st: _Step) -> None:
+        """R: the trainer's handler starts stage ``a.stage``'s data-parallel gradient reduction (not waited here)."""
+        if self.grad_reduce_handler is None:  # pragma: no cover - training_schedule() refuses this program
+            raise RuntimeError(f"stage {a.stage}: R without a grad_reduce_handler")
+        t0 = time.time()
+        self.grad_reduce_handler(a.stage)
+        if self.record_trace:
+            st.trace.append({"stage": self.stage, "kind": "R", "mb": 0, "start": t0, "end": time.time()})
+
+    @staticmethod
+    def _count_live(a: Action, st: _Step) -> None:
+        """Activations held per the simulator's rule (F until B, or until W under delayed W): the measured
+        peak count of in-flight microbatches, ``last_stats['peak_inflight']``."""
+        if not st.train:
+            return
+        if a.kind == _K.F:
+            st.live.add((a.stage, a.mb))
+            st.stats["peak_inflight"] = max(st.stats.get("peak_inflight", 0), len(st.live))
+        elif a.kind in (_K.B, _K.W):
+            st.live.discard((a.stage, a.mb))
 
     # ---- compute ---------------------------------------------------------------------------------
     def _compute(self, model: torch.nn.Module, a: Action, st: _Step) -> None:
