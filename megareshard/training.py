@@ -37,8 +37,10 @@ from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
-from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
-from .tensor_parallel import sync_sequence_parallel_grads
+from .pipeline.chunks import build_chunks
+from .pipeline.stage import (build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts,
+                             stage_layouts, stage_placement)
+from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
 
@@ -183,6 +185,14 @@ class Trainer:
             layouts = self.model_spec.stage_layouts(cfg, ctx.topology) if cfg.pp > 1 else None
             self.model = self.model_spec.build_model(cfg, ctx, layouts, seed=cfg.training.seed, device=self.device,
                                                      **model_kwargs)
+        elif cfg.pp > 1 and len(stage_layouts(cfg, ctx.topology)) > cfg.pp:
+            # virtual stages: this rank's model chunks (one GPT part per stage on its mesh), one RNG stream set
+            layouts = stage_layouts(cfg, ctx.topology)
+            streams = RNGStreams.for_context(cfg.training.seed, ctx, self.device)
+            self.model = build_chunks(layouts, stage_placement(cfg, cfg.pp), ctx.pp_rank(),
+                                      lambda lay: build_stage_model(cfg, ctx, lay, seed=cfg.training.seed,
+                                                                    device=self.device, num_stages=len(layouts),
+                                                                    streams=streams, **model_kwargs))
         elif cfg.pp > 1:
             layouts = stage_layouts(cfg, ctx.topology)
             self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
@@ -338,6 +348,12 @@ class Trainer:
             return
         if not getattr(self.model, "tied_embedding", True):  # e.g. the U-Transformer: untied head
             return
+        place = self.pipeline.placement if self.pipeline is not None else None
+        if place is not None and place[0] == place[-1]:  # zbv: both ends on one mesh share one Parameter
+            return
+        if place is not None and (place[0], place[-1]) != (0, ctx.pp_size - 1):  # pragma: no cover
+            raise RuntimeError(f"the first and last stage sit on meshes {place[0]} and {place[-1]}; the tied "
+                               f"embedding is reduced over pp ranks 0 and {ctx.pp_size - 1}")
         w = self.model.output_weight()
         if w.grad is None:
             w.grad = torch.zeros_like(w)

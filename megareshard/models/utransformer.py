@@ -473,10 +473,19 @@ class UTransformerSpec:
         self.check(cfg)
         if layouts is None:
             return UTransformerModel(cfg.model, self.u, ctx, seed=seed, device=device, **model_kwargs)
-        lay = layouts[ctx.pp_rank()]
-        return UTransformerModel(cfg.model, self.u, ctx, seed=seed, pre_process=lay.stage == 0,
-                                 post_process=lay.stage == ctx.pp_size - 1, layer_range=lay.layer_range,
-                                 device=device, **model_kwargs)
+        last = len(layouts) - 1
+
+        def build(lay) -> UTransformerModel:
+            return UTransformerModel(cfg.model, self.u, ctx, seed=seed, pre_process=lay.stage == 0,
+                                     post_process=lay.stage == last, layer_range=lay.layer_range,
+                                     device=device, **model_kwargs)
+
+        if len(layouts) == ctx.pp_size:
+            return build(layouts[ctx.pp_rank()])
+        from ..pipeline.chunks import build_chunks  # virtual stages: this rank's chunks
+        from ..pipeline.stage import stage_placement
+
+        return build_chunks(layouts, stage_placement(cfg, ctx.pp_size), ctx.pp_rank(), build)
 
     def build_runtime(self, cfg: Config, ctx: ParallelContext, layouts: Sequence, *, finalize_grads=None,
                       record_trace: bool = False, dtype: torch.dtype = torch.float32):
