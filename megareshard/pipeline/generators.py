@@ -58,7 +58,7 @@ from typing import Callable
 
 from .schedule import Action, ActionKind, PipelineGraph, Schedule, ScheduleError
 
-__all__ = ["REGISTRY", "SCHEDULES", "RUNTIME_SCHEDULES", "WARMUP_SCHEDULES", "ScheduleKind", "generate", "forwards_before_first_backward",
+__all__ = ["REGISTRY", "SCHEDULES", "RUNTIME_SCHEDULES", "WARMUP_SCHEDULES", "forward_only", "ScheduleKind", "generate", "forwards_before_first_backward",
            "delay_weight_grads", "placement_of"]
 
 _K = ActionKind
@@ -316,3 +316,16 @@ def generate(name: str, num_stages: int, num_microbatches: int, delay_wgrad: boo
                          f"({V} per mesh)")
     sched = kind.build(P, m, V, graph)
     return delay_weight_grads(sched) if delay_wgrad and not kind.zero_bubble else sched
+
+
+def forward_only(graph: PipelineGraph, num_microbatches: int, placement: tuple[int, ...] | None = None) -> Schedule:
+    """Evaluation: each mesh runs its stages in model order, F0..F(m-1) on each (no backward).
+
+    Deadlock-free by construction: a stage's inputs come from earlier stages, which every mesh
+    runs first; `validate.dry_run` of the lowered schedule is empty (tests check it).
+    """
+    place = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
+    meshes = max(place) + 1
+    acts = [[Action(_K.F, j, s) for s in range(graph.num_stages) if place[s] == p for j in range(num_microbatches)]
+            for p in range(meshes)]
+    return Schedule(graph, num_microbatches, acts, "forward-only", place)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from .comm import EdgeComm, EdgeTensor, build_edge_comms
-from .generators import generate
+from .generators import forward_only, generate
 from .lowering import lower
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
 from .stage import StageLayout, chain_graph, hidden_global_shape
@@ -319,10 +319,7 @@ class PipelineRuntime:
                 low = lower(sched, lookahead=self.lookahead)
                 validate(low)
             else:  # forward only (evaluation): each mesh runs its stages in model order, F0..F(m-1) each
-                acts = [[Action(_K.F, j, s) for s in range(self.num_stages) if self.placement[s] == p
-                         for j in range(num_microbatches)] for p in range(self.num_meshes)]
-                low = lower(Schedule(self.graph, num_microbatches, acts, "forward-only", self.placement),
-                            lookahead=self.lookahead)
+                low = lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
             self._programs[key] = low.actions[self.stage]
         return self._programs[key]
 
