@@ -8,7 +8,7 @@ requires grad (exactly what a received tensor is), and its B hands the leaf's gr
 producer's received output gradient. Every other edge — the one from the last mesh back to the
 first included — is an ordinary cross-mesh resharding edge.
 
-Every rank of a mesh runs the same list (SPMD inside the stage: its tp collectives line
+Every rank of a mesh runs the same list (SPMD inside the mesh: its tp collectives line
 up because the lists are identical); stage boundaries go through the `EdgeComm`
 resharders built once per edge (`comm.py`). What each action does is the contract
 written down in `lowering.py`:
@@ -53,9 +53,9 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from .comm import EdgeComm, EdgeTensor, build_edge_comms
-from .generators import forward_only, generate
+from .generators import forward_only, generate, placement_of
 from .lowering import lower
-from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .schedule import Action, ActionKind, Edge, PipelineGraph
 from .stage import StageLayout, chain_graph, hidden_global_shape
 from .validate import validate
 
@@ -284,8 +284,6 @@ class PipelineRuntime:
         With virtual stages (``len(layouts) > pp``) the stages sit on the schedule's placement; edges
         between two stages of one mesh and layout are local hand-offs and get no resharders.
         """
-        from .generators import placement_of
-
         pl = cfg.pipeline
         P = ctx.pp_size
         if len(layouts) % P:
