@@ -64,7 +64,8 @@ def test_megatron_flags_resolve_the_virtual_stages_and_the_schedule():
      "--num-layers-per-virtual-pipeline-stage 1 and --num-virtual-stages-per-pipeline-rank 2 conflict"),
     (("--pipeline-schedule", "zbv", "--num-layers-per-stage", "2,2,2,2"),
      r"--num-layers-per-stage 2,2,2,2 must give 8 positive numbers \(one per stage, pp 4 × 2 virtual stages"),
-])
+], ids=["microbatches-off-groups", "layers-per-virtual-stage", "virtual-stage-count", "zbv-count", "interleaved-no-v",
+        "zb-h1-with-v", "two-flags", "zbv-layer-list"])
 def test_bad_combinations_are_refused_at_startup_with_the_numbers(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(_argv(*extra, pp=4), world_size=4)
