@@ -77,6 +77,8 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--fp8-margin": (_INT, "fp8 / Transformer Engine"),
     "--fp4-format": (_STR, "fp4"),
     "--rampup-batch-size": (dict(nargs="*", default=None), "batch-size ramp-up"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": (_INT, "microbatch groups other than pp per virtual "
+                                                                 "pipeline stage (interleaving groups by pp)"),
     "--use-torch-fsdp2": (_FLAG, "FSDP2"),
     "--use-custom-fsdp": (_FLAG, "Megatron FSDP"),
     "--mtp-num-layers": (_INT, "multi-token prediction"),

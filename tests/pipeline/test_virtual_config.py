@@ -127,3 +127,10 @@ def test_every_schedule_is_deadlock_free_for_every_allowed_microbatch_count(name
         seen.add((P, m, skip))
     assert {P for P, _, _ in seen} == {2, 3, 4} and max(m for _, m, _ in seen) == 12 and {s for *_, s in seen} == {
         False, True}
+
+
+def test_megatron_microbatch_group_size_is_refused_as_not_built():
+    with pytest.raises(ConfigError, match="not supported by megareshard: --microbatch-group-size-per-virtual-pipeline"
+                                          r"-stage \(microbatch groups other than pp"):
+        parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "2", "--microbatch-group-size-per-virtual-"
+                         "pipeline-stage", "4"), world_size=2)
