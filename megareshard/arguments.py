@@ -472,8 +472,9 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
     chunks per rank, ``--num-virtual-stages-per-pipeline-rank`` (older: ``--virtual-pipeline-model-
     parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
     interleaved schedule, so 1f1b and eager-1f1b run as interleaved-1f1b and eager-interleaved-1f1b.
-    zbv holds exactly 2 stages per rank. Sets ``virtual_pipeline_model_parallel_size`` (None or >= 2)
-    and the schedule; the microbatch count must be a multiple of pp for the interleaved kinds.
+    zbv holds exactly 2 stages per rank. Sets only the schedule (the flags stay as given, so validating
+    twice gives the same answer; `virtual_stages_per_rank` reads the count back); the microbatch count
+    must be a multiple of pp for the interleaved kinds.
     """
     from .pipeline.generators import REGISTRY
 
@@ -522,7 +523,6 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
     if vpp is not None and pp < 2:
         raise ConfigError(f"virtual pipeline stages ({vpp} per rank, --pipeline-schedule {name}) need "
                           f"--pipeline-model-parallel-size >= 2, got {pp}")
-    pl.virtual_pipeline_model_parallel_size = vpp
     t = cfg.training
     if kind.microbatch_multiple_of_pp and t.global_batch_size is not None:
         mbs = t.global_batch_size // (t.micro_batch_size * cfg.dp(world_size))
@@ -532,6 +532,22 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
                               f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
                               "chunks in groups of pp")
     return vpp or 1
+
+
+def virtual_stages_per_rank(cfg: Config) -> int:
+    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
+    stages the flags give (1: none). Pure: what `resolve_virtual_stages` checked."""
+    from .pipeline.generators import REGISTRY
+
+    pl = cfg.pipeline
+    kind = REGISTRY.get(pl.pipeline_schedule)
+    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        return kind.stages_per_mesh
+    if kind is not None and kind.stages_per_mesh == 1:
+        return 1
+    if pl.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
+    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
 def _validate_schedule(t: "TrainingConfig") -> None:

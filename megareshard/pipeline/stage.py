@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import Config, ConfigError
+from ..arguments import Config, ConfigError, virtual_stages_per_rank
 from ..parallel import ParallelContext, Topology
 from ..resharding import Mesh, ShardingSpec
 from .generators import REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, placement_of
@@ -105,12 +105,8 @@ def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
 
 
 def virtual_stages(cfg: Config) -> int:
-    """Stages per pipeline rank: 1, or the virtual stages resolved by the arguments (zbv: 2)."""
-    v = cfg.pipeline.virtual_pipeline_model_parallel_size
-    kind = REGISTRY.get(cfg.pipeline.pipeline_schedule)
-    if v is None and kind is not None and kind.stages_per_mesh is not None:
-        return kind.stages_per_mesh
-    return v or 1
+    """Stages per pipeline rank: 1, or the virtual stages the arguments resolved (zbv: 2)."""
+    return virtual_stages_per_rank(cfg)
 
 
 def stage_placement(cfg: Config, pp: int) -> tuple[int, ...]:

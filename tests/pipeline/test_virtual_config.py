@@ -8,10 +8,11 @@ import itertools
 import pytest
 
 from megareshard.arguments import ConfigError, parse_args
+from megareshard.arguments import validate as validate_args
 from megareshard.parallel import Topology
 from megareshard.pipeline import REGISTRY, PipelineGraph, generate, lower, placement_of, validate
 from megareshard.pipeline.generators import forward_only
-from megareshard.pipeline.stage import check_pipeline_config, stage_layouts
+from megareshard.pipeline.stage import check_pipeline_config, stage_layouts, virtual_stages
 from megareshard.pipeline.validate import dry_run
 
 
@@ -24,17 +25,18 @@ def _argv(*extra, layers=8, pp=2, gbs=8):
 def test_megatron_flags_resolve_the_virtual_stages_and_the_schedule():
     cfg = parse_args(_argv("--num-layers-per-virtual-pipeline-stage", "2"), world_size=2)
     # Megatron-LM: virtual stages = layers / pp / layers per virtual stage; they mean interleaving
-    assert cfg.pipeline.virtual_pipeline_model_parallel_size == 2
-    assert cfg.pipeline.pipeline_schedule == "interleaved-1f1b"
+    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("interleaved-1f1b", 2)
     assert any("runs --pipeline-schedule 1f1b as interleaved-1f1b" in n for n in cfg.notes)
+    notes = list(cfg.notes)
+    validate_args(cfg, 2)  # validating again changes nothing (the flags stay as given)
+    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg), cfg.notes) == ("interleaved-1f1b", 2, notes)
     cfg = parse_args(_argv("--virtual-pipeline-model-parallel-size", "4", "--pipeline-schedule", "eager-1f1b"),
                      world_size=2)
-    assert (cfg.pipeline.pipeline_schedule, cfg.pipeline.virtual_pipeline_model_parallel_size) == (
-        "eager-interleaved-1f1b", 4)
+    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("eager-interleaved-1f1b", 4)
     cfg = parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "1"), world_size=2)  # 1: none (Megatron)
-    assert (cfg.pipeline.pipeline_schedule, cfg.pipeline.virtual_pipeline_model_parallel_size) == ("1f1b", None)
+    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("1f1b", 1)
     cfg = parse_args(_argv("--pipeline-schedule", "zbv"), world_size=2)
-    assert cfg.pipeline.virtual_pipeline_model_parallel_size == 2
+    assert virtual_stages(cfg) == 2
     # Megatron's interleaved layer assignment: virtual stage v·P + p on mesh p; zbv the V shape
     cfg = parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "2"), world_size=4)
     lay = stage_layouts(cfg, Topology(4, tp=1, pp=2))
