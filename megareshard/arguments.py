@@ -46,10 +46,17 @@ class ParallelConfig:
 class PipelineConfig:
     """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
 
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; virtual-stage kinds are simulated "
-                                        "but not run yet)", choices=SCHEDULES)
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; with virtual stages 1f1b and "
+                                        "eager-1f1b run as their interleaved kinds)", choices=SCHEDULES)
     delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
-    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage (default: even split)")
+    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage, one per virtual stage "
+                                                "with virtual stages (default: even split)")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual pipeline stage (Megatron-LM): "
+                                                                 "virtual stages per rank = layers / pp / this")
+    virtual_pipeline_model_parallel_size: int | None = _f(None, "virtual pipeline stages (model chunks) per "
+                                                                "pipeline rank (Megatron-LM's older name)")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "virtual pipeline stages (model chunks) per pipeline "
+                                                                "rank (Megatron-LM's current name of the above)")
     reshard_strategy: str = _f("broadcast", "how tensors cross stages",
                                choices=("sendrecv", "allgather", "broadcast", "signal"))
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
@@ -392,18 +399,21 @@ def validate(cfg: Config, world_size: int) -> Config:
     if pp > m.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every "
                           "pipeline stage needs at least one Transformer layer")
+    vpp = resolve_virtual_stages(cfg, world_size)  # stages per rank: 1, or the virtual stages (sets the schedule)
+    stages = pp * vpp
+    what = f"--pipeline-model-parallel-size {pp}" if vpp == 1 else f"pp {pp} × {vpp} virtual stages = {stages}"
     if pl.num_layers_per_stage is not None:
         try:
             per_stage = [int(x) for x in pl.num_layers_per_stage.split(",")]
         except ValueError:
             raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage!r} must be comma-separated "
                               "integers, one per pipeline stage") from None
-        if len(per_stage) != pp or sum(per_stage) != m.num_layers or min(per_stage) < 1:
-            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {pp} positive numbers "
-                              f"(one per stage) adding up to --num-layers {m.num_layers}")
-    elif m.num_layers % pp:
-        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-                          "give --num-layers-per-stage for an uneven split")
+        if len(per_stage) != stages or sum(per_stage) != m.num_layers or min(per_stage) < 1:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {stages} positive numbers "
+                              f"(one per stage, {what}) adding up to --num-layers {m.num_layers}")
+    elif m.num_layers % stages:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by {what}; give --num-layers-per-stage "
+                          "for an uneven split")
     if pl.delay_wgrad_compute and pp == 1:
         raise ConfigError("--delay-wgrad-compute needs --pipeline-model-parallel-size > 1: delaying weight "
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
@@ -491,6 +501,91 @@ def _validate_schedule_file(cfg: Config, world_size: int) -> None:
 
     load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=cfg.num_microbatches(world_size),
                        overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+
+
+def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
+    """Virtual pipeline stages per rank (1: none) from Megatron-LM's flags, checked against the schedule.
+
+    Megatron-LM's meaning: ``--num-layers-per-virtual-pipeline-stage N`` gives ``layers / pp / N``
+    chunks per rank, ``--num-virtual-stages-per-pipeline-rank`` (older: ``--virtual-pipeline-model-
+    parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
+    interleaved schedule, so 1f1b and eager-1f1b run as interleaved-1f1b and eager-interleaved-1f1b.
+    zbv holds exactly 2 stages per rank. Sets only the schedule (the flags stay as given, so validating
+    twice gives the same answer; `virtual_stages_per_rank` reads the count back); the microbatch count
+    must be a multiple of pp for the interleaved kinds.
+    """
+    from .pipeline.generators import REGISTRY
+
+    pl, pp, m = cfg.pipeline, cfg.pp, cfg.model
+    given = [(f, v) for f, v in (("--num-layers-per-virtual-pipeline-stage", pl.num_layers_per_virtual_pipeline_stage),
+                                 ("--virtual-pipeline-model-parallel-size", pl.virtual_pipeline_model_parallel_size),
+                                 ("--num-virtual-stages-per-pipeline-rank", pl.num_virtual_stages_per_pipeline_rank))
+             if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{given[0][0]} {given[0][1]} and {given[1][0]} {given[1][1]} conflict: give one")
+    for f, v in given:
+        if v < 1:
+            raise ConfigError(f"{f} must be at least 1, got {v}")
+    vpp = None
+    if given and given[0][0] == "--num-layers-per-virtual-pipeline-stage":
+        n = given[0][1]
+        if m.num_layers % (pp * n):
+            raise ConfigError(f"--num-layers {m.num_layers} is not divisible into virtual stages of "
+                              f"--num-layers-per-virtual-pipeline-stage {n} on --pipeline-model-parallel-size {pp} "
+                              f"({m.num_layers} / ({pp} × {n}) is not an integer)")
+        vpp = m.num_layers // (pp * n)
+    elif given:
+        vpp = given[0][1]
+    vpp = None if vpp == 1 else vpp
+    name = pl.pipeline_schedule
+    kind = REGISTRY[name]
+    if vpp is not None and kind.stages_per_mesh == 1:
+        if name in ("1f1b", "eager-1f1b"):
+            new = "interleaved-1f1b" if name == "1f1b" else "eager-interleaved-1f1b"
+            cfg.notes.append(f"{given[0][0]} {given[0][1]} ({vpp} virtual stages per rank) runs --pipeline-schedule "
+                             f"{name} as {new} (Megatron-LM interleaves whenever there are virtual stages)")
+            pl.pipeline_schedule = name = new
+            kind = REGISTRY[name]
+        else:
+            raise ConfigError(f"--pipeline-schedule {name} holds one stage per rank but {given[0][0]} "
+                              f"{given[0][1]} asks for {vpp} virtual stages per rank; use interleaved-1f1b, "
+                              "eager-interleaved-1f1b or zbv")
+    if kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        if vpp is not None and vpp != kind.stages_per_mesh:
+            raise ConfigError(f"--pipeline-schedule {name} holds exactly {kind.stages_per_mesh} stages per rank (its "
+                              f"placement), but {given[0][0]} {given[0][1]} asks for {vpp}")
+        vpp = kind.stages_per_mesh
+    elif kind.stages_per_mesh is None and vpp is None:
+        raise ConfigError(f"--pipeline-schedule {name} interleaves virtual stages: give "
+                          "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank (>= 2)")
+    if vpp is not None and pp < 2:
+        raise ConfigError(f"virtual pipeline stages ({vpp} per rank, --pipeline-schedule {name}) need "
+                          f"--pipeline-model-parallel-size >= 2, got {pp}")
+    t = cfg.training
+    if kind.microbatch_multiple_of_pp and t.global_batch_size is not None:
+        mbs = t.global_batch_size // (t.micro_batch_size * cfg.dp(world_size))
+        if mbs % pp:
+            raise ConfigError(f"--pipeline-schedule {name}: {mbs} microbatches (global batch {t.global_batch_size} / "
+                              f"(micro batch {t.micro_batch_size} × dp {cfg.dp(world_size)})) are not a multiple of "
+                              f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
+                              "chunks in groups of pp")
+    return vpp or 1
+
+
+def virtual_stages_per_rank(cfg: Config) -> int:
+    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
+    stages the flags give (1: none). Pure: what `resolve_virtual_stages` checked."""
+    from .pipeline.generators import REGISTRY
+
+    pl = cfg.pipeline
+    kind = REGISTRY.get(pl.pipeline_schedule)
+    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        return kind.stages_per_mesh
+    if kind is not None and kind.stages_per_mesh == 1:
+        return 1
+    if pl.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
+    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
 def _validate_schedule(t: "TrainingConfig") -> None:

@@ -38,8 +38,10 @@ from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
-from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
-from .tensor_parallel import sync_sequence_parallel_grads
+from .pipeline.chunks import build_chunks
+from .pipeline.stage import (build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts,
+                             stage_layouts, stage_placement)
+from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
 
@@ -184,6 +186,14 @@ class Trainer:
             layouts = self.model_spec.stage_layouts(cfg, ctx.topology) if cfg.pp > 1 else None
             self.model = self.model_spec.build_model(cfg, ctx, layouts, seed=cfg.training.seed, device=self.device,
                                                      **model_kwargs)
+        elif cfg.pp > 1 and len(stage_layouts(cfg, ctx.topology)) > cfg.pp:
+            # virtual stages: this rank's model chunks (one GPT part per stage on its mesh), one RNG stream set
+            layouts = stage_layouts(cfg, ctx.topology)
+            streams = RNGStreams.for_context(cfg.training.seed, ctx, self.device)
+            self.model = build_chunks(layouts, stage_placement(cfg, cfg.pp), ctx.pp_rank(),
+                                      lambda lay: build_stage_model(cfg, ctx, lay, seed=cfg.training.seed,
+                                                                    device=self.device, num_stages=len(layouts),
+                                                                    streams=streams, **model_kwargs))
         elif cfg.pp > 1:
             layouts = stage_layouts(cfg, ctx.topology)
             self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
@@ -202,6 +212,7 @@ class Trainer:
         self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
         self.memory: list[MemoryReport] | None = None
         self._grad_reduce_started = False  # an R action started this step's dp reductions (--overlap-grad-reduce)
+        self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
             build_runtime = self.model_spec.build_runtime if self.model_spec is not None else PipelineRuntime.for_gpt
@@ -340,8 +351,15 @@ class Trainer:
         reduction, so they travel while the blocking ones run — the sequence-parallel all-reduce (tp) and the
         tied-embedding all-reduce (first + last stage, which waits for the other end) — then the rest.
         """
-        if stage != self.ctx.pp_rank():
-            raise RuntimeError(f"rank {self.ctx.rank} holds pipeline stage {self.ctx.pp_rank()}, not stage {stage}")
+        held = self.pipeline.stages
+        if stage not in held:
+            raise RuntimeError(f"rank {self.ctx.rank} holds pipeline stage(s) {list(held)}, not stage {stage}")
+        # with virtual stages one mesh's buckets span all of its chunks: the reduction starts at the R of the
+        # mesh's last stage to finish (per-chunk buckets are not built)
+        self._stages_reduced.add(stage)
+        if len(self._stages_reduced) < len(held):
+            return
+        self._stages_reduced.clear()
         self.optimizer.start_grad_sync(deferred=False)
         if self.model.sequence_parallel:
             sync_sequence_parallel_grads(self.model, self.ctx)
@@ -360,6 +378,12 @@ class Trainer:
             return
         if not getattr(self.model, "tied_embedding", True):  # e.g. the U-Transformer: untied head
             return
+        place = self.pipeline.placement if self.pipeline is not None else None
+        if place is not None and place[0] == place[-1]:  # zbv: both ends on one mesh share one Parameter
+            return
+        if place is not None and (place[0], place[-1]) != (0, ctx.pp_size - 1):  # pragma: no cover
+            raise RuntimeError(f"the first and last stage sit on meshes {place[0]} and {place[-1]}; the tied "
+                               f"embedding is reduced over pp ranks 0 and {ctx.pp_size - 1}")
         w = self.model.output_weight()
         if w.grad is None:
             w.grad = torch.zeros_like(w)

@@ -11,8 +11,8 @@
 No torch.distributed here; `runtime.py` executes lowered lists on real ranks.
 """
 
-from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, delay_weight_grads, forwards_before_first_backward,
-                         generate, placement_of)
+from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, WARMUP_SCHEDULES, delay_weight_grads,
+                         forwards_before_first_backward, generate, placement_of)
 from .grad_reduce import insert_grad_reduce
 from .lowering import lower
 from .schedule import (
@@ -38,6 +38,7 @@ __all__ = [
     "SCHEDULES",
     "REGISTRY",
     "RUNTIME_SCHEDULES",
+    "WARMUP_SCHEDULES",
     "placement_of",
     "generate",
     "delay_weight_grads",

@@ -57,7 +57,8 @@ def load_schedule_file(path: str, *, num_meshes: int, num_microbatches: int, gra
         raise ConfigError(f"{where}: {describe_error(e)}") from None
     if sched.virtual:
         raise ConfigError(f"{where}: its placement {list(sched.placement or ())} puts several stages on a mesh "
-                          "(virtual stages), which the runtime does not run yet")
+                          "(virtual stages); a schedule file runs one stage per mesh (the model chunks are built from "
+                          "--pipeline-schedule and the virtual-pipeline flags)")
     if sched.num_meshes != num_meshes:
         raise ConfigError(f"{where}: it has {sched.num_meshes} stage program(s) but --pipeline-model-parallel-size "
                           f"is {num_meshes}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..parallel import CommVolume, Topology, hosts_spanned
-from ..pipeline.generators import RUNTIME_SCHEDULES, forwards_before_first_backward, generate
+from ..pipeline.generators import RUNTIME_SCHEDULES, WARMUP_SCHEDULES, forwards_before_first_backward, generate
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
@@ -246,10 +246,12 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                         f"{cluster.devices_per_host} devices)")
     if model.hidden_size % model.num_attention_heads:
         raise PlanError(f"hidden size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
-    names = list(schedules) if schedules is not None else list(RUNTIME_SCHEDULES)
-    unknown = [s for s in names if s not in RUNTIME_SCHEDULES]
+    # the memory model counts live activations with the warm-up rule of the one-stage-per-rank schedules
+    plannable = [n for n in RUNTIME_SCHEDULES if n in WARMUP_SCHEDULES]
+    names = list(schedules) if schedules is not None else plannable
+    unknown = [s for s in names if s not in plannable]
     if unknown:
-        raise PlanError(f"schedule(s) {unknown} cannot be planned: the runtime executes {', '.join(RUNTIME_SCHEDULES)}")
+        raise PlanError(f"schedule(s) {unknown} cannot be planned: the planner models {', '.join(plannable)}")
     strategies = list(strategies)
     st = stats if stats is not None else {}
     st.update(enumerated=0, pruned_memory=0, simulated=0)
