@@ -5,7 +5,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * forward GEMM FLOPs of one Transformer layer: ``2·b·s·h·(h + 2·kv)`` (q, k, v), ``2·b·s·h²``
   (output projection), ``4·b·s²·h`` (scores and their product with V, counted non-causal as
   Megatron does), and the MLP ``2·b·s·h·f`` per matrix (2 matrices, 3 with SwiGLU); the
-  logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (input and weight
+  logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (``ClusterSpec.backward_factor``, measured by
+  the calibration) (input and weight
   gradients one forward each); full recomputation adds a forward to the backward. Divided by
   tp and by the device's achieved FLOP/s.
 * tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter with sequence
@@ -89,6 +90,8 @@ class ClusterSpec:
     """Intra-host link bandwidth per device, Gbit/s (NVLink 4: 450 GB/s)."""
     memory_reserve: float = 0.1
     """Share of device memory kept free (allocator fragmentation, workspaces, communicators)."""
+    backward_factor: float = 2.0
+    """A layer's backward time over its forward time (2: two GEMMs per forward GEMM; calibration measures it)."""
 
     @property
     def world(self) -> int:
@@ -164,7 +167,7 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
     tp_s = layers * tp_bytes_layer / c.intra_Bps
     f = fwd_flops / tp / c.flops + tp_s
-    bwd = 2 * fwd_flops / tp / c.flops + tp_s
+    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s
     if recompute:
         bwd += f
     params = layers * layer_params(m)

@@ -30,6 +30,8 @@ def table(rows: Sequence[Candidate], cluster: ClusterSpec) -> str:
         c = g[0]
         name = c.name.replace(c.strategy, "|".join(x.strategy for x in g)) if len(g) > 1 else c.name
         scored = "" if c.breakdown else " (est.)"
+        if not c.runtime:
+            name += " (simulated only)"
         out.append(f"| {i} | {name} | {c.step_s:.3f}{scored} | {c.tokens_per_s:,.0f} | {c.bubble:.2f} | "
                    f"{max(c.memory_gib):.1f} / {cluster.memory_bytes / 2**30:.0f} | {_gb(c.tp_bytes)} | "
                    f"{_gb(c.pp_nic_bytes)} | {_gb(c.dp_nic_bytes)} | {c.bottleneck or '—'} |")
