@@ -55,7 +55,8 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
                        ffn_hidden_size=m.ffn_hidden_size,
                        num_query_groups=m.num_query_groups if m.group_query_attention else None, swiglu=m.swiglu,
                        untied=m.untie_embeddings_and_output_weights,
-                       learned_positions=m.position_embedding_type == "learned_absolute")
+                       learned_positions=m.position_embedding_type == "learned_absolute",
+                       dtype_bytes=2 if (mem.bf16 or mem.fp16) else 4)
     if p.auto_layout_cluster:
         clash = [f for f, v, default in (("--auto-layout-device-tflops", p.auto_layout_device_tflops, 989.0),
                                          ("--auto-layout-nic-gbps", p.auto_layout_nic_gbps, 100.0),

@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from .costs import ClusterSpec, ModelShape
+from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_p2p", "calibrate"]
@@ -157,10 +157,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
     mm = measure_matmul(rows, h, f, iters=iters)
     layer = measure_layer(model, micro_batch, iters=iters)
-    layer_flops = (2 * rows * h * (h + 2 * model.kv) + 2 * rows * h * h + 4 * micro_batch * model.seq_length ** 2 * h
-                   + 2 * rows * h * f * (3 if model.swiglu else 2))
-    achieved = layer_flops / layer["forward_s"]
-    measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": layer_flops, "achieved_flops": achieved},
+    flops = layer_flops(model, micro_batch)
+    achieved = flops / layer["forward_s"]
+    measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
                                 "world": world, "devices_per_host": devices_per_host}
     intra = nic = None
     if dist.is_initialized():

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..resharding.network import NetworkModel
 
-__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params"]
+__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ class ModelShape:
     """Separate output layer instead of the tied word embedding."""
     learned_positions: bool = True
     """Learned absolute position embeddings (False: rotary or none)."""
+    dtype_bytes: int = 2
+    """Bytes of a weight or activation element in compute: 2 (bf16/fp16, fp32 master weights kept by the
+    optimizer) or 4 (fp32 training: no separate master copy)."""
 
     @property
     def ffn(self) -> int:
@@ -119,6 +122,13 @@ class ClusterSpec:
         return self.device_memory_gib * 2**30 * (1 - self.memory_reserve)
 
 
+def layer_flops(m: ModelShape, micro_batch: int) -> int:
+    """Forward GEMM FLOPs of one Transformer layer for one microbatch (the module docstring's terms)."""
+    b, s, h = micro_batch, m.seq_length, m.hidden_size
+    return (2 * b * s * h * (h + 2 * m.kv) + 2 * b * s * h * h + 4 * b * s * s * h
+            + 2 * b * s * h * m.ffn * (3 if m.swiglu else 2))
+
+
 def layer_params(m: ModelShape) -> int:
     """Parameters of one Transformer layer (weights, biases and two norms)."""
     h, f = m.hidden_size, m.ffn
@@ -160,10 +170,9 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
                 dp_crosses_hosts: bool, dp_ranks_per_host: int) -> StageCosts:
     """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term)."""
     b, s, h, V = micro_batch, m.seq_length, m.hidden_size, m.vocab_size
-    layer_fwd = (2 * b * s * h * (h + 2 * m.kv) + 2 * b * s * h * h + 4 * b * s * s * h
-                 + 2 * b * s * h * m.ffn * (3 if m.swiglu else 2))
+    layer_fwd = layer_flops(m, b)
     fwd_flops = layers * layer_fwd + (2 * b * s * h * V if last else 0)
-    act = b * s * h * 2  # bf16 activation of one layer boundary
+    act = b * s * h * m.dtype_bytes  # the activation of one layer boundary
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
     tp_s = layers * tp_bytes_layer / c.intra_Bps
     f = fwd_flops / tp / c.flops + tp_s
@@ -179,13 +188,16 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     per_dev = params // tp
     opt_div = dp if zero >= 1 else 1
     grad_div = dp if zero >= 2 else 1
-    static = 2 * per_dev + 4 * per_dev // grad_div + 12 * per_dev // opt_div
+    # weights in compute precision, fp32 gradients, Adam's two moments (+ fp32 master weights under mixed precision)
+    opt_bytes = 12 if m.dtype_bytes < 4 else 8
+    static = m.dtype_bytes * per_dev + 4 * per_dev // grad_div + opt_bytes * per_dev // opt_div
     if recompute:
         act_mb = layers * (2 * s * b * h // (tp if sequence_parallel else 1))
     elif sequence_parallel:
         act_mb = layers * 34 * s * b * h // tp
     else:
         act_mb = layers * s * b * h * (10 + 24 // tp)
+    act_mb = act_mb * m.dtype_bytes // 2  # Korthikanti et al.'s bytes are for 2-byte activations
     extra = 4 * s * b * V // tp if last else 0
     grads = 4 * per_dev
     ring = _ring(dp, grads)

@@ -303,7 +303,8 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
         key = (lay[i], lay[j], off, sh.b, sh.sp, strategy, sh.order, cluster.world)
         if key not in cache:
             plan = plan_resharding(shape, stage_mesh(sh.topo, i), spec, stage_mesh(sh.topo, j), spec,
-                                   strategy=strategy, scheduler="loadbalance", itemsize=2, time_budget_s=0.05)
+                                   strategy=strategy, scheduler="loadbalance", itemsize=model.dtype_bytes,
+                                   time_budget_s=0.05)
             net = cluster.network
             cache[key] = (net.predict(plan, order="concurrent"),
                           int(max((max(a, b) for a, b in net.host_bytes(plan).values()), default=0)))
@@ -343,7 +344,7 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
         del lay
     share, nic = cache[key]
     max_dp = max(d for _, d in _mesh_layouts(sh))
-    nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * 2
+    nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
     return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps)
 
 
