@@ -6,7 +6,7 @@
     tools/validate_planner.py --from-json docs/results/planner_validation.json   # redraw the table and picture
 
 The grid is fixed in megareshard/planner/validation.py before anything runs: two GPT shapes on
-4 hosts × 2 ranks at 20 and 200 Mbit/s per NIC direction. For every point:
+4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction. For every point:
 
 1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
    matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
     p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
-    p.add_argument("--point-timeout", type=float, default=360.0, help="stop one launch after this many seconds")
+    p.add_argument("--point-timeout", type=float, default=240.0, help="stop one launch after this many seconds")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:

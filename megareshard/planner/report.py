@@ -47,9 +47,13 @@ def draw_layout(c: Candidate, cluster: ClusterSpec, path: str) -> None:
     import matplotlib.pyplot as plt
 
     from ..parallel import Topology
+    from ..parallel.stage_topology import StageTopology
 
-    topo = Topology(cluster.world, tp=c.tp, pp=c.pp, nproc_per_node=cluster.devices_per_host,
-                    order=tuple(c.order.split("-")))
+    if c.stage_layouts:  # per-stage meshes: contiguous rank blocks, tp innermost
+        topo = StageTopology(cluster.world, c.stage_layouts, nproc_per_node=cluster.devices_per_host)
+    else:
+        topo = Topology(cluster.world, tp=c.tp, pp=c.pp, nproc_per_node=cluster.devices_per_host,
+                        order=tuple(c.order.split("-")))
     H, D = cluster.hosts, cluster.devices_per_host
     by_stage: dict[int, list[int]] = {}
     for h in range(H):  # the hosts of each stage; at most two drawn per stage, the rest summarised

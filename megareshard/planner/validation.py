@@ -52,9 +52,9 @@ class GridPoint:
 _GPT_SMALL = ModelPoint("gpt-small", 4, 128, 4, 64, 512, 8)
 _GPT_WIDE = ModelPoint("gpt-wide", 4, 256, 8, 32, 1024, 8)
 # fixed before running: two GPT shapes (the second twice as wide, half the sequence: its stage boundaries carry
-# as many bytes, its gradients four times as many) on 4 hosts × 2 ranks, at a NIC rate where stage transfers and
-# the dp reduction cost as much as compute (20 Mbit/s) and one where compute dominates (200 Mbit/s)
-GRID: tuple[GridPoint, ...] = tuple(GridPoint(m, 4, 2, r) for m in (_GPT_SMALL, _GPT_WIDE) for r in (20.0, 200.0))
+# as many bytes, its layers four times the weights) on 4 hosts × 2 ranks, at a NIC rate where the dp reduction
+# and stage transfers cost about as much as compute (40 Mbit/s) and one where compute dominates (200 Mbit/s)
+GRID: tuple[GridPoint, ...] = tuple(GridPoint(m, 4, 2, r) for m in (_GPT_SMALL, _GPT_WIDE) for r in (40.0, 200.0))
 TOP_K = 4
 """The planner's best configurations run at every point."""
 SAMPLE = 8
@@ -63,7 +63,7 @@ SEED = 0
 PACE_MARGIN = 1.5
 """The emulated device is this much slower than the compute measured under the run's load, so a paced
 action's budget exceeds its real compute time (overruns are counted and reported)."""
-WARMUP, ITERS = 2, 4
+WARMUP, ITERS = 1, 3
 
 
 def _ranks(xs: Sequence[float]) -> list[float]:
