@@ -147,7 +147,7 @@ def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 <
 
 
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
-              iters: int = 3) -> tuple[ClusterSpec, dict[str, Any]]:
+              iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements."""
     import torch.distributed as dist
@@ -164,10 +164,10 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     intra = nic = None
     if dist.is_initialized():
         if devices_per_host > 1:
-            intra = measure_p2p(0, 1)
+            intra = measure_p2p(0, 1, target_s, iters=iters)
             measured["intra"] = intra
         if hosts > 1:
-            nic = measure_p2p(0, devices_per_host)
+            nic = measure_p2p(0, devices_per_host, target_s, iters=iters)
             measured["nic"] = nic
     defaults = ClusterSpec(1, 1)
     cluster = ClusterSpec(
