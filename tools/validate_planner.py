@@ -302,12 +302,12 @@ def tables(data: dict[str, Any]) -> str:
         out.append(f"| {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "
                    f"{100 * s['choice_gap']:+.1f} % | {met} |")
     for p in data["points"]:
-        out += ["", f"#### {p['key']}", "", "| # | why | configuration | predicted s | measured s | status |",
-                "|---|---|---|---|---|---|"]
+        out += ["", f"#### {p['key']}", "", "| # | why | configuration | predicted s | measured s | actions over "
+                "their paced budget | status |", "|---|---|---|---|---|---|---|"]
         for r in sorted(p.get("results", []), key=lambda r: r["rank"]):
             meas = f"{r['measured_s']:.3f}" if r.get("status") == "ok" else "—"
             out.append(f"| {r['rank']} | {r['why']} | {r['name']} | {r['predicted_s']:.3f} | {meas} | "
-                       f"{r['status']} |")
+                       f"{r.get('pace_overruns', '—')} | {r['status']} |")
     return "\n".join(out)
 
 

@@ -78,8 +78,9 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
                               nic_gbps=p.auto_layout_nic_gbps, intra_gbps=p.auto_layout_intra_gbps)
         source = "--auto-layout-* flags"
     # only what the runtime executes now; virtual-stage kinds also need the config to carry their V
-    has_virtual = hasattr(pl, "num_layers_per_virtual_pipeline_stage")
-    names = [n for n in runtime_schedules() if REGISTRY[n].stages_per_mesh == 1 or has_virtual]
+    holder = next(((o, f) for o in (pl, p) for f in ("num_layers_per_virtual_pipeline_stage",
+                                                     "num_virtual_stages_per_pipeline_rank") if hasattr(o, f)), None)
+    names = [n for n in runtime_schedules() if REGISTRY[n].stages_per_mesh is not None or holder]
     skipped = [n for n in REGISTRY if n not in names]
     stats: dict[str, int] = {}
     mbs = [b for b in (1, 2, 4, 8, 16) if t.global_batch_size % b == 0]
@@ -96,8 +97,10 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
     p.pipeline_model_parallel_size = best.pp
     p.sequence_parallel = best.sequence_parallel
     pl.num_layers_per_stage = ",".join(map(str, best.layers_per_stage)) if best.layers_per_stage else None
-    if best.virtual_stages > 1 and REGISTRY[best.schedule].stages_per_mesh is None:
-        pl.num_layers_per_virtual_pipeline_stage = m.num_layers // (best.pp * best.virtual_stages)
+    if best.virtual_stages > 1 and REGISTRY[best.schedule].stages_per_mesh is None and holder:
+        obj, name = holder  # Megatron's flag for V: layers per virtual stage, or virtual stages per rank
+        setattr(obj, name, m.num_layers // (best.pp * best.virtual_stages) if name.startswith("num_layers")
+                else best.virtual_stages)
     t.micro_batch_size = best.micro_batch
     pl.pipeline_schedule, pl.reshard_strategy = best.schedule, best.strategy
     pl.delay_wgrad_compute = best.delay_wgrad and not REGISTRY[best.schedule].zero_bubble

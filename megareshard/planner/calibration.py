@@ -103,12 +103,17 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     layer = next(iter(layer.layers.children()))
     x = torch.randn(model.seq_length, micro_batch, model.hidden_size, requires_grad=True)
     grad = torch.randn(model.seq_length, micro_batch, model.hidden_size)
-    fwd = _median_time(lambda: layer(x), iters)
-
-    def fb() -> None:
-        layer(x).backward(grad)
-    total = _median_time(fb, iters)
-    return {"micro_batch": micro_batch, "forward_s": fwd, "backward_s": max(total - fwd, 1e-9)}
+    fwd, bwd = [], []
+    for i in range(iters + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        y = layer(x)
+        t1 = time.perf_counter()
+        y.backward(grad)
+        t2 = time.perf_counter()
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd)}
 
 
 def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 << 20,

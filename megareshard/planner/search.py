@@ -430,9 +430,10 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
 
 def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
     out = []
+    single = next((n for n in names if REGISTRY[n].stages_per_mesh == 1), None)
     for name in names:
-        if sh.pp == 1 and name != names[0]:
-            continue  # one stage: every schedule is the same run
+        if sh.pp == 1 and name != single:
+            continue  # one stage: every one-stage-per-mesh schedule is the same run
         for v in virtual_options(name, sh.pp, num_layers, sh.m):
             if v > 1 and (sh.layouts or sh.uneven):
                 continue  # virtual stages on uniform meshes with an even split only
