@@ -292,11 +292,13 @@ def dry_run(points: Sequence[GridPoint]) -> int:
 
 
 def tables(data: dict[str, Any]) -> str:
-    out = ["| point | finished | Spearman | planner's choice | measured vs best | targets |", "|---|---|---|---|---|---|"]
+    out = ["| point | finished | Spearman | planner's choice | measured vs best | targets |",
+           "|---|---|---|---|---|---|"]
     for p in data["points"]:
         s = p.get("summary") or summarize(p.get("results", []))
         if "spearman" not in s:
-            out.append(f"| {p['key']} | {s['finished']}/{s['started']} | — | — | — | {p.get('status', 'too few')} |")
+            why = p.get("status", "too few finished")
+            out.append(f"| {p['key']} | {s['finished']}/{s['started']} | — | — | — | {why} |")
             continue
         met = "met" if s["spearman_target_met"] and s["choice_target_met"] else "NOT met"
         out.append(f"| {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "

@@ -5,9 +5,9 @@ The model comes from the model flags, the cluster from the launch (world size, p
 host) and the device (its memory), plus the ``--auto-layout-*`` flags for what cannot be
 measured at start-up (FLOP/s, network), or ``--auto-layout-cluster FILE``: the cluster JSON that
 ``tools/calibrate_cluster.py`` measured. Only schedules the pipeline runtime executes when it runs
-(``REGISTRY[name].runtime``) are applied; the start-up line names the others. Planning is pure and deterministic, so every rank
-chooses the same layout without communicating. Degrees given by hand are refused next to
-``--auto-layout`` rather than silently overridden.
+(``REGISTRY[name].runtime``) are applied; the start-up line names the others. Planning is pure and
+deterministic, so every rank chooses the same layout without communicating. Degrees given by hand are
+refused next to ``--auto-layout`` rather than silently overridden.
 """
 from __future__ import annotations
 

@@ -322,9 +322,8 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
     if sh.pp == 1:
         return 0.0
     copies = strategy == "sendrecv" and not sh.sp
-    key = (id(sh.topo), copies)
+    key = (sh.layouts or (sh.tp, sh.pp, sh.order), copies)  # the placement (one call: one world, one host size)
     if key not in cache:  # per boundary: (share of the tensor through the busiest NIC, True if any NIC)
-        lay = _mesh_layouts(sh)
         pairs = [(0, 1)] if not sh.layouts else [(i, i + 1) for i in range(sh.pp - 1)]
         worst = (0.0, False)
         for i, j in pairs:
@@ -341,7 +340,6 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
             if (share[1], share[0]) > (worst[1], worst[0]):
                 worst = share
         cache[key] = worst
-        del lay
     share, nic = cache[key]
     max_dp = max(d for _, d in _mesh_layouts(sh))
     nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
