@@ -56,6 +56,13 @@ def test_extrapolated_pipeline_equals_the_full_simulation() -> None:
         got, _ = _pipeline(name, dw, 4, 40, f, b, e, {})
         want = simulate(generate(name, 4, 40, dw), costs=Costs(f=list(f), b=list(b), comm=e)).makespan
         assert got == pytest.approx(want, rel=1e-9), name
+    f2, b2 = f + f[::-1], b + b[::-1]  # two stages per mesh
+    for name, dw, v in (("zb-h1", True, 1), ("interleaved-1f1b", False, 2), ("zbv", True, 2)):
+        ff, bb = (f2, b2) if v > 1 else (f, b)
+        got, _ = _pipeline(name, dw, 4, 48, ff, bb, e, {}, v)
+        sched = generate(name, 4, 48, dw, virtual_stages=2 if name == "interleaved-1f1b" else None)
+        want = simulate(sched, costs=Costs(f=list(ff), b=list(bb), comm=e)).makespan
+        assert got == pytest.approx(want, rel=1e-9), name
 
 
 def test_memory_prunes_and_every_result_fits() -> None:
