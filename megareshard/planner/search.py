@@ -283,51 +283,62 @@ def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int) -> 
                   None, v, cross=sh.cross)
 
 
+def _boundaries(sh: _Shape, cache: dict[tuple, list]) -> list[tuple[int, int, tuple, Any, Any]]:
+    """Every mesh boundary i -> i+1 with its host pattern (the two meshes' host grids, hosts renamed in order
+    of appearance: boundaries with one pattern cost the same) and the two meshes."""
+    key = ("boundaries", sh.layouts or (sh.tp, sh.pp, sh.order))
+    if key not in cache:
+        out = []
+        for i in range(sh.pp - 1):
+            src, dst = stage_mesh(sh.topo, i), stage_mesh(sh.topo, i + 1)
+            names: dict[int, int] = {}
+            pattern = tuple(tuple(names.setdefault(m.host_of(r), len(names)) for r in row)
+                            for m in (src, dst) for row in m.ranks)
+            out.append((i, i + 1, (src.shape, dst.shape, pattern), src, dst))
+        cache[key] = out
+    return cache[key]
+
+
 def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
-                  cache: dict[tuple, tuple[float, int]]) -> tuple[dict[str, float], int]:
+                  cache: dict[tuple, Any]) -> tuple[dict[str, float], int]:
     """Predicted seconds of every cross-mesh stage-boundary transfer (the resharding planner + network
-    model), keyed by the edge text of mesh boundaries ``"i->i+1"`` (and ``"*"`` for a uniform layout),
-    and the bytes through the busiest NIC side of one transfer."""
+    model), keyed by the edge text ``"i->i+1"``, or ``"*"`` when every boundary costs the same (and for
+    virtual stages: the slowest boundary), and the bytes through the busiest NIC side of one transfer."""
     if sh.pp == 1:
         return {"*": 0.0}, 0
-    lay = _mesh_layouts(sh)
-    D = cluster.devices_per_host
-    max_dp = max(d for _, d in lay)
+    max_dp = max(d for _, d in _mesh_layouts(sh))
     spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
     shape = (model.seq_length, sh.b * max_dp, model.hidden_size)
     out: dict[str, float] = {}
     busiest = 0
-    pairs = [(0, 1)] if not sh.layouts else [(i, i + 1) for i in range(sh.pp - 1)]
-    for i, j in pairs:
-        off = (sum(t * d for t, d in lay[:i]) % D) if sh.layouts else None
-        key = (lay[i], lay[j], off, sh.b, sh.sp, strategy, sh.order, cluster.world)
+    for i, j, pattern, src, dst in _boundaries(sh, cache):
+        key = ("edge", pattern, shape, sh.sp, strategy)
         if key not in cache:
-            plan = plan_resharding(shape, stage_mesh(sh.topo, i), spec, stage_mesh(sh.topo, j), spec,
-                                   strategy=strategy, scheduler="loadbalance", itemsize=model.dtype_bytes,
-                                   time_budget_s=0.05)
+            plan = plan_resharding(shape, src, spec, dst, spec, strategy=strategy, scheduler="loadbalance",
+                                   itemsize=model.dtype_bytes, time_budget_s=0.05)
             net = cluster.network
             cache[key] = (net.predict(plan, order="concurrent"),
                           int(max((max(a, b) for a, b in net.host_bytes(plan).values()), default=0)))
         t, nb = cache[key]
-        out["*" if not sh.layouts else f"{i}->{j}"] = t
+        out[f"{i}->{j}"] = t
         busiest = max(busiest, nb)
+    if len(set(out.values())) == 1 or sh.virtual > 1:
+        return {"*": max(out.values())}, busiest
     return out, busiest
 
 
 def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
-                cache: dict[tuple, float]) -> float:
+                cache: dict[tuple, Any]) -> float:
     """A quick estimate of the slowest stage-boundary transfer for the pre-rank (no resharding plan): every
     receiving host takes the rows (dp slices) of the tensor its ranks hold through its NIC (each tp rank
     its own copy under sendrecv without sequence parallelism), the sending hosts share the total."""
     if sh.pp == 1:
         return 0.0
     copies = strategy == "sendrecv" and not sh.sp
-    key = (sh.layouts or (sh.tp, sh.pp, sh.order), copies)  # the placement (one call: one world, one host size)
-    if key not in cache:  # per boundary: (share of the tensor through the busiest NIC, True if any NIC)
-        pairs = [(0, 1)] if not sh.layouts else [(i, i + 1) for i in range(sh.pp - 1)]
+    key = ("bound", sh.layouts or (sh.tp, sh.pp, sh.order), copies)
+    if key not in cache:  # (share of the tensor through the busiest NIC, True if any NIC) of the worst boundary
         worst = (0.0, False)
-        for i, j in pairs:
-            src, dst = stage_mesh(sh.topo, i), stage_mesh(sh.topo, j)
+        for i, j, pattern, src, dst in _boundaries(sh, cache):
             src_hosts = set(src.host_ids())
             need: dict[int, float] = {}
             for row in dst.ranks:
@@ -470,7 +481,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
     strategies = list(strategies)
     st = stats if stats is not None else {}
     st.update(enumerated=0, pruned_memory=0, simulated=0)
-    bounds: dict[tuple, float] = {}
+    bounds: dict[tuple, Any] = {}  # boundaries and their quick bounds, per placement
     limit = cluster.memory_bytes / 2**30
     # phase 1: every shape × schedule × delayed W × strategy that fits, as light tuples with its estimate
     Row = tuple[float, str, bool, str, list[int], list[float]]
@@ -519,7 +530,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                         "candidates pruned by memory; add devices, or allow recomputation / ZeRO")
     groups.sort(key=lambda x: x[0])
     # phase 2: the best shapes with the resharding planner's edges and the simulator; the rest as estimated
-    edge_cache: dict[tuple, tuple[float, int]] = {}
+    edge_cache = bounds  # the resharding planner's edge times, per host pattern
     sims: dict[tuple, tuple[float, Any]] = {}
     simulated: list[Candidate] = []
     rest: list[tuple[float, _Shape, tuple]] = []
