@@ -205,7 +205,9 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
                   f"(total {time.monotonic() - t_all:.0f} s)", flush=True)
             cal = os.path.join(tmp, f"{point.key}-cluster.json")
             rec: dict[str, Any] = {"key": point.key, "point": grid_json()[GRID.index(point)], "results": []}
-            rc = _run(_emulated(point, calibration_cmd(point, cal), a.point_timeout))
+            # the wall-time budget: what is left, shared by the points still to run
+            share = (a.budget_min * 60 - (time.monotonic() - t_all)) / (len(points) - n)
+            rc = _run(_emulated(point, calibration_cmd(point, cal), max(30.0, min(90.0, share / 3))))
             if rc or not os.path.exists(cal):
                 rec["status"] = f"calibration failed (exit code {rc})"
                 data["points"].append(rec)
@@ -224,7 +226,8 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
                            point.procs_per_host, "warmup": WARMUP, "iters": ITERS, "results": results}, f)
             print(f"[validate_planner] {point.key}: {len(configs)} of {n_ranked} configurations to run "
                   f"(estimate {estimate_wall_s([c['predicted_s'] for c in configs]):.0f} s)", flush=True)
-            rc = _run(_emulated(point, [str(Path(__file__).resolve()), "--worker", spec], a.point_timeout))
+            left = max(60.0, min(a.point_timeout, share - (time.monotonic() - t0)))
+            rc = _run(_emulated(point, [str(Path(__file__).resolve()), "--worker", spec], left))
             done = []
             if os.path.exists(results):
                 with open(results, encoding="utf-8") as f:
@@ -349,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
     p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
-    p.add_argument("--point-timeout", type=float, default=240.0, help="stop one launch after this many seconds")
+    p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
+    p.add_argument("--budget-min", type=float, default=14.0,
+                   help="wall-time budget of the whole grid: each point's launches stop at its share of what is left "
+                        "(the configurations they did not reach are reported as not finished)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
