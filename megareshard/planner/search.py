@@ -15,7 +15,8 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
    `variants.live_bound`) is dropped, with the reason counted.
 2. **Pre-rank**: ``(m + (P − 1)/V)·max_stage(F + B)`` against the NIC-bound ``2·m·t_edge`` (every
    stage sends m activations and m gradients), plus the exposed data-parallel reduction.
-3. **Score**: the best few shapes (every schedule × strategy × delayed W of each) run through
+3. **Score**: the best few shapes (every schedule × strategy × delayed W of each; then, while a shape's
+   estimate still beats the best simulated step, the next ones, up to four times as many) run through
    the pipeline simulator with the per-stage F/B times and the resharding planner's
    predicted transfer time per edge; long runs are extrapolated from steady-state
    simulations (the step grows linearly in m once every stage is in its steady phase; two
@@ -378,7 +379,9 @@ def _estimate_parts(sh: _Shape) -> tuple[float, float]:
 def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
     fb, dp = parts
     fill = (sh.pp - 1) * fb / (sh.virtual * (2 if REGISTRY[schedule].zero_bubble else 1))
-    return max(sh.m * fb, 2 * sh.m * edge_s) + fill + dp
+    # every mesh sends (and receives) one activation and one gradient per microbatch for each of its stages
+    # whose neighbour lies on another mesh: V of them under interleaving and in zbv's V
+    return max(sh.m * fb, 2 * sh.m * sh.virtual * edge_s) + fill + dp
 
 
 def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
@@ -534,10 +537,15 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
     sims: dict[tuple, tuple[float, Any]] = {}
     simulated: list[Candidate] = []
     rest: list[tuple[float, _Shape, tuple]] = []
-    for i, (_, sh, rows) in enumerate(groups):
-        if i >= top_shapes:
+    best = math.inf
+    scored = 0
+    for i, (est, sh, rows) in enumerate(groups):
+        # the `top_shapes` best estimates, and past them every shape whose estimate still beats the best
+        # simulated step (the estimate can be optimistic), up to 4 × top_shapes shapes in all
+        if not (i < top_shapes or (est < best and scored < 4 * top_shapes)):
             rest += [(r[0], sh, r) for r in rows]
             continue
+        scored += 1
         for row in rows:
             est, name, dw, strategy, live, mem = row
             edges, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
@@ -548,6 +556,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 continue
             c.tokens_per_s = global_batch * model.seq_length / c.step_s if c.step_s > 0 else 0.0
             simulated.append(c)
+            best = min(best, c.step_s)
     st["simulated"] = len(sims)
     rest.sort(key=lambda x: x[0])
     others = []
