@@ -132,3 +132,14 @@ def test_boundaries_that_cross_hosts_cost_more_than_those_inside_one() -> None:
     edges, _ = _edge_seconds(model, c, sh, "broadcast", {})
     assert set(edges) == {"0->1", "1->2", "2->3"}
     assert edges["1->2"] > 10 * edges["0->1"] and edges["0->1"] == edges["2->3"]
+
+
+def test_no_estimated_layout_ranks_below_a_slower_simulated_one() -> None:
+    """NIC-bound (1 Gbit/s, negligible compute): zbv sends two transfers per microbatch where 1F1B sends one;
+    the pre-rank must count them, and a shape whose estimate beats the best simulated step gets simulated."""
+    c = ClusterSpec(hosts=2, devices_per_host=2, nic_gbps=1)
+    ranked = plan_layouts(BIG_VOCAB, c, 16, micro_batches=(1,), zero_stages=(0,), recompute_options=(False,))
+    assert ranked[0].breakdown and ranked[0].step_s <= min(x.step_s for x in ranked) * (1 + 1e-9)
+    zbv = [x.step_s for x in ranked if x.schedule == "zbv"]
+    one = [x.step_s for x in ranked if x.schedule == "1f1b" and x.pp == 2]
+    assert zbv and one and min(zbv) > 1.5 * min(one)  # twice the transfers on the critical NIC
