@@ -183,7 +183,8 @@ def calibration_cmd(point: GridPoint, out: str) -> list[str]:
     m = point.model
     return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
             str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
-            str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", "2", "--json", out]
+            str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", "2", "--iters", "5",
+            "--json", out]
 
 
 def _run(cmd: list[str]) -> int:
