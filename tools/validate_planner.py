@@ -267,7 +267,7 @@ def dry_run(points: Sequence[GridPoint]) -> int:
     """Commands and wall time, from an in-process calibration of this machine (no processes, no network):
     the layer's measured speed shared by every rank of the point on this machine's cores."""
     from megareshard.planner import ClusterSpec, ModelShape
-    from megareshard.planner.calibration import measure_layer, measure_matmul
+    from megareshard.planner.calibration import measure_layer, measure_matmul, measure_optimizer
     from megareshard.planner.costs import layer_flops
 
     total = 0.0
@@ -282,7 +282,8 @@ def dry_run(points: Sequence[GridPoint]) -> int:
         cluster = ClusterSpec(point.hosts, point.procs_per_host, 4.0, mm["flops"] / 1e12,
                               min(1.0, layer_flops(shape, 2) / layer["forward_s"] / mm["flops"]) / share,
                               nic_gbps=point.rate_mbit / 1e3, intra_gbps=30.0,
-                              backward_factor=layer["backward_s"] / layer["forward_s"])
+                              backward_factor=layer["backward_s"] / layer["forward_s"],
+                              optimizer_s_per_param=measure_optimizer()["seconds_per_param"] * share)
         configs, n = plan_point(point, slowed(cluster))
         est = estimate_wall_s([c["predicted_s"] for c in configs])
         total += est

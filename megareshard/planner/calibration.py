@@ -7,6 +7,7 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
 * **per-layer forward and backward** of one Transformer layer of the model at its shape (our
   GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
   ``backward_factor`` = backward / forward;
+* **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
 * **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
   between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
   `target_s`), each direction reported as Gbit/s.
@@ -27,7 +28,7 @@ from typing import Any
 from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
-           "measure_p2p", "calibrate"]
+           "measure_optimizer", "measure_p2p", "calibrate"]
 
 CLUSTER_FORMAT = "megareshard-cluster/1"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
@@ -58,7 +59,8 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
     for k, v in kw.items():
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if k == "memory_reserve" else v > 0)
+        zero_ok = k in ("memory_reserve", "optimizer_s_per_param")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")
     missing = [k for k in ("hosts", "devices_per_host") if k not in kw]
@@ -116,6 +118,17 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd)}
 
 
+def measure_optimizer(params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
+    """Seconds per parameter of one AdamW step (fp32, the optimizer the trainer builds on CPU)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(params))
+    p.grad = torch.randn(params)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    s = _median_time(opt.step, iters)
+    return {"params": params, "seconds": s, "seconds_per_param": s / params}
+
+
 def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 << 20,
                 iters: int = 3) -> dict[str, float] | None:
     """Bytes per second from rank `src` to rank `dst` (gloo send/recv, median of `iters`); every rank calls it
@@ -162,9 +175,11 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
     mm = measure_matmul(rows, h, f, iters=iters)
     layer = measure_layer(model, micro_batch, iters=iters)
+    optim = measure_optimizer(iters=iters)
     flops = layer_flops(model, micro_batch)
     achieved = flops / layer["forward_s"]
     measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
+                                "optimizer": optim,
                                 "world": world, "devices_per_host": devices_per_host}
     intra = nic = None
     if dist.is_initialized():
@@ -180,6 +195,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         device_tflops=mm["flops"] / 1e12, efficiency=min(1.0, achieved / mm["flops"]),
         nic_gbps=nic["Bps"] * 8 / 1e9 if nic else defaults.nic_gbps,
         intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
-        backward_factor=layer["backward_s"] / layer["forward_s"])
+        backward_factor=layer["backward_s"] / layer["forward_s"],
+        optimizer_s_per_param=optim["seconds_per_param"])
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra)) if v is None]
     return cluster, measured

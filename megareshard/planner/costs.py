@@ -15,6 +15,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
   all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` per rank; a host's NIC carries
   it for every rank of the host whose dp ring leaves the host.
+* the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
+  seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
   moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2 —;
   activations per layer and microbatch ``34·s·b·h/tp`` bytes with sequence parallelism and
@@ -95,6 +97,9 @@ class ClusterSpec:
     """Share of device memory kept free (allocator fragmentation, workspaces, communicators)."""
     backward_factor: float = 2.0
     """A layer's backward time over its forward time (2: two GEMMs per forward GEMM; calibration measures it)."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of one optimizer step per parameter a device updates (calibration measures it; 0 leaves the
+    step out, as on GPUs where it is small next to the pipeline)."""
 
     @property
     def world(self) -> int:
@@ -159,6 +164,8 @@ class StageCosts:
     """The stage's gradient reduction per step (ring over dp, on the slowest link it crosses)."""
     dp_nic_bytes: int
     """Bytes the reduction moves through each NIC it crosses (per direction)."""
+    optimizer_s: float = 0.0
+    """The optimizer step of the parameters one device updates (its ZeRO shard)."""
 
 
 def _ring(n: int, nbytes: float) -> float:
@@ -209,4 +216,5 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
         dp_s = ring / c.intra_Bps
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
-                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic))
+                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic),
+                      optimizer_s=per_dev / opt_div * c.optimizer_s_per_param)

@@ -370,10 +370,11 @@ def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[flo
 
 
 def _estimate_parts(sh: _Shape) -> tuple[float, float]:
-    """(one mesh's compute per microbatch at its slowest, its data-parallel reduction at its slowest)."""
+    """(one mesh's compute per microbatch at its slowest, its data-parallel reduction and optimizer step at
+    their slowest)."""
     groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
     fb = max(sum(st.forward_s + st.backward_s for st in g) for g in groups)
-    return fb, max(sum(st.dp_seconds for st in g) for g in groups)
+    return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
 
 
 def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
@@ -425,7 +426,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     # each mesh's dp reduction starts after its last backward compute
     ends = [max((iv.end for iv in row), default=0.0) for row in tl.compute]
     exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
-    c.step_s = pipe + exposed
+    optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
+    c.step_s = pipe + exposed + optimizer
     busy = [m * sum(st.forward_s + st.backward_s for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
     peaks = tl.peak_activations
@@ -434,7 +436,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     c.memory_gib = [round(x, 2) for x in _memory(sh, placement, c.live_microbatches)]
     tp_s = m * max(sum(st.tp_bytes_per_mb for st in g) for g in groups) / cluster.intra_Bps
     c.breakdown = {"compute": max(0.0, max(busy) - tp_s), "tp collectives": tp_s,
-                   "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed}
+                   "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed,
+                   "optimizer step": optimizer}
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"

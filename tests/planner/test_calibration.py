@@ -26,6 +26,8 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     # a CPU core: between 10 MFLOP/s and 10 TFLOP/s; a layer never beats its own matmul rate by much
     assert 1e-5 < cluster.device_tflops < 10 and 0 < cluster.efficiency <= 1
     assert 0.5 < cluster.backward_factor < 20
+    # an Adam step touches ~16 bytes per parameter: between 0.01 ns and 10 µs per parameter on any CPU
+    assert 1e-11 < cluster.optimizer_s_per_param < 1e-5 and measured["optimizer"]["params"] == 1 << 20
     lay = measured["layer"]
     assert lay["forward_s"] > 0 and lay["backward_s"] > 0
     assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["forward_s"])
