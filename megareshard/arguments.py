@@ -40,6 +40,9 @@ class ParallelConfig:
     auto_layout_device_tflops: float = _f(989.0, "--auto-layout: peak dense bf16 TFLOP/s per device")
     auto_layout_nic_gbps: float = _f(100.0, "--auto-layout: NIC bandwidth per host and direction, Gbit/s")
     auto_layout_intra_gbps: float = _f(3600.0, "--auto-layout: intra-host bandwidth per device, Gbit/s")
+    auto_layout_cluster: str | None = _f(None, "--auto-layout: the cluster JSON tools/calibrate_cluster.py measured "
+                                               "(FLOP/s, per-layer times, intra-host and NIC bandwidth) instead of "
+                                               "the --auto-layout-* speeds")
 
 
 @dataclass
