@@ -346,7 +346,10 @@ class PipelineRuntime:
         for microbatch 3's activation from stage 0)."""
         if self.watchdog is None:
             return contextlib.nullcontext()
-        return self.watchdog.activity(f"stage {self.stage} action {a} (microbatch {a.mb})")
+        peer = a.peer
+        with_peer = "" if peer is None else \
+            f", peer stage {peer} on ranks {list(self.layouts[peer].mesh.flat_ranks)}"
+        return self.watchdog.activity(f"stage {self.stage} action {a} (microbatch {a.mb}{with_peer})")
 
     # ---- compute ---------------------------------------------------------------------------------
     def _compute(self, model: torch.nn.Module, a: Action, st: _Step) -> None:
