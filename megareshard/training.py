@@ -356,14 +356,14 @@ class Trainer:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         meter = ActivationMeter(exclude=self.model.parameters(), device=self.device) if self.memory is None else None
-        with meter if meter is not None else contextlib.nullcontext():
-            loss = self.forward_backward_fn(self.model, microbatches, self.device,
-                                            scale_loss=self.optimizer.scale_loss)
         fault = self._faults.get(self.iteration + 1)
-        if fault is not None:  # mid-iteration: the peers wait in this iteration's reductions
+        if fault is not None:  # the other ranks are inside this iteration's pipeline or reductions
             print(f" rank {self.ctx.rank}: injecting fault '{fault}' in iteration {self.iteration + 1} "
                   f"(MEGARESHARD_INJECT_FAULT)", file=self.out, flush=True)
             inject(fault)
+        with meter if meter is not None else contextlib.nullcontext():
+            loss = self.forward_backward_fn(self.model, microbatches, self.device,
+                                            scale_loss=self.optimizer.scale_loss)
         if not getattr(self.forward_backward_fn, "finalizes_grads", False):
             self.finalize_grads()
         with self._activity(f"stage {self.ctx.pp_rank()} optimizer step (gradient-norm all-reduce over all "
