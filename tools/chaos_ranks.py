@@ -55,9 +55,10 @@ REPORT_RE = re.compile(r"\[watchdog\] rank (\d+): '([^']*)' (failed after|has ru
 
 
 # ---- sizes ---------------------------------------------------------------------------------------
-def model_args(quick: bool) -> list[str]:
+def model_args(quick: bool, layers: int | None = None) -> list[str]:
     """A tiny GPT (quick) or a small one; dropout on, so the RNG state must resume exactly too."""
-    h, layers, seq = ("32", "3", "16") if quick else ("64", "4", "32")
+    h, seq = ("32", "16") if quick else ("64", "32")
+    layers = str(layers or (2 if quick else 4))
     return ["--mock-data", "--vocab-size", "100", "--num-layers", layers, "--hidden-size", h,
             "--num-attention-heads", "4", "--seq-length", seq, "--max-position-embeddings", seq,
             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
@@ -275,6 +276,8 @@ def trial_rank_killed_restart(workdir: str, quick: bool) -> dict[str, Any]:
     text = job.text()
     t_fault = job.first(r"injecting fault 'kill'")
     t_restart = job.first(r"checkpoint: loaded .*iter_")
+    t_detect = next((t for t, line in job.lines if t_fault is not None and t >= t_fault
+                     and re.search(r"\[watchdog\]|failed \(exitcode", line)), None)
     reports = _reports(text)
     diff = bitwise_diff(ref, os.path.join(ck, f"iter_{iters:07d}")) if code == 0 else f"torchrun exit {code}"
     its = metrics_iterations(metrics)
@@ -284,7 +287,8 @@ def trial_rank_killed_restart(workdir: str, quick: bool) -> dict[str, Any]:
             "how": (f"rank 1 SIGKILLed in iteration {fault_it}; survivor reports: "
                     + ("; ".join(f"rank {r} '{w}' {k}" for r, w, k in reports) or "none")
                     + f"; torchrun restarted the workers, which loaded iteration {last_save}"),
-            "detect_s": None if t_fault is None or t_restart is None else round(t_restart - t_fault, 2),
+            "detect_s": None if t_fault is None or t_detect is None else round(t_detect - t_fault, 2),
+            "restart_s": None if t_fault is None or t_restart is None else round(t_restart - t_fault, 2),
             "recovered": code == 0 and diff is None, "steps_lost": redone,
             "data_lost": "none: final weights and optimizer state bitwise equal to the uninterrupted run"
                          if diff is None else f"final state differs from the uninterrupted run: {diff}",
@@ -298,7 +302,8 @@ def _survivor_trial(workdir: str, quick: bool, kind: str) -> dict[str, Any]:
     iters, save_every, fault_it = (8, 2, 4) if quick else (12, 4, 7)
     timeout = comm_timeout(quick)
     ck = os.path.join(workdir, "ck")
-    argv = model_args(quick) + ["--pipeline-model-parallel-size", str(pp), "--comm-timeout", str(timeout),
+    argv = model_args(quick, layers=pp if quick else 4) + ["--pipeline-model-parallel-size", str(pp),
+                                                          "--comm-timeout", str(timeout),
                                 "--train-iters", str(iters), "--save", ck, "--save-interval", str(save_every)]
     jobs = launch_ranks(argv, world, workdir, kind, env={"MEGARESHARD_INJECT_FAULT": f"{kind}@{victim}:{fault_it}"})
     t_fault = jobs[victim].wait_line(r"injecting fault", 600)
@@ -428,12 +433,14 @@ def _node_missing(workdir: str, quick: bool, rdzv: str) -> dict[str, Any]:
     text = job.text()
     named = "missing node rank 1" in text and re.search(r"joined: node 0 on \S+", text) is not None
     t_start = job.first(r"megareshard pre-flight: node 0")
-    elapsed = round(job.exit_t - job.t0, 2) if job.exit_t else None
+    t_named = job.first(r"missing node rank")
+    elapsed = round(t_named - t_start, 2) if t_start is not None and t_named is not None else None
     msg = next((line for line in text.splitlines() if "did not join" in line), "no message")
     return {"fault": f"node-missing-{rdzv}", "detected": named and code not in (0, None),
             "how": f"node pre-flight before torchrun ({rdzv} rendezvous), exit {code}: {msg.strip()[:200]}",
             "detect_s": elapsed, "recovered": False, "steps_lost": 0,
             "data_lost": "none: nothing started", "exit_code": code, "timeout": timeout,
+            "wall_s": round(job.exit_t - job.t0, 2) if job.exit_t else None,
             "preflight_started": t_start is not None, "log": text}
 
 

@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence, TextIO
@@ -40,6 +41,11 @@ class NodeInfo:
     node_rank: int
     host: str
     pid: int
+
+    @classmethod
+    def parse(cls, text: str | bytes) -> "NodeInfo":
+        d = json.loads(text)
+        return cls(int(d["node_rank"]), str(d["host"]), int(d["pid"]))
 
 
 def _is_this_machine(addr: str) -> bool:
@@ -83,7 +89,7 @@ def node_preflight(nnodes: int, node_rank: int, addr: str, port: int, timeout_s:
     start = time.monotonic()
     store, hosting = _open_store(nnodes, node_rank, addr, port, timeout_s, rdzv)
     me = NodeInfo(node_rank, socket.gethostname(), os.getpid())
-    mine = json.dumps(me.__dict__)
+    mine = json.dumps({**me.__dict__, "nonce": uuid.uuid4().hex})  # two claims never look alike
     key = f"{_PREFIX}node/{node_rank}"
     keys = [f"{_PREFIX}node/{r}" for r in range(nnodes)]
     try:
@@ -105,19 +111,19 @@ def node_preflight(nnodes: int, node_rank: int, addr: str, port: int, timeout_s:
                 raise PreflightError(store.get(_PREFIX + "failed").decode())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(nnodes)) - set(present))
-                joined = [NodeInfo(**json.loads(store.get(keys[r]))) for r in present]
+                joined = [NodeInfo.parse(store.get(keys[r])) for r in present]
                 where = "; ".join(f"node {n.node_rank} on {n.host}" for n in joined)
                 verdict = (
                     f"pre-flight: {len(missing)} of {nnodes} nodes did not join within {timeout_s:.0f}s: missing "
                     f"node rank{'s' if len(missing) > 1 else ''} {_ranges(missing)}; joined: {where}. Did every "
                     f"node start this script with NNODES={nnodes} and its own NODE_RANK, and can it reach "
                     f"{addr}:{port}?")
-                if hosting:  # keep the store up a moment so the other nodes can read and report it too
+                if hosting and len(present) > 1:  # keep the store up so the nodes that joined report it too
                     store.set(_PREFIX + "failed", verdict)
                     time.sleep(min(2.0, timeout_s))
                 raise PreflightError(verdict)
             time.sleep(0.1)
-        infos = [NodeInfo(**json.loads(store.get(k))) for k in keys]
+        infos = [NodeInfo.parse(store.get(k)) for k in keys]
         store.add(_PREFIX + "done", 1)
         if hosting:  # the others read the result from this store: wait for them (bounded)
             until = time.monotonic() + 10.0

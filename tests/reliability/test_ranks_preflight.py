@@ -1,0 +1,66 @@
+"""Missing nodes named before torchrun blocks: examples/pretrain_gpt_distributed.sh with NNODES=2 where node 1
+never starts stops within the pre-flight timeout naming node rank 1 and the host that joined — on both
+rendezvous kinds the script offers (static master address/port, c10d)."""
+import socket
+import threading
+
+import pytest
+
+from megareshard.launch.node_preflight import node_preflight
+from megareshard.launch.preflight import PreflightError
+
+from ._ranks import chaos_ranks
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_missing_node_is_named_by_the_launch_script(tmp_path, rdzv):
+    r = chaos_ranks()._node_missing(str(tmp_path), True, rdzv)
+    log = r["log"]
+    assert r["exit_code"] == 1, log[-2000:]
+    assert f"1 of 2 nodes did not join within {r['timeout']}s: missing node rank 1; joined: node 0 on " \
+           f"{socket.gethostname()}" in log, log[-2000:]
+    assert "torch.distributed.run" not in log and "iteration" not in log   # torchrun never started
+    assert r["detect_s"] is not None and r["detect_s"] < r["timeout"] + 5
+
+
+def _node(results, rank, nnodes, port, rdzv, timeout=20.0):
+    try:
+        results[rank] = node_preflight(nnodes, rank, "127.0.0.1", port, timeout, rdzv, out=open("/dev/null", "w"))
+    except PreflightError as e:
+        results[rank] = e
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_nodes_that_all_join_pass_and_duplicates_are_refused(rdzv):
+    port = _free_port()
+    results = {}
+    threads = [threading.Thread(target=_node, args=(results, r, 3, port, rdzv)) for r in (2, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(results[r], list) and [n.node_rank for n in results[r]] == [0, 1, 2] for r in range(3)), \
+        results
+    if rdzv == "c10d":  # two nodes claiming node rank 0: the second is refused by name
+        dup = {}
+        port = _free_port()
+        first = threading.Thread(target=lambda: dup.update(a=_try(0, 2, port, rdzv)))
+        first.start()
+        first.join(0.5)
+        dup["b"] = _try(0, 2, port, rdzv)
+        first.join(60)
+        assert "node rank 0 is taken twice" in str(dup["b"]), dup
+        assert "missing node rank 1" in str(dup["a"]), dup
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _try(rank, nnodes, port, rdzv):
+    try:
+        return node_preflight(nnodes, rank, "127.0.0.1", port, 3.0, rdzv, out=open("/dev/null", "w"))
+    except PreflightError as e:
+        return e
