@@ -246,11 +246,16 @@ def metrics_iterations(path: str) -> list[int]:
         return [json.loads(line)["iteration"] for line in f if line.strip()]
 
 
+def run_job(argv: list[str], world: int, workdir: str, tag: str) -> list[int | None]:
+    """A clean training job of ``world`` ranks (no fault); every rank's exit code. The tests swap in
+    tests.harness.run_ranks (forked from a process that already imported torch: cheaper, same numerics)."""
+    return run_to_end(launch_ranks(argv, world, workdir, tag), 600)
+
+
 def reference_run(argv: list[str], world: int, workdir: str, train_iters: int) -> str:
     """The uninterrupted run (same flags, seed and layout), saved once at the end; returns its last checkpoint."""
     ref = os.path.join(workdir, "reference")
-    jobs = launch_ranks(argv + ["--train-iters", str(train_iters), "--save", ref], world, workdir, "reference")
-    codes = run_to_end(jobs, 600)
+    codes = run_job(argv + ["--train-iters", str(train_iters), "--save", ref], world, workdir, "reference")
     if codes != [0] * world:
         raise RuntimeError(f"the reference run failed: exit codes {codes}; see {workdir}/reference.rank*.log")
     return os.path.join(ref, f"iter_{train_iters:07d}")
@@ -406,8 +411,7 @@ def trial_preempted(workdir: str, quick: bool) -> dict[str, Any]:
     argv = _without(script_argv(env), "--save", "--load", "--save-interval", "--metrics-file", "--exit-signal-handler")
     diff, code2 = "not run", None
     if code == 0 and saved is not None:
-        nxt = launch_ranks(argv + ["--load", ck, "--save", ck], 2, workdir, "next-job")
-        codes = run_to_end(nxt, 600)
+        codes = run_job(argv + ["--load", ck, "--save", ck], 2, workdir, "next-job")
         code2 = 0 if codes == [0, 0] else codes
         ref = reference_run(_without(argv, "--train-iters"), 2, workdir, iters)
         diff = bitwise_diff(ref, os.path.join(ck, f"iter_{iters:07d}")) if code2 == 0 else f"next job: {codes}"
