@@ -518,7 +518,9 @@ def trial_nic_down(workdir: str, quick: bool) -> dict[str, Any]:
     ranks = sorted({r for r, _, _ in reports})
     t_rep = [t for t, line in tap.lines if "[watchdog] rank" in line]
     latest, verdict = latest_state(ck)
+    done = [int(m[1]) for m in re.finditer(r"iteration\s+(\d+)/", text)]
     detected = "t" in cut and ranks == [0, 1] and code != 0
+    base["steps_lost"] = max(done) - latest if done and latest is not None else None
     return {**base, "detected": detected,
             "how": (f"eth0 of {layout.host_ns(1)} down at iteration >= 3; exit {code}; reports: "
                     + ("; ".join(f"rank {r} '{w}' {k}" for r, w, k in reports) or "none")),

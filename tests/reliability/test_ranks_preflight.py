@@ -64,3 +64,27 @@ def _try(rank, nnodes, port, rdzv):
         return node_preflight(nnodes, rank, "127.0.0.1", port, 3.0, rdzv, out=open("/dev/null", "w"))
     except PreflightError as e:
         return e
+
+
+@pytest.mark.parametrize("rdzv", ["static", "c10d"])
+def test_dry_run_prints_the_node_preflight_before_torchrun(rdzv):
+    import os
+    import shlex
+    import subprocess
+
+    from ._ranks import ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29500", RDZV=rdzv,
+               PREFLIGHT_TIMEOUT="42")
+    out = subprocess.run(["bash", str(ROOT / "examples/pretrain_gpt_distributed.sh")], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip().splitlines()
+    pre, run = shlex.split(out[-2]), shlex.split(out[-1])
+    assert pre[1:3] == ["-m", "megareshard.launch.node_preflight"]
+    assert " ".join(pre[3:]) == f"--nnodes 2 --node-rank 1 --master-addr 10.1.2.3 --port 29501 --timeout 42 --rdzv {rdzv}"
+    assert run[1:3] == ["-m", "torch.distributed.run"] and "--max-restarts" in run
+    # single node: nothing to wait for, no pre-flight step
+    env.update(NNODES="1")
+    out = subprocess.run(["bash", str(ROOT / "examples/pretrain_gpt_distributed.sh")], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.strip().splitlines()
+    assert len(out) == 1 and "node_preflight" not in out[0]
