@@ -7,9 +7,8 @@ pipeline transfers or its share of the gradient reductions. Only the first attem
 0 or unset) injects: the restarted job must run clean.
 
 Kinds: ``kill`` (SIGKILL itself: a crash, an OOM kill), ``stop`` (SIGSTOP itself: a stalled
-process, a hung driver; it never resumes), ``term-launcher`` (SIGTERM to its parent process,
-the torchrun agent or the launch script's wrapper: what a scheduler's preemption notice does),
-``exit`` (``os._exit(3)``: a process that dies with an error code).
+process, a hung driver; it never resumes). Preemption is not injected from inside: a SIGTERM
+comes from outside (``tools/chaos_ranks.py`` signals the launch script).
 
 Unset, it costs one dictionary lookup per iteration.
 """
@@ -20,7 +19,7 @@ import signal
 from dataclasses import dataclass
 
 ENV = "MEGARESHARD_INJECT_FAULT"
-KINDS = ("kill", "stop", "term-launcher", "exit")
+KINDS = ("kill", "stop")
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,10 @@ def faults_for(rank: int) -> dict[int, str]:
 
 
 def inject(kind: str) -> None:
-    """Do ``kind`` to this process now (``kill`` and ``stop`` do not return)."""
+    """Do ``kind`` to this process now (neither returns: SIGSTOP is never followed by SIGCONT here)."""
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif kind == "term-launcher":
-        os.kill(os.getppid(), signal.SIGTERM)
-    elif kind == "exit":
-        os._exit(3)
     else:
         raise ValueError(f"unknown fault kind {kind!r}")
