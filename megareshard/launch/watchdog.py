@@ -28,6 +28,11 @@ class PeerFailure(RuntimeError):
     was cut off. The message holds the rank, the activity (stage, action, microbatch, peer) and the error."""
 
 
+# what gloo's and the store's errors say when a peer is gone (older torch raises plain RuntimeError)
+_GLOO_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Socket Timeout",
+                 "gloo/transport", "Broken pipe", "Connection refused")
+
+
 def is_communication_error(exc: BaseException) -> bool:
     """Errors that a dead, stopped or unreachable peer produces in torch.distributed (gloo/NCCL, the
     store) — including DCP's CheckpointException (a BaseException) that wraps one during a save."""
@@ -51,11 +56,6 @@ def is_communication_error(exc: BaseException) -> bool:
     return False
 
 
-# what gloo's and the store's errors say when a peer is gone (older torch raises plain RuntimeError)
-_GLOO_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Socket Timeout",
-                 "gloo/transport", "Broken pipe", "Connection refused")
-
-
 class Watchdog:
     """Tracks the current activity of this rank from a daemon thread."""
 
@@ -76,14 +76,15 @@ class Watchdog:
     @contextmanager
     def activity(self, what: str) -> Iterator[None]:
         """Mark ``what`` (e.g. 'stage 1 WAIT_F mb 3 from stage 0') as running on this rank."""
+        start = time.monotonic()
         with self._lock:
             previous = self._current
-            self._current = (what, time.monotonic())
+            self._current = (what, start)
         try:
             yield
         except BaseException as e:
             if self.failure is None and is_communication_error(e):  # innermost activity reports once
-                waited = time.monotonic() - self._current[1]
+                waited = time.monotonic() - start
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 self.failure = (f"rank {self.rank}: '{what}' failed after {waited:.1f}s: {type(e).__name__}: {first} "
                                 "(a peer rank died, stalled or lost its network)")

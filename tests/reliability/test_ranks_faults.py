@@ -38,3 +38,32 @@ def test_fault_spec_is_checked():
         parse_faults("explode@1:5")
     with pytest.raises(ValueError, match="ITERATION >= 1"):
         parse_faults("kill@1:0")
+
+
+def test_watchdog_reports_a_communication_error_once_and_ignores_others():
+    import io
+
+    from megareshard.launch import Watchdog, is_communication_error
+
+    out = io.StringIO()
+    dog = Watchdog(60, 3, out=out, on_fire=lambda code: None)
+    try:
+        with pytest.raises(ValueError):
+            with dog.activity("iteration 4"):
+                raise ValueError("token id 999 is outside the vocabulary")   # a bug or bad data: not a peer
+        assert dog.failure is None and out.getvalue() == ""
+        gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6050: "
+                            "Connection reset by peer")
+        with pytest.raises(RuntimeError):
+            with dog.activity("iteration 5"):
+                with dog.activity("stage 1 action WB0<-2 (microbatch 0, peer stage 2 on ranks [2])"):
+                    raise gloo
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            "[watchdog] rank 3: 'stage 1 action WB0<-2 (microbatch 0, peer stage 2 on ranks [2])' failed after ")
+        assert "Connection reset by peer" in lines[0] and dog.failure in lines[0]
+    finally:
+        dog.stop()
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = gloo
+    assert is_communication_error(wrapped) and not is_communication_error(KeyboardInterrupt())
