@@ -158,14 +158,34 @@ class Job:
             return next((t for t, line in self.lines if rx.search(line)), None)
 
     def kill(self) -> None:
-        """SIGKILL the process (and its process group when it leads one); SIGCONT first so a stopped one dies."""
-        if self.proc.poll() is None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(self.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+        """SIGKILL the process and everything it started (torchrun's workers run in sessions of their own, so
+        a process group is not enough)."""
+        if self.proc.poll() is not None:  # gone (its pid may be reused): nothing of ours to find below it
+            self.wait(10)
+            return
+        pids = _descendants(self.proc.pid) + [self.proc.pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)  # also ends a stopped process, without letting it run first
+            except ProcessLookupError:
+                pass
         self.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first found, from ``ps``)."""
+    res = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
+    children: dict[int, list[int]] = {}
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            children.setdefault(int(parts[1]), []).append(int(parts[0]))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 def launch_ranks(argv: list[str], world: int, workdir: str, tag: str, env: dict[str, str] | None = None,
