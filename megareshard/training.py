@@ -475,8 +475,8 @@ class Trainer:
             print(f" profiler trace of iterations {self.cfg.logging.profile_step_start + 1}-{self.iteration} written "
                   f"to {path} (one file per rank; open in Perfetto or chrome://tracing)", file=self.out, flush=True)
 
-    def _activity(self, what: str):
-        return self.watchdog.activity(what) if self.watchdog is not None else contextlib.nullcontext()
+    def _activity(self, what: str, timed: bool = True):
+        return self.watchdog.activity(what, timed) if self.watchdog is not None else contextlib.nullcontext()
 
     def _memory_lines(self) -> str:
         """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
@@ -509,8 +509,9 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Collective: save this iteration under --save (atomic; updates --save/latest)."""
+        # untimed: writing a large checkpoint may rightly outlast --comm-timeout; a peer's failure is still named
         with self._activity(f"saving checkpoint of iteration {self.iteration} to {self.cfg.checkpoint.save} "
-                            f"(collective over all {self.world_size} ranks)"):
+                            f"(collective over all {self.world_size} ranks)", timed=False):
             path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
                                          optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
                                          config=self.cfg, wandb_run_id=self.tracker.run_id)

@@ -66,7 +66,7 @@ class Watchdog:
         self.timeout_s, self.rank = timeout_s, rank
         self.out = out or sys.stderr
         self.on_fire = on_fire
-        self._current: tuple[str, float] | None = None
+        self._current: tuple[str, float, bool] | None = None  # (what, since, timed)
         self.failure: str | None = None  # the report of the first activity that ended in a communication error
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,12 +74,13 @@ class Watchdog:
         self._thread.start()
 
     @contextmanager
-    def activity(self, what: str) -> Iterator[None]:
-        """Mark ``what`` (e.g. 'stage 1 WAIT_F mb 3 from stage 0') as running on this rank."""
+    def activity(self, what: str, timed: bool = True) -> Iterator[None]:
+        """Mark ``what`` (e.g. 'stage 1 WAIT_F mb 3 from stage 0') as running on this rank. ``timed=False``:
+        no time limit (a checkpoint save may rightly outlast --comm-timeout), errors are still reported."""
         start = time.monotonic()
         with self._lock:
             previous = self._current
-            self._current = (what, start)
+            self._current = (what, start, timed)
         try:
             yield
         except BaseException as e:
@@ -101,9 +102,9 @@ class Watchdog:
                 current = self._current
             if current is None:
                 continue
-            what, since = current
+            what, since, timed = current
             waited = time.monotonic() - since
-            if waited > self.timeout_s:
+            if timed and waited > self.timeout_s:
                 print(f"[watchdog] rank {self.rank}: '{what}' has run for {waited:.1f}s, over --comm-timeout "
                       f"{self.timeout_s:g}s; stacks follow, then exit", file=self.out, flush=True)
                 try:

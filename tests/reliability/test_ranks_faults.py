@@ -67,3 +67,22 @@ def test_watchdog_reports_a_communication_error_once_and_ignores_others():
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = gloo
     assert is_communication_error(wrapped) and not is_communication_error(KeyboardInterrupt())
+
+
+def test_untimed_activity_never_fires_but_a_timed_one_does():
+    import io
+    import time
+
+    from megareshard.launch import Watchdog
+
+    fired = []
+    dog = Watchdog(0.2, 0, out=io.StringIO(), on_fire=fired.append)
+    try:
+        with dog.activity("saving checkpoint of iteration 4", timed=False):   # a large save may take long
+            time.sleep(0.7)
+        assert fired == []
+        with dog.activity("stage 0 action WF1<-1 (microbatch 1, peer stage 1 on ranks [1])"):
+            time.sleep(0.7)
+        assert fired == [1]
+    finally:
+        dog.stop()
