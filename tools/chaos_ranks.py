@@ -424,6 +424,7 @@ def trial_preempted(workdir: str, quick: bool) -> dict[str, Any]:
         job.proc.send_signal(signal.SIGTERM)
     code = job.wait(300)
     job.kill()
+    t_recv = job.first(r"SIGTERM received")
     ck = env["CHECKPOINT_PATH"]
     saved, verdict = latest_state(ck)
     m = re.search(r"exiting at iteration (\d+) on SIGTERM", job.text())
@@ -437,9 +438,12 @@ def trial_preempted(workdir: str, quick: bool) -> dict[str, Any]:
         diff = bitwise_diff(ref, os.path.join(ck, f"iter_{iters:07d}")) if code2 == 0 else f"next job: {codes}"
     detected = t_seen is not None and code == 0 and stopped_at is not None and saved == stopped_at
     return {"fault": "preempted", "detected": detected,
-            "how": (f"SIGTERM to examples/pretrain_gpt_distributed.sh at iteration >= 3: saved iteration {saved} "
-                    f"({verdict}), exit {code}" if t_seen is not None else "the run never reached iteration 3"),
-            "detect_s": round(job.exit_t - t_term, 2) if job.exit_t and t_seen is not None else None,
+            "how": (f"SIGTERM to examples/pretrain_gpt_distributed.sh at iteration >= 3: the ranks agreed at the next "
+                    f"iteration boundary, saved iteration {saved} ({verdict}), exit {code} "
+                    f"{round(job.exit_t - t_term, 1) if job.exit_t else '?'}s after the signal"
+                    if t_seen is not None else "the run never reached iteration 3"),
+            "detect_s": round(t_recv - t_term, 2) if t_recv is not None and t_seen is not None else None,
+            "exit_s": round(job.exit_t - t_term, 2) if job.exit_t and t_seen is not None else None,
             "recovered": diff is None, "steps_lost": 0 if detected else None,
             "data_lost": "none: the next job ends bitwise equal to the uninterrupted run" if diff is None
                          else f"the next job differs from the uninterrupted run: {diff}",
