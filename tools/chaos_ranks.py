@@ -348,8 +348,9 @@ def _survivor_trial(workdir: str, quick: bool, kind: str) -> dict[str, Any]:
         rep = _reports(j.text())
         per_rank[r] = {"code": codes[r], "exit_s": None if j.exit_t is None or t_fault is None
                        else round(j.exit_t - t_fault, 2), "report": rep[0] if rep else None,
-                       "last": j.text().splitlines()[-1:] }
-    ok = t_fault is not None and not hung and all(v["code"] not in (0, None) and v["report"] for v in per_rank.values())
+                       "last": j.text().splitlines()[-1:]}
+    ok = t_fault is not None and not hung and all(v["code"] not in (0, None) and v["report"]
+                                                  for v in per_rank.values())
     latest, verdict = latest_state(ck)
     last_save = (fault_it - 1) // save_every * save_every
     exits = [v["exit_s"] for v in per_rank.values() if v["exit_s"] is not None]
@@ -361,7 +362,8 @@ def _survivor_trial(workdir: str, quick: bool, kind: str) -> dict[str, Any]:
                 for r, v in per_rank.items()) + (f"; HUNG: ranks {hung}" if hung else "")),
             "detect_s": max(exits) if exits and not hung else None, "recovered": False,
             "steps_lost": fault_it - 1 - last_save,
-            "data_lost": (f"none: latest = iteration {latest}, complete" if verdict == "complete" and latest == last_save
+            "data_lost": (f"none: latest = iteration {latest}, complete"
+                          if verdict == "complete" and latest == last_save
                           else f"latest: {latest} ({verdict}), expected iteration {last_save}"),
             "per_rank": per_rank, "hung": hung, "latest": latest, "latest_verdict": verdict,
             "last_save": last_save, "limit_s": limit, "comm_timeout": timeout}

@@ -3,8 +3,8 @@
 ``MEGARESHARD_INJECT_FAULT=KIND@RANK:ITERATION`` (several separated by ``,``) makes global rank
 RANK do KIND in iteration ITERATION (1-based), as it is about to run its forward and backward
 (the learning rate already stepped): its peers are inside the same iteration, waiting for its
-pipeline transfers or its share of the gradient reductions. Only the first attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT``
-0 or unset) injects: the restarted job must run clean.
+pipeline transfers or its share of the gradient reductions. Only the first attempt of a torchrun
+job (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) injects: the restarted job must run clean.
 
 Kinds: ``kill`` (SIGKILL itself: a crash, an OOM kill), ``stop`` (SIGSTOP itself: a stalled
 process, a hung driver; it never resumes). Preemption is not injected from inside: a SIGTERM

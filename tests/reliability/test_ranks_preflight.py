@@ -1,6 +1,7 @@
 """Missing nodes named before torchrun blocks: examples/pretrain_gpt_distributed.sh with NNODES=2 where node 1
 never starts stops within the pre-flight timeout naming node rank 1 and the host that joined — on both
 rendezvous kinds the script offers (static master address/port, c10d)."""
+import io
 import socket
 import threading
 
@@ -24,10 +25,7 @@ def test_missing_node_is_named_by_the_launch_script(tmp_path, rdzv):
 
 
 def _node(results, rank, nnodes, port, rdzv, timeout=20.0):
-    try:
-        results[rank] = node_preflight(nnodes, rank, "127.0.0.1", port, timeout, rdzv, out=open("/dev/null", "w"))
-    except PreflightError as e:
-        results[rank] = e
+    results[rank] = _try(rank, nnodes, port, rdzv, timeout)
 
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
@@ -59,9 +57,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _try(rank, nnodes, port, rdzv):
+def _try(rank, nnodes, port, rdzv, timeout=3.0):
+    """One node's pre-flight in a thread of this process: its node list, or the PreflightError."""
     try:
-        return node_preflight(nnodes, rank, "127.0.0.1", port, 3.0, rdzv, out=open("/dev/null", "w"))
+        return node_preflight(nnodes, rank, "127.0.0.1", port, timeout, rdzv, out=io.StringIO())
     except PreflightError as e:
         return e
 
@@ -81,7 +80,8 @@ def test_dry_run_prints_the_node_preflight_before_torchrun(rdzv):
                          text=True, timeout=60, check=True).stdout.strip().splitlines()
     pre, run = shlex.split(out[-2]), shlex.split(out[-1])
     assert pre[1:3] == ["-m", "megareshard.launch.node_preflight"]
-    assert " ".join(pre[3:]) == f"--nnodes 2 --node-rank 1 --master-addr 10.1.2.3 --port 29501 --timeout 42 --rdzv {rdzv}"
+    assert " ".join(pre[3:]) == \
+        f"--nnodes 2 --node-rank 1 --master-addr 10.1.2.3 --port 29501 --timeout 42 --rdzv {rdzv}"
     assert run[1:3] == ["-m", "torch.distributed.run"] and "--max-restarts" in run
     # single node: nothing to wait for, no pre-flight step
     env.update(NNODES="1")
