@@ -15,8 +15,12 @@ from ._ranks import chaos_ranks
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_missing_node_is_named_by_the_launch_script(tmp_path, rdzv):
-    r = chaos_ranks()._node_missing(str(tmp_path), True, rdzv)
+    cr = chaos_ranks()
+    r = cr._node_missing(str(tmp_path), True, rdzv)
     log = r["log"]
+    row = cr._pick(r)  # what tools/chaos.py receives from FAULTS: exactly its seven fields
+    assert tuple(row) == cr.KEYS and row["detected"] is True and isinstance(row["detect_s"], float)
+    assert f"node-missing-{rdzv}" in [name for name, _ in cr.FAULTS] and row["fault"] == f"node-missing-{rdzv}"
     assert r["exit_code"] == 1, log[-2000:]
     assert f"1 of 2 nodes did not join within {r['timeout']}s: missing node rank 1; joined: node 0 on " \
            f"{socket.gethostname()}" in log, log[-2000:]
