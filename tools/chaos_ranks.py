@@ -173,13 +173,17 @@ class Job:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children first found, from ``ps``)."""
-    res = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True)
+    """Every live process below ``pid`` (from /proc: field 4 of /proc/N/stat, after the command in parentheses)."""
     children: dict[int, list[int]] = {}
-    for line in res.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-            children.setdefault(int(parts[1]), []).append(int(parts[0]))
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
     out, todo = [], [pid]
     while todo:
         for c in children.get(todo.pop(), []):
