@@ -436,12 +436,17 @@ def trial_preempted(workdir: str, quick: bool) -> dict[str, Any]:
     m = re.search(r"exiting at iteration (\d+) on SIGTERM", job.text())
     stopped_at = int(m[1]) if m else None
     argv = _without(script_argv(env), "--save", "--load", "--save-interval", "--metrics-file", "--exit-signal-handler")
-    diff, code2 = "not run", None
+    diff, code2, resumed_from = "not run", None, None
     if code == 0 and saved is not None:
         codes = run_job(argv + ["--load", ck, "--save", ck], 2, workdir, "next-job")
         code2 = 0 if codes == [0, 0] else codes
+        with open(os.path.join(workdir, "next-job.rank0.log"), encoding="utf-8", errors="replace") as f:
+            m = re.search(r"checkpoint: loaded \S+ \(iteration (\d+)", f.read())
+        resumed_from = int(m[1]) if m else None
+        if resumed_from != saved:  # bitwise equality alone would also hold for a job that started over
+            code2 = f"the next job resumed from {resumed_from}, not from the saved iteration {saved}"
         ref = reference_run(_without(argv, "--train-iters"), 2, workdir, iters)
-        diff = bitwise_diff(ref, os.path.join(ck, f"iter_{iters:07d}")) if code2 == 0 else f"next job: {codes}"
+        diff = bitwise_diff(ref, os.path.join(ck, f"iter_{iters:07d}")) if code2 == 0 else f"next job: {code2}"
     detected = t_seen is not None and code == 0 and stopped_at is not None and saved == stopped_at
     return {"fault": "preempted", "detected": detected,
             "how": (f"SIGTERM to examples/pretrain_gpt_distributed.sh at iteration >= 3: the ranks agreed at the next "
@@ -453,7 +458,8 @@ def trial_preempted(workdir: str, quick: bool) -> dict[str, Any]:
             "recovered": diff is None, "steps_lost": 0 if detected else None,
             "data_lost": "none: the next job ends bitwise equal to the uninterrupted run" if diff is None
                          else f"the next job differs from the uninterrupted run: {diff}",
-            "exit_code": code, "stopped_at": stopped_at, "saved": saved, "log": job.text()}
+            "exit_code": code, "stopped_at": stopped_at, "saved": saved, "resumed_from": resumed_from,
+            "log": job.text()}
 
 
 def _node_missing(workdir: str, quick: bool, rdzv: str) -> dict[str, Any]:

@@ -25,5 +25,6 @@ def test_sigterm_saves_exits_zero_and_next_job_continues_bitwise(tmp_path):
     assert r["exit_code"] == 0, log[-3000:]
     assert "SIGTERM received" in log and r["stopped_at"] is not None and 3 <= r["stopped_at"] < 40, log[-3000:]
     assert r["saved"] == r["stopped_at"]          # saved at the boundary it stopped at, and that save is latest
+    assert r["resumed_from"] == r["saved"]        # the next job continued from it (did not start over)
     assert r["detected"] and r["recovered"], r["data_lost"]
     assert not list(Path(tmp_path, "ck").glob(".tmp.*"))
