@@ -16,6 +16,7 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 import sys
 
 from megareshard.arguments import ConfigError, parse_args
+from megareshard.launch import PeerFailure, PreflightError
 from megareshard.training import pretrain
 
 
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    except (PeerFailure, PreflightError) as e:  # a missing, dead, stalled or cut-off rank: named, exit 1
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

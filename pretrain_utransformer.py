@@ -18,6 +18,7 @@ import sys
 
 from megareshard.arguments import ConfigError
 from megareshard.models.utransformer import parse_utransformer_args
+from megareshard.launch import PeerFailure, PreflightError
 from megareshard.training import pretrain
 
 
@@ -28,6 +29,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
         return 2
+    except (PeerFailure, PreflightError) as e:  # a missing, dead, stalled or cut-off rank: named, exit 1
+        print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

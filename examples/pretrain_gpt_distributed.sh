@@ -6,8 +6,19 @@
 #       bash examples/pretrain_gpt_distributed.sh
 #
 #   RDZV=c10d ...           use torchrun's c10d rendezvous (elastic, any node may host it)
-#   DRY_RUN=1 ...           print the torchrun command and exit
+#   DRY_RUN=1 ...           print the pre-flight and torchrun commands and exit
 #   DEVICE=cpu ...          CPU processes over gloo (one "GPU" = one process)
+#
+# Faults (docs/reliability.md, "Ranks, nodes and preemption"):
+# * Before torchrun, every node runs a node pre-flight (megareshard.launch.node_preflight, on port
+#   MASTER_PORT+1 or PREFLIGHT_PORT): a node that never starts is named (node rank, and the hosts that did
+#   join) within PREFLIGHT_TIMEOUT seconds, where torchrun's own rendezvous would block silently. PREFLIGHT=0 skips it.
+# * Auto-resume: --save and --load both name CHECKPOINT_PATH (default $RUN_DIR/checkpoints): a run starts
+#   fresh when it holds no checkpoint and resumes from its newest complete one otherwise; torchrun restarts
+#   the workers up to MAX_RESTARTS (default 3) times after a rank dies, and each restart resumes the same way.
+# * Preemption: --exit-signal-handler; a SIGTERM to this script or to the training processes (Slurm's
+#   --signal=TERM@120, scancel) saves at the next iteration boundary and exits 0. torchrun ignores SIGTERM
+#   here (it would kill its workers after its --shutdown-timeout and exit 1); this script forwards it to them.
 #
 # Network interfaces: NCCL picks one itself; set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0) and, for gloo,
 # GLOO_SOCKET_IFNAME when nodes have several interfaces and the default one cannot reach the others.
@@ -36,6 +47,9 @@ PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size
                --pipeline-schedule "${SCHEDULE:-eager-1f1b}" --reshard-strategy "${RESHARD:-broadcast}")
 [ "${DELAY_WGRAD:-1}" = 1 ] && [ "$PP" -gt 1 ] && PARALLEL_ARGS+=(--delay-wgrad-compute)
 [ "${SEQUENCE_PARALLEL:-0}" = 1 ] && PARALLEL_ARGS+=(--sequence-parallel)
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-${RUN_DIR:-runs/gpt}/checkpoints}
+CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval "${SAVE_INTERVAL:-1000}"
+                 --exit-signal-handler)
 TRAINING_ARGS=(--micro-batch-size "${MICRO_BATCH:-2}" --global-batch-size "${GLOBAL_BATCH:-256}"
                --train-iters "${TRAIN_ITERS:-10000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}"
                --lr-warmup-iters "${WARMUP:-500}" --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --device "$DEVICE"
@@ -51,17 +65,39 @@ LOGGING_ARGS=(--log-interval "${LOG_INTERVAL:-10}" --eval-interval "${EVAL_INTER
 [ -n "${WANDB_PROJECT:-}" ] && LOGGING_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-save-dir "${RUN_DIR:-runs/gpt}")
 
 if [ "$RDZV" = c10d ]; then
-    LAUNCH=(--nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
+    LAUNCH=(--max-restarts "${MAX_RESTARTS:-3}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-megareshard}")
 else
-    LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+    LAUNCH=(--max-restarts "${MAX_RESTARTS:-3}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
 CMD=("$PY" -m torch.distributed.run "${LAUNCH[@]}" pretrain_gpt.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}"
-     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-})
+     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-})
+PREFLIGHT_CMD=()
+if [ "$NNODES" -gt 1 ] && [ "${PREFLIGHT:-1}" = 1 ]; then
+    PREFLIGHT_CMD=("$PY" -m megareshard.launch.node_preflight --nnodes "$NNODES" --node-rank "$NODE_RANK"
+                   --master-addr "$MASTER_ADDR" --port "${PREFLIGHT_PORT:-$((MASTER_PORT + 1))}"
+                   --timeout "${PREFLIGHT_TIMEOUT:-300}" --rdzv "$RDZV")
+fi
 if [ "$DRY_RUN" = 1 ]; then
+    if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then printf '%q ' "${PREFLIGHT_CMD[@]}"; echo; fi
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
 mkdir -p "${RUN_DIR:-runs/gpt}"
-exec "${CMD[@]}"
+if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then
+    # (the store's C++ client logs every connection retry while it waits for node 0: keep it quiet)
+    TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-FATAL} "${PREFLIGHT_CMD[@]}" || exit $?
+fi
+# torchrun starts with SIGTERM ignored and no handler for it (TORCHELASTIC_SIGNALS_TO_HANDLE); the
+# workers install --exit-signal-handler's own. A SIGTERM to this script goes to torchrun's children.
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+(trap '' TERM; exec "${CMD[@]}") &
+launcher=$!
+forward_term() {
+    echo "megareshard: SIGTERM: asking the training processes to save at the next iteration boundary and exit" >&2
+    for child in $(ps -o pid= --ppid "$launcher" 2>/dev/null); do kill -TERM "$child" 2>/dev/null || true; done
+}
+trap forward_term TERM
+while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
+wait "$launcher"

@@ -47,6 +47,9 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--manual-gc-interval": (_INT, "Python's garbage collector is left as it is"),
     "--empty-unused-memory-level": (_INT, "the allocator cache is not emptied"),
     "--num-workers": (_INT, "samples are read in the training process (memory-mapped)"),
+    "--exit-signal-handler-for-dataloader": (_FLAG, "there are no data-loader worker processes to signal: samples are "
+                                                    "read in the training process, whose --exit-signal-handler "
+                                                    "covers them"),
     "--no-mmap-bin-files": (_FLAG, ".bin files are always memory-mapped"),
     "--no-create-attention-mask-in-dataloader": (_FLAG, "attention is causal without a mask tensor"),
     "--data-impl": (_STR, "the indexed dataset is always memory-mapped"),

@@ -30,7 +30,8 @@ from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .models.gpt import GPTModel, model_flops_per_iteration
-from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
+from .launch import PeerFailure, RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
+from .launch.faults import faults_for, inject
 from .memory import ActivationMeter, MemoryReport, memory_report
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
@@ -245,6 +246,7 @@ class Trainer:
             self.iteration = self.loaded.iteration
         self._last_saved = self.iteration if ck.load and not ck.finetune else None
         self._sigterm = False
+        self._faults = faults_for(ctx.rank)  # MEGARESHARD_INJECT_FAULT (tests and tools/chaos_ranks.py only)
         if ck.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
@@ -338,10 +340,14 @@ class Trainer:
 
         With pp > 1 the pipeline runtime calls this right after the stage's last W (or B).
         """
-        if self.model.sequence_parallel:
-            sync_sequence_parallel_grads(self.model, self.ctx)
-        self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
-        self.optimizer.finish_grad_sync()
+        ctx = self.ctx
+        with self._activity(f"stage {ctx.pp_rank()} gradient reduction (peers: data-parallel ranks "
+                            f"{list(ctx.group_ranks.get('dp', ()))}, tied-embedding ranks "
+                            f"{list(ctx.group_ranks.get('embedding', ()))})"):
+            if self.model.sequence_parallel:
+                sync_sequence_parallel_grads(self.model, ctx)
+            self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
+            self.optimizer.finish_grad_sync()
 
     def start_stage_grad_reduce(self, stage: int) -> None:
         """The pipeline's R action (--overlap-grad-reduce, pp > 1): start stage ``stage``'s data-parallel gradient
@@ -396,6 +402,11 @@ class Trainer:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         meter = ActivationMeter(exclude=self.model.parameters(), device=self.device) if self.memory is None else None
+        fault = self._faults.get(self.iteration + 1)
+        if fault is not None:  # the other ranks are inside this iteration's pipeline or reductions
+            print(f" rank {self.ctx.rank}: injecting fault '{fault}' in iteration {self.iteration + 1} "
+                  f"(MEGARESHARD_INJECT_FAULT)", file=self.out, flush=True)
+            inject(fault)
         with meter if meter is not None else contextlib.nullcontext():
             loss = self.forward_backward_fn(self.model, microbatches, self.device,
                                             scale_loss=self.optimizer.scale_loss)
@@ -404,11 +415,14 @@ class Trainer:
         elif self._grad_reduce_started:  # R actions started them: wait before the step
             self._grad_reduce_started = False
             self.optimizer.finish_grad_sync()
-        grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
-        if meter is not None:  # first iteration: gradients and optimizer state now exist
-            self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer, meter.peak_bytes),
-                                           self.device)
-        stepped = self.optimizer.step()  # every rank: it agrees on fp16 overflow over the world
+        with self._activity(f"stage {self.ctx.pp_rank()} optimizer step (gradient-norm all-reduce over all "
+                            f"{self.world_size} ranks, parameter all-gathers over data-parallel ranks "
+                            f"{list(self.ctx.group_ranks.get('dp', ()))})"):
+            grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
+            if meter is not None:  # first iteration: gradients and optimizer state now exist
+                self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer,
+                                                                       meter.peak_bytes), self.device)
+            stepped = self.optimizer.step()  # every rank: it agrees on fp16 overflow over the world
         return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped)
 
     @torch.no_grad()
@@ -510,8 +524,8 @@ class Trainer:
             print(f" profiler trace of iterations {self.cfg.logging.profile_step_start + 1}-{self.iteration} written "
                   f"to {path} (one file per rank; open in Perfetto or chrome://tracing)", file=self.out, flush=True)
 
-    def _activity(self, what: str):
-        return self.watchdog.activity(what) if self.watchdog is not None else contextlib.nullcontext()
+    def _activity(self, what: str, timed: bool = True):
+        return self.watchdog.activity(what, timed) if self.watchdog is not None else contextlib.nullcontext()
 
     def _memory_lines(self) -> str:
         """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
@@ -556,9 +570,12 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Collective: save this iteration under --save (atomic; updates --save/latest)."""
-        path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
-                                     optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
-                                     config=self.cfg, wandb_run_id=self.tracker.run_id)
+        # untimed: writing a large checkpoint may rightly outlast --comm-timeout; a peer's failure is still named
+        with self._activity(f"saving checkpoint of iteration {self.iteration} to {self.cfg.checkpoint.save} "
+                            f"(collective over all {self.world_size} ranks)", timed=False):
+            path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
+                                         optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
+                                         config=self.cfg, wandb_run_id=self.tracker.run_id)
         self._last_saved = self.iteration
         return path
 
@@ -633,6 +650,11 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> l
             return trainer.train()
         finally:
             trainer.close()
+    except BaseException as e:
+        # a peer died, stalled or was cut off: the watchdog printed this rank's report; one line, exit 1
+        if watchdog is not None and watchdog.failure is not None and not isinstance(e, PeerFailure):
+            raise PeerFailure(watchdog.failure) from None
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()

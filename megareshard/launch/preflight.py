@@ -85,7 +85,8 @@ def preflight_rendezvous(backend: str, timeout_s: float = 300.0, comm_timeout_s:
         raise PreflightError(f"rank {rank} lost the rendezvous store at {addr}:{port} while waiting for the other "
                              f"ranks ({e}); rank 0 stopped first — its log says why") from e
     infos = [RankInfo(**json.loads(store.get(k))) for k in keys]
-    dist.init_process_group(backend, store=dist.PrefixStore("megareshard/pg", store), rank=rank, world_size=world,
+    # per attempt too: a restarted job must not read the previous attempt's gloo addresses
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix + "pg", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=comm_timeout_s))
     return infos
 

@@ -431,7 +431,10 @@ class PipelineRuntime:
         if self.watchdog is None:
             return contextlib.nullcontext()
         where = f"stage {self.stage}" if self.virtual_stages == 1 else f"mesh {self.stage} stage {a.stage}"
-        return self.watchdog.activity(f"{where} action {a} (microbatch {a.mb})")
+        peer = a.peer
+        with_peer = "" if peer is None else \
+            f", peer stage {peer} on ranks {list(self.layouts[peer].mesh.flat_ranks)}"
+        return self.watchdog.activity(f"{where} action {a} (microbatch {a.mb}{with_peer})")
 
     def _reduce_grads(self, a: Action, st: _Step) -> None:
         """R: the trainer's handler starts stage ``a.stage``'s data-parallel gradient reduction (not waited here)."""
