@@ -16,13 +16,14 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 import sys
 
 from megareshard.arguments import ConfigError, parse_args
+from megareshard.spec import get_model_spec
 from megareshard.training import pretrain
 
 
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
-        pretrain(cfg)
+        pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2

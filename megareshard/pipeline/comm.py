@@ -20,33 +20,19 @@ Why it looks like this:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..resharding import Mesh, ShardingSpec, plan_resharding
+from ..resharding import plan_resharding
 from ..resharding.executor import CommStreams, ReshardHandle, Resharder
-from .schedule import Edge, PipelineGraph
+from ..spec.graph import Edge, EdgeTensor, PipelineGraph  # EdgeTensor: re-exported
 
 __all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "plan_edges", "communicator_keys", "build_edge_comms"]
 
 
 class EdgeShapeError(ValueError):
     """A tensor sent along a pipeline edge does not match the edge's declared shape/dtype."""
-
-
-@dataclass(frozen=True)
-class EdgeTensor:
-    """The declared tensor of one edge: global shape, dtype, and both ends' layouts."""
-
-    edge: Edge
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    src_mesh: Mesh
-    src_spec: ShardingSpec
-    dst_mesh: Mesh
-    dst_spec: ShardingSpec
 
 
 class EdgeComm:

@@ -6,9 +6,9 @@ resharders built once per edge (`comm.py`). What each action does is the contrac
 written down in `lowering.py`:
 
 =========  ===============================================================================
-F(mb)      forward of the stage on mb (stage 0: tokens; others: the WAIT_F tensor, made a
-           leaf that requires grad); the last stage turns per-token losses into
-           ``mean / m`` and accumulates the reported loss.
+F(mb)      the model's forward step on mb (``forward_step``, its spec's: stage 0 reads the
+           batch; others the WAIT_F tensors, made leaves that require grad); the last stage's
+           step returns mb's share of the loss, accumulated into the reported loss.
 SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
            send is complete the output's *data* is freed (Megatron's
            ``deallocate_output_tensor``) when no autograd node saved it, keeping only the
@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,8 +48,11 @@ from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import generate
 from .lowering import lower
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
-from .stage import StageLayout, chain_graph, hidden_global_shape
+from .stage import StageLayout
 from .validate import validate
+
+if TYPE_CHECKING:  # annotations only
+    from ..spec import ModelSpec
 
 __all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
 
@@ -196,22 +199,21 @@ class PipelineRuntime:
     finalizes_grads = True  # the trainer must not reduce gradients again after a step
 
     def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                 comms: dict[Edge, EdgeComm], *, schedule: str, delay_wgrad: bool = False,
-                 finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                 lookahead: int = 1) -> None:
+                 comms: dict[Edge, EdgeComm], *, schedule: str, forward_step: Callable[..., Any],
+                 delay_wgrad: bool = False, finalize_grads: Callable[[], None] | None = None,
+                 record_trace: bool = False, lookahead: int = 1) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
+        # the model's forward step (``ModelSpec.forward_step``): batch and received tensors in, the
+        # stage's outputs by edge name out — or, on the last stage, the microbatch's share of the loss
+        self.forward_step = forward_step
         self.stage = ctx.pp_rank()
         self.num_stages = graph.num_stages
         if self.num_stages != ctx.pp_size:
             raise ValueError(f"the graph has {self.num_stages} stages but pp is {ctx.pp_size}")
-        # Several edges per stage (U-Transformer skip tensors): the model takes the chain input
-        # as ``hidden`` and the skip inputs as ``skips={edge name: tensor}``, and returns
-        # ``{edge name: tensor}`` ("" for the chain edge) when it has several outputs.
+        # Several edges per stage (U-Transformer skip tensors): the forward step takes the received
+        # tensors and returns the outputs keyed by edge name ("" for the chain edge).
         self.in_edges = graph.in_edges(self.stage)
         self.out_edges = graph.out_edges(self.stage)
-        chain_in = [e for e in self.in_edges if e.is_chain]
-        self._chain_in = chain_in[0] if chain_in else None
-        self._skip_in = [e for e in self.in_edges if not e.is_chain]
         # Stages with different dp: every rank's loss is the mean over its dp share, and each stage's
         # dp reduction averages. So the gradient a stage receives is dp(sender) × dL/dx of its share,
         # while its own gradients must be dp(self) × that (their dp-average is then dL/dθ): scale
@@ -236,34 +238,34 @@ class PipelineRuntime:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def for_gpt(cls, cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
-                finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
-        """Declare the GPT's hidden-state edges from the config and build their resharders.
+    def for_model(cls, spec: "ModelSpec", cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
+                  finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
+                  dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
+        """The runtime of a model spec: its stage graph, its edges' declared tensors, its forward step.
 
+        Every edge carries the global microbatch (micro batch × dp; with per-stage layouts × the
+        largest dp), whatever the two stages' layouts: each end shards it over its own dp.
         Collective over the default group: every rank calls it with the same config.
         """
-        graph = chain_graph(ctx.pp_size)
-        # the global microbatch (micro batch × dp; with per-stage layouts × the largest dp), the
-        # same on every edge whatever the two stages' layouts: each end shards it over its own dp
-        shape = hidden_global_shape(cfg, cfg.dp(ctx.world_size))
-        return cls.from_edges(cfg, ctx, graph, layouts, {e: shape for e in graph.edges},
-                              finalize_grads=finalize_grads, record_trace=record_trace, dtype=dtype)
+        batch = cfg.training.micro_batch_size * cfg.dp(ctx.world_size)
+        return cls.from_edges(cfg, ctx, spec.graph(cfg, layouts), layouts,
+                              spec.edge_tensors(cfg, layouts, batch=batch, dtype=dtype),
+                              forward_step=spec.forward_step, finalize_grads=finalize_grads,
+                              record_trace=record_trace)
 
     @classmethod
     def from_edges(cls, cfg, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                   shapes: dict[Edge, tuple[int, ...]], *, finalize_grads: Callable[[], None] | None = None,
-                   record_trace: bool = False, dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
-        """Any stage graph (chain and skip edges): each edge's declared global shape, both ends'
-        layouts from ``layouts`` (source: the producing stage's mesh and hidden spec, destination:
-        the consuming stage's), its own forward and backward resharders. Collective over the world.
+                   edges: Sequence[EdgeTensor], *, forward_step: Callable[..., Any],
+                   finalize_grads: Callable[[], None] | None = None,
+                   record_trace: bool = False) -> "PipelineRuntime":
+        """Any stage graph (chain and skip edges): each edge's declared tensor (global shape, dtype, both
+        ends' mesh and spec), its own forward and backward resharders; ``forward_step`` runs a stage on
+        a microbatch (``ModelSpec.forward_step``). Collective over the world.
         """
-        decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
-                            layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges]
         pl = cfg.pipeline
-        comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
+        comms = build_edge_comms(graph, edges, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
                                  chunks=pl.reshard_chunks)
-        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule,
+        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule, forward_step=forward_step,
                    delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace)
 
     def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
@@ -377,8 +379,6 @@ class PipelineRuntime:
 
     def _forward(self, model: torch.nn.Module, mb: int, st: _Step) -> None:
         first, last = self.stage == 0, self.stage == self.num_stages - 1
-        batch = st.microbatches[mb]
-        tokens = batch["tokens"].to(st.device, non_blocking=True) if (first or last) else None
         inputs: dict[Edge, torch.Tensor] = {}
         for edge in self.in_edges:
             x = st.received.pop((edge, "F", mb))
@@ -386,32 +386,19 @@ class PipelineRuntime:
                 x.requires_grad_(True)
             inputs[edge] = x
         st.inputs[mb] = inputs
-        kwargs: dict[str, Any] = {"hidden": inputs.get(self._chain_in)}
-        if self._skip_in:
-            kwargs["skips"] = {e.name: inputs[e] for e in self._skip_in}
-        if first:
-            kwargs["tokens"] = tokens[:, :-1].contiguous()
+        out = self.forward_step(model, st.microbatches[mb], st.device, num_microbatches=len(st.microbatches),
+                                received={e.name: x for e, x in inputs.items()}, first=first, last=last,
+                                autocast_dtype=st.autocast_dtype)
         if last:
-            kwargs["labels"] = tokens[:, 1:].contiguous()
-        dt = st.autocast_dtype
-        with torch.autocast(st.device.type, dtype=dt, enabled=dt is not None):
-            out = model(**kwargs)
-        if last:
-            loss = out.float().mean() / len(st.microbatches)
-            st.loss += loss.detach()
+            st.loss += out.detach()
             if st.train:
-                st.outputs[mb] = {None: loss}
-        elif isinstance(out, dict):
-            missing = [str(e) for e in self.out_edges if e.name not in out]
-            if missing:
-                raise RuntimeError(f"stage {self.stage}: the model returned outputs {sorted(out)} but the stage "
-                                   f"sends on edge(s) {', '.join(missing)}")
-            st.outputs[mb] = {e: out[e.name] for e in self.out_edges}
-        else:
-            if len(self.out_edges) != 1:
-                raise RuntimeError(f"stage {self.stage} has {len(self.out_edges)} outgoing edges but the model "
-                                   "returned one tensor (return {edge name: tensor})")
-            st.outputs[mb] = {self.out_edges[0]: out}
+                st.outputs[mb] = {None: out}
+            return
+        missing = [str(e) for e in self.out_edges if e.name not in out]
+        if missing:
+            raise RuntimeError(f"stage {self.stage}: the model returned outputs {sorted(out)} but the stage "
+                               f"sends on edge(s) {', '.join(missing)}")
+        st.outputs[mb] = {e: out[e.name] for e in self.out_edges}
 
     def _backward(self, model: torch.nn.Module, mb: int, st: _Step, delay: bool) -> None:
         store = None

@@ -1,118 +1,28 @@
-"""One pipeline stage: its layers, its mesh, the layout of its boundary tensors, its model part.
+"""Pipeline start-up checks and the tied-embedding reduction across stage layouts.
 
-docs/design.md §1: a stage is (its layers, its mesh, the layout of every tensor it consumes
-and produces). Here the mesh of stage ``i`` is the ranks with pp coordinate ``i`` laid
-out as a 2-D ``dp × tp`` grid (axis 0 = dp, axis 1 = tp) with each rank's host taken
-from the Topology, and the GPT's hidden states ``[s, b, h]`` are
-
-* ``R,S0,R``  — batch over dp, replicated over tp (plain tensor parallelism), or
-* ``S1,S0,R`` — sequence over tp as well (sequence parallelism),
-
-so the resharding planner sees exactly which slice every rank holds and needs. The
-*global* hidden tensor of one microbatch is ``[seq, micro_batch × dp, hidden]``: every
-stage processes the same global microbatch, each sharded over its own dp.
-
-Everything here is pure (no process groups) except `build_stage_model`, which builds
-this rank's part of the GPT.
+The stage layouts themselves (`StageLayout`, `split_layers`, `hidden_spec`, `stage_layouts`,
+`stage_mesh`) live in `megareshard.spec.placement`, neutral ground the model specs share, and are
+re-exported here; building a stage's module is its model spec's job (`ModelSpec.build_model`).
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..arguments import Config, ConfigError
-from ..parallel import ParallelContext, Topology
-from ..resharding import Mesh, ShardingSpec
+from ..config_fields import ConfigError
+from ..parallel import ParallelContext
+from ..spec.placement import StageLayout, hidden_spec, split_layers, stage_layouts, stage_mesh, stage_tp_dp
 from .generators import RUNTIME_SCHEDULES, SCHEDULES
-from .meshes import stage_mesh, stage_tp_dp
-from .schedule import PipelineGraph
+
+if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module
+    from ..arguments import Config
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
-           "check_pipeline_config", "build_stage_model", "hidden_global_shape"]
+           "check_pipeline_config", "reduce_tied_grad_across_layouts"]
 
 _EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Where one stage lives and how its boundary hidden states are laid out."""
-
-    stage: int
-    layer_range: tuple[int, int]  # global layers [start, stop)
-    mesh: Mesh  # dp × tp ranks of this stage
-    hidden_spec: ShardingSpec  # layout of the [s, b, h] hidden states it receives and sends
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_range[1] - self.layer_range[0]
-
-    def describe(self) -> str:
-        a, b = self.layer_range
-        return (f"stage {self.stage}: layers {a}..{b - 1} on mesh {self.mesh} "
-                f"(ranks {list(self.mesh.flat_ranks)}), hidden {self.hidden_spec}")
-
-
-def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None) -> list[tuple[int, int]]:
-    """Global layer ranges per stage: ``--num-layers-per-stage`` (comma list) or an even split.
-
-    Every stage needs at least one layer: a stage without layers would still pay a full
-    resharding in and out for nothing.
-    """
-    if num_stages < 1:
-        raise ConfigError(f"--pipeline-model-parallel-size must be at least 1, got {num_stages}")
-    if num_stages > num_layers:
-        raise ConfigError(f"--pipeline-model-parallel-size {num_stages} exceeds --num-layers {num_layers}: "
-                          "every pipeline stage needs at least one Transformer layer")
-    if per_stage is not None:
-        try:
-            counts = [int(x) for x in per_stage.split(",")]
-        except ValueError:
-            raise ConfigError(f"--num-layers-per-stage {per_stage!r} must be comma-separated integers, "
-                              "one per pipeline stage") from None
-        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-            raise ConfigError(f"--num-layers-per-stage {per_stage} must give {num_stages} positive numbers "
-                              f"(one per stage) adding up to --num-layers {num_layers} (got {len(counts)} "
-                              f"numbers summing to {sum(counts)})")
-    else:
-        if num_layers % num_stages:
-            raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                              f"{num_stages}; give --num-layers-per-stage for an uneven split")
-        counts = [num_layers // num_stages] * num_stages
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
-
-
-def hidden_spec(sequence_parallel: bool) -> ShardingSpec:
-    """``S1,S0,R`` under sequence parallelism (sequence over tp), else ``R,S0,R``."""
-    return ShardingSpec.parse("S1,S0,R" if sequence_parallel else "R,S0,R")
-
-
-def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
-    """Global ``[seq, micro_batch × dp, hidden]`` of one microbatch's hidden states.
-
-    With per-stage layouts pass ``cfg.dp(world)`` (the largest stage dp): the global
-    microbatch is the same for every stage, each stage shards it over its own dp.
-    """
-    return (cfg.model.seq_length, cfg.training.micro_batch_size * dp, cfg.model.hidden_size)
-
-
-def stage_layouts(cfg: Config, topology: Topology) -> list[StageLayout]:
-    """Layout of every stage (the same on every rank: the runtime builds edges from it).
-
-    Per-stage layouts: each stage's mesh has its own shape and its hidden spec its own
-    sequence-parallel choice (``S1`` only where that stage's tp > 1).
-    """
-    ranges = split_layers(cfg.model.num_layers, topology.pp, cfg.pipeline.num_layers_per_stage)
-    out = []
-    for i in range(topology.pp):
-        sp = cfg.parallel.sequence_parallel and stage_tp_dp(topology, i)[0] > 1
-        out.append(StageLayout(i, ranges[i], stage_mesh(topology, i), hidden_spec(sp)))
-    return out
 
 
 def check_pipeline_config(cfg: Config, world_size: int) -> None:
@@ -150,31 +60,6 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         warnings.warn("--reshard-strategy signal moves one byte per task: stage inputs are undefined, "
                       "so the loss is meaningless (it is the communication upper bound for benchmarks)",
                       stacklevel=2)
-
-
-def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *, seed: int,
-                      device: torch.device, **model_kwargs):
-    """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
-
-    A last stage without the embedding holds its own copy of the tied word embedding
-    (``output_layer.weight``, initialised identically); ``GPTModel`` marks it
-    ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
-    trainer all-reduces the two copies' gradients over ``ctx.embedding_group`` (nothing to
-    tie with ``--untie-embeddings-and-output-weights``).
-    ``model_kwargs`` (dtype, recomputation) go to ``GPTModel`` unchanged.
-    """
-    from ..models.gpt import GPTModel
-
-    first, last = layout.stage == 0, layout.stage == ctx.pp_size - 1
-    model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
-                     seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
-                     device=device, **model_kwargs)
-    return model
-
-
-def chain_graph(num_stages: int) -> PipelineGraph:
-    """The GPT's stage graph: a plain chain (no skip edges)."""
-    return PipelineGraph(num_stages)
 
 
 def reduce_tied_grad_across_layouts(weight: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> None:
