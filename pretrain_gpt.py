@@ -16,7 +16,7 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 import sys
 
 from megareshard.arguments import ConfigError, parse_args
-from megareshard.spec import get_model_spec
+from megareshard.model_spec import get_model_spec
 from megareshard.training import pretrain
 
 

@@ -8,7 +8,7 @@ The forward/backward over the microbatches is a replaceable function
 is that function; it also starts the gradient reductions after each stage's last
 backward, so the trainer does not reduce again.
 
-The model comes through its spec (``megareshard.spec.ModelSpec``: the modules, the stage graph,
+The model comes through its spec (``megareshard.model_spec.ModelSpec``: the modules, the stage graph,
 the forward step, the FLOPs); this module imports no model.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.stage import check_pipeline_config, reduce_tied_grad_across_layouts
-from .spec import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
+from .model_spec import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .tensor_parallel import sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 

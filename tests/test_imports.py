@@ -5,7 +5,7 @@
   (``megareshard/training.py``) import no model — directly or through anything they import, the
   models' configuration (``models.config``) and the recomputation hook (``models.recompute``)
   aside; the models (``megareshard/models/*``) reach no pipeline module, nor the trainer or the
-  command-line module (``arguments``); the seam itself (``megareshard/spec/*``) reaches none of them.
+  command-line module (``arguments``); the seam itself (``megareshard/model_spec/*``) reaches none of them.
 
 An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
 Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
@@ -177,7 +177,7 @@ def test_models_import_no_pipeline_trainer_or_arguments(graph):
 
 
 def test_the_seam_imports_no_model_pipeline_trainer_or_arguments(graph):
-    sources = [m for m in graph if _in(m, "megareshard.spec")]
+    sources = [m for m in graph if _in(m, "megareshard.model_spec")]
     forbidden = ("megareshard.models", "megareshard.pipeline", "megareshard.training", "megareshard.arguments")
     assert violations(graph, sources, forbidden) == []
 
@@ -189,7 +189,7 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
     (pkg / "pipeline").mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "__init__.py").write_text("from .gpt import Model\n")
-    (pkg / "models" / "gpt.py").write_text("from ..spec import Spec\nclass Model: ...\n")
+    (pkg / "models" / "gpt.py").write_text("from ..model_spec import Spec\nclass Model: ...\n")
     (pkg / "models" / "config.py").write_text("X = 1\n")
     (pkg / "spec.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .models import gpt\n"
                                  "class Spec: ...\n")

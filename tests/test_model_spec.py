@@ -10,7 +10,7 @@ import torch
 
 from megareshard.arguments import ConfigError, parse_args, parse_model_args
 from megareshard.parallel import ParallelContext, Topology
-from megareshard.spec import ModelSpec, get_model_spec, model_spec_names, register_model_spec
+from megareshard.model_spec import ModelSpec, get_model_spec, model_spec_names, register_model_spec
 
 _GPT = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "8", "--micro-batch-size", "2", "--global-batch-size", "4", "--hidden-dropout", "0",

@@ -326,7 +326,7 @@ def parse_model_config(a: argparse.Namespace, c: BenchConfig, world: int):
 def graph_and_shapes(cfg, spec, layouts, batch: int):
     """The stage graph (chain + skip edges) and every edge's global tensor shape."""
     if spec is None:
-        from megareshard.spec import get_model_spec
+        from megareshard.model_spec import get_model_spec
 
         spec = get_model_spec("gpt")
     return spec.graph(cfg, layouts), spec.edge_shapes(cfg, layouts, batch)

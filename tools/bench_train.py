@@ -83,7 +83,7 @@ def _worker(a: argparse.Namespace) -> None:
 
     from megareshard.arguments import parse_args
     from megareshard.models.gpt import model_flops_per_iteration
-    from megareshard.spec import get_model_spec
+    from megareshard.model_spec import get_model_spec
     from megareshard.training import Trainer, build_context, forward_backward, init_distributed, pick_device
 
     device = pick_device(a.device)

@@ -1,7 +1,7 @@
 """Models built from the tensor-parallel layers; parameter names are global (``layers.17``).
 
-Each model is a `megareshard.spec.ModelSpec` (``gpt_spec.py``, ``utransformer_spec.py``), found by
-name through ``megareshard.spec.get_model_spec``. Importing this package loads no model (the
+Each model is a `megareshard.model_spec.ModelSpec` (``gpt_spec.py``, ``utransformer_spec.py``), found by
+name through ``megareshard.model_spec.get_model_spec``. Importing this package loads no model (the
 command-line module imports ``models.config``): the names below load their module on first use.
 """
 from __future__ import annotations

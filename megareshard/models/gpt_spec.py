@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..spec import Edge, StageLayout, register_model_spec
+from ..model_spec import Edge, StageLayout, register_model_spec
 from .gpt import GPTModel, model_flops_per_iteration
 from .lm import CausalLMSpec
 

@@ -26,7 +26,7 @@ import torch
 
 from ..resharding import plan_resharding
 from ..resharding.executor import CommStreams, ReshardHandle, Resharder
-from ..spec.graph import Edge, EdgeTensor, PipelineGraph  # EdgeTensor: re-exported
+from ..model_spec.graph import Edge, EdgeTensor, PipelineGraph  # EdgeTensor: re-exported
 
 __all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "plan_edges", "communicator_keys", "build_edge_comms"]
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 # the stage graph is neutral ground shared with the model specs; re-exported here
-from ..spec.graph import Edge, PipelineGraph, ScheduleError
+from ..model_spec.graph import Edge, PipelineGraph, ScheduleError
 
 __all__ = [
     "ActionKind",

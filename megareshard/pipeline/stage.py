@@ -1,7 +1,7 @@
 """Pipeline start-up checks and the tied-embedding reduction across stage layouts.
 
 The stage layouts themselves (`StageLayout`, `split_layers`, `hidden_spec`, `stage_layouts`,
-`stage_mesh`) live in `megareshard.spec.placement`, neutral ground the model specs share, and are
+`stage_mesh`) live in `megareshard.model_spec.placement`, neutral ground the model specs share, and are
 re-exported here; building a stage's module is its model spec's job (`ModelSpec.build_model`).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ..config_fields import ConfigError
 from ..parallel import ParallelContext
-from ..spec.placement import StageLayout, hidden_spec, split_layers, stage_layouts, stage_mesh, stage_tp_dp
+from ..model_spec.placement import StageLayout, hidden_spec, split_layers, stage_layouts, stage_mesh, stage_tp_dp
 from .generators import RUNTIME_SCHEDULES, SCHEDULES
 
 if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module

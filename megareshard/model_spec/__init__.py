@@ -12,7 +12,7 @@ runtime, the trainer or the command-line module.
     loss = spec.forward_step(model, microbatch, device, num_microbatches=m)
 """
 from .graph import Edge, EdgeTensor, PipelineGraph, ScheduleError
-from .model_spec import (BUILTIN_MODEL_SPECS, DEFAULT_MODEL_SPEC, ModelSpec, declare_edges, get_model_spec,
+from .protocol import (BUILTIN_MODEL_SPECS, DEFAULT_MODEL_SPEC, ModelSpec, declare_edges, get_model_spec,
                          model_spec_names, register_model_spec)
 from .placement import StageLayout, hidden_spec, split_layers, stage_layouts, stage_mesh, stage_tp_dp
 
