@@ -35,13 +35,13 @@ from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .memory import ActivationMeter, MemoryReport, memory_report
+from .model_spec import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.stage import check_pipeline_config, reduce_tied_grad_across_layouts
-from .model_spec import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .tensor_parallel import sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 

@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 # the stage graph is neutral ground shared with the model specs; re-exported here
 from ..model_spec.graph import Edge, PipelineGraph, ScheduleError
