@@ -19,7 +19,7 @@ from .config_fields import ConfigError, config_field as _f  # noqa: F401 (Config
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .pipeline.generators import SCHEDULES
 from .parallel.topology import TopologyError, parse_order
-from .model_spec import ModelSpec, get_model_spec
+from .model_spec.protocol import ModelSpec, get_model_spec
 
 
 @dataclass

@@ -35,7 +35,7 @@ from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .memory import ActivationMeter, MemoryReport, memory_report
-from .model_spec import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
+from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer

@@ -5,7 +5,8 @@
   (``megareshard/training.py``) import no model — directly or through anything they import, the
   models' configuration (``models.config``) and the recomputation hook (``models.recompute``)
   aside; the models (``megareshard/models/*``) reach no pipeline module, nor the trainer or the
-  command-line module (``arguments``); the seam itself (``megareshard/model_spec/*``) reaches none of them.
+  command-line module (``arguments``); the seam itself (``megareshard/model_spec/*``) reaches none of them;
+* the schedule IR (``import megareshard.pipeline``) imports no torch.
 
 An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
 Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
@@ -50,8 +51,9 @@ def _imports(body: list[ast.stmt]):
                     yield from _imports(inner)
 
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """``{module: modules of the package its imports run}`` for every ``.py`` under ``root/package``."""
+def import_graph(root: Path, package: str, external: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """``{module: modules of the package its imports run}`` for every ``.py`` under ``root/package``;
+    ``external``, when given, receives ``{module: top-level names of the other packages it imports}``."""
     files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
@@ -67,6 +69,8 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
                     base = base.rpartition(".")[0]
                 target = (base + ("." + node.module if node.module else "")) if node.level else node.module
                 targets = [target] + [f"{target}.{a.name}" for a in node.names]  # `from pkg import submodule`
+            if external is not None and targets[0].split(".")[0] != package:
+                external.setdefault(mod, set()).add(targets[0].split(".")[0])
             for t in targets:
                 parts = t.split(".")
                 for i in range(1, len(parts) + 1):
@@ -152,9 +156,13 @@ def violations(graph: dict[str, set[str]], sources: list[str], forbidden: tuple[
 PIPELINE_AND_TRAINER_MAY_REACH = ("megareshard.models", "megareshard.models.config", "megareshard.models.recompute")
 
 
+_EXTERNAL: dict[str, set[str]] = {}
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    return import_graph(ROOT, "megareshard")
+    _EXTERNAL.clear()
+    return import_graph(ROOT, "megareshard", _EXTERNAL)
 
 
 def test_no_import_cycles(graph):
@@ -182,6 +190,15 @@ def test_the_seam_imports_no_model_pipeline_trainer_or_arguments(graph):
     assert violations(graph, sources, forbidden) == []
 
 
+def test_the_schedule_ir_imports_no_torch(graph):
+    """``import megareshard.pipeline`` (schedules as data: generators, lowering, validator, simulator, and the
+    stage graph they share with the model specs) stays free of torch: tools plan and draw without it."""
+    face = "megareshard.pipeline"
+    modules = [face, *reach(graph, face)]
+    assert "megareshard.model_spec.graph" in modules
+    assert [m for m in sorted(modules) if "torch" in _EXTERNAL.get(m, ())] == []
+
+
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
     """The same checks on a made-up package with one cycle and one forbidden path: both are found."""
     pkg = tmp_path / "toy"
@@ -197,8 +214,10 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
     (pkg / "pipeline" / "runtime.py").write_text("def f():\n    from ..helpers import g\n")
     (pkg / "helpers.py").write_text("from .models.config import X\nfrom . import loop_b\n")
     (pkg / "loop_b.py").write_text("import toy.helpers\n")
-    g = import_graph(tmp_path, "toy")
+    external: dict[str, set[str]] = {}
+    g = import_graph(tmp_path, "toy", external)
     assert cycles(g) == [["toy.helpers", "toy.loop_b"]]
+    assert external == {"toy.spec": {"typing"}}
     assert "toy.models.gpt" not in g["toy.spec"]  # TYPE_CHECKING imports do not run
     # helpers -> models.config runs models/__init__, which imports the model
     assert violations(g, ["toy.pipeline.runtime"], ("toy.models",), ("toy.models.config",)) == [

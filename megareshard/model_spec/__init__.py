@@ -11,11 +11,24 @@ runtime, the trainer or the command-line module.
     stage = spec.build_model(cfg, ctx, layouts[i], num_stages=len(layouts), seed=s, device=d)
     loss = spec.forward_step(model, microbatch, device, num_microbatches=m)
 """
-from .graph import Edge, EdgeTensor, PipelineGraph, ScheduleError
-from .protocol import (BUILTIN_MODEL_SPECS, DEFAULT_MODEL_SPEC, ModelSpec, declare_edges, get_model_spec,
-                         model_spec_names, register_model_spec)
-from .placement import StageLayout, hidden_spec, split_layers, stage_layouts, stage_mesh, stage_tp_dp
+from __future__ import annotations
 
-__all__ = ["Edge", "EdgeTensor", "PipelineGraph", "ScheduleError", "ModelSpec", "register_model_spec",
-           "get_model_spec", "model_spec_names", "BUILTIN_MODEL_SPECS", "DEFAULT_MODEL_SPEC", "declare_edges",
-           "StageLayout", "hidden_spec", "split_layers", "stage_layouts", "stage_mesh", "stage_tp_dp"]
+import importlib
+from typing import Any
+
+from .graph import Edge, EdgeTensor, PipelineGraph, ScheduleError
+
+# the rest loads on first use: the schedule IR (``megareshard.pipeline``) imports the graph, and
+# stays free of torch and of the process-group code that placement and the protocol bring
+_LAZY = {**dict.fromkeys(["ModelSpec", "register_model_spec", "get_model_spec", "model_spec_names",
+                          "BUILTIN_MODEL_SPECS", "DEFAULT_MODEL_SPEC", "declare_edges"], ".protocol"),
+         **dict.fromkeys(["StageLayout", "hidden_spec", "split_layers", "stage_layouts", "stage_mesh",
+                          "stage_tp_dp"], ".placement")}
+
+__all__ = ["Edge", "EdgeTensor", "PipelineGraph", "ScheduleError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: the schedule IR, which uses this module, imports no torch
+    import torch
 
-from ..resharding import Mesh, ShardingSpec
+    from ..resharding import Mesh, ShardingSpec
 
 __all__ = ["ScheduleError", "Edge", "PipelineGraph", "EdgeTensor"]
 

@@ -11,7 +11,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..model_spec import Edge, StageLayout, register_model_spec
+from ..model_spec.graph import Edge
+from ..model_spec.placement import StageLayout
+from ..model_spec.protocol import register_model_spec
 from .gpt import GPTModel, model_flops_per_iteration
 from .lm import CausalLMSpec
 

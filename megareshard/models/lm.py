@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..model_spec import ModelSpec
+from ..model_spec.protocol import ModelSpec
 
 __all__ = ["CausalLMSpec"]
 

@@ -15,7 +15,9 @@ import torch
 
 from ..config_fields import ConfigError
 from ..parallel import TopologyError, parse_stage_layouts
-from ..model_spec import Edge, PipelineGraph, StageLayout, register_model_spec
+from ..model_spec.graph import Edge, PipelineGraph
+from ..model_spec.placement import StageLayout
+from ..model_spec.protocol import register_model_spec
 from .lm import CausalLMSpec
 from .utransformer import (UPlan, UTransformerConfig, UTransformerModel, add_utransformer_args,
                            check_utransformer_config, utransformer_config_from_args)

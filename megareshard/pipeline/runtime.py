@@ -52,7 +52,7 @@ from .stage import StageLayout
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
-    from ..model_spec import ModelSpec
+    from ..model_spec.protocol import ModelSpec
 
 __all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
 
