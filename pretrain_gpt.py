@@ -17,13 +17,14 @@ import sys
 
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.launch import PeerFailure, PreflightError
+from megareshard.model_spec import get_model_spec
 from megareshard.training import pretrain
 
 
 def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
-        pretrain(cfg)
+        pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2

@@ -12,19 +12,19 @@ whose skip tensors cross non-adjacent stages, each stage with its own layout::
         --pipeline-schedule eager-1f1b --delay-wgrad-compute --reshard-strategy broadcast \
         --micro-batch-size 2 --global-batch-size 16 --train-iters 50
 
-`--help` lists every flag. See ``megareshard/models/utransformer.py`` for the architecture.
+`--help` lists every flag. See ``megareshard/models/utransformer.py`` for the architecture and
+``megareshard/models/utransformer_spec.py`` for its model spec.
 """
 import sys
 
-from megareshard.arguments import ConfigError
-from megareshard.models.utransformer import parse_utransformer_args
+from megareshard.arguments import ConfigError, parse_model_args
 from megareshard.launch import PeerFailure, PreflightError
 from megareshard.training import pretrain
 
 
 def main(argv=None) -> int:
     try:
-        cfg, spec = parse_utransformer_args(argv)
+        cfg, spec = parse_model_args("utransformer", argv)  # + the U's --u-* flags
         pretrain(cfg, model_spec=spec)
     except ConfigError as e:
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)

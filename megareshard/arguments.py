@@ -19,6 +19,7 @@ from .config_fields import ConfigError, config_field as _f  # noqa: F401 (Config
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .pipeline.generators import SCHEDULES
 from .parallel.topology import TopologyError, parse_order
+from .model_spec.protocol import ModelSpec, get_model_spec
 
 
 @dataclass
@@ -328,12 +329,10 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns))
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
-    """Parse Megatron-style flags and validate them for ``world_size`` (default: ``$WORLD_SIZE`` or 1).
-
-    Megatron-LM flags for features not built here, and unknown flags, end in one ConfigError naming
-    every one of them (never argparse's "unrecognized arguments")."""
-    ns, unknown = build_parser().parse_known_args(argv)
+def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; Megatron-LM flags for features not built here, and unknown flags, end in one
+    ConfigError naming every one of them (never argparse's "unrecognized arguments")."""
+    ns, unknown = parser.parse_known_args(argv)
     refused, strange = megatron_flags.refusals(ns, unknown)
     if refused or strange:
         parts = []
@@ -345,11 +344,39 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         raise ConfigError("; ".join(parts))
     if unknown:
         raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")
-    cfg = config_from_namespace(ns)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size)
+    return ns
+
+
+def _world_size(world_size: int | None) -> int:
+    return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> Config:
+    """Parse Megatron-style flags and validate them for ``world_size`` (default: ``$WORLD_SIZE`` or 1).
+
+    Megatron-LM flags for features not built here, and unknown flags, end in one ConfigError naming
+    every one of them (never argparse's "unrecognized arguments")."""
+    cfg = config_from_namespace(_parse_flags(build_parser(), argv))
+    validate(cfg, _world_size(world_size))
     return cfg
+
+
+def parse_model_args(model: str | ModelSpec, argv: Sequence[str] | None = None,
+                     world_size: int | None = None) -> tuple[Config, ModelSpec]:
+    """The trainer's flags plus the model's own (``spec.add_arguments``, e.g. the U-Transformer's
+    ``--u-*``), for the model registered as ``model`` (or that spec): the validated Config, with the
+    fields the model derives from its shape set (``spec.apply_to``), and the spec its flags configure.
+    What an entry point such as ``pretrain_utransformer.py`` hands to ``training.pretrain``."""
+    spec = get_model_spec(model) if isinstance(model, str) else model
+    parser = spec.add_arguments(build_parser(argparse.ArgumentParser(
+        description=f"megareshard training of the {spec.name} model", allow_abbrev=False)))
+    ns = _parse_flags(parser, argv)
+    cfg = config_from_namespace(ns)
+    spec = spec.from_args(ns)
+    spec.check(cfg)
+    spec.apply_to(cfg)
+    validate(cfg, _world_size(world_size))
+    return cfg, spec
 
 
 def validate(cfg: Config, world_size: int) -> Config:
@@ -514,7 +541,7 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
     parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
     interleaved schedule, so 1f1b and eager-1f1b run as interleaved-1f1b and eager-interleaved-1f1b.
     zbv holds exactly 2 stages per rank. Sets only the schedule (the flags stay as given, so validating
-    twice gives the same answer; `virtual_stages_per_rank` reads the count back); the microbatch count
+    twice gives the same answer; `pipeline.stage.virtual_stages` reads the count back); the microbatch count
     must be a multiple of pp for the interleaved kinds.
     """
     from .pipeline.generators import REGISTRY
@@ -573,22 +600,6 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
                               f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
                               "chunks in groups of pp")
     return vpp or 1
-
-
-def virtual_stages_per_rank(cfg: Config) -> int:
-    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
-    stages the flags give (1: none). Pure: what `resolve_virtual_stages` checked."""
-    from .pipeline.generators import REGISTRY
-
-    pl = cfg.pipeline
-    kind = REGISTRY.get(pl.pipeline_schedule)
-    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
-        return kind.stages_per_mesh
-    if kind is not None and kind.stages_per_mesh == 1:
-        return 1
-    if pl.num_layers_per_virtual_pipeline_stage:
-        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
-    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
 def _validate_schedule(t: "TrainingConfig") -> None:

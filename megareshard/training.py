@@ -7,10 +7,14 @@ The forward/backward over the microbatches is a replaceable function
 (``forward_backward``): with pp > 1 the pipeline runtime (``megareshard.pipeline.runtime``)
 is that function; it also starts the gradient reductions after each stage's last
 backward, so the trainer does not reduce again.
+
+The model comes through its spec (``megareshard.model_spec.ModelSpec``: the modules, the stage graph,
+the forward step, the FLOPs); this module imports no model.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import resource
@@ -29,10 +33,10 @@ from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
-from .models.gpt import GPTModel, model_flops_per_iteration
 from .launch import PeerFailure, RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .launch.faults import faults_for, inject
 from .memory import ActivationMeter, MemoryReport, memory_report
+from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
 from .optim.zero import build_zero_optimizer
@@ -40,8 +44,7 @@ from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl
 from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.chunks import build_chunks
-from .pipeline.stage import (build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts,
-                             stage_layouts, stage_placement)
+from .pipeline.stage import check_pipeline_config, reduce_tied_grad_across_layouts, stage_placement
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
@@ -129,20 +132,19 @@ class StepResult:
 
 def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
                      autocast_dtype: torch.dtype | None = None, backward: bool = True,
-                     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Run the microbatches through the model; returns this rank's mean loss (detached).
+                     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                     spec: ModelSpec) -> torch.Tensor:
+    """Run the microbatches through the whole model; returns this rank's mean loss (detached).
 
-    Each microbatch's mean token loss is divided by the number of microbatches, so the
-    gradients accumulate to those of the mean over this rank's share of the global batch.
-    ``scale_loss`` (fp16 loss scaling) multiplies the loss that backward starts from.
+    ``spec.forward_step`` gives each microbatch's share of the loss (for the language models its
+    mean token loss divided by the number of microbatches), so the gradients accumulate to those
+    of the mean over this rank's share of the global batch. ``scale_loss`` (fp16 loss scaling)
+    multiplies the loss that backward starts from.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
     n = len(microbatches)
     for mb in microbatches:
-        tokens = mb["tokens"].to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            losses = model(tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
-        loss = losses.float().mean() / n
+        loss = spec.forward_step(model, mb, device, num_microbatches=n, autocast_dtype=autocast_dtype)
         if backward:
             (scale_loss(loss) if scale_loss is not None else loss).backward()
         total += loss.detach()
@@ -157,12 +159,14 @@ class Trainer:
     ctx: ParallelContext
     device: torch.device
     out: TextIO = sys.stdout
-    forward_backward_fn: Callable[..., torch.Tensor] = forward_backward
+    # the forward/backward over one step's microbatches; None: ``forward_backward`` with the model's spec
+    # (the pipeline runtime with pp > 1)
+    forward_backward_fn: Callable[..., torch.Tensor] | None = None
     watchdog: Watchdog | None = None  # names this rank's activity if one outlasts --comm-timeout
     records: list[dict[str, Any]] = field(default_factory=list)
-    # another model than the GPT (e.g. models.utransformer.UTransformerSpec): builds the model / stage
-    # model and the pipeline runtime; None = the GPT
-    model_spec: Any = None
+    # the model (``get_model_spec(name)``): its modules, stage graph, forward step and FLOPs; None = the
+    # default model, DEFAULT_MODEL_SPEC (the GPT)
+    model_spec: ModelSpec | None = None
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -173,6 +177,10 @@ class Trainer:
         self.local_micro_batch_size = cfg.training.micro_batch_size * (
             ctx.topology.max_dp // self.dp if ctx.per_stage_layouts else 1)
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
+        if self.model_spec is None:
+            self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
+        spec = self.model_spec
+        spec.check(cfg)
         if cfg.pp > 1:
             check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
@@ -183,26 +191,18 @@ class Trainer:
         self.params_dtype = torch.bfloat16 if mem.bf16 else torch.float16 if mem.fp16 else torch.float32
         model_kwargs = dict(params_dtype=self.params_dtype, recompute_granularity=mem.recompute_granularity,
                             recompute_num_layers=mem.recompute_num_layers)
-        if self.model_spec is not None:
-            layouts = self.model_spec.stage_layouts(cfg, ctx.topology) if cfg.pp > 1 else None
-            self.model = self.model_spec.build_model(cfg, ctx, layouts, seed=cfg.training.seed, device=self.device,
-                                                     **model_kwargs)
-        elif cfg.pp > 1 and len(stage_layouts(cfg, ctx.topology)) > cfg.pp:
-            # virtual stages: this rank's model chunks (one GPT part per stage on its mesh), one RNG stream set
-            layouts = stage_layouts(cfg, ctx.topology)
+        layouts = spec.stage_layouts(cfg, ctx.topology, stage_placement(cfg, cfg.pp)) if cfg.pp > 1 else None
+        if layouts is not None and len(layouts) > cfg.pp:
+            # virtual stages: this rank's model chunks (one part per stage on its mesh), one RNG stream set
             streams = RNGStreams.for_context(cfg.training.seed, ctx, self.device)
             self.model = build_chunks(layouts, stage_placement(cfg, cfg.pp), ctx.pp_rank(),
-                                      lambda lay: build_stage_model(cfg, ctx, lay, seed=cfg.training.seed,
-                                                                    device=self.device, num_stages=len(layouts),
-                                                                    streams=streams, **model_kwargs))
-        elif cfg.pp > 1:
-            layouts = stage_layouts(cfg, ctx.topology)
-            self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
-                                           device=self.device, **model_kwargs)
+                                      lambda lay: spec.build_model(cfg, ctx, lay, num_stages=len(layouts),
+                                                                   seed=cfg.training.seed, device=self.device,
+                                                                   streams=streams, **model_kwargs))
         else:
-            self.model = GPTModel(cfg.model, ctx,
-                                  sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
-                                  seed=cfg.training.seed, device=self.device, **model_kwargs)
+            self.model = spec.build_model(cfg, ctx, layouts[ctx.pp_rank()] if layouts is not None else None,
+                                          num_stages=len(layouts) if layouts is not None else 1,
+                                          seed=cfg.training.seed, device=self.device, **model_kwargs)
         t = cfg.training
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
         # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
@@ -216,17 +216,18 @@ class Trainer:
         self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
-            build_runtime = self.model_spec.build_runtime if self.model_spec is not None else PipelineRuntime.for_gpt
-            self.pipeline = build_runtime(cfg, ctx, layouts, finalize_grads=self.finalize_grads,
-                                                    record_trace=cfg.pipeline.pipeline_trace is not None,
-                                                    dtype=self.params_dtype)
+            self.pipeline = PipelineRuntime.for_model(spec, cfg, ctx, layouts, finalize_grads=self.finalize_grads,
+                                                      record_trace=cfg.pipeline.pipeline_trace is not None,
+                                                      dtype=self.params_dtype)
             self.pipeline.watchdog = self.watchdog
             if mem.overlap_grad_reduce:  # R actions: each stage's dp reduction starts after its last backward
                 self.pipeline.grad_reduce_handler = self.start_stage_grad_reduce
-            if self.forward_backward_fn is forward_backward:
+            if self.forward_backward_fn is None:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
                 print(self.pipeline.describe(), file=self.out, flush=True)
+        if self.forward_backward_fn is None:
+            self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
         self._build_data()
         self.iteration = 0
         # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
@@ -444,8 +445,7 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
-        flops = (self.model_spec.flops_per_iteration(cfg, t.global_batch_size) if self.model_spec is not None
-                 else model_flops_per_iteration(cfg.model, t.global_batch_size))
+        flops = self.model_spec.flops_per_iteration(cfg, t.global_batch_size)
         self.model.train()
         self._train_start = time.monotonic()
         profiler = None
@@ -625,8 +625,9 @@ def _nothing_to_load(path: str) -> bool:
     return not any(n == "latest" or n == "checkpoint.json" or n.startswith("iter_") for n in os.listdir(path))
 
 
-def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: Any = None) -> list[dict[str, Any]]:
-    """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` (``model_spec``) and tests."""
+def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
+    """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` and tests: trains the model of
+    ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC)."""
     device = pick_device(cfg.training.device)
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     ctx, placement = build_context(cfg, world)

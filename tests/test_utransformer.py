@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megareshard.arguments import ConfigError, ModelConfig
-from megareshard.models.utransformer import (UPlan, UTransformerConfig, UTransformerModel, parse_utransformer_args,
+from megareshard.arguments import ConfigError, ModelConfig, parse_model_args
+from megareshard.models.utransformer import (UPlan, UTransformerConfig, UTransformerModel,
                                              shorten, upsample)
 from megareshard.parallel import ParallelContext
 
@@ -93,7 +93,7 @@ _BASE = ["--mock-data", "--vocab-size", "64", "--u-levels", "3", "--u-widths", "
 
 
 def test_cli_derives_layers_and_hidden_size():
-    cfg, spec = parse_utransformer_args(_BASE + ["--u-blocks-per-level", "2,1,3"], world_size=1)
+    cfg, spec = parse_model_args("utransformer", _BASE + ["--u-blocks-per-level", "2,1,3"], world_size=1)
     assert cfg.model.num_layers == 2 + 1 + 3 + 1 + 2 and cfg.model.hidden_size == 16
     assert spec.u.blocks_per_level == (2, 1, 3)
 
@@ -110,7 +110,7 @@ def test_cli_derives_layers_and_hidden_size():
 ])
 def test_bad_shapes_are_refused_with_the_numbers(extra, world, match):
     with pytest.raises(ConfigError, match=match):
-        parse_utransformer_args(_BASE + extra, world_size=world)
+        parse_model_args("utransformer", _BASE + extra, world_size=world)
 
 
 def test_pretrain_utransformer_runs_on_one_process(tmp_path):

@@ -23,7 +23,7 @@ import io
 import pytest
 import torch
 
-from megareshard.models.utransformer import parse_utransformer_args
+from megareshard.arguments import parse_model_args
 from megareshard.parallel import ParallelContext, StageTopology, Topology
 from megareshard.tensor_parallel import gather_full_state_dict
 from megareshard.training import Trainer
@@ -82,7 +82,7 @@ def _worker(rank, world_size, cases):
         keep = ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         for kw in configs:
             tp = a if kind == "uniform" else 1
-            cfg, spec = parse_utransformer_args(_argv(tp=tp, pp=pp, **kw), world_size=world_size)
+            cfg, spec = parse_model_args("utransformer", _argv(tp=tp, pp=pp, **kw), world_size=world_size)
             trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO(), model_spec=spec)
             edges = [str(e) for e in trainer.pipeline.graph.edges]
             res = _run(trainer, ctx)
@@ -91,7 +91,7 @@ def _worker(rank, world_size, cases):
 
 
 def _reference(merge):
-    cfg, spec = parse_utransformer_args(_argv(merge=merge), world_size=1)
+    cfg, spec = parse_model_args("utransformer", _argv(merge=merge), world_size=1)
     ctx = ParallelContext.single_process()
     return _run(Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO(), model_spec=spec), ctx)
 

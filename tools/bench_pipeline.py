@@ -318,20 +318,18 @@ def parse_model_config(a: argparse.Namespace, c: BenchConfig, world: int):
         from megareshard.arguments import parse_args
 
         return parse_args(model_argv(a, c, world), world_size=world), None
-    from megareshard.models.utransformer import parse_utransformer_args
+    from megareshard.arguments import parse_model_args
 
-    return parse_utransformer_args(model_argv(a, c, world), world_size=world)
+    return parse_model_args("utransformer", model_argv(a, c, world), world_size=world)
 
 
 def graph_and_shapes(cfg, spec, layouts, batch: int):
     """The stage graph (chain + skip edges) and every edge's global tensor shape."""
-    if spec is not None:
-        return spec.graph(cfg, layouts), spec.edge_shapes(cfg, layouts, batch)
-    from megareshard.pipeline.stage import chain_graph
+    if spec is None:
+        from megareshard.model_spec import get_model_spec
 
-    graph = chain_graph(len(layouts))
-    shape = (cfg.model.seq_length, batch, cfg.model.hidden_size)
-    return graph, {e: shape for e in graph.edges}
+        spec = get_model_spec("gpt")
+    return spec.graph(cfg, layouts), spec.edge_shapes(cfg, layouts, batch)
 
 
 # ---- the network model's view of the stage boundaries ---------------------------------------------------
@@ -437,13 +435,12 @@ def _worker(a: argparse.Namespace) -> int:
         f"{placement}")
     trainer = Trainer(cfgs[0], ctx, device, out=io.StringIO(), **({"model_spec": spec} if spec is not None else {}))
     layouts = spec.stage_layouts(cfgs[0], ctx.topology) if spec is not None else stage_layouts(cfgs[0], ctx.topology)
-    build_runtime = spec.build_runtime if spec is not None else PipelineRuntime.for_gpt
     say("[bench_pipeline] " + trainer.pipeline.describe().replace("\n", "\n[bench_pipeline] "))
     hosts_of_stage = [list(lay.mesh.host_ids()) for lay in layouts]
     runtimes = [trainer.pipeline]
     for c, cfg in zip(configs[1:], cfgs[1:]):  # collective: every rank builds every edge, same order
-        rt = build_runtime(cfg, ctx, layouts, finalize_grads=trainer.finalize_grads, record_trace=True,
-                           dtype=trainer.params_dtype)
+        rt = PipelineRuntime.for_model(trainer.model_spec, cfg, ctx, layouts, finalize_grads=trainer.finalize_grads,
+                                       record_trace=True, dtype=trainer.params_dtype)
         rt.watchdog = getattr(trainer.pipeline, "watchdog", None)
         runtimes.append(rt)
     runtimes[0].record_trace = True

@@ -83,6 +83,7 @@ def _worker(a: argparse.Namespace) -> None:
 
     from megareshard.arguments import parse_args
     from megareshard.models.gpt import model_flops_per_iteration
+    from megareshard.model_spec import get_model_spec
     from megareshard.training import Trainer, build_context, forward_backward, init_distributed, pick_device
 
     device = pick_device(a.device)
@@ -101,7 +102,8 @@ def _worker(a: argparse.Namespace) -> None:
             # time forward/backward only: its collectives are the tensor-parallel ones
             clock.on, clock.seconds = True, 0.0
             t0 = time.perf_counter()
-            loss = forward_backward(model, microbatches, dev, autocast_dtype=autocast, backward=backward)
+            loss = forward_backward(model, microbatches, dev, autocast_dtype=autocast, backward=backward,
+                                    spec=get_model_spec("gpt"))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             fb_s.append(time.perf_counter() - t0)

@@ -48,7 +48,6 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from ..models.gpt import WORD_EMBEDDING_NAME
 from ..tensor_parallel.random import RNGStreams
 from .format import (FORMAT_VERSION, CheckpointError, Piece, check_files, prepare_tmp_dir, read_info,
                      read_metadata, read_pieces, resolve_checkpoint_dir, write_checkpoint)
@@ -78,9 +77,13 @@ def optim_key(kind: str, name: str) -> str:
 
 def _canonical(name: str, param: torch.Tensor) -> str:
     """The tied output-layer copy on a last pipeline stage (marked ``shared_embedding_duplicate``) is the
-    word embedding; an untied output layer is its own tensor."""
+    word embedding: the model names it in ``checkpoint_name``; an untied output layer is its own tensor."""
     if getattr(param, "shared_embedding_duplicate", False):
-        return WORD_EMBEDDING_NAME
+        canonical = getattr(param, "checkpoint_name", None)
+        if canonical is None:
+            raise CheckpointError(f"parameter {name} is marked shared_embedding_duplicate but names no "
+                                  "checkpoint_name (the name of the weight it duplicates)")
+        return canonical
     return name
 
 

@@ -344,6 +344,7 @@ class GPTModel(nn.Module):
                                                  device=dev, dtype=dt)
                     self.output_layer.weight = own.weight
                     self.output_layer.weight.shared_embedding_duplicate = True
+                    self.output_layer.weight.checkpoint_name = WORD_EMBEDDING_NAME  # saved once, as the embedding
             else:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size, ctx, bias=False,
                                                          sequence_parallel=sp, device=dev, dtype=dt,

@@ -58,13 +58,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arguments import Config, ConfigError
+from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, WeightGradStore, padded_vocab_size,
                                set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
@@ -72,8 +72,8 @@ from .config import ModelConfig
 from .gpt import GPTEmbedding, TransformerLayer, _norm, param_init_generator
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
-__all__ = ["UTransformerConfig", "UBlock", "UPlan", "UTransformerModel", "UTransformerSpec",
-           "add_utransformer_args", "utransformer_config_from_args", "check_utransformer_config"]
+__all__ = ["UTransformerConfig", "UBlock", "UPlan", "UTransformerModel", "add_utransformer_args",
+           "utransformer_config_from_args", "check_utransformer_config"]
 
 SKIP_MERGES = ("add", "concat")
 
@@ -407,128 +407,3 @@ class UTransformerModel(nn.Module):
             return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size)
         return loss.t().contiguous()
-
-
-# ---- what the trainer needs -------------------------------------------------------------------------
-class UTransformerSpec:
-    """Plugs the U-Transformer into ``Trainer(model_spec=…)``: model, stage split, skip edges, runtime."""
-
-    def __init__(self, u: UTransformerConfig) -> None:
-        self.u = u
-
-    def apply_to(self, cfg: Config) -> Config:
-        """Set the GPT-shaped fields the rest of the framework reads: --num-layers = number of blocks
-        (the pipeline splits the flat block list), --hidden-size = the top width (4× for the MLP)."""
-        plan = UPlan.build(self.u, cfg.model.seq_length)
-        cfg.model.num_layers = plan.num_blocks
-        cfg.model.hidden_size = self.u.widths[0]
-        cfg.model.ffn_hidden_size = 4 * self.u.widths[0]
-        return cfg
-
-    def check(self, cfg: Config) -> None:
-        check_utransformer_config(self.u, cfg.model, sequence_parallel=cfg.parallel.sequence_parallel)
-        if cfg.parallel.stage_layouts:
-            from ..parallel import TopologyError, parse_stage_layouts
-
-            try:
-                layouts = parse_stage_layouts(cfg.parallel.stage_layouts)
-            except TopologyError as e:
-                raise ConfigError(str(e)) from None
-            tps = [(i, t) for i, (t, _) in enumerate(layouts)]
-        else:
-            tps = [(None, cfg.tp)]
-        for i, t in tps:
-            where = f"stage {i}'s tp {t}" if i is not None else f"--tensor-model-parallel-size {t}"
-            for k, w in enumerate(self.u.widths):
-                if w % t:
-                    raise ConfigError(f"--u-widths: level {k}'s width {w} is not divisible by {where}")
-            if cfg.model.num_attention_heads % t:
-                raise ConfigError(f"--num-attention-heads {cfg.model.num_attention_heads} is not divisible by {where}")
-
-    def plan(self, cfg: Config) -> UPlan:
-        return UPlan.build(self.u, cfg.model.seq_length)
-
-    def stage_layouts(self, cfg: Config, topology) -> list:
-        from ..pipeline.stage import stage_layouts
-
-        self.check(cfg)
-        return stage_layouts(cfg, topology)  # R,S0,R everywhere: sequence parallelism is refused above
-
-    def graph(self, cfg: Config, layouts: Sequence) -> Any:
-        from ..pipeline.schedule import PipelineGraph
-
-        ranges = [lay.layer_range for lay in layouts]
-        return PipelineGraph(len(layouts), tuple(self.plan(cfg).skip_edges(ranges)))
-
-    def edge_shapes(self, cfg: Config, layouts: Sequence, batch: int) -> dict:
-        plan, graph = self.plan(cfg), self.graph(cfg, layouts)
-        shapes = {}
-        for e in graph.edges:
-            if e.is_chain:
-                shapes[e] = plan.boundary_shape(layouts[e.src].layer_range[1] - 1, batch)
-            else:
-                shapes[e] = plan.skip_shape(int(e.name[len("skip"):]), batch)
-        return shapes
-
-    def build_model(self, cfg: Config, ctx: ParallelContext, layouts: Sequence | None, *, seed: int,
-                    device: torch.device, **model_kwargs) -> UTransformerModel:
-        self.check(cfg)
-        if layouts is None:
-            return UTransformerModel(cfg.model, self.u, ctx, seed=seed, device=device, **model_kwargs)
-        last = len(layouts) - 1
-
-        def build(lay, **extra) -> UTransformerModel:
-            return UTransformerModel(cfg.model, self.u, ctx, seed=seed, pre_process=lay.stage == 0,
-                                     post_process=lay.stage == last, layer_range=lay.layer_range,
-                                     device=device, **model_kwargs, **extra)
-
-        if len(layouts) == ctx.pp_size:
-            return build(layouts[ctx.pp_rank()])
-        from ..pipeline.chunks import build_chunks  # virtual stages: this rank's chunks, one RNG stream set
-        from ..pipeline.stage import stage_placement
-
-        streams = RNGStreams.for_context(seed, ctx, torch.device(device))
-        return build_chunks(layouts, stage_placement(cfg, ctx.pp_size), ctx.pp_rank(),
-                            lambda lay: build(lay, streams=streams))
-
-    def build_runtime(self, cfg: Config, ctx: ParallelContext, layouts: Sequence, *, finalize_grads=None,
-                      record_trace: bool = False, dtype: torch.dtype = torch.float32):
-        """Chain edges (shape of the level at each cut) plus one skip edge per crossing skip: every edge
-        its own declared shape, its own forward and backward resharders and tag range."""
-        from ..pipeline.runtime import PipelineRuntime
-
-        batch = cfg.training.micro_batch_size * cfg.dp(ctx.world_size)  # the global microbatch
-        graph = self.graph(cfg, layouts)
-        return PipelineRuntime.from_edges(cfg, ctx, graph, layouts, self.edge_shapes(cfg, layouts, batch),
-                                          finalize_grads=finalize_grads, record_trace=record_trace, dtype=dtype)
-
-    def flops_per_iteration(self, cfg: Config, global_batch: int) -> float:
-        """Training FLOPs (3 × forward): blocks at their level's width and length, plus the logits."""
-        plan, V = self.plan(cfg), cfg.model.vocab_size
-        fwd = 0.0
-        for blk in plan.blocks:
-            s, w = plan.seq(blk.level), plan.width(blk.level)
-            fwd += s * (24 * w * w + 4 * s * w)
-        fwd += 2 * plan.seq_length * self.u.widths[0] * V
-        return 3.0 * fwd * global_batch
-
-
-def parse_utransformer_args(argv: Sequence[str] | None = None, world_size: int | None = None
-                            ) -> tuple[Config, UTransformerSpec]:
-    """``pretrain_gpt.py``'s flags plus ``--u-*``: the validated Config (``--num-layers`` and
-    ``--hidden-size`` derived from the U's shape) and the spec to hand to the Trainer."""
-    import os
-
-    from ..arguments import build_parser, config_from_namespace, validate
-
-    parser = add_utransformer_args(build_parser(argparse.ArgumentParser(
-        description="megareshard U-Transformer training", allow_abbrev=False)))
-    ns = parser.parse_args(argv)
-    cfg = config_from_namespace(ns)
-    spec = UTransformerSpec(utransformer_config_from_args(ns))
-    spec.check(cfg)
-    spec.apply_to(cfg)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world_size)
-    return cfg, spec

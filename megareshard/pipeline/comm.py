@@ -14,39 +14,26 @@ Why it looks like this:
   its runs in one order is the lowering's guarantee (a receiver posts receives in its
   sender's order); the NCCL checking mode proves it on gloo.
 * **Declared shapes, checked at every send.** The shape and dtype of every edge's
-  tensor come from the configuration (micro batch, sequence, hidden), never from the
-  first batch seen (Megatron #5100). A send of anything else raises, naming the edge,
-  the direction, the microbatch, what was expected and what was given.
+  tensor are declared by the model's spec from the configuration (micro batch, sequence,
+  widths), never taken from the first batch seen (Megatron #5100). A send of anything
+  else raises, naming the edge, the direction, the microbatch, what was expected and what
+  was given.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from ..resharding import Mesh, ShardingSpec, plan_resharding
+from ..resharding import plan_resharding
 from ..resharding.executor import CommStreams, ReshardHandle, Resharder
-from .schedule import Edge, PipelineGraph
+from ..model_spec.graph import Edge, EdgeTensor, PipelineGraph  # EdgeTensor: re-exported
 
 __all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "plan_edges", "communicator_keys", "build_edge_comms"]
 
 
 class EdgeShapeError(ValueError):
     """A tensor sent along a pipeline edge does not match the edge's declared shape/dtype."""
-
-
-@dataclass(frozen=True)
-class EdgeTensor:
-    """The declared tensor of one edge: global shape, dtype, and both ends' layouts."""
-
-    edge: Edge
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    src_mesh: Mesh
-    src_spec: ShardingSpec
-    dst_mesh: Mesh
-    dst_spec: ShardingSpec
 
 
 class EdgeComm:
@@ -74,8 +61,8 @@ class EdgeComm:
             raise EdgeShapeError(
                 f"edge {self.edge} ({what}, mb {mb}): expected local shape {tuple(want_shape)} {want_dtype} "
                 f"(global {self.decl.shape}, spec {spec} on mesh {mesh}), got {tuple(tensor.shape)} "
-                f"{tensor.dtype}; the edge's shape is declared from --micro-batch-size, --seq-length and "
-                "--hidden-size")
+                f"{tensor.dtype}; the model's spec declares every edge's shape from the configuration "
+                "(ModelSpec.edge_shapes)")
 
     def send_forward(self, tensor: torch.Tensor, mb: int) -> ReshardHandle:
         self._check(tensor, self.fwd, "F", mb)

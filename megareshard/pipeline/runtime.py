@@ -14,9 +14,10 @@ resharders built once per edge (`comm.py`). What each action does is the contrac
 written down in `lowering.py`:
 
 =========  ===============================================================================
-F(mb)      forward of the action's stage on mb (stage 0: tokens; others: the WAIT_F tensor or
-           the local hand-off, made a leaf that requires grad); the last stage turns per-token losses into
-           ``mean / m`` and accumulates the reported loss.
+F(mb)      the model's forward step on mb (``forward_step``, its spec's) for the action's stage:
+           stage 0 reads the batch; others the WAIT_F tensors or the local hand-off, made leaves
+           that require grad; the last stage's step returns mb's share of the loss, accumulated
+           into the reported loss.
 SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
            send is complete the output's *data* is freed (Megatron's
            ``deallocate_output_tensor``) when no autograd node saved it, keeping only the
@@ -49,7 +50,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,12 @@ from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import forward_only, generate, placement_of
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
-from .schedule import Action, ActionKind, Edge, PipelineGraph
-from .stage import StageLayout, chain_graph, hidden_global_shape
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .stage import StageLayout
 from .validate import validate
+
+if TYPE_CHECKING:  # annotations only
+    from ..model_spec.protocol import ModelSpec
 
 __all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
 
@@ -215,11 +219,14 @@ class PipelineRuntime:
     finalizes_grads = True  # the trainer must not reduce gradients again after a step
 
     def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                 comms: dict[Edge, EdgeComm], *, schedule: str, delay_wgrad: bool = False,
-                 finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                 lookahead: int = 1, schedule_file: Schedule | None = None,
+                 comms: dict[Edge, EdgeComm], *, schedule: str, forward_step: Callable[..., Any],
+                 delay_wgrad: bool = False, finalize_grads: Callable[[], None] | None = None,
+                 record_trace: bool = False, lookahead: int = 1, schedule_file: Schedule | None = None,
                  placement: Sequence[int] | None = None) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
+        # the model's forward step (``ModelSpec.forward_step``): batch and received tensors in, the
+        # stage's outputs by edge name out — or, on the last stage, the microbatch's share of the loss
+        self.forward_step = forward_step
         self.stage = ctx.pp_rank()  # this rank's mesh: the trace's row, the lowered program's index
         self.num_stages = graph.num_stages
         self.placement = tuple(placement) if placement is not None else tuple(range(self.num_stages))
@@ -233,9 +240,8 @@ class PipelineRuntime:
         self.stages = tuple(s for s, m in enumerate(self.placement) if m == self.stage)  # this mesh's, model order
         self.virtual_stages = self.num_stages // self.num_meshes
         self.local_edges = frozenset(e for e in graph.edges if self.placement[e.src] == self.placement[e.dst])
-        # Several edges per stage (U-Transformer skip tensors): the model takes the chain input
-        # as ``hidden`` and the skip inputs as ``skips={edge name: tensor}``, and returns
-        # ``{edge name: tensor}`` ("" for the chain edge) when it has several outputs.
+        # Several edges per stage (U-Transformer skip tensors): the forward step takes the received
+        # tensors and returns the outputs keyed by edge name ("" for the chain edge).
         self._in = {s: graph.in_edges(s) for s in self.stages}
         self._out = {s: graph.out_edges(s) for s in self.stages}
         self._chain_in = {s: next((e for e in self._in[s] if e.is_chain), None) for s in self.stages}
@@ -271,28 +277,30 @@ class PipelineRuntime:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def for_gpt(cls, cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
-                finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
-        """Declare the GPT's hidden-state edges from the config and build their resharders.
+    def for_model(cls, spec: "ModelSpec", cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
+                  finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
+                  dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
+        """The runtime of a model spec: its stage graph, its edges' declared tensors, its forward step.
 
+        Every edge carries the global microbatch (micro batch × dp; with per-stage layouts × the
+        largest dp), whatever the two stages' layouts: each end shards it over its own dp.
         Collective over the default group: every rank calls it with the same config. ``layouts``
         has one entry per stage (``pp × V`` with virtual stages).
         """
-        graph = chain_graph(len(layouts))
-        # the global microbatch (micro batch × dp; with per-stage layouts × the largest dp), the
-        # same on every edge whatever the two stages' layouts: each end shards it over its own dp
-        shape = hidden_global_shape(cfg, cfg.dp(ctx.world_size))
-        return cls.from_edges(cfg, ctx, graph, layouts, {e: shape for e in graph.edges},
-                              finalize_grads=finalize_grads, record_trace=record_trace, dtype=dtype)
+        batch = cfg.training.micro_batch_size * cfg.dp(ctx.world_size)
+        return cls.from_edges(cfg, ctx, spec.graph(cfg, layouts), layouts,
+                              spec.edge_tensors(cfg, layouts, batch=batch, dtype=dtype),
+                              forward_step=spec.forward_step, finalize_grads=finalize_grads,
+                              record_trace=record_trace)
 
     @classmethod
     def from_edges(cls, cfg, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                   shapes: dict[Edge, tuple[int, ...]], *, finalize_grads: Callable[[], None] | None = None,
-                   record_trace: bool = False, dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
-        """Any stage graph (chain and skip edges): each edge's declared global shape, both ends'
-        layouts from ``layouts`` (source: the producing stage's mesh and hidden spec, destination:
-        the consuming stage's), its own forward and backward resharders. Collective over the world.
+                   edges: Sequence[EdgeTensor], *, forward_step: Callable[..., Any],
+                   finalize_grads: Callable[[], None] | None = None,
+                   record_trace: bool = False) -> "PipelineRuntime":
+        """Any stage graph (chain and skip edges): each edge's declared tensor (global shape, dtype, both
+        ends' mesh and spec), its own forward and backward resharders; ``forward_step`` runs a stage on
+        a microbatch (``ModelSpec.forward_step``). Collective over the world.
         With virtual stages (``len(layouts) > pp``) the stages sit on the schedule's placement; edges
         between two stages of one mesh and layout are local hand-offs and get no resharders.
         """
@@ -314,11 +322,9 @@ class PipelineRuntime:
             a, b = layouts[e.src], layouts[e.dst]
             if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
                 raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
-        decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
-                            layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges if e not in local]
-        comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
-                                 chunks=pl.reshard_chunks, skip=local)
-        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule,
+        comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=pl.reshard_strategy,
+                                 scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks, skip=local)
+        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule, forward_step=forward_step,
                    delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace,
                    schedule_file=schedule_file, placement=placement)
 
@@ -496,8 +502,6 @@ class PipelineRuntime:
 
     def _forward(self, model: torch.nn.Module, stage: int, mb: int, st: _Step) -> None:
         first, last = stage == 0, stage == self.num_stages - 1
-        batch = st.microbatches[mb]
-        tokens = batch["tokens"].to(st.device, non_blocking=True) if (first or last) else None
         inputs: dict[Edge, torch.Tensor] = {}
         for edge in self._in[stage]:
             try:
@@ -509,34 +513,20 @@ class PipelineRuntime:
                 x.requires_grad_(True)
             inputs[edge] = x
         st.inputs[(stage, mb)] = inputs
-        kwargs: dict[str, Any] = {"hidden": inputs.get(self._chain_in[stage])}
-        if self._skip_in[stage]:
-            kwargs["skips"] = {e.name: inputs[e] for e in self._skip_in[stage]}
-        if first:
-            kwargs["tokens"] = tokens[:, :-1].contiguous()
+        out = self.forward_step(model, st.microbatches[mb], st.device, num_microbatches=len(st.microbatches),
+                                received={e.name: x for e, x in inputs.items()}, first=first, last=last,
+                                autocast_dtype=st.autocast_dtype)
         if last:
-            kwargs["labels"] = tokens[:, 1:].contiguous()
-        dt = st.autocast_dtype
-        with torch.autocast(st.device.type, dtype=dt, enabled=dt is not None):
-            out = model(**kwargs)
-        outs = self._out[stage]
-        if last:
-            loss = out.float().mean() / len(st.microbatches)
-            st.loss += loss.detach()
+            st.loss += out.detach()
             if st.train:
-                st.outputs[(stage, mb)] = {None: loss}
+                st.outputs[(stage, mb)] = {None: out}
             return
-        if isinstance(out, dict):
-            missing = [str(e) for e in outs if e.name not in out]
-            if missing:
-                raise RuntimeError(f"stage {stage}: the model returned outputs {sorted(out)} but the stage "
-                                   f"sends on edge(s) {', '.join(missing)}")
-            produced = {e: out[e.name] for e in outs}
-        else:
-            if len(outs) != 1:
-                raise RuntimeError(f"stage {stage} has {len(outs)} outgoing edges but the model "
-                                   "returned one tensor (return {edge name: tensor})")
-            produced = {outs[0]: out}
+        outs = self._out[stage]
+        missing = [str(e) for e in outs if e.name not in out]
+        if missing:
+            raise RuntimeError(f"stage {stage}: the model returned outputs {sorted(out)} but the stage "
+                               f"sends on edge(s) {', '.join(missing)}")
+        produced = {e: out[e.name] for e in outs}
         # local hand-offs: the consumer on this mesh reads the output as if received (detached: its
         # own leaf, so its backward stops there and hands the gradient back)
         for e, t in produced.items():

@@ -1,112 +1,43 @@
-"""One pipeline stage: its layers, its mesh, the layout of its boundary tensors, its model part.
+"""Pipeline start-up checks and the tied-embedding reduction across stage layouts.
 
-docs/design.md §1: a stage is (its layers, its mesh, the layout of every tensor it consumes
-and produces). Here the mesh of stage ``i`` is the ranks with pp coordinate ``i`` laid
-out as a 2-D ``dp × tp`` grid (axis 0 = dp, axis 1 = tp) with each rank's host taken
-from the Topology, and the GPT's hidden states ``[s, b, h]`` are
-
-* ``R,S0,R``  — batch over dp, replicated over tp (plain tensor parallelism), or
-* ``S1,S0,R`` — sequence over tp as well (sequence parallelism),
-
-so the resharding planner sees exactly which slice every rank holds and needs. The
-*global* hidden tensor of one microbatch is ``[seq, micro_batch × dp, hidden]``: every
-stage processes the same global microbatch, each sharded over its own dp.
-
-Everything here is pure (no process groups) except `build_stage_model`, which builds
-this rank's part of the GPT.
+The stage layouts themselves (`StageLayout`, `split_layers`, `hidden_spec`, `stage_layouts`,
+`stage_mesh`) live in `megareshard.model_spec.placement`, neutral ground the model specs share, and are
+re-exported here; building a stage's module is its model spec's job (`ModelSpec.build_model`).
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..arguments import Config, ConfigError, virtual_stages_per_rank
+from ..config_fields import ConfigError
 from ..parallel import ParallelContext, Topology
-from ..resharding import Mesh, ShardingSpec
+from ..model_spec.placement import StageLayout, hidden_spec, split_layers, stage_mesh, stage_tp_dp
+from ..model_spec.placement import stage_layouts as _layouts_on
 from .generators import REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, placement_of
-from .meshes import stage_mesh, stage_tp_dp
-from .schedule import PipelineGraph
+
+if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module
+    from ..arguments import Config
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
-           "check_pipeline_config", "build_stage_model", "hidden_global_shape", "virtual_stages", "stage_placement"]
+           "check_pipeline_config", "reduce_tied_grad_across_layouts", "virtual_stages", "stage_placement"]
 
 _EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 
 
-@dataclass(frozen=True)
-class StageLayout:
-    """Where one stage lives and how its boundary hidden states are laid out."""
-
-    stage: int
-    layer_range: tuple[int, int]  # global layers [start, stop)
-    mesh: Mesh  # dp × tp ranks of this stage
-    hidden_spec: ShardingSpec  # layout of the [s, b, h] hidden states it receives and sends
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_range[1] - self.layer_range[0]
-
-    def describe(self) -> str:
-        a, b = self.layer_range
-        return (f"stage {self.stage}: layers {a}..{b - 1} on mesh {self.mesh} "
-                f"(ranks {list(self.mesh.flat_ranks)}), hidden {self.hidden_spec}")
-
-
-def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None,
-                 what: str | None = None) -> list[tuple[int, int]]:
-    """Global layer ranges per stage: ``--num-layers-per-stage`` (comma list) or an even split.
-
-    Every stage needs at least one layer: a stage without layers would still pay a full
-    resharding in and out for nothing. ``what`` names the stage count in messages (default
-    ``--pipeline-model-parallel-size N``; virtual stages: ``pp P × V virtual stages``).
-    """
-    what = what or f"--pipeline-model-parallel-size {num_stages}"
-    if num_stages < 1:
-        raise ConfigError(f"--pipeline-model-parallel-size must be at least 1, got {num_stages}")
-    if num_stages > num_layers:
-        raise ConfigError(f"{what} exceeds --num-layers {num_layers}: "
-                          "every pipeline stage needs at least one Transformer layer")
-    if per_stage is not None:
-        try:
-            counts = [int(x) for x in per_stage.split(",")]
-        except ValueError:
-            raise ConfigError(f"--num-layers-per-stage {per_stage!r} must be comma-separated integers, "
-                              "one per pipeline stage") from None
-        if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-            raise ConfigError(f"--num-layers-per-stage {per_stage} must give {num_stages} positive numbers "
-                              f"(one per stage) adding up to --num-layers {num_layers} (got {len(counts)} "
-                              f"numbers summing to {sum(counts)})")
-    else:
-        if num_layers % num_stages:
-            raise ConfigError(f"--num-layers {num_layers} is not divisible by {what}; give "
-                              "--num-layers-per-stage for an uneven split")
-        counts = [num_layers // num_stages] * num_stages
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
-
-
-def hidden_spec(sequence_parallel: bool) -> ShardingSpec:
-    """``S1,S0,R`` under sequence parallelism (sequence over tp), else ``R,S0,R``."""
-    return ShardingSpec.parse("S1,S0,R" if sequence_parallel else "R,S0,R")
-
-
-def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
-    """Global ``[seq, micro_batch × dp, hidden]`` of one microbatch's hidden states.
-
-    With per-stage layouts pass ``cfg.dp(world)`` (the largest stage dp): the global
-    microbatch is the same for every stage, each stage shards it over its own dp.
-    """
-    return (cfg.model.seq_length, cfg.training.micro_batch_size * dp, cfg.model.hidden_size)
-
-
 def virtual_stages(cfg: Config) -> int:
-    """Stages per pipeline rank: 1, or the virtual stages the arguments resolved (zbv: 2)."""
-    return virtual_stages_per_rank(cfg)
+    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
+    stages Megatron's flags give (1: none). Pure: what `arguments.resolve_virtual_stages` checked."""
+    pl = cfg.pipeline
+    kind = REGISTRY.get(pl.pipeline_schedule)
+    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        return kind.stages_per_mesh
+    if kind is not None and kind.stages_per_mesh == 1:
+        return 1
+    if pl.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
+    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
 def stage_placement(cfg: Config, pp: int) -> tuple[int, ...]:
@@ -117,23 +48,9 @@ def stage_placement(cfg: Config, pp: int) -> tuple[int, ...]:
 
 
 def stage_layouts(cfg: Config, topology: Topology) -> list[StageLayout]:
-    """Layout of every stage (the same on every rank: the runtime builds edges from it).
-
-    Per-stage layouts: each stage's mesh has its own shape and its hidden spec its own
-    sequence-parallel choice (``S1`` only where that stage's tp > 1). With virtual stages there are
-    ``pp × V`` stages in model order, each on the mesh `stage_placement` gives it.
-    """
-    v = virtual_stages(cfg)
-    n = topology.pp * v
-    what = None if v == 1 else f"pp {topology.pp} × {v} virtual stages = {n} stages"
-    ranges = split_layers(cfg.model.num_layers, n, cfg.pipeline.num_layers_per_stage, what)
-    place = stage_placement(cfg, topology.pp)
-    out = []
-    for i in range(n):
-        p = place[i]
-        sp = cfg.parallel.sequence_parallel and stage_tp_dp(topology, p)[0] > 1
-        out.append(StageLayout(i, ranges[i], stage_mesh(topology, p), hidden_spec(sp)))
-    return out
+    """Every stage's layout for this run: ``pp × V`` stages with virtual stages, each on the mesh
+    `stage_placement` gives it (the `[s, b, h]` default of `model_spec.placement.stage_layouts`)."""
+    return _layouts_on(cfg, topology, stage_placement(cfg, topology.pp))
 
 
 def check_pipeline_config(cfg: Config, world_size: int) -> None:
@@ -176,32 +93,6 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         warnings.warn("--reshard-strategy signal moves one byte per task: stage inputs are undefined, "
                       "so the loss is meaningless (it is the communication upper bound for benchmarks)",
                       stacklevel=2)
-
-
-def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *, seed: int,
-                      device: torch.device, num_stages: int | None = None, **model_kwargs):
-    """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
-
-    A last stage without the embedding holds its own copy of the tied word embedding
-    (``output_layer.weight``, initialised identically); ``GPTModel`` marks it
-    ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
-    trainer all-reduces the two copies' gradients over ``ctx.embedding_group`` (nothing to
-    tie with ``--untie-embeddings-and-output-weights``).
-    ``model_kwargs`` (dtype, recomputation, shared RNG streams) go to ``GPTModel`` unchanged.
-    ``num_stages``: all stages of the graph (default pp; ``pp × V`` with virtual stages).
-    """
-    from ..models.gpt import GPTModel
-
-    first, last = layout.stage == 0, layout.stage == (num_stages or ctx.pp_size) - 1
-    model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
-                     seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
-                     device=device, **model_kwargs)
-    return model
-
-
-def chain_graph(num_stages: int) -> PipelineGraph:
-    """The GPT's stage graph: a plain chain (no skip edges)."""
-    return PipelineGraph(num_stages)
 
 
 def reduce_tied_grad_across_layouts(weight: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> None:

@@ -30,8 +30,7 @@ import io
 import pytest
 import torch
 
-from megareshard.arguments import parse_args
-from megareshard.models.utransformer import parse_utransformer_args
+from megareshard.arguments import parse_args, parse_model_args
 from megareshard.parallel import ParallelContext, StageTopology, Topology
 from megareshard.pipeline.chunks import ModelChunks
 from megareshard.tensor_parallel import gather_full_state_dict
@@ -81,8 +80,7 @@ def _argv(model, layout=None, schedule=None, strategy="sendrecv", delay=False, p
             argv += ["--num-virtual-stages-per-pipeline-rank", "2"]
     argv += ["--delay-wgrad-compute"] if delay else []
     argv += ["--sequence-parallel"] if sp else []  # on the tp-2 mesh of the per-stage layouts
-    # ZeRO 2 reducing each bucket from gradient hooks during the pipeline (zbv: the tied Parameter's
-    # hook fires for both of its uses)
+    # ZeRO 2 with the reductions started by R actions (a mesh's buckets at the R of its last stage)
     argv += ["--use-distributed-optimizer", "--overlap-grad-reduce"] if zero2 else []
     argv += ["--num-layers-per-stage", per_stage] if per_stage else []
     argv += ["--save", save] if save else []
@@ -93,7 +91,7 @@ def _argv(model, layout=None, schedule=None, strategy="sendrecv", delay=False, p
 def _parse(model, argv, world_size):
     if model == "gpt":
         return parse_args(argv, world_size=world_size), None
-    return parse_utransformer_args(argv, world_size=world_size)
+    return parse_model_args("utransformer", argv, world_size=world_size)
 
 
 def _run(trainer: Trainer, ctx: ParallelContext):

@@ -1,0 +1,225 @@
+"""The package's import structure, read from the source (ast; nothing is imported or run).
+
+* no import cycles between the modules of ``megareshard/``;
+* the model seam: the pipeline engine (``megareshard/pipeline/*``) and the trainer
+  (``megareshard/training.py``) import no model — directly or through anything they import, the
+  models' configuration (``models.config``) and the recomputation hook (``models.recompute``)
+  aside; the models (``megareshard/models/*``) reach no pipeline module, nor the trainer or the
+  command-line module (``arguments``); the seam itself (``megareshard/model_spec/*``) reaches none of them;
+* the schedule IR (``import megareshard.pipeline``) imports no torch.
+
+An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
+Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    if not isinstance(node, ast.If):
+        return False
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(body: list[ast.stmt]):
+    """The import statements that run, at any depth of statements (functions, classes, if/try/with/for
+    bodies), except under ``if TYPE_CHECKING:``. Only statements are visited: imports are statements."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif _type_checking_block(node):
+            yield from _imports(node.orelse)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    yield from _imports(inner)
+
+
+def import_graph(root: Path, package: str, external: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """``{module: modules of the package its imports run}`` for every ``.py`` under ``root/package``;
+    ``external``, when given, receives ``{module: top-level names of the other packages it imports}``."""
+    files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]  # what `from .` means
+        deps: set[str] = set()
+        for node in _imports(tree.body):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = (base + ("." + node.module if node.module else "")) if node.level else node.module
+                targets = [target] + [f"{target}.{a.name}" for a in node.names]  # `from pkg import submodule`
+            if external is not None and targets[0].split(".")[0] != package:
+                external.setdefault(mod, set()).add(targets[0].split(".")[0])
+            for t in targets:
+                parts = t.split(".")
+                for i in range(1, len(parts) + 1):
+                    name = ".".join(parts[:i])
+                    inside = mod == name or mod.startswith(name + ".")  # its own package: already running
+                    if name in files and name != mod and not (i < len(parts) and inside):
+                        deps.add(name)
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start``'s imports run, each with the module that imports it (to show the path)."""
+    seen: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        v = todo.pop()
+        for w in graph[v]:
+            if w not in seen and w != start:
+                seen[w] = v
+                todo.append(w)
+    return seen
+
+
+def path_to(seen: dict[str, str], start: str, target: str) -> str:
+    chain = [target]
+    while chain[-1] != start:
+        chain.append(seen[chain[-1]])
+    return " -> ".join(reversed(chain))
+
+
+def _in(mod: str, *prefixes: str) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def violations(graph: dict[str, set[str]], sources: list[str], forbidden: tuple[str, ...],
+               allowed: tuple[str, ...] = ()) -> list[str]:
+    """For each source module, every forbidden module its imports reach (transitively), with the path."""
+    out = []
+    for src in sources:
+        seen = reach(graph, src)
+        for mod in sorted(seen):
+            if _in(mod, *forbidden) and mod not in allowed:
+                out.append(path_to(seen, src, mod))
+    return out
+
+
+PIPELINE_AND_TRAINER_MAY_REACH = ("megareshard.models", "megareshard.models.config", "megareshard.models.recompute")
+
+
+_EXTERNAL: dict[str, set[str]] = {}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    _EXTERNAL.clear()
+    return import_graph(ROOT, "megareshard", _EXTERNAL)
+
+
+def test_no_import_cycles(graph):
+    assert "megareshard.training" in graph and "megareshard.pipeline.runtime" in graph  # the tree was read
+    assert cycles(graph) == []
+
+
+def test_pipeline_and_trainer_import_no_model(graph):
+    sources = [m for m in graph if _in(m, "megareshard.pipeline")] + ["megareshard.training"]
+    direct = [f"{s} -> {d}" for s in sources for d in sorted(graph[s]) if _in(d, "megareshard.models")]
+    assert direct == []
+    assert violations(graph, sources, ("megareshard.models",), PIPELINE_AND_TRAINER_MAY_REACH) == []
+
+
+def test_models_import_no_pipeline_trainer_or_arguments(graph):
+    sources = [m for m in graph if _in(m, "megareshard.models")]
+    assert "megareshard.models.gpt_spec" in sources and "megareshard.models.utransformer_spec" in sources
+    forbidden = ("megareshard.pipeline", "megareshard.training", "megareshard.arguments")
+    assert violations(graph, sources, forbidden) == []
+
+
+def test_the_seam_imports_no_model_pipeline_trainer_or_arguments(graph):
+    sources = [m for m in graph if _in(m, "megareshard.model_spec")]
+    forbidden = ("megareshard.models", "megareshard.pipeline", "megareshard.training", "megareshard.arguments")
+    assert violations(graph, sources, forbidden) == []
+
+
+def test_the_schedule_ir_imports_no_torch(graph):
+    """``import megareshard.pipeline`` (schedules as data: generators, lowering, validator, simulator, and the
+    stage graph they share with the model specs) stays free of torch: tools plan and draw without it."""
+    face = "megareshard.pipeline"
+    modules = [face, *reach(graph, face)]
+    assert "megareshard.model_spec.graph" in modules
+    assert [m for m in sorted(modules) if "torch" in _EXTERNAL.get(m, ())] == []
+
+
+def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
+    """The same checks on a made-up package with one cycle and one forbidden path: both are found."""
+    pkg = tmp_path / "toy"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "pipeline").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("from .gpt import Model\n")
+    (pkg / "models" / "gpt.py").write_text("from ..model_spec import Spec\nclass Model: ...\n")
+    (pkg / "models" / "config.py").write_text("X = 1\n")
+    (pkg / "spec.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .models import gpt\n"
+                                 "class Spec: ...\n")
+    (pkg / "pipeline" / "__init__.py").write_text("")
+    (pkg / "pipeline" / "runtime.py").write_text("def f():\n    from ..helpers import g\n")
+    (pkg / "helpers.py").write_text("from .models.config import X\nfrom . import loop_b\n")
+    (pkg / "loop_b.py").write_text("import toy.helpers\n")
+    external: dict[str, set[str]] = {}
+    g = import_graph(tmp_path, "toy", external)
+    assert cycles(g) == [["toy.helpers", "toy.loop_b"]]
+    assert external == {"toy.spec": {"typing"}}
+    assert "toy.models.gpt" not in g["toy.spec"]  # TYPE_CHECKING imports do not run
+    # helpers -> models.config runs models/__init__, which imports the model
+    assert violations(g, ["toy.pipeline.runtime"], ("toy.models",), ("toy.models.config",)) == [
+        "toy.pipeline.runtime -> toy.helpers -> toy.models",
+        "toy.pipeline.runtime -> toy.helpers -> toy.models -> toy.models.gpt"]
