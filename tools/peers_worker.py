@@ -213,8 +213,8 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     layouts = stage_layouts(cfgs[0], ctx.topology)
     parts: list[Any] = [_Ours(configs[0], trainer.pipeline, trainer)]
     for c, cfg in zip(configs[1:], cfgs[1:]):  # collective: every rank builds every edge, same order
-        parts.append(_Ours(c, PipelineRuntime.for_gpt(cfg, ctx, layouts, finalize_grads=trainer.finalize_grads,
-                                                      record_trace=True), trainer))
+        parts.append(_Ours(c, PipelineRuntime.for_model(trainer.model_spec, cfg, ctx, layouts,
+                                                        finalize_grads=trainer.finalize_grads, record_trace=True), trainer))
     parts[0].rt.record_trace = True
     batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
     failed += [{"name": n, "framework": "megareshard", "status": "not run", "reason": r} for n, r in skipped]
