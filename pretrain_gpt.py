@@ -16,7 +16,7 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 import sys
 
 from megareshard.arguments import ConfigError, parse_args
-from megareshard.training import pretrain
+from megareshard.training import RunStopped, pretrain
 
 
 def main(argv=None) -> int:
@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # a failed checkpoint save, a non-finite loss or gradient: every rank stops
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,7 +18,7 @@ import sys
 
 from megareshard.arguments import ConfigError
 from megareshard.models.utransformer import parse_utransformer_args
-from megareshard.training import pretrain
+from megareshard.training import RunStopped, pretrain
 
 
 def main(argv=None) -> int:
@@ -28,6 +28,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # a failed checkpoint save, a non-finite loss or gradient: every rank stops
+        print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
