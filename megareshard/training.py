@@ -34,7 +34,7 @@ from .launch import RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp
 from .memory import ActivationMeter, MemoryReport, memory_report
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
-from .optim.numerics import NonFiniteError, check_loss_and_grad
+from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
@@ -177,6 +177,7 @@ class Trainer:
         if cfg.pp > 1:
             check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
+        self._nonfinite_before_reduction: tuple[str, str] | None = None  # --check-for-nan-in-loss-and-grad
         torch.manual_seed(cfg.training.seed)
         self.pipeline: PipelineRuntime | None = None
         mem = cfg.memory
@@ -366,6 +367,9 @@ class Trainer:
         if self.model.sequence_parallel:
             sync_sequence_parallel_grads(self.model, self.ctx)
         self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
+        if self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.memory.overlap_grad_reduce:
+            # this rank's own first non-finite gradient, before the reduction spreads it to every replica
+            self._nonfinite_before_reduction = first_nonfinite_grad(self.model.named_parameters())
         self.optimizer.finish_grad_sync()
 
     def _reduce_tied_embedding(self) -> None:
@@ -402,7 +406,9 @@ class Trainer:
             check_loss_and_grad(iteration=self.iteration + 1, rank=self.ctx.rank, local_loss=float(loss.item()),
                                 grad_norm=grad_norm, overflow_skips=getattr(self.optimizer, "loss_scaler", None)
                                 is not None, named_params=self.model.named_parameters(),
-                                master_grads={e.name: e.master.grad for e in entries}, device=self.device)
+                                master_grads={e.name: e.master.grad for e in entries}, device=self.device,
+                                before_reduction=self._nonfinite_before_reduction)
+            self._nonfinite_before_reduction = None
         if meter is not None:  # first iteration: gradients and optimizer state now exist
             self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer, meter.peak_bytes),
                                            self.device)

@@ -1,6 +1,9 @@
 """Megatron's ``--check-for-nan-in-loss-and-grad``: stop at the first non-finite loss or gradient.
 
-After the backward (gradients reduced) and before the optimizer step, every rank knows the
+Before the data-parallel gradient reduction each rank notes its first non-finite gradient (one
+pass over its gradients, as Megatron checks each bucket before its collective; not possible with
+``--overlap-grad-reduce``, whose reductions start during the backward). After the backward and
+before the optimizer step, every rank knows the
 global gradient norm (it is all-reduced over the world), and one MAX all-reduce of a flag tells
 every rank whether any rank's loss is non-finite. When either is, all ranks take the same path:
 each names its first parameter whose gradient holds a NaN or an inf, the names are gathered, and
@@ -50,31 +53,37 @@ def _any_rank(flag: bool, device: torch.device) -> bool:
 
 def check_loss_and_grad(*, iteration: int, rank: int, local_loss: float, grad_norm: float, overflow_skips: bool,
                         named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                        master_grads: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+                        master_grads: dict[str, torch.Tensor] | None, device: torch.device,
+                        before_reduction: tuple[str, str] | None = None) -> None:
     """Collective over the world (every rank calls it at the same point). Raises ``NonFiniteError`` on
     every rank when any rank's loss, or the global gradient norm, is not finite (gradients: unless
-    ``overflow_skips``, fp16 loss scaling, where the step is skipped instead)."""
+    ``overflow_skips``, fp16 loss scaling, where the step is skipped instead).
+
+    ``before_reduction``: this rank's first non-finite gradient before the data-parallel reduction
+    (which spreads it to every replica), so the message names the rank it came from."""
     bad_loss = _any_rank(not math.isfinite(local_loss), device)
     bad_grad = not math.isfinite(grad_norm) and not overflow_skips
     if not (bad_loss or bad_grad):
         return
     mine = {"rank": rank, "loss": local_loss if not math.isfinite(local_loss) else None,
-            "grad": first_nonfinite_grad(named_params, master_grads)}
+            "grad": before_reduction or first_nonfinite_grad(named_params, master_grads),
+            "origin": before_reduction is not None}
     if dist.is_initialized() and dist.get_world_size() > 1:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
     else:
         every = [mine]
     losses = [f"rank {e['rank']} loss {e['loss']}" for e in every if e["loss"] is not None]
-    grads = [e for e in every if e["grad"] is not None]
+    grads = [e for e in every if e["origin"]] or [e for e in every if e["grad"] is not None]
     parts = []
     if losses:
         parts.append("non-finite loss on " + ", ".join(losses))
     if grads:
         first = grads[0]
         parts.append(f"first non-finite parameter gradient: {first['grad'][0]} ({first['grad'][1]}) on rank "
-                     f"{first['rank']}" + (f" (also on rank(s) {', '.join(str(e['rank']) for e in grads[1:])})"
-                                           if len(grads) > 1 else ""))
+                     f"{first['rank']}" + (" before the data-parallel reduction" if first["origin"] else "")
+                     + (f" (also on rank(s) {', '.join(str(e['rank']) for e in grads[1:])})" if len(grads) > 1
+                        else ""))
     elif bad_grad:
         parts.append(f"gradient norm {grad_norm}")
     raise NonFiniteError(f"iteration {iteration}: {'; '.join(parts)}; training stopped before the optimizer step "
