@@ -3,8 +3,13 @@ tools/chaos.py): the forward/backward function is wrapped after the Trainer is b
 runtime (pp > 1) keeps running underneath."""
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import os
+import shutil
+import subprocess
+import tempfile
 
 import torch
 
@@ -48,3 +53,42 @@ def build_trainer(argv: list[str], world_size: int):
 
 def params_snapshot(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@contextlib.contextmanager
+def tmpfs(kib: int):
+    """A fresh tmpfs of ``kib`` KiB mounted on a temp dir (unmounted and removed on exit). Needs root and
+    a kernel that lets this process mount; otherwise pytest skips (in tests) with the precise reason."""
+    reason = None
+    if os.geteuid() != 0:
+        reason = "a tmpfs for the disk-full fault needs root (mount -t tmpfs)"
+    mnt = tempfile.mkdtemp(prefix="mr-tmpfs-")
+    if reason is None:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", mnt], capture_output=True,
+                           text=True)
+        if r.returncode:
+            reason = f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
+    if reason is not None:
+        os.rmdir(mnt)
+        raise NoTmpfs(reason)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+        os.rmdir(mnt)
+
+
+class NoTmpfs(RuntimeError):
+    """No tmpfs could be mounted here (not root, or mounting is not allowed)."""
+
+
+def fill_disk(path: str, leave: int = 4096) -> None:
+    """Fill the file system of ``path`` with a file ``filler`` until fewer than ``leave`` bytes are free."""
+    free = shutil.disk_usage(path).free
+    with open(os.path.join(path, "filler"), "wb") as f:
+        try:
+            f.write(b"\0" * max(free - leave, 0))
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError:
+            pass
