@@ -426,6 +426,14 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError("--bf16 and --fp16 conflict: choose one")
     if mem.loss_scale is not None and not mem.fp16:
         raise ConfigError(f"--loss-scale {mem.loss_scale} only applies with --fp16 (bf16 and fp32 need no scaling)")
+    if mem.fp16:
+        for name, value in (("--loss-scale", mem.loss_scale), ("--initial-loss-scale", mem.initial_loss_scale),
+                            ("--min-loss-scale", mem.min_loss_scale)):
+            if value is not None and not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if mem.loss_scale_window < 1 or mem.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window {mem.loss_scale_window} and --hysteresis {mem.hysteresis} must "
+                              "be at least 1")
     if mem.recompute_activations and mem.recompute_granularity == "full":
         raise ConfigError("--recompute-activations (selective) conflicts with --recompute-granularity full: "
                           "choose one")
