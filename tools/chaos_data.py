@@ -359,7 +359,7 @@ def trial_data(kind: str):
             needle = "weight 0 for"
         argv = [a for a in TINY + RUN if a != "--mock-data"] + data + ["--train-iters", "2", "--split", "1,0,0"]
         job = torchrun(workdir, argv)
-        detected = job["rc"] == 2 and len(job["errors"]) == 1 and needle in job["errors"][0]
+        detected = _stopped_everywhere(job, 2, needle)  # each rank exits 2 (torchrun then exits 1)
         how = (f"ConfigError at start-up: {job['errors'][0][:110]}..." if detected
                else f"rc {job['rc']}: {job['errors'][:1]}")
         return _result(kind, detected, how, job["t_end"] - job["t0"], None, 0,
