@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.pipeline.generators import SCHEDULES
 
-EXAMPLES = int(os.environ.get("MEGARESHARD_FUZZ_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("MEGARESHARD_FUZZ_EXAMPLES", "100"))
 LONG_RUN = "MEGARESHARD_FUZZ_EXAMPLES" in os.environ
 
 
