@@ -209,7 +209,7 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
     torch.distributed is initialised, single-process otherwise. Returns the final directory.
 
     Protocol: rank 0 (re)creates ``ROOT/.tmp.iter_N``; every rank writes its pieces there through
-    DCP (files fsynced); the ranks checksum the files (CRC-32, each a share) ; rank 0 writes
+    DCP (files fsynced); the ranks checksum the files (CRC-32, each rank a share); rank 0 writes
     ``checkpoint.json`` (with every file's size and checksum), fsyncs all files and the directory,
     renames it to ``ROOT/iter_N`` and then replaces ``ROOT/latest`` atomically (write + fsync + rename).
     A process killed at any point leaves ``latest`` naming the previous complete checkpoint.
