@@ -8,6 +8,7 @@ Deterministic in CI (``derandomize=True``); ``MEGARESHARD_FUZZ_EXAMPLES=N`` draw
 """
 import io
 import os
+import signal
 import warnings
 from datetime import timedelta
 
@@ -144,10 +145,20 @@ def _start(cfg, world: int) -> None:
        data=DATA, world=st.integers(1, 4))
 def test_random_flags_start_or_fail_with_one_config_error(flags, data, world):
     argv = BASE + data + [tok for f in flags for tok in f]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            cfg = parse_args(argv, world_size=world)
-            _start(cfg, world)
-        except ConfigError as e:
-            _one_line_config_error(e)
+    previous = signal.signal(signal.SIGALRM, _hang)  # a hang ends the example (hypothesis' deadline only
+    signal.alarm(60)                                 # judges examples that finish)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                cfg = parse_args(argv, world_size=world)
+                _start(cfg, world)
+            except ConfigError as e:
+                _one_line_config_error(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _hang(signum, frame):
+    raise TimeoutError("the example ran for 60 s: a hang")
