@@ -68,7 +68,7 @@ def summarise(name: str, trials: list[dict]) -> dict:
             "steps_lost": max(lost) if lost else None, "data_lost": trials[0]["data_lost"]}
 
 
-def table(rows: list[dict], width: int = 70) -> str:
+def table(rows: list[dict], width: int = 100) -> str:
     head = ["fault", "trials", "detected", "detect s", "recovered", "steps lost", "how", "data lost"]
     body = [[r["fault"], str(r["trials"]), f"{r['detected']}/{r['trials']}",
              "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}", r["recovered"],

@@ -202,7 +202,8 @@ def torchrun(workdir: str, args: list[str], *, nproc: int = 2, inject: str = "",
     t_end = time.time()
     m = re.findall(r"CHAOS injected ([0-9.]+)", out)
     stops = [float(x) for x in re.findall(r"CHAOS stopped ([0-9.]+)", out)]
-    errors = sorted(set(re.findall(r"pretrain_gpt\.py: error: (.*)", out)))
+    # the trial's temp dir is W in the messages (it is gone once the trial ends)
+    errors = sorted(set(e.replace(workdir, "W") for e in re.findall(r"pretrain_gpt\.py: error: (.*)", out)))
     return {"rc": rc, "out": out, "t0": t0, "t_end": t_end, "injected_at": float(m[0]) if m else None,
             "errors": errors, "stopped_at": max(stops) if stops else None, "ranks_failed": len(re.findall(r"pretrain_gpt\.py: error: ", out))}
 
@@ -255,7 +256,7 @@ def trial_nan(kind: str):
                   else "iteration 3: non-finite loss on rank 1")
         detected = _stopped_everywhere(job, 2, needle)
         recovered, start = _resume(workdir, root, iters) if detected else (False, None)
-        how = (f"every rank stopped before the step: {job['errors'][0][:110]}..." if detected
+        how = (f"every rank stopped before the step: {job['errors'][0]}" if detected
                else f"rc {job['rc']}: {job['errors'][:1]}")
         return _result(kind, detected, how, took, recovered, (3 - start) if start is not None else None,
                        f"none (parameters never stepped with the NaN; resumed from {latest})")
@@ -320,7 +321,7 @@ def trial_checkpoint(kind: str):
             needle = "latest missing"
         job = torchrun(workdir, argv)
         detected = _stopped_everywhere(job, 2, needle)
-        how = (f"refused on every rank before loading: {job['errors'][0][:110]}..." if detected
+        how = (f"refused on every rank before loading: {job['errors'][0]}" if detected
                else f"rc {job['rc']}: {job['errors'][:1]}")
         if kind == "other-model":
             return _result(kind, detected, how, job["t_end"] - job["t0"], None, 0, "none (nothing loaded)")
@@ -361,7 +362,7 @@ def trial_data(kind: str):
         argv = [a for a in TINY + RUN if a != "--mock-data"] + data + ["--train-iters", "2", "--split", "1,0,0"]
         job = torchrun(workdir, argv)
         detected = _stopped_everywhere(job, 2, needle)  # each rank exits 2 (torchrun then exits 1)
-        how = (f"ConfigError at start-up: {job['errors'][0][:110]}..." if detected
+        how = (f"ConfigError at start-up: {job['errors'][0]}" if detected
                else f"rc {job['rc']}: {job['errors'][:1]}")
         return _result(kind, detected, how, job["t_end"] - job["t0"], None, 0,
                        "none (refused before training; the file must be fixed)")
@@ -372,7 +373,6 @@ def trial_args_fuzz(workdir: str, quick: bool) -> dict:
     """tests/reliability/test_args_fuzz.py with random draws: every combination starts or ends in one ConfigError."""
     n = 60 if quick else 600
     env = {**os.environ, "MEGARESHARD_FUZZ_EXAMPLES": str(n), "TMPDIR": workdir}
-    t0 = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                         str(ROOT / "tests" / "reliability" / "test_args_fuzz.py")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)
@@ -380,7 +380,7 @@ def trial_args_fuzz(workdir: str, quick: bool) -> dict:
     tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
     return _result("args-fuzz", ok, f"{n} random flag combinations (hypothesis): each started or ended in one "
                    "ConfigError line" if ok else f"a combination broke the rule: {tail[0][:150]}",
-                   time.time() - t0, None, 0, "none")
+                   None, None, 0, "none")
 
 
 FAULTS = [("nan-grad", trial_nan("nan-grad")), ("nan-loss", trial_nan("nan-loss")),
