@@ -40,16 +40,26 @@ class ParallelConfig:
     auto_layout_device_tflops: float = _f(989.0, "--auto-layout: peak dense bf16 TFLOP/s per device")
     auto_layout_nic_gbps: float = _f(100.0, "--auto-layout: NIC bandwidth per host and direction, Gbit/s")
     auto_layout_intra_gbps: float = _f(3600.0, "--auto-layout: intra-host bandwidth per device, Gbit/s")
+    auto_layout_cluster: str | None = _f(None, "--auto-layout: the cluster JSON tools/calibrate_cluster.py measured "
+                                               "(FLOP/s, per-layer times, intra-host and NIC bandwidth) instead of "
+                                               "the --auto-layout-* speeds")
 
 
 @dataclass
 class PipelineConfig:
     """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
 
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; virtual-stage kinds are simulated "
-                                        "but not run yet)", choices=SCHEDULES)
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; with virtual stages 1f1b and "
+                                        "eager-1f1b run as their interleaved kinds)", choices=SCHEDULES)
     delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
-    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage (default: even split)")
+    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage, one per virtual stage "
+                                                "with virtual stages (default: even split)")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual pipeline stage (Megatron-LM): "
+                                                                 "virtual stages per rank = layers / pp / this")
+    virtual_pipeline_model_parallel_size: int | None = _f(None, "virtual pipeline stages (model chunks) per "
+                                                                "pipeline rank (Megatron-LM's older name)")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "virtual pipeline stages (model chunks) per pipeline "
+                                                                "rank (Megatron-LM's current name of the above)")
     reshard_strategy: str = _f("broadcast", "how tensors cross stages",
                                choices=("sendrecv", "allgather", "broadcast", "signal"))
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
@@ -57,7 +67,11 @@ class PipelineConfig:
     reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
                                           "network model)")
     pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
-                                          "for tools/plot_schedule.py --trace")
+                                          "for tools/plot_schedule.py --trace; it also holds every stage's "
+                                          "measured and simulated peak activations (MEMORY records)")
+    pipeline_schedule_file: str | None = _f(None, "run the schedule written in this file (the schedule IR's text "
+                                                  "form, or CSV if it ends in .csv: one row per stage, one action "
+                                                  "per cell); validated at start-up; excludes --pipeline-schedule")
 
 
 @dataclass
@@ -67,10 +81,13 @@ class MemoryConfig:
     zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
     use_distributed_optimizer: bool = _f(False, "Megatron's distributed optimizer: shard the optimizer state over "
                                                 "dp and reduce-scatter gradients (= --zero-stage 1)")
-    overlap_grad_reduce: bool = _f(False, "reduce-scatter each gradient bucket during backward, as soon as it is "
-                                          "complete (every microbatch), instead of after the last backward; needs "
-                                          "--use-distributed-optimizer (which then runs as --zero-stage 2: full "
-                                          "gradients are freed as their buckets are reduced) or --zero-stage 2")
+    overlap_grad_reduce: bool = _f(False, "overlap the data-parallel gradient reduction with the backward. With "
+                                          "pp > 1: each stage starts its reduction (all-reduce, or ZeRO's "
+                                          "reduce-scatter) as an action right after its last backward, waited "
+                                          "before the optimizer step (any --zero-stage). With pp 1: each bucket "
+                                          "is reduce-scattered as soon as it is complete (every microbatch); "
+                                          "needs --use-distributed-optimizer (then run as --zero-stage 2) or "
+                                          "--zero-stage 2")
     bf16: bool = _f(False, "bf16 compute with fp32 master weights")
     fp16: bool = _f(False, "fp16 compute with fp32 master weights and dynamic loss scaling")
     loss_scale: float | None = _f(None, "static loss scale for fp16 (default: dynamic)")
@@ -283,7 +300,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         for f in dataclasses.fields(cls):
             kind = _base_type(f.type)
             dest = f"{section}.{f.name}"
-            if kind is bool:  # a field defaulting to True is switched off by its --no-... flag
+            if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
+                group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
+                                   + f" (default {f.default})", choices=f.metadata.get("choices"))
+            elif kind is bool:  # a field defaulting to True is switched off by its --no-... flag
                 group.add_argument(_flag(f), dest=dest, action="store_false" if f.default else "store_true",
                                    default=f.default, help=f.metadata["help"])
             elif kind is list:
@@ -308,6 +328,13 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
         old = used[0]
         new, why = DEPRECATED[old]
         raise ConfigError(f"{old} is deprecated: use {new} ({why})")
+    values = dict(values)
+    schedule, schedule_file = values.get("pipeline.pipeline_schedule"), values.get("pipeline.pipeline_schedule_file")
+    if schedule is not None and schedule_file is not None:
+        raise ConfigError(f"--pipeline-schedule {schedule} and --pipeline-schedule-file {schedule_file} conflict: "
+                          "the file is the schedule; give one of them")
+    if schedule is None:
+        values["pipeline.pipeline_schedule"] = PipelineConfig.pipeline_schedule
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
@@ -388,18 +415,21 @@ def validate(cfg: Config, world_size: int) -> Config:
     if pp > m.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every "
                           "pipeline stage needs at least one Transformer layer")
+    vpp = resolve_virtual_stages(cfg, world_size)  # stages per rank: 1, or the virtual stages (sets the schedule)
+    stages = pp * vpp
+    what = f"--pipeline-model-parallel-size {pp}" if vpp == 1 else f"pp {pp} × {vpp} virtual stages = {stages}"
     if pl.num_layers_per_stage is not None:
         try:
             per_stage = [int(x) for x in pl.num_layers_per_stage.split(",")]
         except ValueError:
             raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage!r} must be comma-separated "
                               "integers, one per pipeline stage") from None
-        if len(per_stage) != pp or sum(per_stage) != m.num_layers or min(per_stage) < 1:
-            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {pp} positive numbers "
-                              f"(one per stage) adding up to --num-layers {m.num_layers}")
-    elif m.num_layers % pp:
-        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
-                          "give --num-layers-per-stage for an uneven split")
+        if len(per_stage) != stages or sum(per_stage) != m.num_layers or min(per_stage) < 1:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {stages} positive numbers "
+                              f"(one per stage, {what}) adding up to --num-layers {m.num_layers}")
+    elif m.num_layers % stages:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by {what}; give --num-layers-per-stage "
+                          "for an uneven split")
     if pl.delay_wgrad_compute and pp == 1:
         raise ConfigError("--delay-wgrad-compute needs --pipeline-model-parallel-size > 1: delaying weight "
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
@@ -408,15 +438,18 @@ def validate(cfg: Config, world_size: int) -> Config:
     if mem.use_distributed_optimizer:
         if mem.zero_stage == 0:
             mem.zero_stage = 1
-        if mem.overlap_grad_reduce and mem.zero_stage == 1:
+        if mem.overlap_grad_reduce and mem.zero_stage == 1 and pp == 1:
             mem.zero_stage = 2
             cfg.notes.append("--use-distributed-optimizer with --overlap-grad-reduce runs as --zero-stage 2 (the "
                              "same reduce-scatter into optimizer shards, issued per bucket during backward; full "
                              "gradients are freed as they are reduced)")
-    if mem.overlap_grad_reduce and mem.zero_stage != 2:
+    if mem.overlap_grad_reduce and mem.zero_stage != 2 and pp == 1:
         raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 (got "
-                          f"--zero-stage {mem.zero_stage}): gradients are reduce-scattered into optimizer shards "
-                          "as their buckets complete")
+                          f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
+                          "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
+                          "ZeRO stage overlaps, through the pipeline's R action)")
+    if pl.pipeline_schedule_file is not None:
+        _validate_schedule_file(cfg, world_size)
     if mem.checkpoint_activations:
         if mem.recompute_activations or mem.recompute_granularity == "selective":
             raise ConfigError("--checkpoint-activations (every layer) conflicts with selective recomputation")
@@ -474,6 +507,109 @@ def validate(cfg: Config, world_size: int) -> Config:
                           "format, torch_dist (sharded, loadable into any layout)")
     _validate_checkpoint(cfg.checkpoint)
     return cfg
+
+
+def _validate_schedule_file(cfg: Config, world_size: int) -> None:
+    """--pipeline-schedule-file: the flags it cannot go with, then the file itself against pp and the
+    microbatch count (its stage graph is checked against the model's when the runtime is built)."""
+    pl, path = cfg.pipeline, cfg.pipeline.pipeline_schedule_file
+    if cfg.pp == 1:
+        raise ConfigError(f"--pipeline-schedule-file {path} needs --pipeline-model-parallel-size > 1")
+    if pl.delay_wgrad_compute:
+        raise ConfigError(f"--delay-wgrad-compute conflicts with --pipeline-schedule-file {path}: the file says "
+                          "where weight gradients run (write I and W actions instead of B)")
+    if cfg.parallel.auto_layout:
+        raise ConfigError(f"--auto-layout chooses the schedule itself; drop --pipeline-schedule-file {path} "
+                          "(or drop --auto-layout)")
+    from .pipeline.schedule_io import load_schedule_file
+
+    load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=cfg.num_microbatches(world_size),
+                       overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+
+
+def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
+    """Virtual pipeline stages per rank (1: none) from Megatron-LM's flags, checked against the schedule.
+
+    Megatron-LM's meaning: ``--num-layers-per-virtual-pipeline-stage N`` gives ``layers / pp / N``
+    chunks per rank, ``--num-virtual-stages-per-pipeline-rank`` (older: ``--virtual-pipeline-model-
+    parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
+    interleaved schedule, so 1f1b and eager-1f1b run as interleaved-1f1b and eager-interleaved-1f1b.
+    zbv holds exactly 2 stages per rank. Sets only the schedule (the flags stay as given, so validating
+    twice gives the same answer; `virtual_stages_per_rank` reads the count back); the microbatch count
+    must be a multiple of pp for the interleaved kinds.
+    """
+    from .pipeline.generators import REGISTRY
+
+    pl, pp, m = cfg.pipeline, cfg.pp, cfg.model
+    given = [(f, v) for f, v in (("--num-layers-per-virtual-pipeline-stage", pl.num_layers_per_virtual_pipeline_stage),
+                                 ("--virtual-pipeline-model-parallel-size", pl.virtual_pipeline_model_parallel_size),
+                                 ("--num-virtual-stages-per-pipeline-rank", pl.num_virtual_stages_per_pipeline_rank))
+             if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{given[0][0]} {given[0][1]} and {given[1][0]} {given[1][1]} conflict: give one")
+    for f, v in given:
+        if v < 1:
+            raise ConfigError(f"{f} must be at least 1, got {v}")
+    vpp = None
+    if given and given[0][0] == "--num-layers-per-virtual-pipeline-stage":
+        n = given[0][1]
+        if m.num_layers % (pp * n):
+            raise ConfigError(f"--num-layers {m.num_layers} is not divisible into virtual stages of "
+                              f"--num-layers-per-virtual-pipeline-stage {n} on --pipeline-model-parallel-size {pp} "
+                              f"({m.num_layers} / ({pp} × {n}) is not an integer)")
+        vpp = m.num_layers // (pp * n)
+    elif given:
+        vpp = given[0][1]
+    vpp = None if vpp == 1 else vpp
+    name = pl.pipeline_schedule
+    kind = REGISTRY[name]
+    if vpp is not None and kind.stages_per_mesh == 1:
+        if name in ("1f1b", "eager-1f1b"):
+            new = "interleaved-1f1b" if name == "1f1b" else "eager-interleaved-1f1b"
+            cfg.notes.append(f"{given[0][0]} {given[0][1]} ({vpp} virtual stages per rank) runs --pipeline-schedule "
+                             f"{name} as {new} (Megatron-LM interleaves whenever there are virtual stages)")
+            pl.pipeline_schedule = name = new
+            kind = REGISTRY[name]
+        else:
+            raise ConfigError(f"--pipeline-schedule {name} holds one stage per rank but {given[0][0]} "
+                              f"{given[0][1]} asks for {vpp} virtual stages per rank; use interleaved-1f1b, "
+                              "eager-interleaved-1f1b or zbv")
+    if kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        if vpp is not None and vpp != kind.stages_per_mesh:
+            raise ConfigError(f"--pipeline-schedule {name} holds exactly {kind.stages_per_mesh} stages per rank (its "
+                              f"placement), but {given[0][0]} {given[0][1]} asks for {vpp}")
+        vpp = kind.stages_per_mesh
+    elif kind.stages_per_mesh is None and vpp is None:
+        raise ConfigError(f"--pipeline-schedule {name} interleaves virtual stages: give "
+                          "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank (>= 2)")
+    if vpp is not None and pp < 2:
+        raise ConfigError(f"virtual pipeline stages ({vpp} per rank, --pipeline-schedule {name}) need "
+                          f"--pipeline-model-parallel-size >= 2, got {pp}")
+    t = cfg.training
+    if kind.microbatch_multiple_of_pp and t.global_batch_size is not None:
+        mbs = t.global_batch_size // (t.micro_batch_size * cfg.dp(world_size))
+        if mbs % pp:
+            raise ConfigError(f"--pipeline-schedule {name}: {mbs} microbatches (global batch {t.global_batch_size} / "
+                              f"(micro batch {t.micro_batch_size} × dp {cfg.dp(world_size)})) are not a multiple of "
+                              f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
+                              "chunks in groups of pp")
+    return vpp or 1
+
+
+def virtual_stages_per_rank(cfg: Config) -> int:
+    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
+    stages the flags give (1: none). Pure: what `resolve_virtual_stages` checked."""
+    from .pipeline.generators import REGISTRY
+
+    pl = cfg.pipeline
+    kind = REGISTRY.get(pl.pipeline_schedule)
+    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        return kind.stages_per_mesh
+    if kind is not None and kind.stages_per_mesh == 1:
+        return 1
+    if pl.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
+    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
 def _validate_schedule(t: "TrainingConfig") -> None:

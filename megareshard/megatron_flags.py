@@ -77,7 +77,8 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--fp8-margin": (_INT, "fp8 / Transformer Engine"),
     "--fp4-format": (_STR, "fp4"),
     "--rampup-batch-size": (dict(nargs="*", default=None), "batch-size ramp-up"),
-    "--num-layers-per-virtual-pipeline-stage": (_INT, "interleaved (virtual) pipeline stages"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": (_INT, "microbatch groups other than pp per virtual "
+                                                                 "pipeline stage (interleaving groups by pp)"),
     "--use-torch-fsdp2": (_FLAG, "FSDP2"),
     "--use-custom-fsdp": (_FLAG, "Megatron FSDP"),
     "--mtp-num-layers": (_INT, "multi-token prediction"),
@@ -114,7 +115,6 @@ NOT_BUILT_PREFIXES = {"--moe-": "mixture of experts", "--fp8-": "fp8 / Transform
 NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--context-parallel-size": (_INT, 1, "context parallelism"),
     "--expert-model-parallel-size": (_INT, 1, "mixture of experts (expert parallelism)"),
-    "--virtual-pipeline-model-parallel-size": (_INT, 1, "interleaved (virtual) pipeline stages"),
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
 }
 

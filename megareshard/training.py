@@ -37,9 +37,12 @@ from .optim.grad_scaler import build_loss_scaler
 from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
+from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
-from .pipeline.stage import build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts, stage_layouts
-from .tensor_parallel import sync_sequence_parallel_grads
+from .pipeline.chunks import build_chunks
+from .pipeline.stage import (build_stage_model, check_pipeline_config, reduce_tied_grad_across_layouts,
+                             stage_layouts, stage_placement)
+from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
 
@@ -189,6 +192,14 @@ class Trainer:
             layouts = self.model_spec.stage_layouts(cfg, ctx.topology) if cfg.pp > 1 else None
             self.model = self.model_spec.build_model(cfg, ctx, layouts, seed=cfg.training.seed, device=self.device,
                                                      **model_kwargs)
+        elif cfg.pp > 1 and len(stage_layouts(cfg, ctx.topology)) > cfg.pp:
+            # virtual stages: this rank's model chunks (one GPT part per stage on its mesh), one RNG stream set
+            layouts = stage_layouts(cfg, ctx.topology)
+            streams = RNGStreams.for_context(cfg.training.seed, ctx, self.device)
+            self.model = build_chunks(layouts, stage_placement(cfg, cfg.pp), ctx.pp_rank(),
+                                      lambda lay: build_stage_model(cfg, ctx, lay, seed=cfg.training.seed,
+                                                                    device=self.device, num_stages=len(layouts),
+                                                                    streams=streams, **model_kwargs))
         elif cfg.pp > 1:
             layouts = stage_layouts(cfg, ctx.topology)
             self.model = build_stage_model(cfg, ctx, layouts[ctx.pp_rank()], seed=cfg.training.seed,
@@ -201,10 +212,13 @@ class Trainer:
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
         # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
         self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
-                                              overlap_grad_reduce=mem.overlap_grad_reduce,
+                                              # pp > 1: the pipeline's R actions overlap instead (below)
+                                              overlap_grad_reduce=mem.overlap_grad_reduce and cfg.pp == 1,
                                               use_apex=self.device.type == "cuda")
         self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
         self.memory: list[MemoryReport] | None = None
+        self._grad_reduce_started = False  # an R action started this step's dp reductions (--overlap-grad-reduce)
+        self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
             build_runtime = self.model_spec.build_runtime if self.model_spec is not None else PipelineRuntime.for_gpt
@@ -212,6 +226,8 @@ class Trainer:
                                                     record_trace=cfg.pipeline.pipeline_trace is not None,
                                                     dtype=self.params_dtype)
             self.pipeline.watchdog = self.watchdog
+            if mem.overlap_grad_reduce:  # R actions: each stage's dp reduction starts after its last backward
+                self.pipeline.grad_reduce_handler = self.start_stage_grad_reduce
             if self.forward_backward_fn is forward_backward:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
@@ -372,6 +388,30 @@ class Trainer:
             self._nonfinite_before_reduction = first_nonfinite_grad(self.model.named_parameters())
         self.optimizer.finish_grad_sync()
 
+    def start_stage_grad_reduce(self, stage: int) -> None:
+        """The pipeline's R action (--overlap-grad-reduce, pp > 1): start stage ``stage``'s data-parallel gradient
+        reduction without waiting; ``train_step`` waits for it before clipping and the step.
+
+        The same reductions as ``finalize_grads``, bucket for bucket: first the buckets that need no other
+        reduction, so they travel while the blocking ones run — the sequence-parallel all-reduce (tp) and the
+        tied-embedding all-reduce (first + last stage, which waits for the other end) — then the rest.
+        """
+        held = self.pipeline.stages
+        if stage not in held:
+            raise RuntimeError(f"rank {self.ctx.rank} holds pipeline stage(s) {list(held)}, not stage {stage}")
+        # with virtual stages one mesh's buckets span all of its chunks: the reduction starts at the R of the
+        # mesh's last stage to finish (per-chunk buckets are not built)
+        self._stages_reduced.add(stage)
+        if len(self._stages_reduced) < len(held):
+            return
+        self._stages_reduced.clear()
+        self.optimizer.start_grad_sync(deferred=False)
+        if self.model.sequence_parallel:
+            sync_sequence_parallel_grads(self.model, self.ctx)
+        self._reduce_tied_embedding()
+        self.optimizer.start_grad_sync()
+        self._grad_reduce_started = True
+
     def _reduce_tied_embedding(self) -> None:
         """Sum the two copies' gradients of the word embedding tied to the output layer.
 
@@ -383,6 +423,12 @@ class Trainer:
             return
         if not getattr(self.model, "tied_embedding", True):  # e.g. the U-Transformer: untied head
             return
+        place = self.pipeline.placement if self.pipeline is not None else None
+        if place is not None and place[0] == place[-1]:  # zbv: both ends on one mesh share one Parameter
+            return
+        if place is not None and (place[0], place[-1]) != (0, ctx.pp_size - 1):  # pragma: no cover
+            raise RuntimeError(f"the first and last stage sit on meshes {place[0]} and {place[-1]}; the tied "
+                               f"embedding is reduced over pp ranks 0 and {ctx.pp_size - 1}")
         w = self.model.output_weight()
         if w.grad is None:
             w.grad = torch.zeros_like(w)
@@ -400,6 +446,9 @@ class Trainer:
                                             scale_loss=self.optimizer.scale_loss)
         if not getattr(self.forward_backward_fn, "finalizes_grads", False):
             self.finalize_grads()
+        elif self._grad_reduce_started:  # R actions started them: wait before the step
+            self._grad_reduce_started = False
+            self.optimizer.finish_grad_sync()
         grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
         if self.cfg.training.check_for_nan_in_loss_and_grad:  # collective: every rank stops together
             entries = getattr(self.optimizer, "entries", ())
@@ -490,7 +539,7 @@ class Trainer:
             per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
             print(f" peak memory per pipeline stage (MiB, {kind}, MAX over the stage's ranks): {per_stage}",
                   file=self.out, flush=True)
-        self._write_trace()
+        self._show_activations()
         return self.records
 
     def _start_profiler(self):
@@ -528,13 +577,25 @@ class Trainer:
             lines.append(f"   largest: stage {worst} ({self.memory[worst].total / mib:.1f} MiB)")
         return "\n".join(lines)
 
-    def _write_trace(self) -> None:
+    def _show_activations(self) -> None:
+        """Pipeline runs: every stage's measured and simulated peak activations in one line and in the trace."""
+        records: list[dict[str, Any]] = []
+        if self.pipeline is not None and self.records and self.memory is not None:
+            measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
+            simulated = memory_view.simulated_inflight(self.pipeline, self.cfg.num_microbatches(self.world_size))
+            nbytes = [m.activations for m in self.memory]
+            if self.reporting:
+                print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
+            records = memory_view.memory_records(nbytes, measured, simulated)
+        self._write_trace(records)
+
+    def _write_trace(self, memory: list[dict[str, Any]] = ()) -> None:
         path = self.cfg.pipeline.pipeline_trace
         if path is None or self.pipeline is None:
             return
         merged = gather_trace(self.ctx, self.pipeline.last_trace)
         if merged is not None:
-            write_trace(path, merged)
+            write_trace(path, merged + list(memory))
             print(f" pipeline trace of the last iteration ({len(merged)} records) written to {path}; draw it with "
                   f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 

@@ -471,6 +471,7 @@ def _worker(a: argparse.Namespace) -> int:
     overruns = torch.zeros(len(configs), 2, dtype=torch.float64)  # (count, excess µs) over ranks and rounds
     times = torch.zeros(len(configs), rounds, dtype=torch.float64)
     warm: list[list[dict[str, Any]] | None] = []  # --pace auto: every warm-up round's traces
+    act_bytes: list[list[int] | None] = [None] * len(configs)  # measured in the first warm-up round (MAX per stage)
 
     def records_of(done: int, traces, status: str, summed_overruns=None) -> list[dict[str, Any]]:
         """Rank 0: the records of the first `done` timed rounds; overruns only once summed over ranks."""
@@ -487,6 +488,7 @@ def _worker(a: argparse.Namespace) -> int:
             # iteration: overlapping excesses on different ranks count twice)
             rec["pace_overruns"] = int(summed_overruns[i, 0].item()) if known else None
             rec["pace_overrun_ms_per_iter"] = round(summed_overruns[i, 1].item() / 1e3 / done, 3) if known else None
+            rec["peak_activation_bytes_measured"] = act_bytes[i]
         return recs
 
     for r in range(rounds):
@@ -510,9 +512,14 @@ def _worker(a: argparse.Namespace) -> int:
             trainer.forward_backward_fn = step
             if dist.is_initialized():
                 dist.barrier()
+            measure = r == 0 and skip > 0  # the activation meter slows a step: only in an untimed round
+            if measure:
+                trainer.memory = None  # train_step measures activations (collective) when it has none
             t0 = time.perf_counter()
             trainer.train_step(batch)
             times[i, r] = time.perf_counter() - t0
+            if measure:
+                act_bytes[i] = [m.activations for m in trainer.memory]
             if r >= skip:
                 st = step.runtime.last_stats
                 overruns[i, 0] += st.get("pace_overruns", 0)
@@ -550,6 +557,8 @@ def _worker(a: argparse.Namespace) -> int:
 def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequence[Sequence[float]],
                  traces: Sequence[list[dict[str, Any]] | None], world: int, procs_per_host: int, *, mode: str,
                  hosts_of_stage: list[list[int]] | None = None) -> list[dict[str, Any]]:
+    from megareshard.pipeline import Timeline, generate, simulate
+
     net = edge_transfer_model(a, configs, world, procs_per_host)
     dp = world // (a.tp * a.pp)
     tokens = a.micro_batch_size * dp * a.microbatches * a.seq_length
@@ -570,6 +579,11 @@ def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequ
             "edge_model_ms": {k: round(1e3 * v, 3) for k, v in net[c.strategy]["edge_s"].items()},
             "action_ms": _action_ms(tr, a.pp) if tr else {},
             "hosts_of_stage": hosts_of_stage,
+            # peak microbatches whose activations a stage holds at once (F until B, or W): from the trace, and the
+            # simulator's on the chain schedule at unit costs (docs/design.md §4, "memory shown")
+            "peak_inflight_measured": Timeline.from_trace(tr).peak_activations if tr else None,
+            "peak_inflight_simulated": simulate(generate(c.schedule, a.pp, a.microbatches,
+                                                         delay_wgrad=c.dw)).peak_activations,
         })
     fill_ratios(recs, a.baseline)
     return recs
@@ -899,7 +913,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
     r0 = records[0]
     head = ["config", "ms/iter median", "q1–q3", "min", f"vs {r0['baseline']} (median / paired / min)",
-            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal", "model ms / transfer"]
+            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal", "model ms / transfer",
+            "peak in flight per stage (measured / simulated)", "peak activations MiB per stage (measured)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if r0.get("status") not in (None, "complete"):  # a stopped (or still running) launch: say so first
         lines.insert(0, f"*{r0['status']} after {r0.get('rounds_done')} of {r0.get('rounds_planned')} timed rounds"
@@ -913,7 +928,11 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                f"{x(r['speedup_vs_baseline'])} / {x(r.get('speedup_vs_baseline_paired'))} / "
                f"{x(r.get('speedup_vs_baseline_min'))}",
                "-" if r["strategy"] == "signal" or r["config"] == r["baseline"] else pct(r.get("gap_closure")),
-               sig, pct(r["best_signal_fraction"]), f"{r['transfer_model_ms']:.1f}"]
+               sig, pct(r["best_signal_fraction"]), f"{r['transfer_model_ms']:.1f}",
+               " / ".join(",".join(map(str, v)) if v else "-" for v in (r.get("peak_inflight_measured"),
+                                                                         r.get("peak_inflight_simulated"))),
+               ",".join(f"{b / 2**20:.1f}" for b in r["peak_activation_bytes_measured"])
+               if r.get("peak_activation_bytes_measured") else "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

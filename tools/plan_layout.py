@@ -6,6 +6,7 @@
         --untie-embeddings-and-output-weights --position-embedding-type rope \\
         --seq-length 4096 --vocab-size 128256 --global-batch-size 1024 \\
         --hosts 64 --devices-per-host 8 --device-memory-gib 80 --device-tflops 989 --nic-gbps 400
+    ... --cluster cluster.json          # speeds measured by tools/calibrate_cluster.py
     ... --json plan.json --picture layout.png --top 15
 
 Prints a ranked table (predicted step time, tokens/s, bubble, memory per device of the fullest
@@ -20,6 +21,7 @@ import sys
 import time
 
 from megareshard.planner import ClusterSpec, ModelShape, PlanError, plan_layouts
+from megareshard.planner.calibration import load_cluster
 from megareshard.planner.report import draw_layout, table
 
 
@@ -39,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=("learned_absolute", "rope", "none"))
     g.add_argument("--global-batch-size", type=int, required=True)
     c = p.add_argument_group("cluster")
-    c.add_argument("--hosts", type=int, required=True)
-    c.add_argument("--devices-per-host", type=int, required=True)
+    c.add_argument("--cluster", default=None, help="a cluster JSON measured by tools/calibrate_cluster.py (its "
+                   "speeds replace the flags below; --hosts / --devices-per-host, when given, replace its counts)")
+    c.add_argument("--hosts", type=int, default=None)
+    c.add_argument("--devices-per-host", type=int, default=None)
     c.add_argument("--device-memory-gib", type=float, default=80.0)
     c.add_argument("--device-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per device")
     c.add_argument("--efficiency", type=float, default=0.45, help="achieved fraction of the peak in a layer's GEMMs")
@@ -50,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch-sizes", default="1,2,4,8")
     s.add_argument("--zero-stages", default="0,1,2")
     s.add_argument("--no-recompute", action="store_true", help="never consider full recomputation")
+    s.add_argument("--schedules", default=None, help="comma list (default: every registered schedule; the table "
+                   "marks those the runtime does not execute yet)")
+    s.add_argument("--runtime-only", action="store_true", help="only schedules the pipeline runtime executes "
+                   "(what --auto-layout applies)")
+    s.add_argument("--no-uneven-splits", action="store_true", help="only even layer splits")
+    s.add_argument("--no-stage-layouts", action="store_true", help="only uniform meshes (no --stage-layouts)")
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=12, help="rows of the table")
     o.add_argument("--json", default=None, help="write every candidate that fits (JSON)")
@@ -69,24 +79,35 @@ def main(argv: list[str] | None = None) -> int:
                            ffn_hidden_size=a.ffn_hidden_size, num_query_groups=groups, swiglu=a.swiglu,
                            untied=a.untie_embeddings_and_output_weights,
                            learned_positions=a.position_embedding_type == "learned_absolute")
-        cluster = ClusterSpec(a.hosts, a.devices_per_host, a.device_memory_gib, a.device_tflops, a.efficiency,
-                              a.nic_gbps, a.intra_gbps)
+        if a.cluster:
+            cluster = load_cluster(a.cluster, hosts=a.hosts, devices_per_host=a.devices_per_host)
+        elif a.hosts is None or a.devices_per_host is None:
+            raise PlanError("give --hosts and --devices-per-host (or --cluster FILE)")
+        else:
+            cluster = ClusterSpec(a.hosts, a.devices_per_host, a.device_memory_gib, a.device_tflops, a.efficiency,
+                                  a.nic_gbps, a.intra_gbps)
         stats: dict[str, int] = {}
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         ranked = plan_layouts(model, cluster, a.global_batch_size, micro_batches=ints(a.micro_batch_sizes, "mb"),
                               zero_stages=ints(a.zero_stages, "zero"),
-                              recompute_options=(False,) if a.no_recompute else (False, True), stats=stats)
-        dt = time.monotonic() - t0
+                              recompute_options=(False,) if a.no_recompute else (False, True), stats=stats,
+                              schedules=a.schedules.split(",") if a.schedules else None, runtime_only=a.runtime_only,
+                              uneven_splits=not a.no_uneven_splits, stage_meshes=not a.no_stage_layouts)
+        dt, cpu = time.monotonic() - t0, time.process_time() - c0
     except (PlanError, ValueError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
-    print(f"planned {cluster.hosts} hosts x {cluster.devices_per_host} devices in {dt:.1f} s: "
+    print(f"planned {cluster.hosts} hosts x {cluster.devices_per_host} devices in {dt:.1f} s ({cpu:.1f} s CPU): "
           f"{stats['enumerated']} candidates, {stats['pruned_memory']} pruned by memory, "
           f"{stats['simulated']} pipelines simulated")
     print(table(ranked[:a.top], cluster))
     best = ranked[0]
+    if not best.runtime:
+        run = next((c for c in ranked if c.runtime), None)
+        print(f"\nnote: the best layout's schedule {best.schedule} is not executed by the pipeline runtime yet"
+              + (f"; the best it executes: {run.name} ({run.step_s:.3f} s/step)" if run else ""))
     print(f"\nbest: {best.name} — {best.step_s:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
           f"bottleneck: {best.bottleneck}")
-    print(f"flags: {best.flags()}")
+    print(f"flags: {best.flags(model.num_layers)}")
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump({"model": vars(model), "cluster": vars(cluster), "global_batch": a.global_batch_size,

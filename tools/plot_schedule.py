@@ -10,6 +10,7 @@ fraction and peak live activations per schedule (a table, or JSON with --json).
     python tools/plot_schedule.py --compare --schedule 1f1b eager-1f1b eager-1f1b+dw \\
         --stages 4 --microbatches 8 --comm 1 -o cmp.png
     python tools/plot_schedule.py --trace trace.json -o measured.png
+    python tools/plot_schedule.py --schedule-file my_schedule.csv --comm 0.5 -o mine.png
 
 A schedule name may end in ``+dw`` (delayed weight gradients for that one);
 ``--delay-wgrad`` applies it to all. A trace is the runtime's JSON list of
@@ -34,9 +35,11 @@ from megareshard.pipeline import (  # noqa: E402
     SCHEDULES,
     Costs,
     PipelineGraph,
+    Schedule,
     Timeline,
     generate,
     simulate,
+    validate,
 )
 
 COLORS = MappingProxyType({"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#f6b26b"})
@@ -63,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", nargs=2, type=int, action="append", default=[], metavar=("SRC", "DST"),
                    help="add a skip edge SRC->DST (repeatable)")
     p.add_argument("--trace", type=Path, help="draw a measured trace (JSON) instead of simulating")
+    p.add_argument("--schedule-file", type=Path,
+                   help="simulate the schedule written in this file (--pipeline-schedule-file's forms) instead")
     p.add_argument("--compare", action="store_true", help="stack every --schedule in one figure")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.add_argument("-o", "--output", type=Path, help="PNG to write (omit: metrics only)")
@@ -77,6 +82,11 @@ def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     graph = PipelineGraph(args.stages, tuple(tuple(e) for e in args.skip))
     costs = Costs(f=args.cost_f, b=args.cost_b, i=args.cost_i, w=args.cost_w,
                   comm=args.comm, rendezvous=args.rendezvous, recv_nic=not args.no_recv_nic)
+    if args.schedule_file is not None:
+        sched = Schedule.load(args.schedule_file)
+        validate(sched)
+        sched.name = sched.name or args.schedule_file.stem
+        return [simulate(sched, costs=costs)]
     out = []
     for spec in names:
         name, dw = (spec[:-3], True) if spec.endswith("+dw") else (spec, args.delay_wgrad)

@@ -304,7 +304,7 @@ class GPTModel(nn.Module):
                  seed: int = 1234, pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, device: torch.device | str | None = None,
                  params_dtype: torch.dtype = torch.float32, recompute_granularity: str | None = None,
-                 recompute_num_layers: int | None = None) -> None:
+                 recompute_num_layers: int | None = None, streams: RNGStreams | None = None) -> None:
         super().__init__()
         if recompute_granularity is not None and recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise ConfigError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES} or None, "
@@ -321,7 +321,8 @@ class GPTModel(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.tied_embedding = cfg.tied_embeddings
         self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-        self.streams = RNGStreams.for_context(seed, ctx, self.device)
+        # ``streams``: shared by the model chunks of one rank (virtual stages), so they draw one sequence
+        self.streams = streams if streams is not None else RNGStreams.for_context(seed, ctx, self.device)
         sp, dev, dt = self.sequence_parallel, self.device, params_dtype
 
         if pre_process:

@@ -287,7 +287,8 @@ class UTransformerModel(nn.Module):
     def __init__(self, cfg: ModelConfig, u: UTransformerConfig, ctx: ParallelContext, *, seed: int = 1234,
                  pre_process: bool = True, post_process: bool = True, layer_range: tuple[int, int] | None = None,
                  device: torch.device | str | None = None, params_dtype: torch.dtype = torch.float32,
-                 recompute_granularity: str | None = None, recompute_num_layers: int | None = None) -> None:
+                 recompute_granularity: str | None = None, recompute_num_layers: int | None = None,
+                 streams: RNGStreams | None = None) -> None:
         super().__init__()
         check_utransformer_config(u, cfg)
         if recompute_granularity is not None and recompute_granularity not in RECOMPUTE_GRANULARITIES:
@@ -307,7 +308,8 @@ class UTransformerModel(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-        self.streams = RNGStreams.for_context(seed, ctx, self.device)
+        # ``streams``: shared by the model chunks of one rank (virtual stages), so they draw one sequence
+        self.streams = streams if streams is not None else RNGStreams.for_context(seed, ctx, self.device)
         dev, dt, std = self.device, params_dtype, cfg.init_method_std
 
         def level_cfg(k: int) -> ModelConfig:
@@ -473,10 +475,21 @@ class UTransformerSpec:
         self.check(cfg)
         if layouts is None:
             return UTransformerModel(cfg.model, self.u, ctx, seed=seed, device=device, **model_kwargs)
-        lay = layouts[ctx.pp_rank()]
-        return UTransformerModel(cfg.model, self.u, ctx, seed=seed, pre_process=lay.stage == 0,
-                                 post_process=lay.stage == ctx.pp_size - 1, layer_range=lay.layer_range,
-                                 device=device, **model_kwargs)
+        last = len(layouts) - 1
+
+        def build(lay, **extra) -> UTransformerModel:
+            return UTransformerModel(cfg.model, self.u, ctx, seed=seed, pre_process=lay.stage == 0,
+                                     post_process=lay.stage == last, layer_range=lay.layer_range,
+                                     device=device, **model_kwargs, **extra)
+
+        if len(layouts) == ctx.pp_size:
+            return build(layouts[ctx.pp_rank()])
+        from ..pipeline.chunks import build_chunks  # virtual stages: this rank's chunks, one RNG stream set
+        from ..pipeline.stage import stage_placement
+
+        streams = RNGStreams.for_context(seed, ctx, torch.device(device))
+        return build_chunks(layouts, stage_placement(cfg, ctx.pp_size), ctx.pp_rank(),
+                            lambda lay: build(lay, streams=streams))
 
     def build_runtime(self, cfg: Config, ctx: ParallelContext, layouts: Sequence, *, finalize_grads=None,
                       record_trace: bool = False, dtype: torch.dtype = torch.float32):

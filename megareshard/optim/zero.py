@@ -308,9 +308,13 @@ class ZeroOptimizer:
             else:
                 e.master.grad.add_(piece)
 
-    def start_grad_sync(self) -> None:
-        """Launch the reduction of every bucket holding gradients not yet launched (non-blocking)."""
+    def start_grad_sync(self, deferred: bool | None = None) -> None:
+        """Launch the reduction of every bucket holding gradients not yet launched (non-blocking), in bucket
+        order. ``deferred=False``: only the buckets free of parameters that get another reduction first
+        (sequence-parallel, tied embedding: ``defer_grad_reduce``); ``True``: only those; None: all."""
         for b in self.buckets:
+            if deferred is not None and b.defer != deferred:
+                continue
             if any(e.param.grad is not None for e in b.entries) and (self.stage != 1 or b.launched == 0):
                 self._launch(b)
 

@@ -3,6 +3,7 @@
     sched = generate("eager-1f1b", num_stages=4, num_microbatches=8, delay_wgrad=True,
                      graph=PipelineGraph(4, skip_edges=[(0, 3)]))
     low = lower(sched)            # + SEND/RECV/WAIT for every edge (see lowering.py)
+    low = insert_grad_reduce(low) # + R: each stage's dp gradient reduction (--overlap-grad-reduce)
     validate(low)                 # ScheduleError on any problem, incl. deadlock
     tl = simulate(low, costs=Costs(f=1, b=2, comm=0.5))
     tl.makespan, tl.bubble_fraction, tl.peak_activations
@@ -10,8 +11,9 @@
 No torch.distributed here; `runtime.py` executes lowered lists on real ranks.
 """
 
-from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, delay_weight_grads, forwards_before_first_backward,
-                         generate, placement_of)
+from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, WARMUP_SCHEDULES, delay_weight_grads,
+                         forwards_before_first_backward, generate, placement_of)
+from .grad_reduce import insert_grad_reduce
 from .lowering import lower
 from .schedule import (
     Action,
@@ -36,11 +38,13 @@ __all__ = [
     "SCHEDULES",
     "REGISTRY",
     "RUNTIME_SCHEDULES",
+    "WARMUP_SCHEDULES",
     "placement_of",
     "generate",
     "delay_weight_grads",
     "forwards_before_first_backward",
     "lower",
+    "insert_grad_reduce",
     "validate",
     "Costs",
     "Interval",

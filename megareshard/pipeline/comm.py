@@ -93,17 +93,21 @@ class EdgeComm:
 
 
 def plan_edges(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
-               chunks: int | None, time_budget_s: float = 0.5) -> list[tuple[Edge, str, Any]]:
+               chunks: int | None, time_budget_s: float = 0.5,
+               skip: frozenset[Edge] = frozenset()) -> list[tuple[Edge, str, Any]]:
     """Every edge's forward and backward resharding plan, in the one global order (pure planning).
 
-    Returns ``(edge, 'F' | 'B', plan)`` in graph edge order, forward before backward.
+    Returns ``(edge, 'F' | 'B', plan)`` in graph edge order, forward before backward. Edges in
+    ``skip`` (local hand-offs between two stages of one mesh: nothing crosses ranks) get none.
     """
     by_edge = {d.edge: d for d in decls}
-    missing = [str(e) for e in graph.edges if e not in by_edge]
+    missing = [str(e) for e in graph.edges if e not in by_edge and e not in skip]
     if missing:
         raise ValueError(f"no tensor declared for edge(s) {', '.join(missing)}")
     out = []
     for e in graph.edges:
+        if e in skip:
+            continue
         d = by_edge[e]
         itemsize = torch.empty(0, dtype=d.dtype).element_size()
         for direction, src_mesh, src_spec, dst_mesh, dst_spec in (
@@ -130,18 +134,19 @@ def communicator_keys(plans: Sequence[tuple[Edge, str, Any]]) -> list[tuple[int,
 
 def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strategy: str, scheduler: str,
                      chunks: int | None, time_budget_s: float = 0.5, group: Any = None,
-                     streams: CommStreams | None = None) -> dict[Edge, EdgeComm]:
+                     streams: CommStreams | None = None, skip: frozenset[Edge] = frozenset()) -> dict[Edge, EdgeComm]:
     """Plan and build every edge's resharders — collective over the default group.
 
     Every rank must call it with the same arguments. Edges are processed in the graph's
     sorted order, forward before backward; all share `streams` (default: a new `CommStreams`).
-    `chunks` None lets the network model choose each broadcast task's chunk count.
+    `chunks` None lets the network model choose each broadcast task's chunk count. Edges in
+    ``skip`` (local hand-offs) get no resharders.
     """
     streams = streams if streams is not None else CommStreams()
     by_edge = {d.edge: d for d in decls}
     built: dict[Edge, list[Resharder]] = {}
     for e, direction, plan in plan_edges(graph, decls, strategy=strategy, scheduler=scheduler, chunks=chunks,
-                                         time_budget_s=time_budget_s):
+                                         time_budget_s=time_budget_s, skip=skip):
         built.setdefault(e, []).append(Resharder(plan, by_edge[e].dtype, group=group,
                                                  streams=streams, name=f"edge{e}{direction}"))
     return {e: EdgeComm(by_edge[e], f, b) for e, (f, b) in built.items()}

@@ -46,9 +46,8 @@ a couple of W's are pending at a time, which bounds the extra activation memory
   live chunk activations per mesh (1F1B's memory, chunks being half a stage).
 
 Zero-bubble schedules are I/W schedules by definition (`delay_wgrad` is implied). The
-runtime executes the one-stage-per-mesh kinds today (`RUNTIME_SCHEDULES`); virtual-stage
-kinds are generated, lowered, validated and simulated, and refused by the trainer until the
-runtime holds several stages per rank.
+runtime executes every registered kind (`RUNTIME_SCHEDULES`): a rank holds the model chunks
+of its mesh's stages (`runtime.py`, `chunks.py`).
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from typing import Callable
 
 from .schedule import Action, ActionKind, PipelineGraph, Schedule, ScheduleError
 
-__all__ = ["REGISTRY", "SCHEDULES", "RUNTIME_SCHEDULES", "ScheduleKind", "generate", "forwards_before_first_backward",
+__all__ = ["REGISTRY", "SCHEDULES", "RUNTIME_SCHEDULES", "WARMUP_SCHEDULES", "forward_only", "ScheduleKind", "generate", "forwards_before_first_backward",
            "delay_weight_grads", "placement_of"]
 
 _K = ActionKind
@@ -231,17 +230,20 @@ REGISTRY: dict[str, ScheduleKind] = {k.name: k for k in (
     ScheduleKind("gpipe", _warmup_builder(_k_gpipe, "gpipe"), 1, runtime=True),
     ScheduleKind("1f1b", _warmup_builder(_k_1f1b, "1f1b"), 1, runtime=True),
     ScheduleKind("eager-1f1b", _warmup_builder(_k_eager, "eager-1f1b"), 1, runtime=True),
-    ScheduleKind("interleaved-1f1b", _interleaved(False, "interleaved-1f1b"), None, microbatch_multiple_of_pp=True),
-    ScheduleKind("eager-interleaved-1f1b", _interleaved(True, "eager-interleaved-1f1b"), None,
+    ScheduleKind("interleaved-1f1b", _interleaved(False, "interleaved-1f1b"), None, runtime=True,
                  microbatch_multiple_of_pp=True),
-    ScheduleKind("zb-h1", _zero_bubble("zb-h1", lambda P, p: P - p), 1, zero_bubble=True),
-    ScheduleKind("zbv", _zero_bubble("zbv", lambda P, p: 2 * P), 2, zero_bubble=True),
+    ScheduleKind("eager-interleaved-1f1b", _interleaved(True, "eager-interleaved-1f1b"), None, runtime=True,
+                 microbatch_multiple_of_pp=True),
+    ScheduleKind("zb-h1", _zero_bubble("zb-h1", lambda P, p: P - p), 1, zero_bubble=True, runtime=True),
+    ScheduleKind("zbv", _zero_bubble("zbv", lambda P, p: 2 * P), 2, zero_bubble=True, runtime=True),
 )}
 SCHEDULES: tuple[str, ...] = tuple(REGISTRY)
 """Every registered schedule."""
 RUNTIME_SCHEDULES: tuple[str, ...] = tuple(n for n, k in REGISTRY.items() if k.runtime)
 """The schedules the pipeline runtime executes today."""
 _WARMUP = {"gpipe": _k_gpipe, "1f1b": _k_1f1b, "eager-1f1b": _k_eager}
+WARMUP_SCHEDULES: tuple[str, ...] = tuple(_WARMUP)
+"""The one-stage-per-mesh warm-up schedules (`forwards_before_first_backward` knows their live activations)."""
 
 
 def _lookup(name: str) -> ScheduleKind:
@@ -314,3 +316,16 @@ def generate(name: str, num_stages: int, num_microbatches: int, delay_wgrad: boo
                          f"({V} per mesh)")
     sched = kind.build(P, m, V, graph)
     return delay_weight_grads(sched) if delay_wgrad and not kind.zero_bubble else sched
+
+
+def forward_only(graph: PipelineGraph, num_microbatches: int, placement: tuple[int, ...] | None = None) -> Schedule:
+    """Evaluation: each mesh runs its stages in model order, F0..F(m-1) on each (no backward).
+
+    Deadlock-free by construction: a stage's inputs come from earlier stages, which every mesh
+    runs first; `validate.dry_run` of the lowered schedule is empty (tests check it).
+    """
+    place = tuple(placement) if placement is not None else tuple(range(graph.num_stages))
+    meshes = max(place) + 1
+    acts = [[Action(_K.F, j, s) for s in range(graph.num_stages) if place[s] == p for j in range(num_microbatches)]
+            for p in range(meshes)]
+    return Schedule(graph, num_microbatches, acts, "forward-only", place)

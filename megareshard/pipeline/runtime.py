@@ -1,13 +1,21 @@
-"""Pipeline runtime: execute this stage's lowered action list on every rank of its mesh.
+"""Pipeline runtime: execute this mesh's lowered action list on every rank of the mesh.
 
-Every rank of a stage runs the same list (SPMD inside the stage: its tp collectives line
+A mesh (the ranks of one pp coordinate) holds one stage, or several (virtual stages: interleaved,
+zbv): then the rank holds one model chunk per stage (`chunks.ModelChunks`) and keeps every piece of
+state per (stage, microbatch). An edge between two stages of one mesh is a *local hand-off*: no
+communication, no action; the consumer's F takes the producer's output detached as a leaf that
+requires grad (exactly what a received tensor is), and its B hands the leaf's gradient back as the
+producer's received output gradient. Every other edge — the one from the last mesh back to the
+first included — is an ordinary cross-mesh resharding edge.
+
+Every rank of a mesh runs the same list (SPMD inside the mesh: its tp collectives line
 up because the lists are identical); stage boundaries go through the `EdgeComm`
 resharders built once per edge (`comm.py`). What each action does is the contract
 written down in `lowering.py`:
 
 =========  ===============================================================================
-F(mb)      forward of the stage on mb (stage 0: tokens; others: the WAIT_F tensor, made a
-           leaf that requires grad); the last stage turns per-token losses into
+F(mb)      forward of the action's stage on mb (stage 0: tokens; others: the WAIT_F tensor or
+           the local hand-off, made a leaf that requires grad); the last stage turns per-token losses into
            ``mean / m`` and accumulates the reported loss.
 SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
            send is complete the output's *data* is freed (Megatron's
@@ -24,10 +32,14 @@ W(mb)      flush mb's store (this is where the weight gradients appear).
 SEND_B     start the backward resharder on the input gradient.
 =========  ===============================================================================
 
-After the list: the ``finalize_grads`` hook (sequence-parallel, data-parallel and tied-
-embedding gradient reductions — they start after the stage's last W, or B), then every
-pending send is waited, then the loss is summed over the pipeline group so every rank
-(in particular the logging rank, last stage tp0 dp0) holds it.
+R          (``--overlap-grad-reduce``) ``grad_reduce_handler(stage)``: the trainer starts the stage's
+           data-parallel gradient reduction asynchronously (`grad_reduce.py` places R right after
+           the stage's last W, or B); the trainer waits for it before the optimizer step.
+
+After the list: without R actions, the ``finalize_grads`` hook (sequence-parallel, data-parallel
+and tied-embedding gradient reductions, blocking), then every pending send is waited, then the
+loss is summed over the pipeline group so every rank (in particular the logging rank, last
+stage tp0 dp0) holds it.
 """
 from __future__ import annotations
 
@@ -45,9 +57,10 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from .comm import EdgeComm, EdgeTensor, build_edge_comms
-from .generators import generate
+from .generators import forward_only, generate, placement_of
+from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
-from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .schedule import Action, ActionKind, Edge, PipelineGraph
 from .stage import StageLayout, chain_graph, hidden_global_shape
 from .validate import validate
 
@@ -173,24 +186,30 @@ class _Step:
     device: torch.device
     autocast_dtype: torch.dtype | None = None
     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp16 loss scaling on the last stage
-    inputs: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    # keyed by (stage, microbatch): a rank holding virtual stages has one of each per stage
+    inputs: dict[tuple[int, int], dict[Edge, torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], dict[Edge | None, torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], dict[Edge, torch.Tensor]] = field(default_factory=dict)
     posted: dict[tuple[Edge, str, int], Any] = field(default_factory=dict)
+    # (edge, 'F' | 'B', mb): what WAIT returned, or what a local hand-off put there
     received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
     sends: list[_PendingSend] = field(default_factory=list)
-    stores: dict[int, WeightGradStore] = field(default_factory=dict)
+    stores: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
     trace: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
     reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
-    freed: set[int] = field(default_factory=set)  # microbatches whose sent activation data was freed
+    freed: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose sent activation data was freed
+    live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
 
 
 class PipelineRuntime:
     """Runs the pipeline's forward/backward over one global batch; a Trainer ``forward_backward_fn``.
 
     ``runtime(model, microbatches, device, autocast_dtype=None, backward=True)`` returns the
-    mean loss of this dp rank's microbatches on every rank of the pipeline (detached).
+    mean loss of this dp rank's microbatches on every rank of the pipeline (detached). ``model`` is
+    the stage module, or a `ModelChunks` holding one module per stage on this mesh.
+    ``placement[s]`` is the mesh (pp rank) of stage s (default: stage s on mesh s); ``layouts`` has
+    one entry per stage.
     """
 
     finalizes_grads = True  # the trainer must not reduce gradients again after a step
@@ -198,29 +217,45 @@ class PipelineRuntime:
     def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
                  comms: dict[Edge, EdgeComm], *, schedule: str, delay_wgrad: bool = False,
                  finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                 lookahead: int = 1) -> None:
+                 lookahead: int = 1, schedule_file: Schedule | None = None,
+                 placement: Sequence[int] | None = None) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
-        self.stage = ctx.pp_rank()
+        self.stage = ctx.pp_rank()  # this rank's mesh: the trace's row, the lowered program's index
         self.num_stages = graph.num_stages
-        if self.num_stages != ctx.pp_size:
-            raise ValueError(f"the graph has {self.num_stages} stages but pp is {ctx.pp_size}")
+        self.placement = tuple(placement) if placement is not None else tuple(range(self.num_stages))
+        if len(self.placement) != self.num_stages or len(self.layouts) != self.num_stages:
+            raise ValueError(f"the graph has {self.num_stages} stages but the placement names {len(self.placement)} "
+                             f"and there are {len(self.layouts)} layouts")
+        self.num_meshes = max(self.placement) + 1
+        if self.num_meshes != ctx.pp_size:
+            raise ValueError(f"the placement {list(self.placement)} uses {self.num_meshes} meshes but pp is "
+                             f"{ctx.pp_size}")
+        self.stages = tuple(s for s, m in enumerate(self.placement) if m == self.stage)  # this mesh's, model order
+        self.virtual_stages = self.num_stages // self.num_meshes
+        self.local_edges = frozenset(e for e in graph.edges if self.placement[e.src] == self.placement[e.dst])
         # Several edges per stage (U-Transformer skip tensors): the model takes the chain input
         # as ``hidden`` and the skip inputs as ``skips={edge name: tensor}``, and returns
         # ``{edge name: tensor}`` ("" for the chain edge) when it has several outputs.
-        self.in_edges = graph.in_edges(self.stage)
-        self.out_edges = graph.out_edges(self.stage)
-        chain_in = [e for e in self.in_edges if e.is_chain]
-        self._chain_in = chain_in[0] if chain_in else None
-        self._skip_in = [e for e in self.in_edges if not e.is_chain]
+        self._in = {s: graph.in_edges(s) for s in self.stages}
+        self._out = {s: graph.out_edges(s) for s in self.stages}
+        self._chain_in = {s: next((e for e in self._in[s] if e.is_chain), None) for s in self.stages}
+        self._skip_in = {s: [e for e in self._in[s] if not e.is_chain] for s in self.stages}
+        # this mesh's first stage's edges (one stage per mesh: the stage's)
+        self.in_edges, self.out_edges = self._in[self.stages[0]], self._out[self.stages[0]]
         # Stages with different dp: every rank's loss is the mean over its dp share, and each stage's
         # dp reduction averages. So the gradient a stage receives is dp(sender) × dL/dx of its share,
         # while its own gradients must be dp(self) × that (their dp-average is then dL/dθ): scale
         # each received gradient by dp(src)/dp(dst). 1 — no multiply at all — in uniform layouts.
         dp_of = [lay.mesh.shape[0] for lay in self.layouts]
-        self._grad_scale = {e: dp_of[e.src] / dp_of[e.dst] for e in self.out_edges
+        self._grad_scale = {e: dp_of[e.src] / dp_of[e.dst] for s in self.stages for e in self._out[s]
                             if dp_of[e.src] != dp_of[e.dst]}
         self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
         self.finalize_grads = finalize_grads
+        # --overlap-grad-reduce: the trainer's fn(stage) that starts a stage's dp gradient reduction; when set,
+        # training programs get an R action per stage (grad_reduce.py) and finalize_grads is not called
+        self.grad_reduce_handler: Callable[[int], None] | None = None
+        # --pipeline-schedule-file: the validated schedule to run instead of generating one (schedule_io.py)
+        self.schedule_file = schedule_file
         self.record_trace = record_trace
         self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
@@ -241,9 +276,10 @@ class PipelineRuntime:
                 dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
         """Declare the GPT's hidden-state edges from the config and build their resharders.
 
-        Collective over the default group: every rank calls it with the same config.
+        Collective over the default group: every rank calls it with the same config. ``layouts``
+        has one entry per stage (``pp × V`` with virtual stages).
         """
-        graph = chain_graph(ctx.pp_size)
+        graph = chain_graph(len(layouts))
         # the global microbatch (micro batch × dp; with per-stage layouts × the largest dp), the
         # same on every edge whatever the two stages' layouts: each end shards it over its own dp
         shape = hidden_global_shape(cfg, cfg.dp(ctx.world_size))
@@ -257,32 +293,77 @@ class PipelineRuntime:
         """Any stage graph (chain and skip edges): each edge's declared global shape, both ends'
         layouts from ``layouts`` (source: the producing stage's mesh and hidden spec, destination:
         the consuming stage's), its own forward and backward resharders. Collective over the world.
+        With virtual stages (``len(layouts) > pp``) the stages sit on the schedule's placement; edges
+        between two stages of one mesh and layout are local hand-offs and get no resharders.
         """
-        decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
-                            layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges]
         pl = cfg.pipeline
+        schedule_file = None
+        if pl.pipeline_schedule_file is not None:  # checked against the model's graph before any collective
+            from .schedule_io import load_schedule_file
+
+            schedule_file = load_schedule_file(pl.pipeline_schedule_file, num_meshes=ctx.pp_size,
+                                               num_microbatches=cfg.num_microbatches(ctx.world_size), graph=graph,
+                                               overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+        P = ctx.pp_size
+        if len(layouts) % P:
+            raise ValueError(f"{len(layouts)} stage layouts do not split evenly over pp {P}")
+        V = len(layouts) // P
+        placement = tuple(range(P)) if V == 1 else placement_of(pl.pipeline_schedule, P, V)
+        local = frozenset(e for e in graph.edges if placement[e.src] == placement[e.dst])
+        for e in local:
+            a, b = layouts[e.src], layouts[e.dst]
+            if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
+                raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
+        decls = [EdgeTensor(e, tuple(shapes[e]), dtype, layouts[e.src].mesh, layouts[e.src].hidden_spec,
+                            layouts[e.dst].mesh, layouts[e.dst].hidden_spec) for e in graph.edges if e not in local]
         comms = build_edge_comms(graph, decls, strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler,
-                                 chunks=pl.reshard_chunks)
+                                 chunks=pl.reshard_chunks, skip=local)
         return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule,
-                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace)
+                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace,
+                   schedule_file=schedule_file, placement=placement)
+
+    def training_schedule(self, num_microbatches: int) -> Schedule:
+        """Every mesh's lowered training program: the schedule file's or the generated one, with R actions
+        when a gradient-reduction handler is registered; validated."""
+        if self.schedule_file is not None:
+            sched = self.schedule_file
+            if sched.num_microbatches != num_microbatches:
+                raise ValueError(f"the schedule file is written for {sched.num_microbatches} microbatches, this "
+                                 f"step has {num_microbatches}")
+        else:
+            sched = generate(self.schedule_name, self.num_meshes, num_microbatches, self.delay_wgrad, self.graph,
+                             virtual_stages=self.virtual_stages if self.virtual_stages > 1 else None)
+        if tuple(sched.placement) != self.placement:
+            raise ValueError(f"schedule {sched.name or self.schedule_name} places the stages on meshes "
+                             f"{list(sched.placement)}, but the model chunks were built for {list(self.placement)}")
+        if self.grad_reduce_handler is not None:
+            sched = insert_grad_reduce(sched)
+        elif has_grad_reduce(sched):
+            raise ValueError("the schedule holds gradient-reduction (R) actions but no grad_reduce_handler is "
+                             "registered (--overlap-grad-reduce)")
+        low = sched if sched.is_lowered else lower(sched, lookahead=self.lookahead)
+        validate(low)
+        return low
 
     def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
-        """This stage's lowered action list (cached per microbatch count)."""
-        key = (num_microbatches, train)
+        """This mesh's lowered action list (cached per microbatch count)."""
+        key = (num_microbatches, train, self.grad_reduce_handler is not None)
         if key not in self._programs:
             if train:
-                sched = generate(self.schedule_name, self.num_stages, num_microbatches, self.delay_wgrad, self.graph)
-                low = lower(sched, lookahead=self.lookahead)
-                validate(low)
-            else:  # forward only (evaluation): every stage runs F0..F(m-1)
-                acts = [[Action(_K.F, j, s) for j in range(num_microbatches)] for s in range(self.num_stages)]
-                low = lower(Schedule(self.graph, num_microbatches, acts, "forward-only"), lookahead=self.lookahead)
+                low = self.training_schedule(num_microbatches)
+            else:  # forward only (evaluation): each mesh runs its stages in model order, F0..F(m-1) each
+                low = lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
             self._programs[key] = low.actions[self.stage]
         return self._programs[key]
 
     def describe(self) -> str:
-        lines = [f"pipeline: {self.num_stages} stages, schedule {self.schedule_name}"
-                 f"{' + delayed weight gradients' if self.delay_wgrad else ''}"]
+        virtual = (f" on {self.num_meshes} meshes ({self.virtual_stages} virtual stages each, placement "
+                   f"{','.join(map(str, self.placement))}; {len(self.local_edges)} local hand-off edge(s))"
+                   if self.virtual_stages > 1 else "")
+        what = (f"the schedule file's {self.schedule_file.name or 'program'}" if self.schedule_file is not None
+                else f"schedule {self.schedule_name}{' + delayed weight gradients' if self.delay_wgrad else ''}")
+        lines = [f"pipeline: {self.num_stages} stages{virtual}, {what}"
+                 + (", each stage's gradient reduction started by an R action" if self.grad_reduce_handler else "")]
         lines += ["  " + lay.describe() for lay in self.layouts]
         for e, c in self.comms.items():
             lines.append(f"  edge {e}: {c.decl.shape} {c.decl.dtype} {c.fwd.strategy} "
@@ -302,18 +383,21 @@ class PipelineRuntime:
         try:
             for a in prog:
                 with self._activity(a):
-                    if a.kind.is_compute:
+                    if a.kind.is_reduce:
+                        self._reduce_grads(a, st)
+                    elif a.kind.is_compute:
                         self._poll_sends(st)
                         t0 = time.time()
                         self._compute(model, a, st)
+                        self._count_live(a, st)
                         if self.pace is not None:
                             self._pad(a, t0, st)
                         if self.record_trace:
-                            st.trace.append({"stage": self.stage, "kind": a.kind.value, "mb": a.mb,
-                                             "start": t0, "end": time.time()})
+                            st.trace.append({"stage": self.stage, "vstage": a.stage, "kind": a.kind.value,
+                                             "mb": a.mb, "start": t0, "end": time.time()})
                     else:
                         self._communicate(a, st)
-            if train and self.finalize_grads is not None:
+            if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
             for s in st.sends:
                 self._finish_send(s, st)
@@ -326,16 +410,16 @@ class PipelineRuntime:
             if callable(model_set):
                 model_set(None)
         if st.stores and any(len(s) for s in st.stores.values()):
-            raise RuntimeError(f"stage {self.stage}: weight-gradient work of microbatches {sorted(st.stores)} "
+            raise RuntimeError(f"mesh {self.stage}: weight-gradient work of (stage, microbatch) {sorted(st.stores)} "
                                "was queued by I but never run by a W")
         loss = st.loss
-        if self.num_stages > 1 and self.ctx.per_stage_layouts:
+        if self.num_meshes > 1 and self.ctx.per_stage_layouts:
             # no one-rank-per-stage group: the last stage's ranks contribute their dp shard's loss
             # / (tp × dp) to a world sum, so every rank holds the global mean (dp-mean is a no-op)
-            if self.stage == self.num_stages - 1:
+            if self.num_stages - 1 in self.stages:
                 loss = loss / (self.ctx.tp_size * self.ctx.dp_size)
             dist.all_reduce(loss)
-        elif self.num_stages > 1:
+        elif self.num_meshes > 1:
             dist.all_reduce(loss, group=self.ctx.pp_group)  # only the last stage holds a non-zero loss
         if train:  # evaluation steps do not overwrite what the last training step recorded
             self.last_trace, self.last_stats = st.trace, st.stats
@@ -346,18 +430,50 @@ class PipelineRuntime:
         for microbatch 3's activation from stage 0)."""
         if self.watchdog is None:
             return contextlib.nullcontext()
-        return self.watchdog.activity(f"stage {self.stage} action {a} (microbatch {a.mb})")
+        where = f"stage {self.stage}" if self.virtual_stages == 1 else f"mesh {self.stage} stage {a.stage}"
+        return self.watchdog.activity(f"{where} action {a} (microbatch {a.mb})")
+
+    def _reduce_grads(self, a: Action, st: _Step) -> None:
+        """R: the trainer's handler starts stage ``a.stage``'s data-parallel gradient reduction (not waited here)."""
+        if self.grad_reduce_handler is None:  # pragma: no cover - training_schedule() refuses this program
+            raise RuntimeError(f"stage {a.stage}: R without a grad_reduce_handler")
+        t0 = time.time()
+        self.grad_reduce_handler(a.stage)
+        if self.record_trace:
+            st.trace.append({"stage": self.stage, "kind": "R", "mb": 0, "start": t0, "end": time.time()})
+
+    @staticmethod
+    def _count_live(a: Action, st: _Step) -> None:
+        """Activations held per the simulator's rule (F until B, or until W under delayed W): the measured
+        peak count of in-flight microbatches, ``last_stats['peak_inflight']``."""
+        if not st.train:
+            return
+        if a.kind == _K.F:
+            st.live.add((a.stage, a.mb))
+            st.stats["peak_inflight"] = max(st.stats.get("peak_inflight", 0), len(st.live))
+        elif a.kind in (_K.B, _K.W):
+            st.live.discard((a.stage, a.mb))
 
     # ---- compute ---------------------------------------------------------------------------------
+    def _chunk(self, model: torch.nn.Module, stage: int) -> torch.nn.Module:
+        """The module running ``stage``: the model itself (one stage per mesh) or its chunk."""
+        chunk = getattr(model, "chunk", None)
+        if callable(chunk):
+            return chunk(stage)
+        if len(self.stages) != 1:
+            raise TypeError(f"mesh {self.stage} runs stages {list(self.stages)} but the model is one module; "
+                            "pass a pipeline.chunks.ModelChunks")
+        return model
+
     def _compute(self, model: torch.nn.Module, a: Action, st: _Step) -> None:
         if a.kind == _K.F:
-            self._forward(model, a.mb, st)
+            self._forward(self._chunk(model, a.stage), a.stage, a.mb, st)
         elif a.kind in (_K.B, _K.I):
-            self._backward(model, a.mb, st, delay=a.kind == _K.I)
+            self._backward(self._chunk(model, a.stage), a.stage, a.mb, st, delay=a.kind == _K.I)
         elif a.kind == _K.W:
-            store = st.stores.pop(a.mb, None)
+            store = st.stores.pop((a.stage, a.mb), None)
             if store is None:
-                raise RuntimeError(f"stage {self.stage}: W{a.mb} without a preceding I{a.mb}")
+                raise RuntimeError(f"stage {a.stage}: W{a.mb} without a preceding I{a.mb}")
             store.flush()
         else:  # pragma: no cover
             raise AssertionError(a)
@@ -375,20 +491,24 @@ class PipelineRuntime:
             st.stats["pace_overruns"] = st.stats.get("pace_overruns", 0) + 1
             st.stats["pace_overrun_us"] = st.stats.get("pace_overrun_us", 0) + int(-left * 1e6)
 
-    def _forward(self, model: torch.nn.Module, mb: int, st: _Step) -> None:
-        first, last = self.stage == 0, self.stage == self.num_stages - 1
+    def _forward(self, model: torch.nn.Module, stage: int, mb: int, st: _Step) -> None:
+        first, last = stage == 0, stage == self.num_stages - 1
         batch = st.microbatches[mb]
         tokens = batch["tokens"].to(st.device, non_blocking=True) if (first or last) else None
         inputs: dict[Edge, torch.Tensor] = {}
-        for edge in self.in_edges:
-            x = st.received.pop((edge, "F", mb))
+        for edge in self._in[stage]:
+            try:
+                x = st.received.pop((edge, "F", mb))
+            except KeyError:
+                raise RuntimeError(f"stage {stage}: F{mb} needs the activation of edge {edge}, which has not "
+                                   "arrived (a local hand-off runs its producer first)") from None
             if st.train:
                 x.requires_grad_(True)
             inputs[edge] = x
-        st.inputs[mb] = inputs
-        kwargs: dict[str, Any] = {"hidden": inputs.get(self._chain_in)}
-        if self._skip_in:
-            kwargs["skips"] = {e.name: inputs[e] for e in self._skip_in}
+        st.inputs[(stage, mb)] = inputs
+        kwargs: dict[str, Any] = {"hidden": inputs.get(self._chain_in[stage])}
+        if self._skip_in[stage]:
+            kwargs["skips"] = {e.name: inputs[e] for e in self._skip_in[stage]}
         if first:
             kwargs["tokens"] = tokens[:, :-1].contiguous()
         if last:
@@ -396,51 +516,72 @@ class PipelineRuntime:
         dt = st.autocast_dtype
         with torch.autocast(st.device.type, dtype=dt, enabled=dt is not None):
             out = model(**kwargs)
+        outs = self._out[stage]
         if last:
             loss = out.float().mean() / len(st.microbatches)
             st.loss += loss.detach()
             if st.train:
-                st.outputs[mb] = {None: loss}
-        elif isinstance(out, dict):
-            missing = [str(e) for e in self.out_edges if e.name not in out]
+                st.outputs[(stage, mb)] = {None: loss}
+            return
+        if isinstance(out, dict):
+            missing = [str(e) for e in outs if e.name not in out]
             if missing:
-                raise RuntimeError(f"stage {self.stage}: the model returned outputs {sorted(out)} but the stage "
+                raise RuntimeError(f"stage {stage}: the model returned outputs {sorted(out)} but the stage "
                                    f"sends on edge(s) {', '.join(missing)}")
-            st.outputs[mb] = {e: out[e.name] for e in self.out_edges}
+            produced = {e: out[e.name] for e in outs}
         else:
-            if len(self.out_edges) != 1:
-                raise RuntimeError(f"stage {self.stage} has {len(self.out_edges)} outgoing edges but the model "
+            if len(outs) != 1:
+                raise RuntimeError(f"stage {stage} has {len(outs)} outgoing edges but the model "
                                    "returned one tensor (return {edge name: tensor})")
-            st.outputs[mb] = {self.out_edges[0]: out}
+            produced = {outs[0]: out}
+        # local hand-offs: the consumer on this mesh reads the output as if received (detached: its
+        # own leaf, so its backward stops there and hands the gradient back)
+        for e, t in produced.items():
+            if e in self.local_edges:
+                st.received[(e, "F", mb)] = t.detach()
+        if st.train:
+            st.outputs[(stage, mb)] = produced
+        else:  # forward only: keep what SEND_F still sends
+            remote = {e: t for e, t in produced.items() if e not in self.local_edges}
+            if remote:
+                st.outputs[(stage, mb)] = remote
 
-    def _backward(self, model: torch.nn.Module, mb: int, st: _Step, delay: bool) -> None:
+    def _backward(self, model: torch.nn.Module, stage: int, mb: int, st: _Step, delay: bool) -> None:
         store = None
         if delay:
-            store = st.stores[mb] = WeightGradStore()
+            store = st.stores[(stage, mb)] = WeightGradStore()
         model.set_wgrad_store(store)
         # mb's activation was consumed downstream (its gradient is here), so its send has
         # completed: retire it now at the latest (this only waits for the reaper's flag)
-        for s in [s for s in st.sends if s.direction == "F" and s.mb == mb]:
+        for s in [s for s in st.sends if s.direction == "F" and s.mb == mb and s.edge.src == stage]:
             self._finish_send(s, st)
             st.sends.remove(s)
-        outs = st.outputs.pop(mb)
-        st.stats["freed_before_backward"] += int(mb in st.freed)
-        if self.stage == self.num_stages - 1:
+        outs = st.outputs.pop((stage, mb))
+        st.stats["freed_before_backward"] += int((stage, mb) in st.freed)
+        if stage == self.num_stages - 1:
             out = outs[None]
             _run_backward(st.scale_loss(out) if st.scale_loss is not None else out, None)
         else:
-            grads = [st.received.pop((e, "B", mb)) for e in self.out_edges]
-            grads = [g * self._grad_scale[e] if e in self._grad_scale else g for e, g in zip(self.out_edges, grads)]
-            _run_backward_many([outs[e] for e in self.out_edges], grads)
+            edges = self._out[stage]
+            try:
+                grads = [st.received.pop((e, "B", mb)) for e in edges]
+            except KeyError:
+                raise RuntimeError(f"stage {stage}: backward of mb {mb} before the gradient of its output(s) "
+                                   f"{', '.join(map(str, edges))} arrived") from None
+            grads = [g * self._grad_scale[e] if e in self._grad_scale else g for e, g in zip(edges, grads)]
+            _run_backward_many([outs[e] for e in edges], grads)
         model.set_wgrad_store(None)
         grads = {}
-        for e, x in st.inputs.pop(mb, {}).items():
+        for e, x in st.inputs.pop((stage, mb), {}).items():
             if x.grad is None:
-                raise RuntimeError(f"stage {self.stage}: backward of mb {mb} produced no gradient for the input "
+                raise RuntimeError(f"stage {stage}: backward of mb {mb} produced no gradient for the input "
                                    f"of edge {e}")
-            grads[e] = x.grad
+            if e in self.local_edges:  # hand the gradient back to the producing stage on this mesh
+                st.received[(e, "B", mb)] = x.grad
+            else:
+                grads[e] = x.grad
         if grads:
-            st.input_grads[mb] = grads
+            st.input_grads[(stage, mb)] = grads
 
     # ---- communication -----------------------------------------------------------------------------
     def _communicate(self, a: Action, st: _Step) -> None:
@@ -448,20 +589,20 @@ class PipelineRuntime:
         comm = self.comms[e]
         k = a.kind
         if k == _K.SEND_F:
-            outs = st.outputs[mb]
+            outs = st.outputs[(a.stage, mb)]
             out = outs[e] if st.train else outs.pop(e)
             if not outs:
-                del st.outputs[mb]
+                del st.outputs[(a.stage, mb)]
             # free the data of the chain output only: a skip output may be saved by a later op of
             # this stage (or be the very same tensor as another edge's output)
             free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
                     and not any(t is out for other, t in outs.items() if other != e))
             self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(), free=free))
         elif k == _K.SEND_B:
-            grads = st.input_grads[mb]
+            grads = st.input_grads[(a.stage, mb)]
             g = grads.pop(e)
             if not grads:
-                del st.input_grads[mb]
+                del st.input_grads[(a.stage, mb)]
             self._track(st, _PendingSend(comm.send_backward(g, mb), g, "B", mb, e, time.time(), free=False))
         elif k in (_K.RECV_F, _K.RECV_B):
             d = k.direction
@@ -509,11 +650,12 @@ class PipelineRuntime:
             # Megatron's deallocate_output_tensor: keep the autograd node, drop the data
             s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)
             st.stats["outputs_freed"] += 1
-            st.freed.add(s.mb)
+            st.freed.add((s.edge.src, s.mb))
         if self.record_trace:
-            st.trace.append({"stage": self.stage, "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start,
-                             "end": s.end, "edge": str(s.edge),
-                             "peer": s.edge.dst if s.direction == "F" else s.edge.src})
+            st.trace.append({"stage": self.stage, "vstage": s.edge.src if s.direction == "F" else s.edge.dst,
+                             "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": s.end,
+                             "edge": str(s.edge),
+                             "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]})
 
 
 # ---- traces -------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ Text form of one action (``str(action)`` / `parse_action`)::
 
     F3  B3  I3  W3            compute on microbatch 3
     F3@5                      the same on stage 5 (a program holding several stages)
+    R   R@5                   start the stage's data-parallel gradient reduction (no microbatch;
+                              inserted by `grad_reduce.insert_grad_reduce`, --overlap-grad-reduce)
     SF3->1                    SEND_F: send mb 3's activation along edge <me>->1
     RF3<-0   WF3<-0           RECV_F (post a non-blocking receive) / WAIT_F (block on it)
     SB3->0                    SEND_B: send mb 3's gradient back along edge 0-><me>
@@ -62,7 +64,21 @@ __all__ = [
 
 
 class ScheduleError(ValueError):
-    """A schedule is malformed, inconsistent with its graph, or deadlocks."""
+    """A schedule is malformed, inconsistent with its graph, or deadlocks.
+
+    Errors about one action also carry where it is: ``mesh`` (the program), ``index`` (its
+    position in that program, from 0), ``action`` (its text, ``@stage`` included) and ``why``
+    (the reason alone), so a schedule file's loader can name the offending cell.
+    """
+
+    def __init__(self, message: str, *, mesh: int | None = None, index: int | None = None,
+                 action: str | None = None, why: str | None = None) -> None:
+        super().__init__(message)
+        self.mesh, self.index, self.action, self.why = mesh, index, action, why
+
+    @property
+    def located(self) -> bool:
+        return self.mesh is not None and self.index is not None
 
 
 class ActionKind(str, Enum):
@@ -72,6 +88,7 @@ class ActionKind(str, Enum):
     B = "B"  # full backward (input + weight gradients)
     I = "I"  # input-gradient backward: what the previous stage waits for  # noqa: E741
     W = "W"  # weight-gradient backward (delayed, runs the weight-grad store)
+    R = "R"  # start the stage's data-parallel gradient reduction (asynchronous; no microbatch)
     SEND_F = "SEND_F"  # start sending an activation downstream (non-blocking)
     RECV_F = "RECV_F"  # post a receive of an activation from upstream (non-blocking)
     WAIT_F = "WAIT_F"  # block until that activation has arrived
@@ -85,16 +102,22 @@ class ActionKind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
-        return not self.is_compute
+        """A cross-stage transfer (SEND/RECV/WAIT on an edge)."""
+        return self in COMM_KINDS
+
+    @property
+    def is_reduce(self) -> bool:
+        """R: the stage's data-parallel gradient reduction (neither compute nor an edge transfer)."""
+        return self is ActionKind.R
 
     @property
     def direction(self) -> str:
-        """'F' for activations (src->dst), 'B' for gradients (dst->src); '' for compute."""
-        return "" if self.is_compute else self.value[-1]
+        """'F' for activations (src->dst), 'B' for gradients (dst->src); '' otherwise."""
+        return self.value[-1] if self.is_comm else ""
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
-COMM_KINDS = frozenset(k for k in ActionKind if k not in COMPUTE_KINDS)
+COMM_KINDS = frozenset(k for k in ActionKind if k not in COMPUTE_KINDS and k is not ActionKind.R)
 
 _COMM_PREFIX = MappingProxyType({
     ActionKind.SEND_F: "SF", ActionKind.RECV_F: "RF", ActionKind.WAIT_F: "WF",
@@ -227,7 +250,10 @@ class Action:
                     f"{self.kind.value} mb {self.mb} on edge {self.edge} runs on stage "
                     f"{end}, not on stage {self.stage}")
         elif self.edge is not None:
-            raise ScheduleError(f"compute action {self.kind.value}{self.mb} has an edge")
+            raise ScheduleError(f"action {self.kind.value}{self.mb} has an edge (only transfers have one)")
+        if self.kind.is_reduce and self.mb != 0:
+            raise ScheduleError(f"R of stage {self.stage} names microbatch {self.mb}: a stage's gradient "
+                                "reduction covers every microbatch (write R)")
 
     @property
     def peer(self) -> int | None:
@@ -244,6 +270,8 @@ class Action:
     def text(self, with_stage: bool = False) -> str:
         """The text form; ``with_stage`` appends ``@stage`` (programs holding several stages)."""
         at = f"@{self.stage}" if with_stage else ""
+        if self.kind.is_reduce:
+            return f"R{at}"
         if self.kind.is_compute:
             return f"{self.kind.value}{self.mb}{at}"
         arrow = "->" if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "<-"
@@ -255,19 +283,23 @@ class Action:
 
 
 _COMPUTE_RE = re.compile(r"([FBIW])(\d+)(?:@(\d+))?")
+_REDUCE_RE = re.compile(r"R(?:@(\d+))?")
 _COMM_RE = re.compile(r"([SRW][FB])(\d+)(->|<-)(\d+)(?::(\w+))?(?:@(\d+))?")
 
 
 def parse_action(text: str, stage: int) -> Action:
     """Inverse of `Action.text`: an action executed by `stage` unless the text names one (``F3@4``)."""
     t = text.strip()
+    m = _REDUCE_RE.fullmatch(t)
+    if m:
+        return Action(ActionKind.R, 0, int(m[1]) if m[1] else stage)
     m = _COMPUTE_RE.fullmatch(t)
     if m:
         return Action(ActionKind(m[1]), int(m[2]), int(m[3]) if m[3] else stage)
     m = _COMM_RE.fullmatch(t)
     if not m:
         raise ScheduleError(f"stage {stage}: cannot parse action {text!r} (expected e.g. "
-                            f"F3, I3, W3, B3, SF3->1, RF3<-0, WF3<-0, SB3->0, RB3<-1, F3@4)")
+                            f"F3, I3, W3, B3, R, SF3->1, RF3<-0, WF3<-0, SB3->0, RB3<-1, F3@4)")
     kind = _PREFIX_COMM[m[1]]
     arrow_ok = (m[3] == "->") == (kind in (ActionKind.SEND_F, ActionKind.SEND_B))
     if not arrow_ok:
@@ -341,7 +373,7 @@ class Schedule:
         return any(a.kind.is_comm for acts in self.actions for a in acts)
 
     def compute_only(self) -> "Schedule":
-        """The schedule with every comm action removed (undoes `lower`)."""
+        """The schedule with every comm and R action removed (undoes `lower` and `insert_grad_reduce`)."""
         return Schedule(self.graph, self.num_microbatches,
                         [[a for a in acts if a.kind.is_compute] for acts in self.actions],
                         self.name, self.placement)
@@ -406,7 +438,7 @@ class Schedule:
         meshes = (max(placement) + 1) if placement else graph.num_stages
         if set(rows) != set(range(meshes)):
             raise ScheduleError(f"expected lines for programs 0..{meshes - 1}, got {sorted(rows)}")
-        acts = [[parse_action(t, k) for t in rows[k]] for k in range(meshes)]
+        acts = [[_parse_at(t, k, i) for i, t in enumerate(rows[k])] for k in range(meshes)]
         return cls(graph, header[1], acts, name, placement)
 
     def to_csv(self) -> str:
@@ -420,8 +452,13 @@ class Schedule:
 
     @classmethod
     def from_csv(cls, text: str) -> "Schedule":
+        """Inverse of `to_csv`. The ``#`` header rows may be left out of a hand-written file: then the
+        stages are the rows (or the ``#placement`` row's length) and the microbatches the largest
+        microbatch named + 1."""
         out = []
         virtual = False
+        if not any(line.strip().startswith("#stages") for line in text.splitlines()):
+            text = _csv_header(text) + text
         for line in text.splitlines():
             cells = [c.strip() for c in line.split(",")]
             if not cells or cells == [""]:
@@ -449,6 +486,38 @@ class Schedule:
         p = Path(path)
         text = p.read_text()
         return cls.from_csv(text) if p.suffix == ".csv" else cls.loads(text)
+
+
+def _parse_at(text: str, mesh: int, index: int) -> Action:
+    """`parse_action` for the `index`-th cell of mesh `mesh`'s program; errors say where."""
+    try:
+        return parse_action(text, mesh)
+    except ScheduleError as e:
+        why = str(e).split(": ", 1)[1] if str(e).startswith(f"stage {mesh}: ") else str(e)
+        raise ScheduleError(f"mesh {mesh} action {index} {text!r}: {why}", mesh=mesh, index=index, action=text,
+                            why=why) from None
+
+
+def _csv_header(text: str) -> str:
+    """The ``#stages`` row of a CSV schedule written without one (see `Schedule.from_csv`)."""
+    rows, placement, top = 0, None, -1
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if not cells or cells == [""]:
+            continue
+        if cells[0] == "#placement":
+            placement = [c for c in cells[1:] if c]
+        if cells[0].startswith("#"):
+            continue
+        rows += 1
+        for c in cells[1:]:
+            m = re.match(r"[A-Z]+(\d+)", c)
+            if m and not c.startswith("R@") and c != "R":
+                top = max(top, int(m[1]))
+    stages = len(placement) if placement else rows
+    if top < 0:
+        raise ScheduleError("CSV schedule: no action names a microbatch (and there is no #stages row)")
+    return f"#stages,{stages},microbatches,{top + 1}\n"
 
 
 def actions_of(schedule: Schedule, kinds: Iterable[ActionKind]) -> list[list[Action]]:

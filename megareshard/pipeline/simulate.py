@@ -19,6 +19,11 @@ Model (deliberately simple, so that the numbers can be checked by hand):
   other, as on a real NIC (the U-Transformer's last stage receives three per
   microbatch). ``costs.recv_nic=False`` leaves the receive channel out (receiving is
   free), for comparison.
+* R (a stage's data-parallel gradient reduction, `grad_reduce.py`) holds its mesh's program for
+  ``costs.reduce`` of its stage — 0 by default: R only launches an asynchronous reduction, which
+  then runs beside the program (the model counts no NIC for it). Give it the DP all-reduce time
+  to model a reduction that is not overlapped at all (the pessimistic bound). Its intervals are
+  `Timeline.reduce`; they count in the makespan, not as compute.
 * Bubble fraction = 1 - (sum of compute busy time) / (num_stages x makespan).
 * Live activations: the activation of mb on stage s is live from the start of F(mb)
   until the end of B(mb), or with delayed weight gradients until the end of W(mb),
@@ -58,7 +63,8 @@ class Costs:
     edge, or a mapping keyed by `Edge` or its text (``"0->1"``, ``"0->3:skip"``) with an
     optional ``"*"`` default. `rendezvous`: a transfer also waits for the receiver's
     RECV. `recv_nic`: a transfer also holds the receiving stage's NIC (default; False:
-    only the sender's NIC is a bottleneck).
+    only the sender's NIC is a bottleneck). `reduce`: how long an R action holds its mesh's
+    program (default 0: the reduction is launched and overlaps; the DP all-reduce time: it does not).
     """
 
     f: PerStage = 1.0
@@ -68,6 +74,7 @@ class Costs:
     comm: float | Mapping[Any, float] = 0.0
     rendezvous: bool = False
     recv_nic: bool = True
+    reduce: PerStage = 0.0
 
     def compute(self, kind: ActionKind, stage: int) -> float:
         if kind == _K.F:
@@ -121,11 +128,14 @@ class Timeline:
     compute: list[list[Interval]]
     comm: list[CommInterval] = field(default_factory=list)
     name: str = ""
+    reduce: list[Interval] = field(default_factory=list)  # R actions (gradient reductions), per mesh row order
 
     @property
     def makespan(self) -> float:
-        ends = [iv.end for row in self.compute for iv in row] + [c.end for c in self.comm]
-        starts = [iv.start for row in self.compute for iv in row] + [c.start for c in self.comm]
+        ends = ([iv.end for row in self.compute for iv in row] + [c.end for c in self.comm]
+                + [r.end for r in self.reduce])
+        starts = ([iv.start for row in self.compute for iv in row] + [c.start for c in self.comm]
+                  + [r.start for r in self.reduce])
         return (max(ends) - min(starts)) if ends else 0.0
 
     def busy(self, stage: int) -> float:
@@ -174,22 +184,34 @@ class Timeline:
             for s, row in enumerate(self.compute) for iv in row]
         out += [{"stage": c.sender, "kind": "SEND_" + c.direction, "mb": c.mb, "start": c.start,
                  "end": c.end, "edge": str(c.edge), "peer": c.receiver} for c in self.comm]
+        out += [{"stage": self._row_of(r.action.stage), "kind": "R", "mb": 0, "start": r.start, "end": r.end,
+                 "vstage": r.action.stage} for r in self.reduce]
         return out
+
+    def _row_of(self, stage: int) -> int:
+        for s, row in enumerate(self.compute):
+            if any(iv.action.stage == stage for iv in row):
+                return s
+        return stage
 
     @classmethod
     def from_trace(cls, records: Iterable[Mapping[str, Any]], name: str = "") -> "Timeline":
         """Build a timeline from a measured trace (compute kinds F/B/I/W; SEND_F/SEND_B
-        records with optional 'edge' text and 'peer' become transfers; others ignored)."""
-        recs = list(records)
+        records with optional 'edge' text and 'peer' become transfers; R records reductions; others, such
+        as the MEMORY records of `--pipeline-trace`, are ignored)."""
+        recs = [r for r in records if str(r.get("kind")) in ("F", "B", "I", "W", "SEND_F", "SEND_B", "R")]
         if not recs:
             raise ScheduleError("empty trace")
         P = 1 + max(int(r["stage"]) for r in recs)
         compute: list[list[Interval]] = [[] for _ in range(P)]
         comm: list[CommInterval] = []
+        reduce: list[Interval] = []
         for r in recs:
             s, kind, mb = int(r["stage"]), str(r["kind"]), int(r["mb"])
             t0, t1 = float(r["start"]), float(r["end"])
-            if kind in ("F", "B", "I", "W"):
+            if kind == "R":
+                reduce.append(Interval(t0, t1, Action(_K.R, 0, int(r.get("vstage", s)))))
+            elif kind in ("F", "B", "I", "W"):
                 compute[s].append(Interval(t0, t1, Action(_K(kind), mb, int(r.get("vstage", s)))))
             elif kind in ("SEND_F", "SEND_B"):
                 d = kind[-1]
@@ -204,7 +226,7 @@ class Timeline:
                 comm.append(CommInterval(t0, t1, edge, d, mb, s, peer))
         for row in compute:
             row.sort(key=lambda iv: iv.start)
-        return cls(P, compute, comm, name)
+        return cls(P, compute, comm, name, reduce)
 
 
 def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
@@ -227,6 +249,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
     pc = [0] * P
     compute: list[list[Interval]] = [[] for _ in range(P)]
     comm: list[CommInterval] = []
+    reduce: list[Interval] = []
     sent: dict[tuple, float] = {}
     posted: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}
@@ -271,6 +294,14 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
     def run(s: int, t: float) -> None:
         while pc[s] < len(acts[s]):
             a = acts[s][pc[s]]
+            if a.kind.is_reduce:
+                end = t + _per_stage(costs.reduce, a.stage, "reduce")
+                reduce.append(Interval(t, end, a))
+                pc[s] += 1
+                if end > t:
+                    push(end, 2, "run", s)
+                    return
+                continue
             if a.kind.is_compute:
                 end = t + costs.compute(a.kind, a.stage)
                 compute[s].append(Interval(t, end, a))
@@ -313,4 +344,4 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         raise ScheduleError("simulate: deadlock; " + "; ".join(
             f"program {s} step {pc[s]}: {acts[s][pc[s]].text(True)}" for s in stuck)
             + " (run validate() for a full report)")
-    return Timeline(P, compute, comm, schedule.name)
+    return Timeline(P, compute, comm, schedule.name, reduce)

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arguments import Config, ConfigError
+from ..arguments import Config, ConfigError, virtual_stages_per_rank
 from ..parallel import ParallelContext, Topology
 from ..resharding import Mesh, ShardingSpec
-from .generators import RUNTIME_SCHEDULES, SCHEDULES
+from .generators import REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, placement_of
 from .meshes import stage_mesh, stage_tp_dp
 from .schedule import PipelineGraph
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
-           "check_pipeline_config", "build_stage_model", "hidden_global_shape"]
+           "check_pipeline_config", "build_stage_model", "hidden_global_shape", "virtual_stages", "stage_placement"]
 
 _EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 
@@ -54,16 +54,19 @@ class StageLayout:
                 f"(ranks {list(self.mesh.flat_ranks)}), hidden {self.hidden_spec}")
 
 
-def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None) -> list[tuple[int, int]]:
+def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None,
+                 what: str | None = None) -> list[tuple[int, int]]:
     """Global layer ranges per stage: ``--num-layers-per-stage`` (comma list) or an even split.
 
     Every stage needs at least one layer: a stage without layers would still pay a full
-    resharding in and out for nothing.
+    resharding in and out for nothing. ``what`` names the stage count in messages (default
+    ``--pipeline-model-parallel-size N``; virtual stages: ``pp P × V virtual stages``).
     """
+    what = what or f"--pipeline-model-parallel-size {num_stages}"
     if num_stages < 1:
         raise ConfigError(f"--pipeline-model-parallel-size must be at least 1, got {num_stages}")
     if num_stages > num_layers:
-        raise ConfigError(f"--pipeline-model-parallel-size {num_stages} exceeds --num-layers {num_layers}: "
+        raise ConfigError(f"{what} exceeds --num-layers {num_layers}: "
                           "every pipeline stage needs at least one Transformer layer")
     if per_stage is not None:
         try:
@@ -77,8 +80,8 @@ def split_layers(num_layers: int, num_stages: int, per_stage: str | None = None)
                               f"numbers summing to {sum(counts)})")
     else:
         if num_layers % num_stages:
-            raise ConfigError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
-                              f"{num_stages}; give --num-layers-per-stage for an uneven split")
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by {what}; give "
+                              "--num-layers-per-stage for an uneven split")
         counts = [num_layers // num_stages] * num_stages
     ranges, start = [], 0
     for c in counts:
@@ -101,17 +104,35 @@ def hidden_global_shape(cfg: Config, dp: int) -> tuple[int, int, int]:
     return (cfg.model.seq_length, cfg.training.micro_batch_size * dp, cfg.model.hidden_size)
 
 
+def virtual_stages(cfg: Config) -> int:
+    """Stages per pipeline rank: 1, or the virtual stages the arguments resolved (zbv: 2)."""
+    return virtual_stages_per_rank(cfg)
+
+
+def stage_placement(cfg: Config, pp: int) -> tuple[int, ...]:
+    """The mesh (pp rank) of every stage: stage s on mesh s, or the schedule's virtual placement —
+    Megatron-LM's interleaving puts virtual stage ``v·P + p`` on mesh p; zbv the V shape."""
+    v = virtual_stages(cfg)
+    return tuple(range(pp)) if v == 1 else placement_of(cfg.pipeline.pipeline_schedule, pp, v)
+
+
 def stage_layouts(cfg: Config, topology: Topology) -> list[StageLayout]:
     """Layout of every stage (the same on every rank: the runtime builds edges from it).
 
     Per-stage layouts: each stage's mesh has its own shape and its hidden spec its own
-    sequence-parallel choice (``S1`` only where that stage's tp > 1).
+    sequence-parallel choice (``S1`` only where that stage's tp > 1). With virtual stages there are
+    ``pp × V`` stages in model order, each on the mesh `stage_placement` gives it.
     """
-    ranges = split_layers(cfg.model.num_layers, topology.pp, cfg.pipeline.num_layers_per_stage)
+    v = virtual_stages(cfg)
+    n = topology.pp * v
+    what = None if v == 1 else f"pp {topology.pp} × {v} virtual stages = {n} stages"
+    ranges = split_layers(cfg.model.num_layers, n, cfg.pipeline.num_layers_per_stage, what)
+    place = stage_placement(cfg, topology.pp)
     out = []
-    for i in range(topology.pp):
-        sp = cfg.parallel.sequence_parallel and stage_tp_dp(topology, i)[0] > 1
-        out.append(StageLayout(i, ranges[i], stage_mesh(topology, i), hidden_spec(sp)))
+    for i in range(n):
+        p = place[i]
+        sp = cfg.parallel.sequence_parallel and stage_tp_dp(topology, p)[0] > 1
+        out.append(StageLayout(i, ranges[i], stage_mesh(topology, p), hidden_spec(sp)))
     return out
 
 
@@ -126,15 +147,16 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"unknown --pipeline-schedule {pl.pipeline_schedule!r}; available: "
                           f"{', '.join(RUNTIME_SCHEDULES)}")
     if pl.pipeline_schedule not in RUNTIME_SCHEDULES:
-        raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule} needs several stages per rank (virtual "
-                          "stages), which the runtime does not run yet (tools/plot_schedule.py and the simulator "
-                          f"do); runnable: {', '.join(RUNTIME_SCHEDULES)}")
+        raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule} is not run by the runtime (tools/plot_schedule.py "
+                          f"and the simulator draw it); runnable: {', '.join(RUNTIME_SCHEDULES)}")
     if pl.reshard_strategy not in _EXECUTABLE_STRATEGIES:
         raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
                           f"{', '.join(_EXECUTABLE_STRATEGIES)}")
     if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
-    split_layers(cfg.model.num_layers, pp, pl.num_layers_per_stage)
+    v = virtual_stages(cfg)
+    split_layers(cfg.model.num_layers, pp * v, pl.num_layers_per_stage,
+                 None if v == 1 else f"pp {pp} × {v} virtual stages = {pp * v} stages")
     if not cfg.parallel.stage_layouts and world_size % (cfg.tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tp {cfg.tp} × pp {pp}")
     dp = cfg.dp(world_size)
@@ -142,6 +164,10 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
                           f"{t.micro_batch_size} × dp {dp}")
     m = t.global_batch_size // (t.micro_batch_size * dp)
+    if REGISTRY[pl.pipeline_schedule].microbatch_multiple_of_pp and m % pp:
+        raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule}: {m} microbatches are not a multiple of "
+                          f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the chunks "
+                          "in groups of pp")
     if pp > 1 and m < pp:
         warnings.warn(f"{m} microbatch(es) for {pp} pipeline stages: the bubble is at least "
                       f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
@@ -153,7 +179,7 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
 
 
 def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *, seed: int,
-                      device: torch.device, **model_kwargs):
+                      device: torch.device, num_stages: int | None = None, **model_kwargs):
     """This rank's part of the GPT: its layers, the embedding on the first stage, the head on the last.
 
     A last stage without the embedding holds its own copy of the tied word embedding
@@ -161,11 +187,12 @@ def build_stage_model(cfg: Config, ctx: ParallelContext, layout: StageLayout, *,
     ``shared_embedding_duplicate`` so the gradient norm counts the pair once, and the
     trainer all-reduces the two copies' gradients over ``ctx.embedding_group`` (nothing to
     tie with ``--untie-embeddings-and-output-weights``).
-    ``model_kwargs`` (dtype, recomputation) go to ``GPTModel`` unchanged.
+    ``model_kwargs`` (dtype, recomputation, shared RNG streams) go to ``GPTModel`` unchanged.
+    ``num_stages``: all stages of the graph (default pp; ``pp × V`` with virtual stages).
     """
     from ..models.gpt import GPTModel
 
-    first, last = layout.stage == 0, layout.stage == ctx.pp_size - 1
+    first, last = layout.stage == 0, layout.stage == (num_stages or ctx.pp_size) - 1
     model = GPTModel(cfg.model, ctx, sequence_parallel=cfg.parallel.sequence_parallel and ctx.tp_size > 1,
                      seed=seed, pre_process=first, post_process=last, layer_range=layout.layer_range,
                      device=device, **model_kwargs)

@@ -39,6 +39,12 @@ def _where(s: int, i: int, a: Action) -> str:
     return f"stage {s} step {i}: {a}" if a.stage == s else f"mesh {s} step {i}: {a.text(True)}"
 
 
+def _err(s: int, i: int, a: Action, rest: str, why: str | None = None) -> ScheduleError:
+    """``ScheduleError(_where(...) + rest)`` that also carries the location (mesh, index, action text, why)."""
+    why = why if why is not None else rest.lstrip(":").strip()
+    return ScheduleError(f"{_where(s, i, a)}{rest}", mesh=s, index=i, action=a.text(True), why=why)
+
+
 def _check_shape(schedule: Schedule, graph: PipelineGraph) -> None:
     m = schedule.num_microbatches
     edges = set(graph.edges)
@@ -46,12 +52,11 @@ def _check_shape(schedule: Schedule, graph: PipelineGraph) -> None:
         for i, a in enumerate(acts):
             if not 0 <= a.stage < graph.num_stages or schedule.mesh_of(a.stage) != s:
                 where = "no stage" if not 0 <= a.stage < graph.num_stages else f"mesh {schedule.mesh_of(a.stage)}"
-                raise ScheduleError(f"{_where(s, i, a)} belongs to stage {a.stage} ({where}), not to mesh {s}")
+                raise _err(s, i, a, f" belongs to stage {a.stage} ({where}), not to mesh {s}")
             if a.mb >= m:
-                raise ScheduleError(f"{_where(s, i, a)}: microbatch {a.mb} out of range "
-                                    f"(num_microbatches={m})")
+                raise _err(s, i, a, f": microbatch {a.mb} out of range (num_microbatches={m})")
             if a.edge is not None and a.edge not in edges:
-                raise ScheduleError(f"{_where(s, i, a)}: edge {a.edge} is not in the graph")
+                raise _err(s, i, a, f": edge {a.edge} is not in the graph")
 
 
 def _check_compute(schedule: Schedule) -> None:
@@ -64,16 +69,18 @@ def _check_compute(schedule: Schedule) -> None:
                 continue
             key = (a.kind, a.stage, a.mb)
             if key in first:
-                raise ScheduleError(f"{_where(s, i, a)}: duplicate {_txt(s, a)} (first at step {first[key][1]})")
+                raise _err(s, i, a, f": duplicate {_txt(s, a)} (first at step {first[key][1]})")
             first[key] = (s, i)
             need = {_K.B: _K.F, _K.I: _K.F, _K.W: _K.I}.get(a.kind)
             if need is not None and (need, a.stage, a.mb) not in first:
                 what = "W before I" if a.kind == _K.W else f"{a.kind.value} before F"
-                raise ScheduleError(f"{_where(s, i, a)} before its {need.value}{a.mb} "
-                                    f"({what} of the same microbatch)")
+                why = ("weight gradient before its input gradient" if a.kind == _K.W
+                       else "backward before its forward")
+                raise _err(s, i, a, f" before its {need.value}{a.mb} ({what} of the same microbatch)",
+                           f"{why} ({need.value}{a.mb}@{a.stage} is not earlier)")
             if a.kind in (_K.B, _K.I) and any(
                     (k, a.stage, a.mb) in first for k in (_K.B, _K.I) if k != a.kind):
-                raise ScheduleError(f"{_where(s, i, a)}: microbatch {a.mb} has both B and I")
+                raise _err(s, i, a, f": microbatch {a.mb} has both B and I")
     for st in range(schedule.num_stages):
         for mb in range(m):
             if (_K.F, st, mb) not in first:
@@ -102,21 +109,23 @@ def _check_comm(schedule: Schedule, graph: PipelineGraph) -> None:
                     wk = (_K.WAIT_F if d == "F" else _K.WAIT_B, e, a.mb)
                     if wk not in seen:
                         w = Action(wk[0], a.mb, a.stage, e)
-                        raise ScheduleError(f"{_where(s, i, a)} needs {w} before it")
+                        raise _err(s, i, a, f" needs {w} before it")
                 computed.add((a.kind, a.stage, a.mb))
+                continue
+            if a.kind.is_reduce:
                 continue
             key = (a.kind, a.edge, a.mb)
             if key in seen:
-                raise ScheduleError(f"{_where(s, i, a)}: duplicate {a} (first at step {seen[key]})")
+                raise _err(s, i, a, f": duplicate {a} (first at step {seen[key]})")
             if a.edge in local:
-                raise ScheduleError(f"{_where(s, i, a)}: edge {a.edge} joins two stages of mesh {s}: a local "
-                                    "hand-off has no communication")
+                raise _err(s, i, a, f": edge {a.edge} joins two stages of mesh {s}: a local "
+                           "hand-off has no communication")
             seen[key] = i
             d = a.kind.direction
             if a.kind in _SENDS:
                 producers = (_K.F,) if d == "F" else (_K.B, _K.I)
                 if not any((k, a.stage, a.mb) in computed for k in producers):
-                    raise ScheduleError(f"{_where(s, i, a)} before the compute that produces it")
+                    raise _err(s, i, a, " before the compute that produces it")
                 send_seq[(a.edge, d)].append(a.mb)
             elif a.kind in _RECVS:
                 recv_seq[(a.edge, d)].append(a.mb)
@@ -124,7 +133,7 @@ def _check_comm(schedule: Schedule, graph: PipelineGraph) -> None:
                 rk = (_K.RECV_F if d == "F" else _K.RECV_B, a.edge, a.mb)
                 if rk not in seen:
                     r = Action(rk[0], a.mb, a.stage, a.edge)
-                    raise ScheduleError(f"{_where(s, i, a)} without an earlier {r}")
+                    raise _err(s, i, a, f" without an earlier {r}")
         # Every produced tensor sent; every posted receive waited; no stray waits.
         for (kind, st, mb) in computed:
             for e, d in _produces(Action(kind, mb, st), graph, local):
@@ -136,12 +145,12 @@ def _check_comm(schedule: Schedule, graph: PipelineGraph) -> None:
             if kind in _RECVS:
                 wk = (_K.WAIT_F if kind == _K.RECV_F else _K.WAIT_B, e, mb)
                 if wk not in seen:
-                    raise ScheduleError(f"{_where(s, i, acts[i])} is never waited for")
+                    raise _err(s, i, acts[i], " is never waited for")
             if kind in _WAITS:
                 consumer = (_K.F,) if kind == _K.WAIT_F else (_K.B, _K.I)
                 me = acts[i].stage
                 if not any((k, me, mb) in computed for k in consumer):
-                    raise ScheduleError(f"{_where(s, i, acts[i])}: no compute consumes it")
+                    raise _err(s, i, acts[i], ": no compute consumes it")
     for key in set(send_seq) | set(recv_seq):
         e, d = key
         snd, rcv = send_seq.get(key, []), recv_seq.get(key, [])
@@ -166,13 +175,38 @@ def _check_local(schedule: Schedule) -> None:
                 continue
             for e in local:
                 if a.kind == _K.F and e.dst == a.stage and (_K.F, e.src, a.mb) not in computed:
-                    raise ScheduleError(f"{_where(s, i, a)} before F{a.mb}@{e.src}, the local producer "
-                                        f"of edge {e}")
+                    raise _err(s, i, a, f" before F{a.mb}@{e.src}, the local producer of edge {e}")
                 if a.kind in (_K.B, _K.I) and e.src == a.stage and not any(
                         (k, e.dst, a.mb) in computed for k in (_K.B, _K.I)):
-                    raise ScheduleError(f"{_where(s, i, a)} before B/I{a.mb}@{e.dst}, the local producer "
-                                        f"of edge {e}'s gradient")
+                    raise _err(s, i, a, f" before B/I{a.mb}@{e.dst}, the local producer of edge {e}'s gradient")
             computed.add((a.kind, a.stage, a.mb))
+
+
+def _check_reduce(schedule: Schedule) -> None:
+    """R (a stage's data-parallel gradient reduction): none at all, or exactly one per stage, after every
+    backward (B, I and W) of that stage in its program — the reduction reads the finished gradients."""
+    where: dict[int, tuple[int, int, Action]] = {}
+    last_bwd: dict[int, tuple[int, Action]] = {}
+    for s, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if a.kind.is_reduce:
+                if a.stage in where:
+                    raise _err(s, i, a, f": a second R of stage {a.stage} (first at step {where[a.stage][1]})",
+                               f"stage {a.stage} reduces its gradients twice (first at action {where[a.stage][1]})")
+                where[a.stage] = (s, i, a)
+            elif a.kind in (_K.B, _K.I, _K.W):
+                if a.stage in where:
+                    rs, ri, ra = where[a.stage]
+                    raise _err(rs, ri, ra, f" before {_txt(rs, a)} (step {i}): the gradient reduction must "
+                               "follow the stage's last backward",
+                               f"gradient reduction before the stage's last backward ({a.text(True)} at "
+                               f"action {i})")
+                last_bwd[a.stage] = (i, a)
+    if where:
+        missing = [st for st in range(schedule.num_stages) if st not in where]
+        if missing:
+            raise ScheduleError(f"stage(s) {missing} have no R while stage(s) {sorted(where)} do: with R actions "
+                                "every stage reduces its gradients through one")
 
 
 def _check_channels(schedule: Schedule) -> None:
@@ -264,8 +298,11 @@ def _check_deadlock(schedule: Schedule, graph: PipelineGraph, rendezvous: bool) 
         finished = sorted(set(range(schedule.num_meshes)) - {s for s, _, _, _ in stuck})
         tail = f"\n  (finished: programs {finished})" if finished else ""
         mode = "rendezvous sends" if rendezvous else "non-blocking sends"
+        s0, i0, a0, why0 = stuck[0]
+        others = "; ".join(f"mesh {s} action {i} {a.text(True)!r} waits for {why}" for s, i, a, why in stuck[1:])
         raise ScheduleError(f"deadlock ({mode}): no program can make progress\n"
-                            + "\n".join(lines) + tail)
+                            + "\n".join(lines) + tail, mesh=s0, index=i0, action=a0.text(True),
+                            why=f"deadlock: waits for {why0}" + (f" (and {others})" if others else ""))
 
 
 def validate(schedule: Schedule, graph: PipelineGraph | None = None,
@@ -278,6 +315,7 @@ def validate(schedule: Schedule, graph: PipelineGraph | None = None,
     _check_shape(schedule, graph)
     _check_compute(schedule)
     _check_local(schedule)
+    _check_reduce(schedule)
     if schedule.is_lowered:
         _check_comm(schedule, graph)
     _check_deadlock(schedule, graph, rendezvous)

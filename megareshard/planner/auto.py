@@ -3,18 +3,24 @@ sequence parallelism, recomputation and ZeRO, before anything is validated or bu
 
 The model comes from the model flags, the cluster from the launch (world size, processes per
 host) and the device (its memory), plus the ``--auto-layout-*`` flags for what cannot be
-measured at start-up (FLOP/s, network). Planning is pure and deterministic, so every rank
-chooses the same layout without communicating. Degrees given by hand are refused next to
-``--auto-layout`` rather than silently overridden.
+measured at start-up (FLOP/s, network), or ``--auto-layout-cluster FILE``: the cluster JSON that
+``tools/calibrate_cluster.py`` measured. Only schedules the pipeline runtime executes when it runs
+(``REGISTRY[name].runtime``) are applied; the start-up line names the others. Planning is pure and
+deterministic, so every rank chooses the same layout without communicating. Degrees given by hand are
+refused next to ``--auto-layout`` rather than silently overridden.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from ..config_fields import ConfigError
 from .costs import ClusterSpec, ModelShape
+from ..pipeline.generators import REGISTRY
+from .calibration import load_cluster
 from .search import PlanError, plan_layouts
+from .variants import runtime_schedules
 
 __all__ = ["apply_auto_layout", "device_memory_gib"]
 
@@ -49,24 +55,60 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
                        ffn_hidden_size=m.ffn_hidden_size,
                        num_query_groups=m.num_query_groups if m.group_query_attention else None, swiglu=m.swiglu,
                        untied=m.untie_embeddings_and_output_weights,
-                       learned_positions=m.position_embedding_type == "learned_absolute")
-    memory = p.auto_layout_device_memory_gib or device_memory_gib(nproc)
-    cluster = ClusterSpec(world_size // nproc, nproc, memory, p.auto_layout_device_tflops,
-                          nic_gbps=p.auto_layout_nic_gbps, intra_gbps=p.auto_layout_intra_gbps)
+                       learned_positions=m.position_embedding_type == "learned_absolute",
+                       dtype_bytes=2 if (mem.bf16 or mem.fp16) else 4)
+    if p.auto_layout_cluster:
+        clash = [f for f, v, default in (("--auto-layout-device-tflops", p.auto_layout_device_tflops, 989.0),
+                                         ("--auto-layout-nic-gbps", p.auto_layout_nic_gbps, 100.0),
+                                         ("--auto-layout-intra-gbps", p.auto_layout_intra_gbps, 3600.0))
+                 if v != default]
+        if clash:
+            raise ConfigError(f"--auto-layout-cluster {p.auto_layout_cluster} gives the measured speeds; drop "
+                              f"{', '.join(clash)}")
+        try:
+            cluster = load_cluster(p.auto_layout_cluster, hosts=world_size // nproc, devices_per_host=nproc)
+        except ValueError as e:
+            raise ConfigError(f"--auto-layout-cluster: {e}") from None
+        memory = p.auto_layout_device_memory_gib or cluster.device_memory_gib
+        cluster = dataclasses.replace(cluster, device_memory_gib=memory)
+        source = f"measured cluster {p.auto_layout_cluster}"
+    else:
+        memory = p.auto_layout_device_memory_gib or device_memory_gib(nproc)
+        cluster = ClusterSpec(world_size // nproc, nproc, memory, p.auto_layout_device_tflops,
+                              nic_gbps=p.auto_layout_nic_gbps, intra_gbps=p.auto_layout_intra_gbps)
+        source = "--auto-layout-* flags"
+    # only what the runtime executes now; virtual-stage kinds also need the config to carry their V
+    holder = next(((o, f) for o in (pl, p) for f in ("num_layers_per_virtual_pipeline_stage",
+                                                     "num_virtual_stages_per_pipeline_rank") if hasattr(o, f)), None)
+    names = [n for n in runtime_schedules() if REGISTRY[n].stages_per_mesh is not None or holder]
+    skipped = [n for n in REGISTRY if n not in names]
     stats: dict[str, int] = {}
     mbs = [b for b in (1, 2, 4, 8, 16) if t.global_batch_size % b == 0]
     try:
-        best = plan_layouts(model, cluster, t.global_batch_size, micro_batches=mbs,
-                            stats=stats)[0]
+        best = plan_layouts(model, cluster, t.global_batch_size, micro_batches=mbs, schedules=names,
+                            runtime_only=True, stats=stats)[0]
     except PlanError as e:
         raise ConfigError(f"--auto-layout: {e}") from None
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = best.tp, best.pp
-    p.sequence_parallel, p.rank_order = best.sequence_parallel, best.order
+    if best.stage_layouts:
+        p.stage_layouts = best.stage_layouts
+        p.tensor_model_parallel_size = 1
+    else:
+        p.tensor_model_parallel_size, p.rank_order = best.tp, best.order
+    p.pipeline_model_parallel_size = best.pp
+    p.sequence_parallel = best.sequence_parallel
+    pl.num_layers_per_stage = ",".join(map(str, best.layers_per_stage)) if best.layers_per_stage else None
+    if best.virtual_stages > 1 and REGISTRY[best.schedule].stages_per_mesh is None and holder:
+        obj, name = holder  # Megatron's flag for V: layers per virtual stage, or virtual stages per rank
+        setattr(obj, name, m.num_layers // (best.pp * best.virtual_stages) if name.startswith("num_layers")
+                else best.virtual_stages)
     t.micro_batch_size = best.micro_batch
-    pl.pipeline_schedule, pl.delay_wgrad_compute, pl.reshard_strategy = best.schedule, best.delay_wgrad, best.strategy
+    pl.pipeline_schedule, pl.reshard_strategy = best.schedule, best.strategy
+    pl.delay_wgrad_compute = best.delay_wgrad and not REGISTRY[best.schedule].zero_bubble
     mem.zero_stage = best.zero
     if best.recompute:
         mem.recompute_granularity = "full"
     return (f"auto layout: {best.name} — predicted {best.step_s:.3g} s/step on {cluster.hosts} host(s) × {nproc}, "
-            f"{memory:.1f} GiB per device ({stats['enumerated']} candidates, {stats['pruned_memory']} pruned by "
-            f"memory, {stats['simulated']} pipelines simulated); same as: {best.flags()}")
+            f"{memory:.1f} GiB per device, from {source} ({stats['enumerated']} candidates, {stats['pruned_memory']} "
+            f"pruned by memory, {stats['simulated']} pipelines simulated; schedules applied: {', '.join(names)}"
+            f"{'; not applied (the runtime does not execute them yet): ' + ', '.join(skipped) if skipped else ''})"
+            f"; same as: {best.flags(m.num_layers)}")

@@ -5,7 +5,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * forward GEMM FLOPs of one Transformer layer: ``2·b·s·h·(h + 2·kv)`` (q, k, v), ``2·b·s·h²``
   (output projection), ``4·b·s²·h`` (scores and their product with V, counted non-causal as
   Megatron does), and the MLP ``2·b·s·h·f`` per matrix (2 matrices, 3 with SwiGLU); the
-  logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (input and weight
+  logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (``ClusterSpec.backward_factor``, measured by
+  the calibration) (input and weight
   gradients one forward each); full recomputation adds a forward to the backward. Divided by
   tp and by the device's achieved FLOP/s.
 * tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter with sequence
@@ -14,6 +15,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
   all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` per rank; a host's NIC carries
   it for every rank of the host whose dp ring leaves the host.
+* the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
+  seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
   moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2 —;
   activations per layer and microbatch ``34·s·b·h/tp`` bytes with sequence parallelism and
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from ..resharding.network import NetworkModel
 
-__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params"]
+__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class ModelShape:
     """Separate output layer instead of the tied word embedding."""
     learned_positions: bool = True
     """Learned absolute position embeddings (False: rotary or none)."""
+    dtype_bytes: int = 2
+    """Bytes of a weight or activation element in compute: 2 (bf16/fp16, fp32 master weights kept by the
+    optimizer) or 4 (fp32 training: no separate master copy)."""
 
     @property
     def ffn(self) -> int:
@@ -89,6 +95,11 @@ class ClusterSpec:
     """Intra-host link bandwidth per device, Gbit/s (NVLink 4: 450 GB/s)."""
     memory_reserve: float = 0.1
     """Share of device memory kept free (allocator fragmentation, workspaces, communicators)."""
+    backward_factor: float = 2.0
+    """A layer's backward time over its forward time (2: two GEMMs per forward GEMM; calibration measures it)."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of one optimizer step per parameter a device updates (calibration measures it; 0 leaves the
+    step out, as on GPUs where it is small next to the pipeline)."""
 
     @property
     def world(self) -> int:
@@ -114,6 +125,13 @@ class ClusterSpec:
     @property
     def memory_bytes(self) -> float:
         return self.device_memory_gib * 2**30 * (1 - self.memory_reserve)
+
+
+def layer_flops(m: ModelShape, micro_batch: int) -> int:
+    """Forward GEMM FLOPs of one Transformer layer for one microbatch (the module docstring's terms)."""
+    b, s, h = micro_batch, m.seq_length, m.hidden_size
+    return (2 * b * s * h * (h + 2 * m.kv) + 2 * b * s * h * h + 4 * b * s * s * h
+            + 2 * b * s * h * m.ffn * (3 if m.swiglu else 2))
 
 
 def layer_params(m: ModelShape) -> int:
@@ -146,6 +164,8 @@ class StageCosts:
     """The stage's gradient reduction per step (ring over dp, on the slowest link it crosses)."""
     dp_nic_bytes: int
     """Bytes the reduction moves through each NIC it crosses (per direction)."""
+    optimizer_s: float = 0.0
+    """The optimizer step of the parameters one device updates (its ZeRO shard)."""
 
 
 def _ring(n: int, nbytes: float) -> float:
@@ -157,14 +177,13 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
                 dp_crosses_hosts: bool, dp_ranks_per_host: int) -> StageCosts:
     """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term)."""
     b, s, h, V = micro_batch, m.seq_length, m.hidden_size, m.vocab_size
-    layer_fwd = (2 * b * s * h * (h + 2 * m.kv) + 2 * b * s * h * h + 4 * b * s * s * h
-                 + 2 * b * s * h * m.ffn * (3 if m.swiglu else 2))
+    layer_fwd = layer_flops(m, b)
     fwd_flops = layers * layer_fwd + (2 * b * s * h * V if last else 0)
-    act = b * s * h * 2  # bf16 activation of one layer boundary
+    act = b * s * h * m.dtype_bytes  # the activation of one layer boundary
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
     tp_s = layers * tp_bytes_layer / c.intra_Bps
     f = fwd_flops / tp / c.flops + tp_s
-    bwd = 2 * fwd_flops / tp / c.flops + tp_s
+    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s
     if recompute:
         bwd += f
     params = layers * layer_params(m)
@@ -176,13 +195,16 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     per_dev = params // tp
     opt_div = dp if zero >= 1 else 1
     grad_div = dp if zero >= 2 else 1
-    static = 2 * per_dev + 4 * per_dev // grad_div + 12 * per_dev // opt_div
+    # weights in compute precision, fp32 gradients, Adam's two moments (+ fp32 master weights under mixed precision)
+    opt_bytes = 12 if m.dtype_bytes < 4 else 8
+    static = m.dtype_bytes * per_dev + 4 * per_dev // grad_div + opt_bytes * per_dev // opt_div
     if recompute:
         act_mb = layers * (2 * s * b * h // (tp if sequence_parallel else 1))
     elif sequence_parallel:
         act_mb = layers * 34 * s * b * h // tp
     else:
         act_mb = layers * s * b * h * (10 + 24 // tp)
+    act_mb = act_mb * m.dtype_bytes // 2  # Korthikanti et al.'s bytes are for 2-byte activations
     extra = 4 * s * b * V // tp if last else 0
     grads = 4 * per_dev
     ring = _ring(dp, grads)
@@ -194,4 +216,5 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
         dp_s = ring / c.intra_Bps
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
-                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic))
+                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic),
+                      optimizer_s=per_dev / opt_div * c.optimizer_s_per_param)

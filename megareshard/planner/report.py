@@ -30,6 +30,8 @@ def table(rows: Sequence[Candidate], cluster: ClusterSpec) -> str:
         c = g[0]
         name = c.name.replace(c.strategy, "|".join(x.strategy for x in g)) if len(g) > 1 else c.name
         scored = "" if c.breakdown else " (est.)"
+        if not c.runtime:
+            name += " (simulated only)"
         out.append(f"| {i} | {name} | {c.step_s:.3f}{scored} | {c.tokens_per_s:,.0f} | {c.bubble:.2f} | "
                    f"{max(c.memory_gib):.1f} / {cluster.memory_bytes / 2**30:.0f} | {_gb(c.tp_bytes)} | "
                    f"{_gb(c.pp_nic_bytes)} | {_gb(c.dp_nic_bytes)} | {c.bottleneck or '—'} |")
@@ -45,9 +47,13 @@ def draw_layout(c: Candidate, cluster: ClusterSpec, path: str) -> None:
     import matplotlib.pyplot as plt
 
     from ..parallel import Topology
+    from ..parallel.stage_topology import StageTopology
 
-    topo = Topology(cluster.world, tp=c.tp, pp=c.pp, nproc_per_node=cluster.devices_per_host,
-                    order=tuple(c.order.split("-")))
+    if c.stage_layouts:  # per-stage meshes: contiguous rank blocks, tp innermost
+        topo = StageTopology(cluster.world, c.stage_layouts, nproc_per_node=cluster.devices_per_host)
+    else:
+        topo = Topology(cluster.world, tp=c.tp, pp=c.pp, nproc_per_node=cluster.devices_per_host,
+                        order=tuple(c.order.split("-")))
     H, D = cluster.hosts, cluster.devices_per_host
     by_stage: dict[int, list[int]] = {}
     for h in range(H):  # the hosts of each stage; at most two drawn per stage, the rest summarised

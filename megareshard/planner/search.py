@@ -1,38 +1,44 @@
 """Search: enumerate layouts, prune by memory, pre-rank analytically, score the best by simulation (pure).
 
 Candidates: tp (a divisor of the devices per host that divides the heads and key/value
-groups: tp stays inside a host, placed innermost; dp and pp follow by communication volume), pp (a divisor of the layers), dp = world / (tp·pp), the
+groups: tp stays inside a host, placed innermost; dp and pp follow by communication volume), pp (up to the
+layers; an even split where pp divides them, and the balanced uneven split of `variants.py` where that
+is faster), dp = world / (tp·pp), per-stage meshes near each uniform layout (`--stage-layouts`), the
 micro batch (the global batch must split into micro batch × dp), every schedule of the
-registry with and without delayed weight gradients where that means something, every
-executable resharding strategy, sequence parallelism when tp > 1, full recomputation on
-or off, ZeRO 0/1/2. Ranks are placed by communication volume (tp innermost, as the
-trainer does), so each stage's mesh and hosts follow from the topology.
+registry with and without delayed weight gradients where that means something (the virtual-stage ones with
+every V they allow), every executable resharding strategy, sequence parallelism when tp > 1, full
+recomputation on or off, ZeRO 0/1/2. Ranks are placed by communication volume (tp innermost, as the
+trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh and hosts follow.
 
-1. **Memory** prunes first: a candidate whose stage needs more than the device holds (static
-   state + live microbatches × activations + logits, `costs.py`) is dropped, with the reason
-   counted.
-2. **Pre-rank**: ``(m + P − 1)·max_stage(F + B)`` against the NIC-bound ``2·m·t_edge`` (every
+1. **Memory** prunes first: a candidate whose mesh needs more than the device holds (static
+   state of its stages + live microbatches × activations + logits, `costs.py`; live counts from
+   `variants.live_bound`) is dropped, with the reason counted.
+2. **Pre-rank**: ``(m + (P − 1)/V)·max_stage(F + B)`` against the NIC-bound ``2·m·t_edge`` (every
    stage sends m activations and m gradients), plus the exposed data-parallel reduction.
-3. **Score**: the best few layouts (every schedule × strategy × delayed W of each) run through
+3. **Score**: the best few shapes (every schedule × strategy × delayed W of each; then, while a shape's
+   estimate still beats the best simulated step, the next ones, up to four times as many) run through
    the pipeline simulator with the per-stage F/B times and the resharding planner's
    predicted transfer time per edge; long runs are extrapolated from steady-state
    simulations (the step grows linearly in m once every stage is in its steady phase; two
    equal increments are required, otherwise the whole run is simulated).
-   The data-parallel reduction of a stage starts after its last backward; what does not fit
+   The data-parallel reduction of a mesh starts after its last backward; what does not fit
    before the step's end is added.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..parallel import CommVolume, Topology, hosts_spanned
-from ..pipeline.generators import RUNTIME_SCHEDULES, forwards_before_first_backward, generate
+from ..parallel.stage_topology import StageTopology
+from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
+from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES"]
 
@@ -60,12 +66,24 @@ class Candidate:
     recompute: bool
     zero: int
     order: str
+    layers_per_stage: tuple[int, ...] | None = None
+    """Layers of every pipeline stage when not an even split (`--num-layers-per-stage`)."""
+    stage_layouts: str | None = None
+    """Per-stage meshes (`--stage-layouts`), None for a uniform layout."""
+    virtual_stages: int = 1
+    """Stages per mesh (interleaved kinds: V; zbv: 2)."""
+    runtime: bool = True
+    """The pipeline runtime executes this schedule today (the others are predictions only)."""
     step_s: float = math.inf
     estimate_s: float = math.inf
     bubble: float = 0.0
     memory_gib: list[float] = field(default_factory=list)
     live_microbatches: list[int] = field(default_factory=list)
     edge_s: float = 0.0
+    stage_f_s: list[float] = field(default_factory=list)
+    """Predicted forward seconds of one microbatch per stage (the paced budgets of a validation run)."""
+    stage_b_s: list[float] = field(default_factory=list)
+    """Predicted backward seconds of one microbatch per stage."""
     tp_bytes: int = 0
     pp_nic_bytes: int = 0
     dp_nic_bytes: int = 0
@@ -75,29 +93,41 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch} {self.schedule}"
+        mesh = f"[{self.stage_layouts}]" if self.stage_layouts else f"tp{self.tp} pp{self.pp} dp{self.dp}"
+        split = f" L{','.join(map(str, self.layers_per_stage))}" if self.layers_per_stage else ""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 and REGISTRY[self.schedule].stages_per_mesh is None \
+            else ""
+        return (f"{mesh}{split} mb{self.micro_batch} {self.schedule}{v}"
                 f"{'+dw' if self.delay_wgrad else ''} {self.strategy}"
                 f"{' sp' if self.sequence_parallel else ''}{' recompute' if self.recompute else ''} zero{self.zero}")
 
-    def flags(self) -> str:
+    def flags(self, num_layers: int | None = None) -> str:
         """The trainer's flags for this layout (Megatron's names where Megatron has them)."""
-        f = [f"--tensor-model-parallel-size {self.tp}", f"--pipeline-model-parallel-size {self.pp}",
-             f"--micro-batch-size {self.micro_batch}", f"--pipeline-schedule {self.schedule}",
-             f"--reshard-strategy {self.strategy}", f"--rank-order {self.order}"]
-        if self.delay_wgrad:
+        if self.stage_layouts:
+            f = [f"--stage-layouts {self.stage_layouts}"]
+        else:
+            f = [f"--tensor-model-parallel-size {self.tp}", f"--rank-order {self.order}"]
+        f += [f"--pipeline-model-parallel-size {self.pp}", f"--micro-batch-size {self.micro_batch}",
+              f"--pipeline-schedule {self.schedule}", f"--reshard-strategy {self.strategy}"]
+        if self.layers_per_stage:
+            f.append(f"--num-layers-per-stage {','.join(map(str, self.layers_per_stage))}")
+        if self.virtual_stages > 1 and REGISTRY[self.schedule].stages_per_mesh is None and num_layers:
+            f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (self.pp * self.virtual_stages)}")
+        if self.delay_wgrad and not REGISTRY[self.schedule].zero_bubble:
             f.append("--delay-wgrad-compute")
         if self.sequence_parallel:
             f.append("--sequence-parallel")
         if self.recompute:
-            f.append("--recompute-activations --recompute-granularity full")
+            f.append("--recompute-granularity full")
         if self.zero:
             f.append(f"--zero-stage {self.zero}")
         return " ".join(f)
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "schedule", "delay_wgrad", "strategy",
-                "sequence_parallel", "recompute", "zero", "order", "step_s", "estimate_s", "bubble", "memory_gib",
-                "live_microbatches", "edge_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes", "bottleneck",
+                "sequence_parallel", "recompute", "zero", "order", "layers_per_stage", "stage_layouts",
+                "virtual_stages", "runtime", "step_s", "estimate_s", "bubble", "memory_gib", "live_microbatches",
+                "edge_s", "stage_f_s", "stage_b_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes", "bottleneck",
                 "breakdown", "tokens_per_s")
         return {k: getattr(self, k) for k in keys} | {"name": self.name, "flags": self.flags()}
 
@@ -118,18 +148,84 @@ class _Shape:
     sp: bool
     recompute: bool
     zero: int
-    topo: Topology
-    stages: list[StageCosts]
+    topo: Any  # Topology, or StageTopology for per-stage meshes
+    stages: list[StageCosts]  # one per pipeline stage (model chunk)
+    layers: tuple[int, ...]
+    layouts: tuple[tuple[int, int], ...] | None = None
+    virtual: int = 1
+    uneven: bool = False
+    cross: list[tuple[bool, int]] = field(default_factory=list)  # per mesh: dp leaves a host, ranks per host
+
+    @property
+    def order(self) -> str:
+        return "stage-blocks" if self.layouts else "-".join(self.topo.order)
+
+    def per_mesh(self, placement: tuple[int, ...]) -> list[list[StageCosts]]:
+        out: list[list[StageCosts]] = [[] for _ in range(self.pp)]
+        for st, p in zip(self.stages, placement):
+            out[p].append(st)
+        return out
+
+
+def _mesh_layouts(sh: _Shape) -> list[tuple[int, int]]:
+    return list(sh.layouts) if sh.layouts else [(sh.tp, sh.dp)] * sh.pp
+
+
+_stage_costs = functools.lru_cache(maxsize=1 << 16)(stage_costs)
+
+
+def _stage_list(model: ModelShape, cluster: ClusterSpec, layers: tuple[int, ...], mesh_of: list[int],
+                layouts: list[tuple[int, int]], cross: list[tuple[bool, int]], b: int, max_dp: int, sp: bool,
+                rc: bool, zero: int) -> list[StageCosts]:
+    S = len(layers)
+    out = []
+    for i, n in enumerate(layers):
+        tp, dp = layouts[mesh_of[i]]
+        crosses, per_host = cross[mesh_of[i]]
+        out.append(_stage_costs(model, cluster, layers=n, first=i == 0, last=i == S - 1, tp=tp, dp=dp,
+                                micro_batch=b * max_dp // dp, sequence_parallel=sp and tp > 1, recompute=rc,
+                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ranks_per_host=per_host))
+    return out
+
+
+def _stage_dp_cross(topo: StageTopology, D: int) -> list[tuple[bool, int]]:
+    """Per stage: does its dp ring leave a host, and how many of a host's ranks it has (tp innermost)."""
+    out = []
+    for s, (tp, dp) in enumerate(topo.layouts):
+        o = topo.offsets[s]
+        crosses = any(len({(o + d * tp + t) // D for d in range(dp)}) > 1 for t in range(tp))
+        out.append((crosses, min(D, tp * dp)))
+    return out
+
+
+def _tp_ok(model: ModelShape, tp: int) -> bool:
+    return model.num_attention_heads % tp == 0 and model.groups % tp == 0
+
+
+def _splits(model: ModelShape, pp: int, uneven: bool, build) -> list[tuple[int, ...]]:
+    """The even split where pp divides the layers, and the balanced one (`variants.balanced_split`)."""
+    L = model.num_layers
+    out = [(L // pp,) * pp] if L % pp == 0 else []
+    if uneven and pp > 1:
+        one = build((1,) * pp)
+        per = [st.forward_s + st.backward_s for st in one]
+        two = build((2,) * pp)
+        per_layer = two[pp // 2].forward_s + two[pp // 2].backward_s - per[pp // 2]
+        if per_layer > 0:
+            bal = balanced_split(L, pp, per_layer, [x - per_layer for x in per])
+            if bal not in out:
+                out.append(bal)
+    return out
 
 
 def _shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, micro_batches: Iterable[int],
-            zero_stages: Iterable[int], recompute_options: Iterable[bool]) -> Iterable[_Shape]:
+            zero_stages: Iterable[int], recompute_options: Iterable[bool], uneven: bool) -> Iterable[_Shape]:
+    """Uniform layouts: tp × pp × micro batch × sequence parallelism × recomputation × ZeRO × layer split."""
     D, N, L = cluster.devices_per_host, cluster.world, model.num_layers
-    for tp in _divisors(D):
-        if model.num_attention_heads % tp or model.groups % tp:
-            continue
-        for pp in _divisors(L):
-            if N % (tp * pp):
+    micro_batches = list(micro_batches)
+    for tp in [t for t in _divisors(D) if _tp_ok(model, t)]:
+        for pp in _divisors(N // tp):
+            if pp > L:
                 continue
             dp = N // (tp * pp)
             volume = CommVolume.for_gpt(model.hidden_size, model.seq_length, 1, tp=tp, dp=dp, pp=pp)
@@ -137,8 +233,7 @@ def _shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, micro_ba
             # pp by communication volume
             order = ("tp",) + tuple(a for a in volume.order() if a != "tp")
             topo = Topology(N, tp=tp, pp=pp, nproc_per_node=D, order=order)
-            cross = hosts_spanned(topo, "dp") > 1
-            per_host = min(D, tp * dp)
+            cross = [(hosts_spanned(topo, "dp") > 1, min(D, tp * dp))] * pp
             for b in micro_batches:
                 if global_batch % (b * dp):
                     continue
@@ -146,98 +241,232 @@ def _shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, micro_ba
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for rc in recompute_options:
                         for z in (zero_stages if dp > 1 else (0,)):
-                            per = L // pp
-                            stages = [stage_costs(model, cluster, layers=per, first=i == 0, last=i == pp - 1, tp=tp,
-                                                  dp=dp, micro_batch=b, sequence_parallel=sp, recompute=rc, zero=z,
-                                                  dp_crosses_hosts=cross, dp_ranks_per_host=per_host)
-                                      for i in range(pp)]
-                            yield _Shape(tp, pp, dp, b, m, sp, rc, z, topo, stages)
+                            def build(layers: tuple[int, ...]) -> list[StageCosts]:
+                                return _stage_list(model, cluster, layers, list(range(pp)), [(tp, dp)] * pp, cross,
+                                                   b, dp, sp, rc, z)
+                            for split in _splits(model, pp, uneven, build):
+                                yield _Shape(tp, pp, dp, b, m, sp, rc, z, topo, build(split), split,
+                                             uneven=len(set(split)) > 1, cross=cross)
 
 
-def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
-                  cache: dict[tuple, tuple[float, int]]) -> tuple[float, int]:
-    """Predicted seconds of one stage-boundary transfer (the resharding planner + network model), and
-    the bytes through the busiest NIC side."""
-    if sh.pp == 1:
-        return 0.0, 0
-    key = (sh.tp, sh.dp, sh.b, sh.sp, strategy, sh.topo.order)  # every edge of a uniform layout alike
+def _stage_mesh_shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, base: _Shape,
+                       uneven: bool, topos: dict[tuple, tuple[Any, list]]) -> Iterable[_Shape]:
+    """Per-stage meshes near a uniform shape (`variants.stage_layout_variants`), same batch, sp, recompute, ZeRO."""
+    D, N = cluster.devices_per_host, cluster.world
+    allowed = [t for t in _divisors(D) if _tp_ok(model, t)]
+    for lay in stage_layout_variants(base.tp, base.pp, N // base.pp, allowed):
+        if lay not in topos:
+            st = StageTopology(N, lay, nproc_per_node=D)
+            topos[lay] = (st, _stage_dp_cross(st, D))
+        topo, cross = topos[lay]
+        max_dp = max(d for _, d in lay)
+        if global_batch % (base.b * max_dp):
+            continue
+        sp = base.sp and max(t for t, _ in lay) > 1
+
+        def build(layers: tuple[int, ...]) -> list[StageCosts]:
+            return _stage_list(model, cluster, layers, list(range(base.pp)), list(lay), cross, base.b, max_dp, sp,
+                               base.recompute, base.zero)
+        for split in _splits(model, base.pp, uneven, build):
+            yield _Shape(max(t for t, _ in lay), base.pp, max_dp, base.b, global_batch // (base.b * max_dp), sp,
+                         base.recompute, base.zero, topo, build(split), split, lay, uneven=len(set(split)) > 1,
+                         cross=cross)
+
+
+def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int) -> _Shape:
+    """The same shape with v stages per mesh (layers / (pp·v) each; uniform meshes only)."""
+    S = sh.pp * v
+    n = model.num_layers // S
+    lay = _mesh_layouts(sh)
+    stages = _stage_list(model, cluster, (n,) * S, [s % sh.pp for s in range(S)], lay, sh.cross, sh.b,
+                         sh.dp, sh.sp, sh.recompute, sh.zero)
+    return _Shape(sh.tp, sh.pp, sh.dp, sh.b, sh.m, sh.sp, sh.recompute, sh.zero, sh.topo, stages, (n,) * S,
+                  None, v, cross=sh.cross)
+
+
+def _boundaries(sh: _Shape, cache: dict[tuple, list]) -> list[tuple[int, int, tuple, Any, Any]]:
+    """Every mesh boundary i -> i+1 with its host pattern (the two meshes' host grids, hosts renamed in order
+    of appearance: boundaries with one pattern cost the same) and the two meshes."""
+    key = ("boundaries", sh.layouts or (sh.tp, sh.pp, sh.order))
     if key not in cache:
-        spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
-        shape = (model.seq_length, sh.b * sh.dp, model.hidden_size)
-        plan = plan_resharding(shape, stage_mesh(sh.topo, 0), spec, stage_mesh(sh.topo, 1), spec, strategy=strategy,
-                               scheduler="loadbalance", itemsize=2, time_budget_s=0.05)
-        net = cluster.network
-        busiest = max((max(i, o) for i, o in net.host_bytes(plan).values()), default=0)
-        cache[key] = (net.predict(plan, order="concurrent"), int(busiest))
+        out = []
+        for i in range(sh.pp - 1):
+            src, dst = stage_mesh(sh.topo, i), stage_mesh(sh.topo, i + 1)
+            names: dict[int, int] = {}
+            pattern = tuple(tuple(names.setdefault(m.host_of(r), len(names)) for r in row)
+                            for m in (src, dst) for row in m.ranks)
+            out.append((i, i + 1, (src.shape, dst.shape, pattern), src, dst))
+        cache[key] = out
     return cache[key]
 
 
-def _memory(sh: _Shape, live: list[int]) -> list[float]:
-    return [(st.static_bytes + k * st.activation_bytes_per_mb + st.extra_bytes) / 2**30
-            for st, k in zip(sh.stages, live)]
+def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
+                  cache: dict[tuple, Any]) -> tuple[dict[str, float], int]:
+    """Predicted seconds of every cross-mesh stage-boundary transfer (the resharding planner + network
+    model), keyed by the edge text ``"i->i+1"``, or ``"*"`` when every boundary costs the same (and for
+    virtual stages: the slowest boundary), and the bytes through the busiest NIC side of one transfer."""
+    if sh.pp == 1:
+        return {"*": 0.0}, 0
+    max_dp = max(d for _, d in _mesh_layouts(sh))
+    spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
+    shape = (model.seq_length, sh.b * max_dp, model.hidden_size)
+    out: dict[str, float] = {}
+    busiest = 0
+    for i, j, pattern, src, dst in _boundaries(sh, cache):
+        key = ("edge", pattern, shape, sh.sp, strategy)
+        if key not in cache:
+            plan = plan_resharding(shape, src, spec, dst, spec, strategy=strategy, scheduler="loadbalance",
+                                   itemsize=model.dtype_bytes, time_budget_s=0.05)
+            net = cluster.network
+            cache[key] = (net.predict(plan, order="concurrent"),
+                          int(max((max(a, b) for a, b in net.host_bytes(plan).values()), default=0)))
+        t, nb = cache[key]
+        out[f"{i}->{j}"] = t
+        busiest = max(busiest, nb)
+    if len(set(out.values())) == 1 or sh.virtual > 1:
+        return {"*": max(out.values())}, busiest
+    return out, busiest
 
 
-def _estimate(sh: _Shape, edge_s: float) -> float:
-    fb = max(st.forward_s + st.backward_s for st in sh.stages)
-    pipe = max((sh.m + sh.pp - 1) * fb, 2 * sh.m * edge_s + (sh.pp - 1) * fb)
-    return pipe + max(st.dp_seconds for st in sh.stages)
+def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
+                cache: dict[tuple, Any]) -> float:
+    """A quick estimate of the slowest stage-boundary transfer for the pre-rank (no resharding plan): every
+    receiving host takes the rows (dp slices) of the tensor its ranks hold through its NIC (each tp rank
+    its own copy under sendrecv without sequence parallelism), the sending hosts share the total."""
+    if sh.pp == 1:
+        return 0.0
+    copies = strategy == "sendrecv" and not sh.sp
+    key = ("bound", sh.layouts or (sh.tp, sh.pp, sh.order), copies)
+    if key not in cache:  # (share of the tensor through the busiest NIC, True if any NIC) of the worst boundary
+        worst = (0.0, False)
+        for i, j, pattern, src, dst in _boundaries(sh, cache):
+            src_hosts = set(src.host_ids())
+            need: dict[int, float] = {}
+            for row in dst.ranks:
+                hosts = [dst.host_of(r) for r in row]
+                for h in set(hosts):
+                    need[h] = need.get(h, 0.0) + (hosts.count(h) if copies else 1) / len(dst.ranks)
+            remote = {h: x for h, x in need.items() if h not in src_hosts}
+            share = (max(max(remote.values()), sum(remote.values()) / len(src_hosts)), True) if remote else \
+                (max(need.values()), False)
+            if (share[1], share[0]) > (worst[1], worst[0]):
+                worst = share
+        cache[key] = worst
+    share, nic = cache[key]
+    max_dp = max(d for _, d in _mesh_layouts(sh))
+    nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
+    return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps)
 
 
-def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...], edge_s: float,
-              cache: dict[tuple, tuple[float, Any]]) -> tuple[float, Any]:
+def _mesh_static(sh: _Shape, placement: tuple[int, ...]) -> list[tuple[float, float]]:
+    """Per mesh: (static + extra bytes of its stages, the largest activation of one of its stages)."""
+    return [(sum(st.static_bytes + st.extra_bytes for st in g), max(st.activation_bytes_per_mb for st in g))
+            for g in sh.per_mesh(placement)]
+
+
+def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[float]:
+    """GiB per mesh: its stages' static state, `live` activations of its largest stage, the logits."""
+    return [(a + k * x) / 2**30 for (a, x), k in zip(_mesh_static(sh, placement), live)]
+
+
+def _estimate_parts(sh: _Shape) -> tuple[float, float]:
+    """(one mesh's compute per microbatch at its slowest, its data-parallel reduction and optimizer step at
+    their slowest)."""
+    groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
+    fb = max(sum(st.forward_s + st.backward_s for st in g) for g in groups)
+    return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
+
+
+def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
+    fb, dp = parts
+    fill = (sh.pp - 1) * fb / (sh.virtual * (2 if REGISTRY[schedule].zero_bubble else 1))
+    # every mesh sends (and receives) one activation and one gradient per microbatch for each of its stages
+    # whose neighbour lies on another mesh: V of them under interleaving and in zbv's V
+    return max(sh.m * fb, 2 * sh.m * sh.virtual * edge_s) + fill + dp
+
+
+def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
+              edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
+              v: int = 1) -> tuple[float, Any]:
     """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m."""
-    key = (name, dw, P, m, f, b, edge_s)
+    key = (name, dw, P, m, f, b, edge, v)
     if key not in cache:
-        costs = Costs(f=list(f), b=list(b), comm=edge_s)
+        costs = Costs(f=list(f), b=list(b), comm=edge if isinstance(edge, float) else dict(edge))
+        kind = REGISTRY[name]
 
         def run(n: int):
-            return simulate(generate(name, P, n, dw), costs=costs)
+            return simulate(generate(name, P, n, dw, virtual_stages=v if kind.stages_per_mesh is None else None),
+                            costs=costs)
 
-        m1 = 3 * P + 2  # past every schedule's warm-up transient (eager: 2(P - i) - 1 forwards)
-        if P == 1 or m <= m1 + 8:
+        step = P if kind.microbatch_multiple_of_pp else 4
+        m1 = step * math.ceil((3 * P + 2) / step)  # past every schedule's warm-up transient
+        if P == 1 or m <= m1 + 2 * step or (m - m1) % step:
             tl = run(m)
             cache[key] = (tl.makespan, tl)
         else:
-            t1, t2, tl = run(m1).makespan, run(m1 + 4).makespan, run(m1 + 8)
+            t1, t2, tl = run(m1).makespan, run(m1 + step).makespan, run(m1 + 2 * step)
             if abs((tl.makespan - t2) - (t2 - t1)) > 1e-9 * tl.makespan:  # not yet linear: simulate it all
                 tl = run(m)
                 cache[key] = (tl.makespan, tl)
             else:
-                cache[key] = (tl.makespan + (m - m1 - 8) * (tl.makespan - t2) / 4, tl)
+                cache[key] = (tl.makespan + (m - m1 - 2 * step) * (tl.makespan - t2) / step, tl)
     return cache[key]
 
 
-def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, cache: dict[tuple, tuple[float, Any]]) -> None:
+def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float],
+              cache: dict[tuple, tuple[float, Any]]) -> None:
     """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
     P, m = sh.pp, sh.m
     f = [st.forward_s for st in sh.stages]
     b = [st.backward_s for st in sh.stages]
-    pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), c.edge_s, cache)
-    # each stage's dp reduction starts after its last backward compute
+    edge = edges["*"] if "*" in edges else tuple(sorted(edges.items()))
+    pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), edge, cache, sh.virtual)
+    placement = placement_of(c.schedule, P, sh.virtual) if sh.virtual > 1 else tuple(range(P))
+    groups = sh.per_mesh(placement)
+    # each mesh's dp reduction starts after its last backward compute
     ends = [max((iv.end for iv in row), default=0.0) for row in tl.compute]
-    exposed = max(max(0.0, st.dp_seconds + e - tl.makespan) for st, e in zip(sh.stages, ends))
-    c.step_s = pipe + exposed
-    busy = [m * (fi + bi) for fi, bi in zip(f, b)]
+    exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
+    optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
+    c.step_s = pipe + exposed + optimizer
+    busy = [m * sum(st.forward_s + st.backward_s for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
     peaks = tl.peak_activations
-    c.live_microbatches = [max(p, forwards_before_first_backward(c.schedule, P, m, i)) for i, p in enumerate(peaks)]
-    c.memory_gib = [round(x, 2) for x in _memory(sh, c.live_microbatches)]
-    tp_s = m * max(st.tp_bytes_per_mb for st in sh.stages) / cluster.intra_Bps
+    c.live_microbatches = [max(p, k) for p, k in zip(peaks, live_bound(c.schedule, c.delay_wgrad, P, m,
+                                                                         sh.virtual))]
+    c.memory_gib = [round(x, 2) for x in _memory(sh, placement, c.live_microbatches)]
+    tp_s = m * max(sum(st.tp_bytes_per_mb for st in g) for g in groups) / cluster.intra_Bps
     c.breakdown = {"compute": max(0.0, max(busy) - tp_s), "tp collectives": tp_s,
-                   "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed}
+                   "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed,
+                   "optimizer step": optimizer}
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"
+
+
+def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
+    out = []
+    single = next((n for n in names if REGISTRY[n].stages_per_mesh == 1), None)
+    for name in names:
+        if sh.pp == 1 and name != single:
+            continue  # one stage: every one-stage-per-mesh schedule is the same run
+        for v in virtual_options(name, sh.pp, num_layers, sh.m):
+            if v > 1 and (sh.layouts or sh.uneven):
+                continue  # virtual stages on uniform meshes with an even split only
+            out.append((name, v))
+    return out
 
 
 def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                  micro_batches: Iterable[int] = (1, 2, 4, 8), schedules: Iterable[str] | None = None,
                  strategies: Iterable[str] = STRATEGIES, zero_stages: Iterable[int] = (0, 1, 2),
                  recompute_options: Iterable[bool] = (False, True), top_shapes: int = 6,
-                 stats: dict[str, int] | None = None) -> list[Candidate]:
-    """Every layout that fits, best first: the `top_shapes` best shapes scored by simulation (each
-    with every schedule × delayed W × strategy), then the rest by their analytic estimate.
+                 uneven_splits: bool = True, stage_meshes: bool = True, runtime_only: bool = False,
+                 keep: int | None = 2000, stats: dict[str, int] | None = None) -> list[Candidate]:
+    """The layouts that fit, best first: the `top_shapes` best shapes scored by simulation (each with every
+    schedule × delayed W × strategy), then the best `keep` others by their analytic estimate (None: all).
 
+    `schedules` defaults to every registered one; `runtime_only` keeps those the pipeline runtime executes
+    now (what `--auto-layout` applies). Every candidate says whether the runtime executes it (`runtime`).
     ``stats`` (a dict) receives counts: enumerated, pruned by memory, simulated.
     """
     if global_batch < 1 or model.num_layers < 1 or cluster.hosts < 1 or cluster.devices_per_host < 1:
@@ -246,59 +475,115 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                         f"{cluster.devices_per_host} devices)")
     if model.hidden_size % model.num_attention_heads:
         raise PlanError(f"hidden size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
-    names = list(schedules) if schedules is not None else list(RUNTIME_SCHEDULES)
-    unknown = [s for s in names if s not in RUNTIME_SCHEDULES]
+    names = list(schedules) if schedules is not None else list(SCHEDULES)
+    unknown = [s for s in names if s not in REGISTRY]
     if unknown:
-        raise PlanError(f"schedule(s) {unknown} cannot be planned: the runtime executes {', '.join(RUNTIME_SCHEDULES)}")
+        raise PlanError(f"unknown schedule(s) {unknown}: the registry has {', '.join(SCHEDULES)}")
+    runnable = set(runtime_schedules())
+    if runtime_only:
+        names = [n for n in names if n in runnable]
+        if not names:
+            raise PlanError(f"none of the schedules asked for runs in the pipeline runtime ({', '.join(runnable)})")
     strategies = list(strategies)
     st = stats if stats is not None else {}
     st.update(enumerated=0, pruned_memory=0, simulated=0)
-    cache: dict[tuple, tuple[float, int]] = {}
+    bounds: dict[tuple, Any] = {}  # boundaries and their quick bounds, per placement
     limit = cluster.memory_bytes / 2**30
-    scored: list[tuple[float, _Shape, list[Candidate]]] = []
-    for sh in _shapes(model, cluster, global_batch, micro_batches, zero_stages, recompute_options):
-        order = "-".join(sh.topo.order)
-        variants: list[Candidate] = []
-        for name in names:
-            for dw in ((False, True) if name != "gpipe" and sh.pp > 1 else (False,)):
-                live = [forwards_before_first_backward(name, sh.pp, sh.m, i) + (1 if dw else 0)
-                        for i in range(sh.pp)]
-                mem = _memory(sh, [min(k, sh.m) for k in live])
-                for strategy in (strategies if sh.pp > 1 else strategies[:1]):
-                    st["enumerated"] += 1
-                    if max(mem) > limit:
-                        st["pruned_memory"] += 1
-                        continue
-                    edge_s, busiest = _edge_seconds(model, cluster, sh, strategy, cache)
-                    c = Candidate(sh.tp, sh.pp, sh.dp, sh.b, sh.m, name, dw, strategy, sh.sp, sh.recompute, sh.zero,
-                                  order, edge_s=edge_s, memory_gib=[round(x, 2) for x in mem],
-                                  live_microbatches=live)
-                    c.estimate_s = c.step_s = _estimate(sh, edge_s)
-                    c.tp_bytes = sh.m * max(s.tp_bytes_per_mb for s in sh.stages)
-                    c.pp_nic_bytes = 2 * sh.m * busiest
-                    c.dp_nic_bytes = max(s.dp_nic_bytes for s in sh.stages)
-                    variants.append(c)
-        if variants:
-            scored.append((min(v.estimate_s for v in variants), sh, variants))
-    if not scored:
+    # phase 1: every shape × schedule × delayed W × strategy that fits, as light tuples with its estimate
+    Row = tuple[float, str, bool, str, list[int], list[float]]
+    groups: list[tuple[float, _Shape, list[Row]]] = []
+
+    def add(base: _Shape) -> None:
+        shapes: dict[int, _Shape] = {1: base}
+        by_v: dict[int, list[Row]] = {}
+        for name, v in _schedule_options(names, base, model.num_layers):
+            if v not in shapes:
+                shapes[v] = _virtualize(model, cluster, base, v)
+            sh = shapes[v]
+            placement = placement_of(name, sh.pp, v) if v > 1 else tuple(range(sh.pp))
+            static = _mesh_static(sh, placement)
+            parts = _estimate_parts(sh)
+            strats = strategies if sh.pp > 1 else strategies[:1]
+            for dw in ((True,) if REGISTRY[name].zero_bubble else
+                       (False, True) if name != "gpipe" and sh.pp > 1 else (False,)):
+                live = live_bound(name, dw, sh.pp, sh.m, v)
+                mem = [(a + k * x) / 2**30 for (a, x), k in zip(static, live)]
+                st["enumerated"] += len(strats)
+                if max(mem) > limit:
+                    st["pruned_memory"] += len(strats)
+                    continue
+                for strategy in strats:
+                    est = _estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds), name)
+                    by_v.setdefault(v, []).append((est, name, dw, strategy, live, mem))
+        for v, rows in by_v.items():
+            groups.append((min(r[0] for r in rows), shapes[v], rows))
+
+    for base in _shapes(model, cluster, global_batch, micro_batches, zero_stages, recompute_options, uneven_splits):
+        add(base)
+    if stage_meshes:  # per-stage meshes around the best uniform shapes (the pre-rank's top 4 × top_shapes)
+        groups.sort(key=lambda x: x[0])
+        topos: dict[tuple, tuple[Any, list]] = {}
+        seen = set()
+        for _, sh, _ in [g for g in groups if g[1].virtual == 1 and g[1].pp > 1][:4 * top_shapes]:
+            k = (sh.tp, sh.pp, sh.b, sh.sp, sh.recompute, sh.zero)
+            if k not in seen:
+                seen.add(k)
+                for var in _stage_mesh_shapes(model, cluster, global_batch, sh, uneven_splits, topos):
+                    add(var)
+    if not groups:
         raise PlanError(f"no layout fits {cluster.device_memory_gib:g} GiB per device (minus "
                         f"{cluster.memory_reserve:.0%} reserve): {st['pruned_memory']} of {st['enumerated']} "
                         "candidates pruned by memory; add devices, or allow recomputation / ZeRO")
-    scored.sort(key=lambda x: x[0])
+    groups.sort(key=lambda x: x[0])
+    # phase 2: the best shapes with the resharding planner's edges and the simulator; the rest as estimated
+    edge_cache = bounds  # the resharding planner's edge times, per host pattern
     sims: dict[tuple, tuple[float, Any]] = {}
-    out: list[Candidate] = []
-    for i, (_, sh, variants) in enumerate(scored):
-        for c in variants:
-            if i < top_shapes:
-                _simulate(c, sh, cluster, sims)
-                if max(c.memory_gib) > limit:  # the simulated live set is larger than the bound used
-                    st["pruned_memory"] += 1
-                    continue
+    simulated: list[Candidate] = []
+    rest: list[tuple[float, _Shape, tuple]] = []
+    best = math.inf
+    scored = 0
+    for i, (est, sh, rows) in enumerate(groups):
+        # the `top_shapes` best estimates, and past them every shape whose estimate still beats the best
+        # simulated step (the estimate can be optimistic), up to 4 × top_shapes shapes in all
+        if not (i < top_shapes or (est < best and scored < 4 * top_shapes)):
+            rest += [(r[0], sh, r) for r in rows]
+            continue
+        scored += 1
+        for row in rows:
+            est, name, dw, strategy, live, mem = row
+            edges, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
+            c = _candidate(model, sh, row, runnable, max(edges.values()), busiest)
+            _simulate(c, sh, cluster, edges, sims)
+            if max(c.memory_gib) > limit:  # the simulated live set is larger than the bound used
+                st["pruned_memory"] += 1
+                continue
             c.tokens_per_s = global_batch * model.seq_length / c.step_s if c.step_s > 0 else 0.0
-            out.append(c)
+            simulated.append(c)
+            best = min(best, c.step_s)
     st["simulated"] = len(sims)
-    simulated = [c for c in out if c.breakdown]
-    rest = [c for c in out if not c.breakdown]
+    rest.sort(key=lambda x: x[0])
+    others = []
+    for est, sh, row in (rest if keep is None else rest[:keep]):
+        c = _candidate(model, sh, row, runnable, _edge_bound(model, cluster, sh, row[3], bounds), None)
+        c.tokens_per_s = global_batch * model.seq_length / c.step_s if c.step_s > 0 else 0.0
+        others.append(c)
     # ties (ZeRO stages, strategies that move the same bytes) go to the smaller memory footprint
     return (sorted(simulated, key=lambda c: (round(c.step_s, 9), max(c.memory_gib)))
-            + sorted(rest, key=lambda c: (round(c.estimate_s, 9), max(c.memory_gib))))
+            + sorted(others, key=lambda c: (round(c.estimate_s, 9), max(c.memory_gib))))
+
+
+def _candidate(model: ModelShape, sh: _Shape, row: tuple, runnable: set[str], edge_s: float,
+               busiest: int | None) -> Candidate:
+    est, name, dw, strategy, live, mem = row
+    c = Candidate(sh.tp, sh.pp, sh.dp, sh.b, sh.m, name, dw, strategy, sh.sp, sh.recompute, sh.zero, sh.order,
+                  layers_per_stage=sh.layers if sh.uneven else None,
+                  stage_layouts=",".join(f"tp{t}dp{d}" for t, d in sh.layouts) if sh.layouts else None,
+                  virtual_stages=sh.virtual, runtime=name in runnable, edge_s=edge_s,
+                  memory_gib=[round(x, 2) for x in mem], live_microbatches=list(live),
+                  stage_f_s=[s.forward_s for s in sh.stages], stage_b_s=[s.backward_s for s in sh.stages])
+    c.estimate_s = c.step_s = est
+    c.tp_bytes = sh.m * max(s.tp_bytes_per_mb for s in sh.stages)
+    if busiest is not None:
+        c.pp_nic_bytes = 2 * sh.m * busiest
+    c.dp_nic_bytes = max(s.dp_nic_bytes for s in sh.stages)
+    return c

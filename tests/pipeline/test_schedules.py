@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megareshard.pipeline import (
-    RUNTIME_SCHEDULES,
+    WARMUP_SCHEDULES,
     Action,
     ActionKind,
     Costs,
@@ -74,7 +74,7 @@ def test_graph_edges():
     assert g.out_edges(3) == ()
 
 
-@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
+@pytest.mark.parametrize("name", WARMUP_SCHEDULES)
 @pytest.mark.parametrize("delay", [False, True])
 def test_dumps_loads_and_csv_round_trip(tmp_path, name, delay):
     s = lower(generate(name, 4, 6, delay, graph=_graph(4, True)))
@@ -118,7 +118,7 @@ def test_generator_errors():
 def test_every_generated_schedule_validates_after_lowering():
     """name x delay x P in 1..6 x m in 1..12, with and without a skip edge 0->P-1."""
     n = 0
-    for name in RUNTIME_SCHEDULES:
+    for name in WARMUP_SCHEDULES:
         for delay in (False, True):
             for skip in (False, True):
                 for P in range(1, 7):
@@ -130,7 +130,7 @@ def test_every_generated_schedule_validates_after_lowering():
     assert n == 3 * 2 * 2 * 6 * 12
 
 
-@pytest.mark.parametrize("name", RUNTIME_SCHEDULES)
+@pytest.mark.parametrize("name", WARMUP_SCHEDULES)
 def test_rendezvous_safe_lowering(name):
     """A synchronous matched-pair executor (send blocks until the receive is posted):
     chain-only lowering with lookahead 1 is safe; skip edges need the per-edge

@@ -1,7 +1,8 @@
 """Virtual stages (several stages per mesh): interleaved 1F1B, its eager variant, ZB-H1 and ZB-V.
 
-Pure: generated, lowered, validated and simulated on CPU (the runtime does not hold several
-stages per rank yet, and the trainer says so).
+Pure: generated, lowered, validated and simulated on CPU (the runtime runs them:
+`test_runtime_virtual.py`; start-up checks and deadlock freedom per allowed microbatch count:
+`test_virtual_config.py`).
 """
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import itertools
 
 import pytest
 
-from megareshard.arguments import ConfigError, parse_args
-from megareshard.pipeline import (REGISTRY, Action, ActionKind, Costs, PipelineGraph, Schedule, ScheduleError,
-                                  generate, lower, placement_of, simulate, validate)
-from megareshard.pipeline.stage import check_pipeline_config
+from megareshard.pipeline import (REGISTRY, WARMUP_SCHEDULES, Action, ActionKind, Costs, PipelineGraph, Schedule,
+                                  ScheduleError, generate, lower, placement_of, simulate, validate)
 
 K = ActionKind
-VIRTUAL = [n for n, k in REGISTRY.items() if not k.runtime]
+VIRTUAL = [n for n in REGISTRY if n not in WARMUP_SCHEDULES]
 
 
 def test_registry_lists_every_kind() -> None:
@@ -94,11 +93,3 @@ def test_zbv_turn_is_a_local_hand_off() -> None:
                                           Action(K.B, 0, 0)]], placement=(0, 0))
     with pytest.raises(ScheduleError, match=r"F0@1 before F0@0, the local producer of edge 0->1"):
         validate(lower(bad))
-
-
-def test_trainer_refuses_virtual_schedules_with_the_reason() -> None:
-    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads",
-            "2", "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "20",
-            "--lr", "1e-3", "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]
-    with pytest.raises(ConfigError, match="zbv needs several stages per rank .* runnable: gpipe, 1f1b, eager-1f1b"):
-        check_pipeline_config(parse_args(argv, world_size=2), 2)

@@ -56,6 +56,13 @@ def test_extrapolated_pipeline_equals_the_full_simulation() -> None:
         got, _ = _pipeline(name, dw, 4, 40, f, b, e, {})
         want = simulate(generate(name, 4, 40, dw), costs=Costs(f=list(f), b=list(b), comm=e)).makespan
         assert got == pytest.approx(want, rel=1e-9), name
+    f2, b2 = f + f[::-1], b + b[::-1]  # two stages per mesh
+    for name, dw, v in (("zb-h1", True, 1), ("interleaved-1f1b", False, 2), ("zbv", True, 2)):
+        ff, bb = (f2, b2) if v > 1 else (f, b)
+        got, _ = _pipeline(name, dw, 4, 48, ff, bb, e, {}, v)
+        sched = generate(name, 4, 48, dw, virtual_stages=2 if name == "interleaved-1f1b" else None)
+        want = simulate(sched, costs=Costs(f=list(ff), b=list(bb), comm=e)).makespan
+        assert got == pytest.approx(want, rel=1e-9), name
 
 
 def test_memory_prunes_and_every_result_fits() -> None:
@@ -71,18 +78,19 @@ def test_memory_prunes_and_every_result_fits() -> None:
 
 def test_ranking_flags_and_outputs(tmp_path) -> None:
     cluster = ClusterSpec(hosts=4, devices_per_host=8, nic_gbps=100)
-    ranked = plan_layouts(LLAMA_8B, cluster, 256)
+    ranked = plan_layouts(LLAMA_8B, cluster, 256, runtime_only=True)
     simulated = [c for c in ranked if c.breakdown]
     assert simulated and ranked[0] is simulated[0]
     assert [c.step_s for c in simulated] == sorted(c.step_s for c in simulated)
     best = ranked[0]
-    assert best.tp * best.pp * best.dp == 32 and 256 % (best.micro_batch * best.dp) == 0
+    assert 256 % (best.micro_batch * best.dp) == 0
     # the flags are the trainer's: they parse next to the model's own
     argv = ["--mock-data", "--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
             "--seq-length", "4096", "--vocab-size", "128256", "--global-batch-size", "256", "--train-iters", "20",
-            "--lr", "1e-4"] + best.flags().split()
-    cfg = parse_args(argv, world_size=32)
-    assert (cfg.tp, cfg.pp, cfg.training.micro_batch_size) == (best.tp, best.pp, best.micro_batch)
+            "--lr", "1e-4"] + best.flags(32).split()
+    cfg = parse_args(argv, world_size=32)  # the world splits into the layout (uniform or per stage)
+    assert (cfg.pp, cfg.training.micro_batch_size, cfg.pipeline.pipeline_schedule) == (best.pp, best.micro_batch,
+                                                                                          best.schedule)
     text = table(ranked[:5], cluster)
     assert text.splitlines()[0].startswith("| # | layout | step s") and best.name.split()[0] in text
     draw_layout(best, cluster, str(tmp_path / "layout.png"))
@@ -90,8 +98,12 @@ def test_ranking_flags_and_outputs(tmp_path) -> None:
 
 
 def test_a_64_host_cluster_plans_quickly() -> None:
-    t0 = time.monotonic()
+    t0 = time.process_time()
     ranked = plan_layouts(LLAMA_8B, ClusterSpec(hosts=64, devices_per_host=8), 1024)
-    dt = time.monotonic() - t0
-    assert ranked and ranked[0].tp * ranked[0].pp * ranked[0].dp == 512
-    assert dt < 20, f"planning 64 hosts took {dt:.1f} s"  # about 7 s measured on 2 cores (docs/benchmarks.md)
+    dt = time.process_time() - t0
+    best = ranked[0]
+    lay = [tuple(map(int, e[2:].split("dp"))) for e in best.stage_layouts.split(",")] if best.stage_layouts else \
+        [(best.tp, best.dp)] * best.pp
+    assert sum(t * d for t, d in lay) == 512 and len(lay) == best.pp
+    # CPU time, not wall: the machine is shared (about 2.3 s measured on 2 loaded cores, docs/benchmarks.md)
+    assert dt < 10, f"planning 64 hosts took {dt:.1f} s of CPU"

@@ -1,0 +1,201 @@
+"""Calibration: measure the machines at hand and describe them as a cluster JSON the planner reads.
+
+What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emulated cluster included):
+
+* **device FLOP/s**: the median time of a matmul of the model's own sizes (``b·s × h`` by
+  ``h × f``, the MLP's first GEMM) → ``device_tflops``;
+* **per-layer forward and backward** of one Transformer layer of the model at its shape (our
+  GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
+  ``backward_factor`` = backward / forward;
+* **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
+* **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
+  between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
+  `target_s`), each direction reported as Gbit/s.
+
+Every rank issues the same point-to-point operations in the same order (NCCL's rules); ranks not in
+a pair wait at a barrier. The JSON (`CLUSTER_FORMAT`) holds `ClusterSpec`'s fields plus
+``measured`` (the raw timings); `load_cluster` reads it back, the launch's host and device counts
+replacing the measured machine's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+from .costs import ClusterSpec, ModelShape, layer_flops
+
+__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
+           "measure_optimizer", "measure_p2p", "calibrate"]
+
+CLUSTER_FORMAT = "megareshard-cluster/1"
+_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
+
+
+def cluster_to_json(cluster: ClusterSpec, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"format": CLUSTER_FORMAT, **dataclasses.asdict(cluster), "measured": measured or {}}
+
+
+def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | None = None) -> ClusterSpec:
+    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's.
+
+    Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
+    is not a positive number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cluster file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cluster file {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != CLUSTER_FORMAT:
+        raise ValueError(f"cluster file {path}: expected \"format\": \"{CLUSTER_FORMAT}\" (written by "
+                         "tools/calibrate_cluster.py)")
+    kw = {k: data[k] for k in _FIELDS if k in data}
+    if hosts is not None:
+        kw["hosts"] = hosts
+    if devices_per_host is not None:
+        kw["devices_per_host"] = devices_per_host
+    for k, v in kw.items():
+        zero_ok = k in ("memory_reserve", "optimizer_s_per_param")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
+        if not ok:
+            raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")
+    missing = [k for k in ("hosts", "devices_per_host") if k not in kw]
+    if missing:
+        raise ValueError(f"cluster file {path}: missing {', '.join(missing)}")
+    return ClusterSpec(**kw)
+
+
+def _median_time(fn, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(rows: int, inner: int, cols: int, dtype: str = "float32", iters: int = 5) -> dict[str, float]:
+    """FLOP/s of a ``rows × inner`` by ``inner × cols`` matmul (median of `iters`)."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(rows, inner, dtype=dt), torch.randn(inner, cols, dtype=dt)
+    s = _median_time(lambda: a @ b, iters)
+    return {"rows": rows, "inner": inner, "cols": cols, "seconds": s, "flops": 2.0 * rows * inner * cols / s}
+
+
+def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[str, float]:
+    """Forward and backward seconds of one Transformer layer of `model` (our GPT layer, one process, fp32)."""
+    import torch
+
+    from ..models.config import ModelConfig
+    from ..models.gpt import GPTModel
+    from ..parallel import ParallelContext
+
+    cfg = ModelConfig(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+                      ffn_hidden_size=model.ffn_hidden_size, seq_length=model.seq_length, vocab_size=model.vocab_size,
+                      hidden_dropout=0.0, attention_dropout=0.0)
+    layer = GPTModel(cfg, ParallelContext.single_process(), seed=1, device=torch.device("cpu"))
+    layer = next(iter(layer.layers.children()))
+    x = torch.randn(model.seq_length, micro_batch, model.hidden_size, requires_grad=True)
+    grad = torch.randn(model.seq_length, micro_batch, model.hidden_size)
+    fwd, bwd = [], []
+    for i in range(iters + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        y = layer(x)
+        t1 = time.perf_counter()
+        y.backward(grad)
+        t2 = time.perf_counter()
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd)}
+
+
+def measure_optimizer(params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
+    """Seconds per parameter of one AdamW step (fp32, the optimizer the trainer builds on CPU)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(params))
+    p.grad = torch.randn(params)
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    s = _median_time(opt.step, iters)
+    return {"params": params, "seconds": s, "seconds_per_param": s / params}
+
+
+def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 << 20,
+                iters: int = 3) -> dict[str, float] | None:
+    """Bytes per second from rank `src` to rank `dst` (gloo send/recv, median of `iters`); every rank calls it
+    (those not in the pair only wait at the barriers). A 256 KiB probe sizes the message to take ~`target_s`."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: list[float] = []
+
+    def once(n: int) -> float:
+        buf = torch.empty(n // 4, dtype=torch.float32)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == src:
+            dist.send(buf, dst)
+            dist.recv(buf[:1], dst)  # the receiver's acknowledgement closes the timing
+        elif rank == dst:
+            dist.recv(buf, src)
+            dist.send(buf[:1], src)
+        t = time.perf_counter() - t0
+        box = torch.tensor([t if rank == src else 0.0], dtype=torch.float64)
+        dist.all_reduce(box)
+        return float(box.item())
+
+    probe = 256 << 10
+    t = once(probe)
+    n = int(min(max_bytes, max(probe, probe * target_s / max(t, 1e-6))))
+    n -= n % 4
+    for _ in range(iters):
+        out.append(once(n))
+    s = statistics.median(out)
+    return {"src": src, "dst": dst, "bytes": n, "seconds": s, "Bps": n / s}
+
+
+def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
+              iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
+    """Run every measurement (a collective call: every rank of the default process group) and return the
+    cluster (this launch's hosts × devices) and the raw measurements."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    hosts = world // devices_per_host
+    h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
+    mm = measure_matmul(rows, h, f, iters=iters)
+    layer = measure_layer(model, micro_batch, iters=iters)
+    optim = measure_optimizer(iters=iters)
+    flops = layer_flops(model, micro_batch)
+    achieved = flops / layer["forward_s"]
+    measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
+                                "optimizer": optim,
+                                "world": world, "devices_per_host": devices_per_host}
+    intra = nic = None
+    if dist.is_initialized():
+        if devices_per_host > 1:
+            intra = measure_p2p(0, 1, target_s, iters=iters)
+            measured["intra"] = intra
+        if hosts > 1:
+            nic = measure_p2p(0, devices_per_host, target_s, iters=iters)
+            measured["nic"] = nic
+    defaults = ClusterSpec(1, 1)
+    cluster = ClusterSpec(
+        hosts=max(1, hosts), devices_per_host=devices_per_host, device_memory_gib=device_memory_gib,
+        device_tflops=mm["flops"] / 1e12, efficiency=min(1.0, achieved / mm["flops"]),
+        nic_gbps=nic["Bps"] * 8 / 1e9 if nic else defaults.nic_gbps,
+        intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
+        backward_factor=layer["backward_s"] / layer["forward_s"],
+        optimizer_s_per_param=optim["seconds_per_param"])
+    measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra)) if v is None]
+    return cluster, measured

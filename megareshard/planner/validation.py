@@ -1,0 +1,157 @@
+"""Validating the planner against measured runs: the grid, the choice of configurations, the statistics (pure).
+
+`tools/validate_planner.py` runs it: for every point of `GRID` (a model × a cluster shape × a NIC
+rate, all fixed here before anything runs) it calibrates the emulated cluster, plans, runs the
+planner's `TOP_K` best configurations and a seeded sample of `SAMPLE` others for real with compute
+paced to the planner's per-stage forward and backward times, and compares the predicted ranking with
+the measured one (`spearman`) and the planner's choice with the best measured (`choice_gap`).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+__all__ = ["ModelPoint", "GridPoint", "GRID", "TOP_K", "SAMPLE", "SEED", "PACE_MARGIN", "spearman", "choose",
+           "choice_gap", "summarize", "read_results", "estimate_wall_s"]
+
+
+@dataclass(frozen=True)
+class ModelPoint:
+    """A model of the validation grid (GPT flags, Megatron's names)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    global_batch_size: int
+
+    def argv(self) -> list[str]:
+        return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
+                "--num-attention-heads", str(self.num_attention_heads), "--seq-length", str(self.seq_length),
+                "--vocab-size", str(self.vocab_size), "--global-batch-size", str(self.global_batch_size)]
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One run of the validation: a model on hosts × procs ranks with NICs at `rate_mbit` (each direction)."""
+
+    model: ModelPoint
+    hosts: int
+    procs_per_host: int
+    rate_mbit: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.model.name}-{self.hosts}x{self.procs_per_host}-{self.rate_mbit:g}mbit"
+
+
+_GPT_SMALL = ModelPoint("gpt-small", 4, 128, 4, 64, 512, 8)
+_GPT_WIDE = ModelPoint("gpt-wide", 4, 256, 8, 32, 1024, 8)
+# fixed before running: two GPT shapes (the second twice as wide, half the sequence: its stage boundaries carry
+# as many bytes, its layers four times the weights) on 4 hosts × 2 ranks, at a NIC rate where the dp reduction
+# and stage transfers cost about as much as compute (40 Mbit/s) and one where compute dominates (200 Mbit/s)
+GRID: tuple[GridPoint, ...] = tuple(GridPoint(m, 4, 2, r) for m in (_GPT_SMALL, _GPT_WIDE) for r in (40.0, 200.0))
+TOP_K = 4
+"""The planner's best configurations run at every point."""
+SAMPLE = 8
+"""Further configurations drawn (seeded) from the rest of the planner's ranking."""
+SEED = 0
+PACE_MARGIN = 1.5
+"""The emulated device is this much slower than the compute measured under the run's load, so a paced
+action's budget exceeds its real compute time (overruns are counted and reported)."""
+WARMUP, ITERS = 1, 3
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):  # ties share their average rank
+            r[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (Pearson's of the ranks, ties averaged); needs two equal-length series
+    of at least two values, neither constant."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"spearman needs two series of one length >= 2 (got {len(a)} and {len(b)})")
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va, vb = sum((x - ma) ** 2 for x in ra), sum((y - mb) ** 2 for y in rb)
+    if va == 0 or vb == 0:
+        raise ValueError("spearman: a series is constant (no ranking to compare)")
+    return cov / (va * vb) ** 0.5
+
+
+def choose(predicted: Sequence[float], top_k: int = TOP_K, sample: int = SAMPLE, seed: int = SEED
+           ) -> list[tuple[int, str]]:
+    """Indices into the ranking (best first, `predicted` step times) to run, each with why: the first `top_k`
+    of distinct predictions ("top": of configurations predicted alike, to 0.1 %, the first stands for all), then
+    `sample` drawn without replacement from the rest with `random.Random(seed)` ("sample"), in ranking order."""
+    distinct: list[int] = []
+    for i, p in enumerate(predicted):
+        if not distinct or abs(p - predicted[distinct[-1]]) > 1e-3 * max(p, 1e-12):
+            distinct.append(i)
+    top = distinct[:top_k]
+    rest = [i for i in distinct if i not in top]
+    drawn = sorted(random.Random(seed).sample(rest, min(sample, len(rest))))  # distinct predictions too
+    return [(i, "top") for i in top] + [(i, "sample") for i in drawn]
+
+
+def choice_gap(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """How much slower the planner's choice (smallest prediction) measured than the best measured: a fraction."""
+    best_pred = min(range(len(predicted)), key=lambda i: predicted[i])
+    return measured[best_pred] / min(measured) - 1.0
+
+
+def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Spearman and the choice gap over the configurations that finished (status "ok")."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    out: dict[str, Any] = {"started": len(results), "finished": len(ok),
+                           "failed": [r["name"] for r in results if r.get("status") != "ok"]}
+    if len(ok) >= 2:
+        pred, meas = [r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]
+        try:
+            out["spearman"] = round(spearman(pred, meas), 4)
+        except ValueError as e:
+            out["spearman"] = None
+            out["why"] = str(e)
+        out["choice_gap"] = round(choice_gap(pred, meas), 4)
+        out["choice"] = ok[min(range(len(ok)), key=lambda i: pred[i])]["name"]
+        out["best_measured"] = ok[min(range(len(ok)), key=lambda i: meas[i])]["name"]
+        out["spearman_target_met"] = out["spearman"] is not None and out["spearman"] >= 0.8
+        out["choice_target_met"] = out["choice_gap"] <= 0.10
+    return out
+
+
+def read_results(path: str) -> dict[str, Any]:
+    """The validation JSON (`tools/validate_planner.py` writes it); its points re-summarised from their results."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or "points" not in data:
+        raise ValueError(f"{path}: not a planner validation file (no 'points')")
+    for p in data["points"]:
+        p["summary"] = summarize(p.get("results", []))
+    return data
+
+
+def estimate_wall_s(predicted_steps: Sequence[float], warmup: int = WARMUP, iters: int = ITERS,
+                    launch_s: float = 25.0, build_s: float = 4.0, slack: float = 1.3) -> float:
+    """Wall seconds of one point: the calibration and run launches, and per configuration its build and
+    warm-up + timed iterations at the predicted step times (× `slack` for what the prediction leaves out)."""
+    return 2 * launch_s + sum(build_s + (warmup + iters) * s * slack for s in predicted_steps)
+
+
+def grid_json() -> list[dict[str, Any]]:
+    return [asdict(p) | {"key": p.key} for p in GRID]

@@ -1,0 +1,111 @@
+"""The search dimensions beyond a uniform layout (pure): uneven layer splits, per-stage meshes, and the
+schedules that put several stages on a mesh — their stage counts and activation bounds before simulation.
+
+* **Layer splits** (``--num-layers-per-stage``): the first stage holds the embedding, the last the
+  output layer and the loss (``2·b·s·h·V`` forward FLOPs: at a large vocabulary several layers' worth).
+  `balanced_split` moves layers off the heavy stages: the split whose slowest stage is fastest,
+  every stage keeping at least one layer (a bisection over the candidate maxima).
+* **Per-stage meshes** (``--stage-layouts``): every stage keeps its block of ``n`` ranks but picks its
+  own tp (dp = n / tp). `stage_layout_variants` varies the first and the last stage's tp around a
+  uniform layout's (halved, kept, doubled): the stages whose memory and time differ from the rest.
+  The global microbatch is micro batch × the largest dp, so a stage of smaller dp gives each rank
+  proportionally more samples; the tps of one layout must be multiples of the smallest.
+* **Virtual stages**: interleaved-1f1b and eager-interleaved-1f1b put V stages on each mesh (V a
+  divisor of layers / pp, Megatron's ``--num-layers-per-virtual-pipeline-stage`` = layers / (pp·V)),
+  zbv two (the V shape), zb-h1 one (the I/W split). `live_bound` is each mesh's largest number of
+  live (stage, microbatch) activations before the simulator measures it: the warm-up count of the
+  interleaved schedules (Megatron's rule, plus the eager extra), the list scheduler's limit for the
+  zero-bubble ones (P − p, and 2P chunk activations for zbv).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..pipeline.generators import REGISTRY, forwards_before_first_backward
+
+__all__ = ["balanced_split", "stage_layout_variants", "virtual_options", "live_bound", "runtime_schedules"]
+
+
+def runtime_schedules() -> tuple[str, ...]:
+    """The schedules the pipeline runtime executes now (read from the registry at call time)."""
+    return tuple(n for n, k in REGISTRY.items() if k.runtime)
+
+
+def balanced_split(num_layers: int, pp: int, per_layer: float, extra: Sequence[float]) -> tuple[int, ...]:
+    """Layers per stage minimising the slowest stage's ``layers·per_layer + extra[i]`` (each stage >= 1 layer).
+
+    Ties keep layers on the earlier stages. Needs ``pp <= num_layers`` and ``per_layer > 0``.
+    """
+    if pp > num_layers or pp < 1 or per_layer <= 0 or len(extra) != pp:
+        raise ValueError(f"balanced_split: need 1 <= pp {pp} <= layers {num_layers}, per-layer cost {per_layer} > 0 "
+                         f"and one extra per stage (got {len(extra)})")
+
+    def capacity(t: float) -> list[int] | None:
+        caps = [int((t - e) / per_layer + 1e-9) for e in extra]
+        return caps if min(caps) >= 1 and sum(caps) >= num_layers else None
+
+    cands = sorted({k * per_layer + e for e in extra for k in range(1, num_layers + 1)})
+    lo, hi = 0, len(cands) - 1
+    while lo < hi:  # the smallest candidate maximum that fits every layer
+        mid = (lo + hi) // 2
+        if capacity(cands[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    caps = capacity(cands[lo])
+    assert caps is not None
+    split = list(caps)
+    excess = sum(split) - num_layers
+    while excess > 0:  # take the surplus from the most loaded stages, latest first
+        i = max(range(pp), key=lambda j: (split[j] * per_layer + extra[j] if split[j] > 1 else -1.0, j))
+        split[i] -= 1
+        excess -= 1
+    return tuple(split)
+
+
+def stage_layout_variants(tp: int, pp: int, ranks_per_stage: int, allowed_tp: Sequence[int]
+                          ) -> list[tuple[tuple[int, int], ...]]:
+    """Per-stage (tp, dp) layouts near a uniform one: the first and last stage's tp halved, kept or doubled
+    (among `allowed_tp`, dividing the stage's ranks), the middle stages' kept; the uniform layout excluded."""
+    if pp < 2:
+        return []
+    near = [t for t in (tp // 2, tp, 2 * tp) if t >= 1 and t in allowed_tp and ranks_per_stage % t == 0]
+    out = []
+    for a in near:
+        for c in near:
+            if a == tp and c == tp:
+                continue
+            tps = [a] + [tp] * (pp - 2) + [c]
+            low = min(tps)
+            if any(t % low for t in tps):
+                continue
+            out.append(tuple((t, ranks_per_stage // t) for t in tps))
+    return out
+
+
+def virtual_options(name: str, pp: int, num_layers: int, microbatches: int, max_v: int = 4) -> list[int]:
+    """Stages per mesh V that `name` can run with: 1 for one-stage-per-mesh kinds, 2 for zbv, every V in
+    2..max_v dividing layers / pp for the interleaved kinds (which also need microbatches % pp == 0)."""
+    kind = REGISTRY[name]
+    if pp < 2 and kind.stages_per_mesh != 1:
+        return []
+    if kind.microbatch_multiple_of_pp and microbatches % pp:
+        return []
+    if kind.stages_per_mesh is not None:
+        v = kind.stages_per_mesh
+        return [v] if num_layers % (pp * v) == 0 else []
+    return [v for v in range(2, max_v + 1) if num_layers % (pp * v) == 0]
+
+
+def live_bound(name: str, delay_wgrad: bool, pp: int, microbatches: int, v: int) -> list[int]:
+    """Per mesh, an upper bound of the live (stage, microbatch) activations (chunk activations when v > 1)."""
+    P, m = pp, microbatches
+    kind = REGISTRY[name]
+    if name in ("gpipe", "1f1b", "eager-1f1b"):
+        return [min(m, forwards_before_first_backward(name, P, m, p)) + (1 if delay_wgrad else 0) for p in range(P)]
+    if kind.zero_bubble:
+        return [min(v * m, 2 * P) if v > 1 else min(m, P - p) for p in range(P)]
+    eager = name.startswith("eager")
+    n = m * v
+    return [n if m == P else min(n, 2 * (P - p - 1) + (v - 1) * P + 1 + (P - p - 1 if eager else 0))
+            + (1 if delay_wgrad else 0) for p in range(P)]

@@ -1,0 +1,65 @@
+"""Calibration: measured on 2 local gloo ranks, the numbers are positive and sane, the JSON round-trips and
+the planner (tools/plan_layout.py and --auto-layout) accepts it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megareshard.arguments import ConfigError, parse_args
+from megareshard.planner import ModelShape, plan_layouts
+from megareshard.planner.calibration import CLUSTER_FORMAT, calibrate, cluster_to_json, load_cluster
+from tests.harness import run_ranks
+
+MODEL = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+
+
+def _calibrate(rank: int, world: int):
+    cluster, measured = calibrate(MODEL, 2, devices_per_host=world, device_memory_gib=1.0, iters=2,
+                                  target_s=0.05)
+    return cluster, measured
+
+
+def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> None:
+    (cluster, measured), _ = run_ranks(_calibrate, 2, timeout=90)
+    assert (cluster.hosts, cluster.devices_per_host) == (1, 2)
+    # a CPU core: between 10 MFLOP/s and 10 TFLOP/s; a layer never beats its own matmul rate by much
+    assert 1e-5 < cluster.device_tflops < 10 and 0 < cluster.efficiency <= 1
+    assert 0.5 < cluster.backward_factor < 20
+    # an Adam step touches ~16 bytes per parameter: between 0.01 ns and 10 µs per parameter on any CPU
+    assert 1e-11 < cluster.optimizer_s_per_param < 1e-5 and measured["optimizer"]["params"] == 1 << 20
+    lay = measured["layer"]
+    assert lay["forward_s"] > 0 and lay["backward_s"] > 0
+    assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["forward_s"])
+    # loopback between two processes: faster than 10 Mbit/s, slower than 10 Tbit/s
+    assert 0.01 < cluster.intra_gbps < 10_000 and measured["intra"]["bytes"] >= 256 << 10
+    assert measured["not_measured"] == ["nic_gbps"]  # one host: no NIC to measure, the default said so
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(cluster_to_json(cluster, measured)))
+    again = load_cluster(str(path), hosts=2)
+    assert again.hosts == 2 and again.device_tflops == cluster.device_tflops
+    ranked = plan_layouts(MODEL, again, 8, micro_batches=(1, 2), zero_stages=(0,), recompute_options=(False,))
+    assert ranked and ranked[0].step_s > 0
+    # the planner's layer forward is the measured one (its efficiency is the layer's rate over the matmul's):
+    # one stage of every layer at micro batch 2 takes at least the layers' measured forwards
+    one = [c for c in ranked if c.pp == 1 and c.tp == 1 and c.micro_batch == 2]
+    assert one and one[0].stage_f_s[0] >= MODEL.num_layers * lay["forward_s"] * (1 - 1e-9)
+    argv = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
+            "--auto-layout", "--nproc-per-node", "2", "--auto-layout-cluster", str(path)]
+    cfg = parse_args(argv, world_size=4)
+    assert f"from measured cluster {path}" in cfg.parallel.auto_layout_note
+    with pytest.raises(ConfigError, match="drop --auto-layout-nic-gbps"):
+        parse_args(argv + ["--auto-layout-nic-gbps", "1"], world_size=4)
+
+
+def test_bad_cluster_files_are_named(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match=f"bad.json: expected \"format\": \"{CLUSTER_FORMAT}\""):
+        load_cluster(str(bad))
+    bad.write_text(json.dumps({"format": CLUSTER_FORMAT, "hosts": 1, "devices_per_host": 2, "nic_gbps": -1}))
+    with pytest.raises(ValueError, match="nic_gbps = -1 is not a positive number"):
+        load_cluster(str(bad))
+    with pytest.raises(ValueError, match="missing.json: No such file"):
+        load_cluster(str(tmp_path / "missing.json"))

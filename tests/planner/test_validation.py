@@ -1,0 +1,100 @@
+"""The planner validation's pure parts (Spearman, the choice of configurations, the grid, reading results)
+and a smoke run of its worker on 2 local gloo ranks (no emulated cluster)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megareshard.planner import ClusterSpec
+from megareshard.planner.validation import (GRID, ModelPoint, GridPoint, choice_gap, choose, estimate_wall_s,
+                                            read_results, spearman, summarize)
+from tests.harness import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+
+def test_spearman() -> None:
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # monotone but not linear: still 1 (ranks only)
+    assert spearman([1, 2, 3, 4, 5], [1, 8, 27, 64, 1000]) == pytest.approx(1.0)
+    # ties share their average rank: ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4) -> Pearson = 0.9487
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(3 / 10 ** 0.5, rel=1e-9)
+    # one swap among 5: 1 - 6·2/(5·24) = 0.9
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 3, 4, 5]) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="constant"):
+        spearman([1, 1, 1], [1, 2, 3])
+    with pytest.raises(ValueError, match="length >= 2"):
+        spearman([1], [1])
+
+
+def test_choose_is_seeded_distinct_and_top_first() -> None:
+    pred = [1.0, 1.0, 1.0004, 1.1, 1.2, 1.2, 1.3, 1.5, 1.6, 2.0, 2.5, 3.0]
+    got = choose(pred, top_k=3, sample=3, seed=0)
+    assert [i for i, w in got if w == "top"] == [0, 3, 4]  # ties (to 0.1 %) stand for one another
+    drawn = [i for i, w in got if w == "sample"]
+    assert len(drawn) == 3 and drawn == sorted(drawn) and not set(drawn) & {0, 1, 2, 3, 4, 5}
+    assert choose(pred, 3, 3, seed=0) == got  # seeded: the same draw every time
+    assert choose([1.0, 2.0], top_k=4, sample=8) == [(0, "top"), (1, "top")]
+
+
+def test_grid_is_fixed_and_fits_the_budget() -> None:
+    assert len(GRID) == 4 and len({g.key for g in GRID}) == 4
+    assert {g.rate_mbit for g in GRID} == {40.0, 200.0} and all((g.hosts, g.procs_per_host) == (4, 2) for g in GRID)
+    assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0) == 40 + 8 + 4 * 3
+
+
+def test_summary_and_reading_results(tmp_path) -> None:
+    res = [{"rank": 1, "why": "top", "name": "a", "predicted_s": 1.0, "measured_s": 1.2, "status": "ok"},
+           {"rank": 2, "why": "top", "name": "b", "predicted_s": 2.0, "measured_s": 1.1, "status": "ok"},
+           {"rank": 5, "why": "sample", "name": "c", "predicted_s": 3.0, "measured_s": 3.3, "status": "ok"},
+           {"rank": 9, "why": "sample", "name": "d", "predicted_s": 4.0, "status": "failed: boom"}]
+    s = summarize(res)
+    assert (s["started"], s["finished"], s["failed"]) == (4, 3, ["d"])
+    assert s["spearman"] == pytest.approx(0.5) and s["choice"] == "a" and s["best_measured"] == "b"
+    assert s["choice_gap"] == pytest.approx(1.2 / 1.1 - 1, abs=1e-4) and s["choice_target_met"]
+    assert not s["spearman_target_met"]
+    assert choice_gap([1, 2], [1.0, 1.05]) == 0.0
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"points": [{"key": "p", "results": res}]}))
+    data = read_results(str(path))
+    assert data["points"][0]["summary"]["spearman"] == pytest.approx(0.5)
+    import validate_planner
+
+    text = validate_planner.tables(data)
+    assert "| p | 3/4 | 0.50 | a | +9.1 % | NOT met |" in text and "failed: boom" in text
+    validate_planner.draw(data, str(tmp_path / "v.png"))
+    assert (tmp_path / "v.png").stat().st_size > 1000
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a planner validation file"):
+        read_results(str(path))
+
+
+TINY = GridPoint(ModelPoint("tiny", 2, 32, 4, 16, 64, 4), 1, 2, 1000.0)
+# a slow device (20 MFLOP/s): a tiny layer's paced forward takes ~10 ms, far more than its real compute
+SLOW = ClusterSpec(1, 2, device_memory_gib=1.0, device_tflops=2e-5, efficiency=1.0, nic_gbps=1.0, intra_gbps=10.0)
+
+
+def _smoke(rank: int, world: int, configs, argv):
+    import validate_planner
+
+    return validate_planner.run_configs(configs, argv, 2, 1, 2, None, say=lambda *x: None)
+
+
+def test_worker_smoke_on_two_local_ranks() -> None:
+    import validate_planner
+
+    configs, n = validate_planner.plan_point(TINY, SLOW)
+    assert n >= len(configs) >= 2 and configs[0]["why"] == "top"
+    configs = configs[:1] + [c for c in configs if c["pp"] > 1][:1]  # one stage, and a pipeline
+    assert len(configs) == 2
+    recs = run_ranks(_smoke, 2, configs, TINY.model.argv(), timeout=120)[0]
+    assert [r["status"] for r in recs] == ["ok", "ok"], recs
+    for c, r in zip(configs, recs):
+        busiest = max(f + b for f, b in zip(c["stage_f_s"], c["stage_b_s"]))
+        # paced: a stage runs its m forwards and backwards one after another, each at least its budget
+        assert r["measured_s"] >= 0.95 * c["num_microbatches"] * busiest, (c, r)
+        assert r["measured_s"] < 20 * c["predicted_s"] + 1.0, (c, r)

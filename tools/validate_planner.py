@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""Validate the layout planner against measured runs on the emulated cluster (issue 18, item 4).
+
+    tools/validate_planner.py --dry-run            # every point's commands and the wall-time estimate; runs nothing
+    sudo tools/validate_planner.py                 # the whole grid (root: network namespaces), ~10 min
+    tools/validate_planner.py --from-json docs/results/planner_validation.json   # redraw the table and picture
+
+The grid is fixed in megareshard/planner/validation.py before anything runs: two GPT shapes on
+4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction. For every point:
+
+1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
+   matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
+   will see —, intra-host and NIC bandwidth); the emulated device is `PACE_MARGIN` slower than that;
+2. **plan** with that cluster (schedules the runtime executes, ZeRO 0, no recomputation: both change
+   memory, not the paced time), every shape scored by the simulator;
+3. **run** the planner's `TOP_K` best configurations and a seeded sample of `SAMPLE` others in ONE
+   launch (one process group, one trainer per configuration in turn), every compute action paced to
+   the planner's per-stage forward/backward time (`PipelineRuntime.pace`; one stage: the whole
+   forward-backward padded to m·(F + B)), so measured times are comparable to the model's; step time
+   = median over `ITERS` timed iterations after `WARMUP`, barrier to optimizer step, max over ranks;
+4. **compare**: Spearman rank correlation of predicted and measured step times, and how much slower
+   the planner's choice measured than the best measured (targets: >= 0.8, <= 10 %).
+
+Every configuration started is reported, failures included; a launch that ends early leaves the
+configurations it did not reach as "not finished". The JSON (`--json`) is rewritten after every
+point; `--from-json` prints the Markdown tables and draws predicted against measured (`--img`).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megareshard.planner.validation import (GRID, ITERS, PACE_MARGIN, SAMPLE, SEED, TOP_K, WARMUP,  # noqa: E402
+                                            GridPoint, choose, estimate_wall_s, grid_json, read_results, summarize)
+
+TOOLS = ROOT / "tools"
+
+
+# ---- planning (pure) -----------------------------------------------------------------------------
+def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
+    """The configurations to run at `point` (dicts the worker reads) and the size of the ranking they come from."""
+    from megareshard.planner import ModelShape, plan_layouts
+
+    m = point.model
+    shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
+                       dtype_bytes=4)  # the runs train in fp32
+    ranked = plan_layouts(shape, cluster, m.global_batch_size, micro_batches=(1, 2, 4), zero_stages=(0,),
+                          recompute_options=(False,), runtime_only=True, top_shapes=10**6, keep=None)
+    picked = choose([c.step_s for c in ranked], TOP_K, SAMPLE, SEED)
+    out = []
+    for i, why in picked:
+        c = ranked[i]
+        out.append({"rank": i + 1, "why": why, "name": c.name, "flags": c.flags(m.num_layers),
+                    "predicted_s": c.step_s, "pp": c.pp, "num_microbatches": c.num_microbatches,
+                    "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "bottleneck": c.bottleneck})
+    return out, len(ranked)
+
+
+def slowed(cluster, margin: float = PACE_MARGIN):
+    """The emulated device: `margin` times slower than the measured compute (same network)."""
+    import dataclasses
+
+    return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin)
+
+
+# ---- the worker (inside torchrun, every rank) ----------------------------------------------------------
+class _Paced:
+    """One stage without a pipeline runtime: the whole forward-backward padded to `budget_s`."""
+
+    def __init__(self, fn, budget_s: float) -> None:
+        self.fn, self.budget_s, self.overruns = fn, budget_s, 0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        left = self.budget_s - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.overruns += 1
+        return out
+
+
+def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], procs_per_host: int,
+                warmup: int, iters: int, results_path: str | None, say=print) -> list[dict[str, Any]]:
+    """Run every configuration in turn on the initialised default process group; rank 0 appends one JSON line
+    per configuration to `results_path` as soon as it is done and returns the records (other ranks: [])."""
+    import torch
+    import torch.distributed as dist
+
+    from megareshard.arguments import ConfigError, parse_args
+    from megareshard.training import Trainer, build_context
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cpu")
+    records = []
+    for k, c in enumerate(configs):
+        rec: dict[str, Any] = {k2: c[k2] for k2 in ("rank", "why", "name", "flags", "predicted_s")}
+        t_start = time.monotonic()
+        try:
+            argv = ["--mock-data", *model_argv, "--train-iters", "1000000", "--lr", "1e-4", "--lr-warmup-iters", "1",
+                    "--device", "cpu", "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout",
+                    "0", "--nproc-per-node", str(procs_per_host), *c["flags"].split()]
+            cfg = parse_args(argv, world_size=world)
+            ctx, _ = build_context(cfg, world)
+            trainer = Trainer(cfg, ctx, device, out=io.StringIO())
+            stage = ctx.pp_rank()
+            f, b = c["stage_f_s"][stage], c["stage_b_s"][stage]
+            paced = None
+            if trainer.pipeline is not None:
+                trainer.pipeline.pace = {"F": f, "B": b, "I": b / 2, "W": b / 2}
+            else:
+                paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b))
+                trainer.forward_backward_fn = paced
+            batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
+            times, overruns = [], 0
+            for r in range(warmup + iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                trainer.train_step(batch)
+                box = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(box, op=dist.ReduceOp.MAX)
+                if r >= warmup:
+                    times.append(float(box.item()))
+                    if trainer.pipeline is not None:
+                        overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
+            if paced is not None:
+                overruns = paced.overruns
+            total = torch.tensor([overruns], dtype=torch.float64)
+            dist.all_reduce(total)
+            trainer.close()
+            rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
+                       pace_overruns=int(total.item()))
+        except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
+            rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
+        rec["wall_s"] = round(time.monotonic() - t_start, 2)
+        if rank == 0:
+            records.append(rec)
+            if results_path:
+                with open(results_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+            got = f"{rec['measured_s']:.3f} s measured" if rec["status"] == "ok" else rec["status"]
+            say(f"[validate_planner] {k + 1}/{len(configs)} #{c['rank']} {c['name']}: predicted "
+                f"{c['predicted_s']:.3f} s, {got} ({rec['wall_s']:.0f} s)")
+    return records
+
+
+def _worker(spec_path: str) -> int:
+    import torch
+
+    from megareshard.training import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(torch.device("cpu"))
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    run_configs(spec["configs"], spec["model_argv"], spec["procs_per_host"], spec["warmup"], spec["iters"],
+                spec["results"], say=lambda *x: print(*x, flush=True))
+    return 0
+
+
+# ---- the grid (root: emulated cluster) -------------------------------------------------------------------
+def _emulated(point: GridPoint, cmd: list[str], timeout_s: float) -> list[str]:
+    return [sys.executable, str(TOOLS / "emulate_cluster.py"), "--hosts", str(point.hosts), "--procs-per-host",
+            str(point.procs_per_host), "--nic-rate", f"{point.rate_mbit:g}mbit", "--timeout", str(int(timeout_s)),
+            "--", *cmd]
+
+
+def calibration_cmd(point: GridPoint, out: str) -> list[str]:
+    m = point.model
+    return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
+            str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
+            str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", "2", "--iters", "5",
+            "--json", out]
+
+
+def _run(cmd: list[str]) -> int:
+    print("[validate_planner] $ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
+    from megareshard.planner.calibration import load_cluster
+
+    data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
+                                       "warmup": WARMUP, "iters": ITERS}, "grid": grid_json(), "points": []}
+    tmp = tempfile.mkdtemp(prefix="mr-validate-")
+    t_all = time.monotonic()
+    try:
+        for n, point in enumerate(points):
+            t0 = time.monotonic()
+            print(f"[validate_planner] point {n + 1}/{len(points)} {point.key}: calibrating "
+                  f"(total {time.monotonic() - t_all:.0f} s)", flush=True)
+            cal = os.path.join(tmp, f"{point.key}-cluster.json")
+            rec: dict[str, Any] = {"key": point.key, "point": grid_json()[GRID.index(point)], "results": []}
+            # the wall-time budget: what is left, shared by the points still to run
+            share = (a.budget_min * 60 - (time.monotonic() - t_all)) / (len(points) - n)
+            rc = _run(_emulated(point, calibration_cmd(point, cal), max(30.0, min(90.0, share / 3))))
+            if rc or not os.path.exists(cal):
+                rec["status"] = f"calibration failed (exit code {rc})"
+                data["points"].append(rec)
+                _write(a.json, data)
+                continue
+            measured = load_cluster(cal, hosts=point.hosts, devices_per_host=point.procs_per_host)
+            with open(cal, encoding="utf-8") as f:
+                rec["calibration"] = json.load(f)
+            cluster = slowed(measured)
+            configs, n_ranked = plan_point(point, cluster)
+            rec.update(ranked=n_ranked, configs=configs)
+            spec = os.path.join(tmp, f"{point.key}-spec.json")
+            results = os.path.join(tmp, f"{point.key}-results.jsonl")
+            with open(spec, "w", encoding="utf-8") as f:
+                json.dump({"configs": configs, "model_argv": point.model.argv(), "procs_per_host":
+                           point.procs_per_host, "warmup": WARMUP, "iters": ITERS, "results": results}, f)
+            print(f"[validate_planner] {point.key}: {len(configs)} of {n_ranked} configurations to run "
+                  f"(estimate {estimate_wall_s([c['predicted_s'] for c in configs]):.0f} s)", flush=True)
+            left = max(60.0, min(a.point_timeout, share - (time.monotonic() - t0)))
+            rc = _run(_emulated(point, [str(Path(__file__).resolve()), "--worker", spec], left))
+            done = []
+            if os.path.exists(results):
+                with open(results, encoding="utf-8") as f:
+                    done = [json.loads(line) for line in f if line.strip()]
+            names = {r["name"] for r in done}
+            for c in configs:
+                if c["name"] not in names:
+                    done.append({k: c[k] for k in ("rank", "why", "name", "flags", "predicted_s")}
+                                | {"status": f"not finished (the launch ended with exit code {rc})"})
+            rec["results"] = done
+            rec["summary"] = summarize(done)
+            rec["wall_s"] = round(time.monotonic() - t0, 1)
+            data["points"].append(rec)
+            _write(a.json, data)
+            s = rec["summary"]
+            print(f"[validate_planner] {point.key}: {s['finished']}/{s['started']} finished, Spearman "
+                  f"{s.get('spearman')}, choice {s.get('choice_gap')} slower than the best measured "
+                  f"({rec['wall_s']:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(tables(data))
+    if a.img:
+        draw(data, a.img)
+    return 0
+
+
+def _write(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+
+
+# ---- dry run, tables, picture -----------------------------------------------------------------------
+def dry_run(points: Sequence[GridPoint]) -> int:
+    """Commands and wall time, from an in-process calibration of this machine (no processes, no network):
+    the layer's measured speed shared by every rank of the point on this machine's cores."""
+    from megareshard.planner import ClusterSpec, ModelShape
+    from megareshard.planner.calibration import measure_layer, measure_matmul, measure_optimizer
+    from megareshard.planner.costs import layer_flops
+
+    total = 0.0
+    cores = os.cpu_count() or 1
+    for point in points:
+        m = point.model
+        shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
+                           dtype_bytes=4)
+        mm = measure_matmul(m.seq_length * 2, m.hidden_size, shape.ffn)
+        layer = measure_layer(shape, 2)
+        share = max(1.0, point.hosts * point.procs_per_host / cores)  # every rank computes at once
+        cluster = ClusterSpec(point.hosts, point.procs_per_host, 4.0, mm["flops"] / 1e12,
+                              min(1.0, layer_flops(shape, 2) / layer["forward_s"] / mm["flops"]) / share,
+                              nic_gbps=point.rate_mbit / 1e3, intra_gbps=30.0,
+                              backward_factor=layer["backward_s"] / layer["forward_s"],
+                              optimizer_s_per_param=measure_optimizer()["seconds_per_param"] * share)
+        configs, n = plan_point(point, slowed(cluster))
+        est = estimate_wall_s([c["predicted_s"] for c in configs])
+        total += est
+        print(f"# {point.key}: {len(configs)} of {n} configurations, estimate {est:.0f} s")
+        print(" ".join(_emulated(point, calibration_cmd(point, "CLUSTER.json"), 360)))
+        print(" ".join(_emulated(point, [str(Path(__file__).resolve()), "--worker", "SPEC.json"], 360)))
+        for c in configs:
+            print(f"#   {c['why']:6s} #{c['rank']:<4d} {c['predicted_s']:.3f} s  {c['name']}")
+    print(f"# estimated wall time: {total / 60:.1f} min for {len(points)} point(s)")
+    return 0
+
+
+def tables(data: dict[str, Any]) -> str:
+    out = ["| point | finished | Spearman | planner's choice | measured vs best | targets |",
+           "|---|---|---|---|---|---|"]
+    for p in data["points"]:
+        s = p.get("summary") or summarize(p.get("results", []))
+        if "spearman" not in s:
+            why = p.get("status", "too few finished")
+            out.append(f"| {p['key']} | {s['finished']}/{s['started']} | — | — | — | {why} |")
+            continue
+        met = "met" if s["spearman_target_met"] and s["choice_target_met"] else "NOT met"
+        out.append(f"| {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "
+                   f"{100 * s['choice_gap']:+.1f} % | {met} |")
+    for p in data["points"]:
+        out += ["", f"#### {p['key']}", "", "| # | why | configuration | predicted s | measured s | actions over "
+                "their paced budget | status |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(p.get("results", []), key=lambda r: r["rank"]):
+            meas = f"{r['measured_s']:.3f}" if r.get("status") == "ok" else "—"
+            out.append(f"| {r['rank']} | {r['why']} | {r['name']} | {r['predicted_s']:.3f} | {meas} | "
+                       f"{r.get('pace_overruns', '—')} | {r['status']} |")
+    return "\n".join(out)
+
+
+def draw(data: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = data["points"]
+    fig, axes = plt.subplots(1, max(1, len(pts)), figsize=(4 * max(1, len(pts)), 4), squeeze=False)
+    for ax, p in zip(axes[0], pts):
+        ok = [r for r in p.get("results", []) if r.get("status") == "ok"]
+        for why, mark in (("top", "o"), ("sample", "x")):
+            xs = [r["predicted_s"] for r in ok if r["why"] == why]
+            ys = [r["measured_s"] for r in ok if r["why"] == why]
+            ax.scatter(xs, ys, marker=mark, label=why)
+        if ok:
+            lo = min(min(r["predicted_s"], r["measured_s"]) for r in ok)
+            hi = max(max(r["predicted_s"], r["measured_s"]) for r in ok)
+            ax.plot([lo, hi], [lo, hi], "k:", lw=1)
+        s = p.get("summary") or summarize(p.get("results", []))
+        ax.set_title(f"{p['key']}\nSpearman {s.get('spearman')}", fontsize=8)
+        ax.set_xlabel("predicted s/step")
+        ax.set_ylabel("measured s/step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="validate_planner.py", description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="print each point's commands and the wall estimate")
+    p.add_argument("--from-json", default=None, help="no run: print the tables (and --img) of a finished run")
+    p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
+    p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
+    p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
+    p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
+    p.add_argument("--budget-min", type=float, default=14.0,
+                   help="wall-time budget of the whole grid: each point's launches stop at its share of what is left "
+                        "(the configurations they did not reach are reported as not finished)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return _worker(a.worker)
+    if a.from_json:
+        try:
+            data = read_results(a.from_json)
+        except (OSError, ValueError) as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        print(tables(data))
+        if a.img:
+            draw(data, a.img)
+            print(f"picture: {a.img}")
+        return 0
+    points = list(GRID)
+    if a.points:
+        keys = a.points.split(",")
+        unknown = [k for k in keys if k not in {g.key for g in GRID}]
+        if unknown:
+            p.exit(2, f"{p.prog}: error: unknown point(s) {', '.join(unknown)}; the grid: "
+                      f"{', '.join(g.key for g in GRID)}\n")
+        points = [g for g in GRID if g.key in keys]
+    if a.dry_run:
+        return dry_run(points)
+    return run_grid(a, points)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
