@@ -48,6 +48,7 @@ FLAGS = [
     _opt("--train-iters", [1, 3, 0]),
     _opt("--train-samples", [4, 16, 0]),
     _opt("--pipeline-schedule", list(SCHEDULES)),
+    _opt("--pipeline-schedule-file", ["/nonexistent/schedule.txt"]),
     _opt("--delay-wgrad-compute", [None]),
     _opt("--num-layers-per-stage", ["1,1", "2,1", "1,2,1", "a", "0,2"]),
     _opt("--reshard-strategy", ["sendrecv", "allgather", "broadcast", "signal"]),
