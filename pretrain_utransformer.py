@@ -19,7 +19,7 @@ import sys
 
 from megareshard.arguments import ConfigError, parse_model_args
 from megareshard.launch import PeerFailure, PreflightError
-from megareshard.training import pretrain
+from megareshard.training import RunStopped, pretrain
 
 
 def main(argv=None) -> int:
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
         return 2
-    except (PeerFailure, PreflightError) as e:  # a missing, dead, stalled or cut-off rank: named, exit 1
+    except (PeerFailure, PreflightError, RunStopped) as e:
+        # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
+        # every rank stops, named in one line
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -138,6 +138,11 @@ class TrainingConfig:
     seed: int = _f(1234, "seed for weights, data order and dropout")
     device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=("cpu", "cuda"))
     exit_duration_in_mins: float | None = _f(None, "save (with --save) and exit once training has run this long")
+    check_for_nan_in_loss_and_grad: bool = _f(True, "stop at the first non-finite loss or gradient, naming the "
+                                                    "iteration, the rank and the parameter (fp16 overflows with a "
+                                                    "loss scaler still skip the step); "
+                                                    "--no-check-for-nan-in-loss-and-grad disables the check",
+                                              flag="--no-check-for-nan-in-loss-and-grad")
 
 
 @dataclass
@@ -163,6 +168,10 @@ class DataConfig:
     tokenizer_model: str | None = _f(None, "sentencepiece model file, or a local Hugging Face tokenizer directory")
     vocab_file: str | None = _f(None, "GPT-2 BPE vocabulary (vocab.json)")
     merge_file: str | None = _f(None, "GPT-2 BPE merges (merges.txt)")
+    data_validation: bool = _f(True, "check every dataset at start-up (index against .bin, token ids below the "
+                                     "vocabulary size, not empty; one chunked pass over the tokens shared by the "
+                                     "ranks); --no-data-validation skips the token pass for huge corpora",
+                               flag="--no-data-validation")
 
 
 @dataclass
@@ -210,6 +219,9 @@ class CheckpointConfig:
     exit_interval: int | None = _f(None, "save (with --save) and exit after an iteration divisible by this")
     exit_signal_handler: bool = _f(False, "on SIGTERM: finish the iteration, save, exit (schedulers preempt)")
     async_save: bool = _f(False, "write checkpoints in a background thread (state copied to CPU first)")
+    on_save_failure: str = _f("stop", "when a checkpoint save fails (disk full, I/O error): stop with the error, or "
+                                      "continue training (the previous checkpoint stays the latest)",
+                              choices=("stop", "continue"))
     ckpt_format: str = _f("torch_dist", "checkpoint format: torch_dist, megareshard's sharded format that any "
                                         "layout loads (the only one)")
 
@@ -292,8 +304,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
                 group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
                                    + f" (default {f.default})", choices=f.metadata.get("choices"))
-            elif kind is bool:
-                group.add_argument(_flag(f), dest=dest, action="store_true", default=f.default, help=f.metadata["help"])
+            elif kind is bool:  # a field defaulting to True is switched off by its --no-... flag
+                group.add_argument(_flag(f), dest=dest, action="store_false" if f.default else "store_true",
+                                   default=f.default, help=f.metadata["help"])
             elif kind is list:
                 group.add_argument(_flag(f), dest=dest, nargs="+", default=f.default, help=f.metadata["help"],
                                    metavar=f.metadata.get("metavar"))
@@ -473,6 +486,14 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError("--bf16 and --fp16 conflict: choose one")
     if mem.loss_scale is not None and not mem.fp16:
         raise ConfigError(f"--loss-scale {mem.loss_scale} only applies with --fp16 (bf16 and fp32 need no scaling)")
+    if mem.fp16:
+        for name, value in (("--loss-scale", mem.loss_scale), ("--initial-loss-scale", mem.initial_loss_scale),
+                            ("--min-loss-scale", mem.min_loss_scale)):
+            if value is not None and not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if mem.loss_scale_window < 1 or mem.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window {mem.loss_scale_window} and --hysteresis {mem.hysteresis} must "
+                              "be at least 1")
     if mem.recompute_activations and mem.recompute_granularity == "full":
         raise ConfigError("--recompute-activations (selective) conflicts with --recompute-granularity full: "
                           "choose one")

@@ -20,6 +20,7 @@ def config_field(default: Any, help: str, *, flag: str | None = None, choices: S
     """A dataclass field whose ``help`` is its one-line docstring and its ``--flag`` help at once.
 
     The flag is the field name with dashes unless ``flag`` names another; a bool field is a
-    ``store_true`` switch.
+    switch: ``store_true``, or ``store_false`` for one that defaults to True (its flag is then the
+    ``--no-...`` form, Megatron's spelling).
     """
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})

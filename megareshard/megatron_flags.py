@@ -63,8 +63,8 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--log-params-norm": (_FLAG, "not logged"),
     "--timing-log-level": (_INT, "not logged"),
     "--use-cpu-initialization": (_FLAG, "weights are initialised from the seed on their device"),
-    "--no-check-for-nan-in-loss-and-grad": (_FLAG, "a non-finite loss always stops the run"),
-    "--check-for-nan-in-loss-and-grad": (_FLAG, "a non-finite loss always stops the run"),
+    "--check-for-nan-in-loss-and-grad": (_FLAG, "the check is on by default (--no-check-for-nan-in-loss-and-grad "
+                                                "turns it off)"),
     "--accumulate-allreduce-grads-in-fp32": (_FLAG, "gradients are accumulated and reduced in fp32"),
 }
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .arguments import Config, ConfigError
-from .checkpoint import CheckpointManager, LoadResult
+from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
@@ -39,6 +39,7 @@ from .memory import ActivationMeter, MemoryReport, memory_report
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
+from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
 from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline import memory_view
@@ -47,6 +48,10 @@ from .pipeline.chunks import build_chunks
 from .pipeline.stage import check_pipeline_config, reduce_tied_grad_across_layouts, stage_placement
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
+
+
+#: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
+RunStopped = (CheckpointError, NonFiniteError)
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -184,6 +189,7 @@ class Trainer:
         if cfg.pp > 1:
             check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
+        self._nonfinite_before_reduction: tuple[str, str] | None = None  # --check-for-nan-in-loss-and-grad
         torch.manual_seed(cfg.training.seed)
         self.pipeline: PipelineRuntime | None = None
         mem = cfg.memory
@@ -228,6 +234,7 @@ class Trainer:
                 print(self.pipeline.describe(), file=self.out, flush=True)
         if self.forward_backward_fn is None:
             self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
+        self._validate_data()
         self._build_data()
         self.iteration = 0
         # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
@@ -248,6 +255,7 @@ class Trainer:
         self._last_saved = self.iteration if ck.load and not ck.finetune else None
         self._sigterm = False
         self._faults = faults_for(ctx.rank)  # MEGARESHARD_INJECT_FAULT (tests and tools/chaos_ranks.py only)
+        self.save_failures = 0  # checkpoint saves that failed under --on-save-failure continue
         if ck.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
@@ -277,6 +285,40 @@ class Trainer:
                               f"{tok!r} ({tok.vocab_size} ids); drop --vocab-size or use the tokenizer the data "
                               "was made with")
         m.vocab_size = tok.vocab_size
+
+    def _validate_data(self) -> None:
+        """Start-up checks of every dataset file (data/validate.py), agreed by all ranks: each opens every
+        dataset (index against .bin, not empty) and scans its share of the token chunks against the
+        vocabulary; any rank's finding becomes the same ConfigError on every rank."""
+        d, ctx = self.cfg.data, self.ctx
+        if d.mock_data:
+            return
+        from .data.blended import parse_blend
+        from .data.indexed_dataset import IndexedDataset
+        from .data.validate import check_not_empty, check_token_range, chunk_count
+
+        prefixes = []
+        for values in (d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path):
+            if values:
+                prefixes += [p for p in parse_blend(values)[0] if p not in prefixes]
+        found = None
+        try:
+            for prefix in prefixes:
+                ds = IndexedDataset(prefix)
+                check_not_empty(ds)
+                if d.data_validation:
+                    check_token_range(ds, self.cfg.model.vocab_size,
+                                      chunks=range(ctx.rank, chunk_count(ds), ctx.world_size))
+        except (OSError, ValueError) as e:
+            found = str(e)
+        every = [found]
+        if dist.is_initialized() and ctx.world_size > 1:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, found)
+        seen = [(r, e) for r, e in enumerate(every) if e]
+        if seen:
+            who = f" (found by rank {seen[0][0]})" if ctx.world_size > 1 else ""
+            raise ConfigError(seen[0][1] + who)
 
     def _build_data(self) -> None:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
@@ -348,6 +390,9 @@ class Trainer:
             if self.model.sequence_parallel:
                 sync_sequence_parallel_grads(self.model, ctx)
             self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
+            if self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.memory.overlap_grad_reduce:
+                # this rank's own first non-finite gradient, before the reduction spreads it to every replica
+                self._nonfinite_before_reduction = first_nonfinite_grad(self.model.named_parameters())
             self.optimizer.finish_grad_sync()
 
     def start_stage_grad_reduce(self, stage: int) -> None:
@@ -420,6 +465,14 @@ class Trainer:
                             f"{self.world_size} ranks, parameter all-gathers over data-parallel ranks "
                             f"{list(self.ctx.group_ranks.get('dp', ()))})"):
             grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
+            if self.cfg.training.check_for_nan_in_loss_and_grad:  # collective: every rank stops together
+                entries = getattr(self.optimizer, "entries", ())
+                check_loss_and_grad(iteration=self.iteration + 1, rank=self.ctx.rank, local_loss=float(loss.item()),
+                                    grad_norm=grad_norm, overflow_skips=getattr(self.optimizer, "loss_scaler", None)
+                                    is not None, named_params=self.model.named_parameters(),
+                                    master_grads={e.name: e.master.grad for e in entries}, device=self.device,
+                                    before_reduction=self._nonfinite_before_reduction)
+                self._nonfinite_before_reduction = None
             if meter is not None:  # first iteration: gradients and optimizer state now exist
                 self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer,
                                                                        meter.peak_bytes), self.device)
@@ -473,8 +526,6 @@ class Trainer:
             per_stage = peak_memory_per_stage(self.ctx, self.device)
             rec["peak_mem_mb"] = max(per_stage)
             rec["peak_mem_mb_per_stage"] = per_stage
-            if not math.isfinite(res.loss) and not res.skipped:
-                raise FloatingPointError(f"loss is {res.loss} at iteration {self.iteration}")
             if self.eval_interval and self.iteration % self.eval_interval == 0 and self.valid_data is not None:
                 with self._activity(f"evaluation at iteration {self.iteration}"):
                     rec["eval_loss"] = self.evaluate()
@@ -568,16 +619,29 @@ class Trainer:
         print(f" rank {self.ctx.rank}: SIGTERM received: saving a checkpoint after this iteration, then exiting",
               file=self.out, flush=True)
 
-    def save_checkpoint(self) -> str:
-        """Collective: save this iteration under --save (atomic; updates --save/latest)."""
+    def save_checkpoint(self) -> str | None:
+        """Collective: save this iteration under --save (atomic; updates --save/latest). A failed save (every
+        rank gets the same error; ``latest`` still names the previous checkpoint) stops the run, or with
+        --on-save-failure continue is reported and training goes on (returns None)."""
         # untimed: writing a large checkpoint may rightly outlast --comm-timeout; a peer's failure is still named
         with self._activity(f"saving checkpoint of iteration {self.iteration} to {self.cfg.checkpoint.save} "
                             f"(collective over all {self.world_size} ranks)", timed=False):
-            path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
-                                         optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
-                                         config=self.cfg, wandb_run_id=self.tracker.run_id)
+            try:
+                path = self.checkpoints.save(self.cfg.checkpoint.save, self.iteration, model=self.model,
+                                             optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler,
+                                             config=self.cfg, wandb_run_id=self.tracker.run_id)
+            except CheckpointError as e:
+                self._save_failed(e)
+                return None
         self._last_saved = self.iteration
         return path
+
+    def _save_failed(self, error: CheckpointError) -> None:
+        if self.cfg.checkpoint.on_save_failure == "stop":
+            raise error
+        self.save_failures += 1
+        if self.ctx.rank == 0:
+            print(f"WARNING: {error}; training continues (--on-save-failure continue)", file=self.out, flush=True)
 
     def _checkpoint_and_maybe_exit(self) -> bool:
         """After an iteration: --save-interval saves; --exit-interval and SIGTERM (agreed on by every rank,
@@ -612,7 +676,10 @@ class Trainer:
         return stop
 
     def close(self) -> None:
-        self.checkpoints.close()
+        try:
+            self.checkpoints.close()  # waits for a background save (its error is reported here)
+        except CheckpointError as e:
+            self._save_failed(e)
         self.metrics.close()
         self.tracker.finish()
         self.tensorboard.finish()

@@ -65,6 +65,7 @@ def test_bad_input_is_reported(data, tmp_path):
     p = _run_single(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
                      "--data-path", str(data / "text"), "--vocab-size", "100", "--train-iters", "1", "--lr-warmup-iters", "0",
                      "--device", "cpu"], tmp_path)
-    assert p.returncode == 2 and "outside the model's vocabulary of 100" in p.stderr
+    # (found at start-up by the data validation, which names the file and the offset: tests/reliability)
+    assert p.returncode == 2 and "is outside the vocabulary [0, 100)" in p.stderr and "text.bin: token id" in p.stderr
     p = _run_single(_args(data, "--train-iters", "1", "--data-path", str(tmp_path / "missing")), tmp_path)
     assert p.returncode != 0 and "missing" in p.stderr

@@ -34,6 +34,7 @@ import json
 import os
 import signal
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_JSON", "LATEST_FILE", "CheckpointError", "Piece", "iteration_dirname",
            "write_checkpoint", "resolve_checkpoint_dir", "read_info", "read_metadata", "check_files",
-           "read_pieces", "fsync_dir", "KILL_ENV"]
+           "read_pieces", "fsync_dir", "KILL_ENV", "verify_checksum_share", "file_crc32"]
 
 FORMAT_VERSION = 1
 CHECKPOINT_JSON = "checkpoint.json"
@@ -186,10 +187,14 @@ def _fsync_file(path: str) -> None:
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -204,14 +209,18 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
     torch.distributed is initialised, single-process otherwise. Returns the final directory.
 
     Protocol: rank 0 (re)creates ``ROOT/.tmp.iter_N``; every rank writes its pieces there through
-    DCP (files fsynced); rank 0 writes ``checkpoint.json`` (with every file's size), fsyncs all
-    files and the directory, renames it to ``ROOT/iter_N`` and then replaces ``ROOT/latest``
-    atomically (write + fsync + rename). A process killed at any point leaves ``latest`` naming
-    the previous complete checkpoint. ``prepared``: the caller already created the temp dir and
-    synchronised (async saves do that on the main thread).
+    DCP (files fsynced); the ranks checksum the files (CRC-32, each rank a share); rank 0 writes
+    ``checkpoint.json`` (with every file's size and checksum), fsyncs all files and the directory,
+    renames it to ``ROOT/iter_N`` and then replaces ``ROOT/latest`` atomically (write + fsync + rename).
+    A process killed at any point leaves ``latest`` naming the previous complete checkpoint.
+    A save that fails (disk full, I/O error) on any rank raises the same ``CheckpointError`` on every
+    rank (DCP reports a failed write to all of them; rank 0's own steps are agreed on after), the
+    temp directory is removed and ``latest`` is unchanged. ``prepared``: the caller already created
+    the temp dir and synchronised (async saves do that on the main thread).
     """
     distributed = _distributed()
     rank = dist.get_rank(process_group) if distributed else 0
+    world = dist.get_world_size(process_group) if distributed else 1
     name = iteration_dirname(iteration)
     tmp = os.path.join(root, TMP_PREFIX + name)
     final = os.path.join(root, name)
@@ -220,40 +229,140 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
     boxes = {k: (p.global_shape, p.offset) for k, p in pieces.items()}
     state: dict[str, Any] = {k: p.tensor.detach() for k, p in pieces.items()}
     state.update(objects)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # DCP's "single process" notice
-        dcp.save(state, storage_writer=_Writer(tmp, single_file_per_rank=True, sync_files=True),
-                 planner=_PieceSavePlanner(boxes), process_group=process_group, no_dist=not distributed)
-    if rank == 0:
-        files = {}
-        for fn in sorted(os.listdir(tmp)):
-            full = os.path.join(tmp, fn)
-            if os.path.isfile(full):
-                _fsync_file(full)
-                files[fn] = os.path.getsize(full)
-        info = {**info, "format_version": FORMAT_VERSION, "iteration": int(iteration), "files": files}
-        with open(os.path.join(tmp, CHECKPOINT_JSON), "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        _maybe_kill("before_rename")
-        if os.path.exists(final):       # re-saving an iteration: move the old one aside first
-            old = os.path.join(root, TMP_PREFIX + name + ".old")
-            _rmtree(old)
-            os.replace(final, old)
-            fsync_dir(root)
-            os.replace(tmp, final)
-            fsync_dir(root)
-            _rmtree(old)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(root)
-        _maybe_kill("before_latest")
-        _atomic_write_text(os.path.join(root, LATEST_FILE), name + "\n")
+    error: str | None = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # DCP's "single process" notice
+            dcp.save(state, storage_writer=_Writer(tmp, single_file_per_rank=True, sync_files=True),
+                     planner=_PieceSavePlanner(boxes), process_group=process_group, no_dist=not distributed)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:   # CheckpointException (a BaseException) on every rank when any rank failed
+        error = f"writing the shards failed: {_reason(e)}"
+    crcs: dict[str, int] = {}
+    if error is None:            # every rank checksums a share of the files (they are all on disk now)
+        try:
+            crcs = checksum_share(tmp, sorted(fn for fn in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, fn))),
+                                  rank, world)
+        except OSError as e:
+            error = f"checksumming {tmp} failed on rank {rank}: {_reason(e)}"
     if distributed:
-        dist.barrier(group=process_group)
+        shares: list = [None] * world
+        dist.all_gather_object(shares, (crcs, error), group=process_group)
+        errors = [e for _, e in shares if e]
+        error = errors[0] if errors else None
+        for c, _ in shares:
+            crcs.update(c)
+    if rank == 0 and error is None:
+        try:
+            _finish_checkpoint(root, tmp, final, name, iteration, info, crcs)
+        except OSError as e:
+            error = f"finishing {tmp} failed: {_reason(e)}"
+    if distributed:              # rank 0's steps, agreed on by every rank
+        box = [error]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group is not None
+                                   else 0, group=process_group)
+        error = box[0]
+    if error is not None:
+        if rank == 0:
+            _rmtree(tmp)
+            for fn in os.listdir(root) if os.path.isdir(root) else ():
+                if fn.startswith(LATEST_FILE + ".tmp."):
+                    _remove_quietly(os.path.join(root, fn))
+        latest = _latest_name(root)
+        raise CheckpointError(f"saving iteration {iteration} to {final} failed: {error}; "
+                              + (f"{os.path.join(root, LATEST_FILE)} still names {latest}" if latest else
+                                 f"{root} has no complete checkpoint"))
     return final
+
+
+def _finish_checkpoint(root: str, tmp: str, final: str, name: str, iteration: int, info: dict[str, Any],
+                       crcs: dict[str, int]) -> None:
+    """Rank 0: checkpoint.json, fsyncs, rename into place, then ``latest``."""
+    files = {}
+    for fn in sorted(os.listdir(tmp)):
+        full = os.path.join(tmp, fn)
+        if os.path.isfile(full):
+            _fsync_file(full)
+            files[fn] = os.path.getsize(full)
+    info = {**info, "format_version": FORMAT_VERSION, "iteration": int(iteration), "files": files,
+            "crc32": {fn: crcs[fn] for fn in files if fn in crcs}}
+    with open(os.path.join(tmp, CHECKPOINT_JSON), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    _maybe_kill("before_rename")
+    if os.path.exists(final):       # re-saving an iteration: move the old one aside first
+        old = os.path.join(root, TMP_PREFIX + name + ".old")
+        _rmtree(old)
+        os.replace(final, old)
+        fsync_dir(root)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        _rmtree(old)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    _maybe_kill("before_latest")
+    _atomic_write_text(os.path.join(root, LATEST_FILE), name + "\n")
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an I/O failure: DCP wraps the rank's exception, whose text is a traceback."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        inner = getattr(inner, "exc", inner)    # DCP's _WrappedException
+        return f"rank {rank}: {_reason(inner)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} (errno {e.errno}{', ' + e.filename if e.filename else ''})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def file_crc32(path: str, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
+
+
+def checksum_share(ckpt_dir: str, names: list[str], rank: int, world: int) -> dict[str, int]:
+    """CRC-32 of the files ``names[i]`` with ``i % world == rank`` (the ranks split the reading)."""
+    return {fn: file_crc32(os.path.join(ckpt_dir, fn)) for i, fn in enumerate(names) if i % world == rank}
+
+
+def verify_checksum_share(ckpt_dir: str, info: dict[str, Any], rank: int, world: int) -> list[str]:
+    """This rank's share of the checksum comparison: one problem line per file whose bytes changed.
+    Checkpoints written before checksums were recorded have none to compare (nothing is reported)."""
+    crcs = info.get("crc32") or {}
+    names = sorted(crcs)
+    problems = []
+    for fn, crc in checksum_share(ckpt_dir, [n for n in names if os.path.exists(os.path.join(ckpt_dir, n))],
+                                  rank, world).items():
+        if crc != crcs[fn]:
+            problems.append(f"{os.path.join(ckpt_dir, fn)} is corrupt: CRC-32 {crc:08x}, {crcs[fn]:08x} was "
+                            "written")
+    return problems
 
 
 def _rmtree(path: str) -> None:
@@ -262,15 +371,28 @@ def _rmtree(path: str) -> None:
 
 
 def prepare_tmp_dir(root: str, iteration: int, process_group=None) -> str:
-    """Rank 0 removes any stale temp dir of this iteration (a killed save) and creates it empty."""
+    """Rank 0 removes any stale temp dir of this iteration (a killed save) and creates it empty; a failure
+    (no space, no permission) raises the same ``CheckpointError`` on every rank."""
     tmp = os.path.join(root, TMP_PREFIX + iteration_dirname(iteration))
     rank = dist.get_rank(process_group) if _distributed() else 0
+    error = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _rmtree(tmp)
-        os.makedirs(tmp)
+        try:
+            os.makedirs(root, exist_ok=True)
+            _rmtree(tmp)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = _reason(e)
     if _distributed():
-        dist.barrier(group=process_group)
+        box = [error]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group is not None
+                                   else 0, group=process_group)
+        error = box[0]
+    if error is not None:
+        latest = _latest_name(root)
+        raise CheckpointError(f"saving iteration {iteration}: cannot create {tmp}: {error}; "
+                              + (f"{os.path.join(root, LATEST_FILE)} still names {latest}" if latest else
+                                 f"{root} has no complete checkpoint"))
     return tmp
 
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ..tensor_parallel.random import RNGStreams
 from .format import (FORMAT_VERSION, CheckpointError, Piece, check_files, prepare_tmp_dir, read_info,
-                     read_metadata, read_pieces, resolve_checkpoint_dir, write_checkpoint)
+                     read_metadata, read_pieces, resolve_checkpoint_dir, verify_checksum_share, write_checkpoint)
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["CheckpointManager", "LoadResult", "ARCHITECTURE_FIELDS", "model_key", "optim_key"]
@@ -390,10 +390,7 @@ class CheckpointManager:
         self.wait()
         ctx = self.ctx or model.ctx
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()
-        ckpt = resolve_checkpoint_dir(root)
-        info = read_info(ckpt)
-        md = read_metadata(ckpt)
-        check_files(ckpt, info, md)
+        ckpt, info, md = _agreed_precheck(root)
         saved_md = md.state_dict_metadata
         saved_tensors = {k for k, v in saved_md.items() if isinstance(v, TensorStorageMetadata)}
         saved_layout = info.get("layout", {})
@@ -472,8 +469,8 @@ class CheckpointManager:
             errors.append(f"{len(unexpected)} unexpected key(s) in the checkpoint (not in this model): "
                           f"{', '.join(unexpected[:20])}" + (" …" if len(unexpected) > 20 else ""))
         if errors:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit this model (nothing was loaded):\n  - "
-                                  + "\n  - ".join(errors))
+            raise CheckpointError(f"checkpoint {ckpt} does not fit this model (nothing was loaded): "
+                                  + "; ".join(errors))
 
         # -- layout change: what is exact and what is not
         cur_layout = _layout(ctx, optimizer, model)
@@ -615,6 +612,33 @@ class CheckpointManager:
                           wandb_run_id=None if finetune else common.get("wandb_run_id"),
                           args=common.get("args"), saved_layout=sl, loaded_optimizer=want_optim,
                           loaded_rng=loaded_rng, finetune=finetune, messages=messages)
+
+
+def _agreed_precheck(root: str):
+    """(checkpoint dir, checkpoint.json, DCP metadata) after every rank checked them: ``latest``, the files'
+    presence and sizes, and (each rank a share of the files) their CRC-32 checksums. Collective: a problem
+    any rank sees raises the same one-line ``CheckpointError`` on every rank, before any state changed."""
+    rank = dist.get_rank() if _distributed() else 0
+    world = dist.get_world_size() if _distributed() else 1
+    found = None
+    try:
+        ckpt = resolve_checkpoint_dir(root)
+        info = read_info(ckpt)
+        md = read_metadata(ckpt)
+        check_files(ckpt, info, md)
+        problems = verify_checksum_share(ckpt, info, rank, world)
+        if problems:
+            raise CheckpointError(f"checkpoint {ckpt} is corrupt: " + "; ".join(problems))
+    except CheckpointError as e:
+        found = str(e)
+    except OSError as e:
+        found = f"cannot read checkpoint {root}: {e}"
+    seen = [(r, p) for r, p in enumerate(_all_gather_object(found)) if p]
+    if seen:
+        texts = list(dict.fromkeys(p for _, p in seen))
+        who = "" if len(seen) in (0, world) else f" (seen by rank(s) {', '.join(str(r) for r, _ in seen)})"
+        raise CheckpointError("; ".join(texts) + who + "; nothing was loaded")
+    return ckpt, info, md
 
 
 def _fused(opt: torch.optim.Optimizer) -> bool:

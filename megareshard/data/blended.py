@@ -57,6 +57,10 @@ def parse_blend(values: Sequence[str]) -> tuple[list[str], list[float] | None]:
         raise ValueError(f"weights must be non-negative numbers, got {', '.join(bad)}")
     if sum(weights) <= 0:
         raise ValueError(f"weights {weights} add up to 0")
+    zero = [prefixes[i] for i, w in enumerate(weights) if w == 0]
+    if zero:
+        raise ValueError(f"weight 0 for {', '.join(zero)}: a dataset with no share of the blend is never read; "
+                         "remove it or give it a positive weight")
     return prefixes, [float(w) for w in weights]
 
 

@@ -353,13 +353,17 @@ class IndexedDataset:
                 if np.any(starts % itemsize) or np.any(starts < 0):
                     raise IndexedDatasetError(f"{idx_path}: corrupt index: sequence {bad} starts at byte "
                                               f"{int(starts[bad])}, not a multiple of {itemsize} ({self.dtype.name})")
-            if contiguous and bin_size != int(ends[-1]):
+            if contiguous and bin_size > int(ends[-1]):
                 raise IndexedDatasetError(f"{bin_path}: size {bin_size} bytes does not match its index {idx_path} "
-                                          f"({self._num_tokens} tokens x {itemsize} bytes = {int(ends[-1])} bytes)")
+                                          f"({self._num_tokens} tokens x {itemsize} bytes = {int(ends[-1])} bytes): "
+                                          f"unindexed bytes from offset {int(ends[-1])} (an .idx of another .bin?)")
             if int(ends.max()) > bin_size:
-                bad = int(np.argmax(ends))
-                raise IndexedDatasetError(f"{bin_path}: size {bin_size} bytes does not match its index {idx_path}: "
-                                          f"sequence {bad} ends at byte {int(ends[bad])}")
+                bad = int(np.flatnonzero(ends > bin_size)[0])
+                doc = int(np.searchsorted(np.asarray(doc_indices), bad, side="right")) - 1
+                raise IndexedDatasetError(f"{bin_path}: size {bin_size} bytes does not match its index {idx_path} "
+                                          f"({self._num_tokens} tokens x {itemsize} bytes = {int(ends.max())} bytes): "
+                                          f"truncated at byte offset {bin_size}, inside or before sequence {bad} "
+                                          f"(document {doc}, bytes [{int(starts[bad])}, {int(ends[bad])}))")
         elif bin_size:
             raise IndexedDatasetError(f"{bin_path}: size {bin_size} bytes does not match its index {idx_path} "
                                       f"(0 sequences)")

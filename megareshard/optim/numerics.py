@@ -1,0 +1,90 @@
+"""Megatron's ``--check-for-nan-in-loss-and-grad``: stop at the first non-finite loss or gradient.
+
+Before the data-parallel gradient reduction each rank notes its first non-finite gradient (one
+pass over its gradients, as Megatron checks each bucket before its collective; not possible with
+``--overlap-grad-reduce``, whose reductions start during the backward). After the backward and
+before the optimizer step, every rank knows the
+global gradient norm (it is all-reduced over the world), and one MAX all-reduce of a flag tells
+every rank whether any rank's loss is non-finite. When either is, all ranks take the same path:
+each names its first parameter whose gradient holds a NaN or an inf, the names are gathered, and
+every rank raises the same ``NonFiniteError`` (iteration, ranks, parameter): no rank steps, no
+rank is left waiting in a collective. The parameters are untouched, so the last checkpoint is clean.
+
+With fp16 and a loss scaler, non-finite gradients are overflows of the scaled loss: the step is
+skipped and the scale lowered (``grad_scaler``), not stopped; a non-finite loss still stops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NonFiniteError", "first_nonfinite_grad", "check_loss_and_grad"]
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient stopped training; the message names the iteration, ranks and parameter."""
+
+
+def first_nonfinite_grad(named_params: Iterable[tuple[str, torch.nn.Parameter]],
+                         master_grads: dict[str, torch.Tensor] | None = None) -> tuple[str, str] | None:
+    """(name, 'nan' or 'inf') of the first parameter (model order) whose gradient is not finite, else None.
+
+    ``master_grads`` (name -> fp32 gradient shard, ZeRO) is looked at where the parameter's own
+    ``.grad`` was freed (ZeRO 2)."""
+    master_grads = master_grads or {}
+    for name, p in named_params:
+        for g in (p.grad, master_grads.get(name)):
+            if g is None or not g.numel():
+                continue
+            if not bool(torch.isfinite(g).all()):
+                return name, "nan" if bool(torch.isnan(g).any()) else "inf"
+    return None
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def check_loss_and_grad(*, iteration: int, rank: int, local_loss: float, grad_norm: float, overflow_skips: bool,
+                        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+                        master_grads: dict[str, torch.Tensor] | None, device: torch.device,
+                        before_reduction: tuple[str, str] | None = None) -> None:
+    """Collective over the world (every rank calls it at the same point). Raises ``NonFiniteError`` on
+    every rank when any rank's loss, or the global gradient norm, is not finite (gradients: unless
+    ``overflow_skips``, fp16 loss scaling, where the step is skipped instead).
+
+    ``before_reduction``: this rank's first non-finite gradient before the data-parallel reduction
+    (which spreads it to every replica), so the message names the rank it came from."""
+    bad_loss = _any_rank(not math.isfinite(local_loss), device)
+    bad_grad = not math.isfinite(grad_norm) and not overflow_skips
+    if not (bad_loss or bad_grad):
+        return
+    mine = {"rank": rank, "loss": local_loss if not math.isfinite(local_loss) else None,
+            "grad": before_reduction or first_nonfinite_grad(named_params, master_grads),
+            "origin": before_reduction is not None}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    losses = [f"rank {e['rank']} loss {e['loss']}" for e in every if e["loss"] is not None]
+    grads = [e for e in every if e["origin"]] or [e for e in every if e["grad"] is not None]
+    parts = []
+    if losses:
+        parts.append("non-finite loss on " + ", ".join(losses))
+    if grads:
+        first = grads[0]
+        parts.append(f"first non-finite parameter gradient: {first['grad'][0]} ({first['grad'][1]}) on rank "
+                     f"{first['rank']}" + (" before the data-parallel reduction" if first["origin"] else "")
+                     + (f" (also on rank(s) {', '.join(str(e['rank']) for e in grads[1:])})" if len(grads) > 1
+                        else ""))
+    elif bad_grad:
+        parts.append(f"gradient norm {grad_norm}")
+    raise NonFiniteError(f"iteration {iteration}: {'; '.join(parts)}; training stopped before the optimizer step "
+                         "(parameters unchanged; --no-check-for-nan-in-loss-and-grad disables this check)")
