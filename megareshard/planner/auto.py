@@ -18,7 +18,7 @@ from typing import Any
 from ..config_fields import ConfigError
 from .costs import ClusterSpec, ModelShape
 from ..pipeline.generators import REGISTRY
-from .calibration import load_cluster
+from .cluster_file import load_cluster
 from .search import PlanError, plan_layouts
 from .variants import runtime_schedules
 

@@ -1,0 +1,51 @@
+"""The cluster file: a `ClusterSpec` as JSON (what `tools/calibrate_cluster.py` writes and
+`tools/plan_layout.py --cluster` / `--auto-layout-cluster` read). Pure: no torch, no model — the
+measurements that fill it are in `calibration.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .costs import ClusterSpec
+
+__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json"]
+
+CLUSTER_FORMAT = "megareshard-cluster/1"
+_FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
+
+
+def cluster_to_json(cluster: ClusterSpec, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"format": CLUSTER_FORMAT, **dataclasses.asdict(cluster), "measured": measured or {}}
+
+
+def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | None = None) -> ClusterSpec:
+    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's.
+
+    Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
+    is not a positive number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cluster file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cluster file {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != CLUSTER_FORMAT:
+        raise ValueError(f"cluster file {path}: expected \"format\": \"{CLUSTER_FORMAT}\" (written by "
+                         "tools/calibrate_cluster.py)")
+    kw = {k: data[k] for k in _FIELDS if k in data}
+    if hosts is not None:
+        kw["hosts"] = hosts
+    if devices_per_host is not None:
+        kw["devices_per_host"] = devices_per_host
+    for k, v in kw.items():
+        zero_ok = k in ("memory_reserve", "optimizer_s_per_param")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
+        if not ok:
+            raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")
+    missing = [k for k in ("hosts", "devices_per_host") if k not in kw]
+    if missing:
+        raise ValueError(f"cluster file {path}: missing {', '.join(missing)}")
+    return ClusterSpec(**kw)
