@@ -336,7 +336,6 @@ def _survivor_trial(workdir: str, quick: bool, kind: str) -> dict[str, Any]:
                                 "--train-iters", str(iters), "--save", ck, "--save-interval", str(save_every)]
     jobs = launch_ranks(argv, world, workdir, kind, env={"MEGARESHARD_INJECT_FAULT": f"{kind}@{victim}:{fault_it}"})
     t_fault = jobs[victim].wait_line(r"injecting fault", 600)
-    survivors = [j for r, j in enumerate(jobs) if r != victim]
     limit = timeout + 30.0  # gloo's / the watchdog's timeout, plus a loaded machine's slack
     codes = {}
     for r, j in enumerate(jobs):
