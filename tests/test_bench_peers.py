@@ -127,8 +127,8 @@ def _side_by_side(rank, world):
     a = bpe.build_parser().parse_args([
         "--pp", "2", "--tp", "1", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--micro-batch-size", "1", "--microbatches", "4", "--vocab-size", "64",
-        "--schedules", "1f1b", "--strategies", "allgather", "--no-method", "--iters", "1", "--warmup", "1",
-        "--peers", "Schedule1F1B,ScheduleZBVZeroBubble", "--peer-timeout", "60"])
+        "--schedules", "1f1b,interleaved-1f1b,zbv", "--strategies", "allgather", "--no-method", "--iters", "1",
+        "--warmup", "1", "--pace", "auto", "--peers", "Schedule1F1B,ScheduleZBVZeroBubble", "--peer-timeout", "60"])
     run = bpe.run_worker(bpe.resolve(a))
     return run
 
@@ -136,12 +136,18 @@ def _side_by_side(rank, world):
 def test_smoke_peer_and_megareshard_losses_agree():
     run = run_ranks(_side_by_side, 2, timeout=90, nccl_check=True)[0]
     by = {r["name"]: r for r in run["records"]}
-    assert set(by) == {"1f1b+allgather", "1f1b+signal", "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"}
+    virtual = ("interleaved-1f1b+allgather", "zbv+allgather+dw")  # chunk models of trainers of their own
+    assert set(by) == {"1f1b+allgather", "1f1b+signal", *virtual, "interleaved-1f1b+signal", "zbv+signal+dw",
+                       "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"}
     assert all(r["status"] == "ok" for r in by.values()), [r.get("reason") for r in by.values()]
+    assert [by[n]["virtual_stages"] for n in ("1f1b+allgather", *virtual)] == [1, 2, 2]
+    # paced: the budgets were calibrated on every megareshard trace (a chunk's durations scaled to a whole
+    # stage's); I and W come only from zbv's split backward here, so zbv's traces did count
+    assert len(run["budgets_ms"]) == 2 and all(set(b) == {"F", "B", "I", "W"} for b in run["budgets_ms"])
     # the same kernels on the same tensors; only the sum of the 4 per-microbatch fp32 losses is reordered
     tol = 2 * 4 * 2.0 ** -24 * abs(run["reference_loss"])
     assert run["loss_tolerance"] == pytest.approx(tol)
-    for name in ("torch Schedule1F1B", "torch ScheduleZBVZeroBubble"):
+    for name in ("torch Schedule1F1B", "torch ScheduleZBVZeroBubble", *virtual):
         assert abs(by[name]["loss"] - by["1f1b+allgather"]["loss"]) <= tol, name
         assert by[name]["loss_ok"]
     assert 3.0 < run["reference_loss"] < 5.5  # ln(64) = 4.16 at initialisation
@@ -155,6 +161,8 @@ def test_smoke_peer_and_megareshard_losses_agree():
     ours, torchs = by["1f1b+allgather"]["act_peak_bytes"], by["torch Schedule1F1B"]["act_peak_bytes"]
     assert torchs == pytest.approx(ours, rel=0.1) and all(t >= o for t, o in zip(torchs, ours))
     assert by["torch ScheduleZBVZeroBubble"]["predicted_ms"] and by["torch Schedule1F1B"]["predicted_ms"]
+    # the simulator ran the registry schedules on their 2 chunks per rank
+    assert all(by[n]["predicted_ms"] and by[n]["chunks_per_rank"] == 2 for n in virtual)
 
 
 def test_grid_records_every_point_and_its_worker_arguments_parse(tmp_path, monkeypatch):

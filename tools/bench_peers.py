@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_pipeline as bp  # noqa: E402 (tools/: GRID_RATES, rate parsing, the grid point runner)
 import peers_report as rep  # noqa: E402
-from peers_worker import METHOD, our_configs, predict, run_worker  # noqa: E402 (torch imported lazily)
+from peers_worker import METHOD, our_configs, predict, run_worker, virtual_stages_of  # noqa: E402 (torch imported lazily)
 
 ENV_ARGV = "MR_BENCH_PEERS_ARGV"
 # the grid: few participants and rounds (paced compute repeats to within a few %), so 10 points fit in 20 min
@@ -166,7 +166,8 @@ def estimate_point_s(a: argparse.Namespace, rate: float, tp: int) -> float:
     pa.tp, pa.nic_gbps = tp, rate / 1e3
     configs, _ = our_configs(pa)
     recs = [{"name": c.name, "framework": "megareshard", "status": "ok", "schedule": c.schedule,
-             "strategy": c.strategy, "delay_wgrad": c.dw} for c in configs]
+             "strategy": c.strategy, "delay_wgrad": c.dw, "virtual_stages": virtual_stages_of(c.schedule)}
+            for c in configs]
     peers = [s.strip() for s in a.peers.split(",") if s.strip()]
     recs += [{"name": f"torch {n}", "framework": "torch", "status": "ok", "schedule": f"torch {n}",
               "strategy": "p2p", "delay_wgrad": None} for n in peers if n in PEER_SCHEDULES]
