@@ -112,6 +112,38 @@ def test_torch_orders_map_onto_our_ir():
         pt.chunk_layer_ranges(6, 4)
 
 
+def test_a_megareshard_chunk_is_paced_to_its_share_of_the_rank_budget():
+    """Virtual stages: each chunk gets its share of the rank's layers of every per-kind budget (torch's rule,
+    ``peers_torch.chunk_share``), its calibration durations are scaled back to a whole stage's, and a rank
+    whose chunks hold unequal shares is refused (the runtime paces with one budget per kind)."""
+    from types import SimpleNamespace
+
+    import bench_pipeline as bp
+    import peers_worker as pw
+    from megareshard.pipeline.chunks import ModelChunks
+
+    def part(ranges, chunked=True):
+        mods = {}
+        for s, r in ranges.items():
+            mods[s] = torch.nn.Linear(1, 1)
+            mods[s].layer_range = r
+        rt = SimpleNamespace(virtual_stages=len(ranges), stage=0, pace=None,
+                             last_trace=[{"stage": 0, "kind": "F", "mb": 0, "start": 1.0, "end": 1.5}])
+        model = ModelChunks(mods, 4) if chunked else mods[0]
+        return pw._Ours(bp.BenchConfig("zbv", "broadcast", True), rt, SimpleNamespace(model=model))
+
+    p = part({0: (0, 2), 3: (6, 8)})  # zbv on rank 0 of pp 2: stages 0 and 3, 2 of the rank's 4 layers each
+    assert p.share == pt.chunk_share((0, 2), 4) == 0.5
+    p.set_pace({"F": 0.01, "B": 0.02})
+    assert p.rt.pace == {"F": 0.005, "B": 0.01}
+    assert p.calibration_trace()[0]["end"] == 2.0 and p.rt.last_trace[0]["end"] == 1.5
+    whole = part({0: (0, 4)}, chunked=False)
+    whole.set_pace({"F": 0.01})
+    assert whole.rt.pace == {"F": 0.01} and whole.calibration_trace() is whole.rt.last_trace
+    with pytest.raises(ValueError, match="unequal shares"):
+        part({0: (0, 1), 3: (5, 8)})
+
+
 def test_args_refuse_layers_that_do_not_split_into_two_chunks_per_rank(capsys):
     assert bpe.main(["--pp", "4", "--num-layers", "4"]) == 2
     assert "multiple of 8" in capsys.readouterr().err

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_pipeline as bp  # noqa: E402 (tools/: GRID_RATES, rate parsing, the grid point runner)
 import peers_report as rep  # noqa: E402
-from peers_worker import METHOD, our_configs, predict, run_worker, virtual_stages_of  # noqa: E402 (torch imported lazily)
+from peers_worker import METHOD, our_configs, predict, run_worker, virtual_stages_of  # noqa: E402 (torch: lazily)
 
 ENV_ARGV = "MR_BENCH_PEERS_ARGV"
 # the grid: few participants and rounds (paced compute repeats to within a few %), so 10 points fit in 20 min
