@@ -2,7 +2,9 @@
 
 ``run_worker(args)`` runs on every rank (inside torchrun, or on a test's gloo ranks) and returns the
 run's JSON on rank 0; ``our_configs`` lists megareshard's participants; ``predict`` adds the
-simulator's prediction to records. The method is described in tools/bench_peers.py.
+simulator's prediction to records. The method is described in tools/bench_peers.py. One ``Trainer``
+per distinct stage placement (one stage per rank; interleaved; zbv's V): its model (this rank's chunks
+with virtual stages) serves every configuration of that placement, each on a runtime of its own.
 """
 from __future__ import annotations
 
