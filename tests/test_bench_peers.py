@@ -112,6 +112,38 @@ def test_torch_orders_map_onto_our_ir():
         pt.chunk_layer_ranges(6, 4)
 
 
+def test_a_megareshard_chunk_is_paced_to_its_share_of_the_rank_budget():
+    """Virtual stages: each chunk gets its share of the rank's layers of every per-kind budget (torch's rule,
+    ``peers_torch.chunk_share``), its calibration durations are scaled back to a whole stage's, and a rank
+    whose chunks hold unequal shares is refused (the runtime paces with one budget per kind)."""
+    from types import SimpleNamespace
+
+    import bench_pipeline as bp
+    import peers_worker as pw
+    from megareshard.pipeline.chunks import ModelChunks
+
+    def part(ranges, chunked=True):
+        mods = {}
+        for s, r in ranges.items():
+            mods[s] = torch.nn.Linear(1, 1)
+            mods[s].layer_range = r
+        rt = SimpleNamespace(virtual_stages=len(ranges), stage=0, pace=None,
+                             last_trace=[{"stage": 0, "kind": "F", "mb": 0, "start": 1.0, "end": 1.5}])
+        model = ModelChunks(mods, 4) if chunked else mods[0]
+        return pw._Ours(bp.BenchConfig("zbv", "broadcast", True), rt, SimpleNamespace(model=model))
+
+    p = part({0: (0, 2), 3: (6, 8)})  # zbv on rank 0 of pp 2: stages 0 and 3, 2 of the rank's 4 layers each
+    assert p.share == pt.chunk_share((0, 2), 4) == 0.5
+    p.set_pace({"F": 0.01, "B": 0.02})
+    assert p.rt.pace == {"F": 0.005, "B": 0.01}
+    assert p.calibration_trace()[0]["end"] == 2.0 and p.rt.last_trace[0]["end"] == 1.5
+    whole = part({0: (0, 4)}, chunked=False)
+    whole.set_pace({"F": 0.01})
+    assert whole.rt.pace == {"F": 0.01} and whole.calibration_trace() is whole.rt.last_trace
+    with pytest.raises(ValueError, match="unequal shares"):
+        part({0: (0, 1), 3: (5, 8)})
+
+
 def test_args_refuse_layers_that_do_not_split_into_two_chunks_per_rank(capsys):
     assert bpe.main(["--pp", "4", "--num-layers", "4"]) == 2
     assert "multiple of 8" in capsys.readouterr().err
@@ -127,8 +159,8 @@ def _side_by_side(rank, world):
     a = bpe.build_parser().parse_args([
         "--pp", "2", "--tp", "1", "--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "8", "--micro-batch-size", "1", "--microbatches", "4", "--vocab-size", "64",
-        "--schedules", "1f1b", "--strategies", "allgather", "--no-method", "--iters", "1", "--warmup", "1",
-        "--peers", "Schedule1F1B,ScheduleZBVZeroBubble", "--peer-timeout", "60"])
+        "--schedules", "1f1b,interleaved-1f1b,zbv", "--strategies", "allgather", "--no-method", "--iters", "1",
+        "--warmup", "1", "--pace", "auto", "--peers", "Schedule1F1B,ScheduleZBVZeroBubble", "--peer-timeout", "60"])
     run = bpe.run_worker(bpe.resolve(a))
     return run
 
@@ -136,12 +168,18 @@ def _side_by_side(rank, world):
 def test_smoke_peer_and_megareshard_losses_agree():
     run = run_ranks(_side_by_side, 2, timeout=90, nccl_check=True)[0]
     by = {r["name"]: r for r in run["records"]}
-    assert set(by) == {"1f1b+allgather", "1f1b+signal", "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"}
+    virtual = ("interleaved-1f1b+allgather", "zbv+allgather+dw")  # chunk models of trainers of their own
+    assert set(by) == {"1f1b+allgather", "1f1b+signal", *virtual, "interleaved-1f1b+signal", "zbv+signal+dw",
+                       "torch Schedule1F1B", "torch ScheduleZBVZeroBubble"}
     assert all(r["status"] == "ok" for r in by.values()), [r.get("reason") for r in by.values()]
+    assert [by[n]["virtual_stages"] for n in ("1f1b+allgather", *virtual)] == [1, 2, 2]
+    # paced: the budgets were calibrated on every megareshard trace (a chunk's durations scaled to a whole
+    # stage's); I and W come only from zbv's split backward here, so zbv's traces did count
+    assert len(run["budgets_ms"]) == 2 and all(set(b) == {"F", "B", "I", "W"} for b in run["budgets_ms"])
     # the same kernels on the same tensors; only the sum of the 4 per-microbatch fp32 losses is reordered
     tol = 2 * 4 * 2.0 ** -24 * abs(run["reference_loss"])
     assert run["loss_tolerance"] == pytest.approx(tol)
-    for name in ("torch Schedule1F1B", "torch ScheduleZBVZeroBubble"):
+    for name in ("torch Schedule1F1B", "torch ScheduleZBVZeroBubble", *virtual):
         assert abs(by[name]["loss"] - by["1f1b+allgather"]["loss"]) <= tol, name
         assert by[name]["loss_ok"]
     assert 3.0 < run["reference_loss"] < 5.5  # ln(64) = 4.16 at initialisation
@@ -155,6 +193,8 @@ def test_smoke_peer_and_megareshard_losses_agree():
     ours, torchs = by["1f1b+allgather"]["act_peak_bytes"], by["torch Schedule1F1B"]["act_peak_bytes"]
     assert torchs == pytest.approx(ours, rel=0.1) and all(t >= o for t, o in zip(torchs, ours))
     assert by["torch ScheduleZBVZeroBubble"]["predicted_ms"] and by["torch Schedule1F1B"]["predicted_ms"]
+    # the simulator ran the registry schedules on their 2 chunks per rank
+    assert all(by[n]["predicted_ms"] and by[n]["chunks_per_rank"] == 2 for n in virtual)
 
 
 def test_grid_records_every_point_and_its_worker_arguments_parse(tmp_path, monkeypatch):

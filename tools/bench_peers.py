@@ -12,15 +12,18 @@
     # plain torchrun on this machine (a smoke run; no rate limit)
     python tools/bench_peers.py --tp 1 --pp 4 --iters 2 --warmup 1
 
-Participants. megareshard: every schedule of ``REGISTRY`` the runtime executes (``runtime=True``) with one
-stage per rank, each with ``allgather`` (the Megatron-style baseline) and ``broadcast`` (its best
-strategy), the full method ``eager-1f1b+broadcast+dw``, and a ``signal`` run (1-byte transfers: the
-upper bound of what communication can cost) per (schedule, delayed W). torch: every schedule of
+Participants. megareshard: every schedule of ``REGISTRY`` the runtime executes (``runtime=True``): one
+stage per rank, or virtual stages (``interleaved-1f1b`` and ``eager-interleaved-1f1b`` with 2 chunks per
+rank, ``--num-virtual-stages-per-pipeline-rank 2``; ``zbv``, which always splits I/W: ``zbv+…+dw``), each
+with ``allgather`` (the Megatron-style baseline) and ``broadcast`` (its best strategy), the full method
+``eager-1f1b+broadcast+dw``, and a ``signal`` run (1-byte transfers: the upper bound of what
+communication can cost) per (schedule, delayed W). The worker builds one ``Trainer`` per distinct stage
+placement among them (same seed: chunks keep the model's parameter names, so the same initial weights);
+every configuration of a placement runs on that trainer's model. torch: every schedule of
 ``peers_torch.PEER_SCHEDULES`` (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV); one that cannot be built or
 cannot step here is reported "failed" with its reason (each runs on pipeline groups of its own with a
-short timeout, so a peer that hangs fails alone). Virtual-stage schedules of megareshard are listed as
-not run until the bench builds per-schedule chunks for them (they need the trainer's chunk builder).
+short timeout, so a peer that hangs fails alone).
 
 Same model, same arithmetic: one ``GPTModel`` configuration (untied output layer, no dropout), the same
 batch and seed; torch's stages are ``GPTModel`` chunks (``layer_range``) of the same layers, the loss is
@@ -34,11 +37,13 @@ each), an iteration is timed from a barrier to the end of its backward, max over
 ``--iters`` timed rounds after ``--warmup`` unpaced rounds is reported. ``--pace auto`` calibrates per
 stage F/B/I/W budgets on megareshard's warm-up traces (``pacing.calibrate_pace``) and pads every compute
 action of every participant to them (torch's: ``peers_torch.pace_stage``; a chunk holding a share of a
-rank's layers gets that share of the budget). Per participant: ms/iteration, throughput ratio to
+rank's layers gets that share of the budget, ``peers_torch.chunk_share``, megareshard's chunks too, and
+its traced durations count in the calibration scaled back to a whole stage's). Per participant: ms/iteration, throughput ratio to
 torch's best and to the baseline, fraction of the signal bound (megareshard), bubble fraction per stage
 (measured idle / iteration span, last timed round), peak saved-activation bytes per stage
 (``peers_torch.LifetimeMeter`` over the last warm-up round) and the simulator's prediction
-(``megareshard.pipeline.simulate`` with the paced budgets and the network model's transfer times;
+(``megareshard.pipeline.simulate`` with the paced budgets and the network model's transfer times,
+virtual-stage kinds on their chunks per rank;
 torch's schedules through the registry schedule with the same order, where there is one). A result
 faster than the compute bound (every rank's paced compute, ``peers_report.compute_bound_ms``) or than
 its own signal run is void and never counts as best.
@@ -64,10 +69,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_pipeline as bp  # noqa: E402 (tools/: GRID_RATES, rate parsing, the grid point runner)
 import peers_report as rep  # noqa: E402
-from peers_worker import METHOD, our_configs, predict, run_worker  # noqa: E402 (torch imported lazily)
+from peers_worker import METHOD, our_configs, predict, run_worker, virtual_stages_of  # noqa: E402 (torch: lazily)
 
 ENV_ARGV = "MR_BENCH_PEERS_ARGV"
-# the grid: few participants and rounds (paced compute repeats to within a few %), so 10 points fit in 20 min
+# the grid: few participants and rounds (paced compute repeats to within a few %): 10 points in about 21 min
 GRID_DEFAULTS = {"iters": 3, "warmup": 1, "pace": "auto", "strategies": "broadcast"}
 RUN_DEFAULTS = {"iters": 5, "warmup": 2, "pace": "none", "strategies": "allgather,broadcast"}
 GRID_SETUP_S = 45.0  # start-up of one point: torchrun on 4 namespaces, every runtime, every peer's probe step
@@ -166,7 +171,8 @@ def estimate_point_s(a: argparse.Namespace, rate: float, tp: int) -> float:
     pa.tp, pa.nic_gbps = tp, rate / 1e3
     configs, _ = our_configs(pa)
     recs = [{"name": c.name, "framework": "megareshard", "status": "ok", "schedule": c.schedule,
-             "strategy": c.strategy, "delay_wgrad": c.dw} for c in configs]
+             "strategy": c.strategy, "delay_wgrad": c.dw, "virtual_stages": virtual_stages_of(c.schedule)}
+            for c in configs]
     peers = [s.strip() for s in a.peers.split(",") if s.strip()]
     recs += [{"name": f"torch {n}", "framework": "torch", "status": "ok", "schedule": f"torch {n}",
               "strategy": "p2p", "delay_wgrad": None} for n in peers if n in PEER_SCHEDULES]

@@ -57,6 +57,13 @@ def chunk_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]
     return [(s * per, (s + 1) * per) for s in range(num_stages)]
 
 
+def chunk_share(layer_range: tuple[int, int], layers_per_rank: int) -> float:
+    """The share of a rank's per-kind pacing budget one chunk gets: the share of the rank's layers it holds
+    (the rule for torch's multi-chunk stages and megareshard's virtual-stage chunks alike)."""
+    r0, r1 = layer_range
+    return (r1 - r0) / layers_per_rank
+
+
 class LifetimeMeter:
     """Context manager: the most bytes of distinct storages saved for backward that are alive at once (CPU).
 
@@ -193,8 +200,7 @@ class TorchPeer:
         for idx in sorted(chunks):
             st = tpp.PipelineStage(PeerChunk(chunks[idx]), idx, self.num_stages, torch.device("cpu"),
                                    group=ctx.pp_group)
-            r0, r1 = chunks[idx].layer_range
-            pace_stage(st, idx, self.stats, lambda: self.budget, (r1 - r0) / layers_per_rank)
+            pace_stage(st, idx, self.stats, lambda: self.budget, chunk_share(chunks[idx].layer_range, layers_per_rank))
             self.stages.append(st)
         cls = getattr(tpp, name)
         loss_fn = make_loss_fn(ctx, vocab_size, num_microbatches)

@@ -2,12 +2,15 @@
 
 ``run_worker(args)`` runs on every rank (inside torchrun, or on a test's gloo ranks) and returns the
 run's JSON on rank 0; ``our_configs`` lists megareshard's participants; ``predict`` adds the
-simulator's prediction to records. The method is described in tools/bench_peers.py.
+simulator's prediction to records. The method is described in tools/bench_peers.py. One ``Trainer``
+per distinct stage placement (one stage per rank; interleaved; zbv's V): its model (this rank's chunks
+with virtual stages) serves every configuration of that placement, each on a runtime of its own.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import io
 import os
 import sys
 import time
@@ -18,6 +21,15 @@ import peers_report as rep
 from megareshard.pipeline.pacing import calibrate_pace, parse_pace
 
 METHOD = "eager-1f1b+broadcast+dw"
+INTERLEAVED_V = 2  # virtual stages per rank of the interleaved kinds (--num-virtual-stages-per-pipeline-rank)
+
+
+def virtual_stages_of(schedule: str) -> int:
+    """Stages per rank the bench runs ``schedule`` with: 1, the schedule's own (zbv: 2), or INTERLEAVED_V."""
+    from megareshard.pipeline import REGISTRY
+
+    k = REGISTRY[schedule]
+    return k.stages_per_mesh if k.stages_per_mesh is not None else INTERLEAVED_V
 
 
 # ---- participants --------------------------------------------------------------------------------
@@ -40,10 +52,6 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
         if not k.runtime:
             skipped.append((n, "the runtime does not execute it (REGISTRY runtime=False)"))
             continue
-        if k.stages_per_mesh != 1:
-            skipped.append((n, "virtual stages: this bench builds one stage model per rank (the trainer's); "
-                               "a chunk model per schedule is not wired in yet"))
-            continue
         out += [bp.BenchConfig(n, s, k.zero_bubble) for s in strategies]
     if not a.no_method and "eager-1f1b" in names:
         out.append(bp.BenchConfig("eager-1f1b", "broadcast", True))
@@ -60,7 +68,12 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
 
 
 def _model_argv(a: argparse.Namespace, c: bp.BenchConfig, world: int) -> list[str]:
-    return bp.model_argv(a, c, world) + ["--untie-embeddings-and-output-weights", "--seed", "1234"]
+    from megareshard.pipeline import REGISTRY
+
+    argv = bp.model_argv(a, c, world) + ["--untie-embeddings-and-output-weights", "--seed", "1234"]
+    if REGISTRY[c.schedule].stages_per_mesh is None:  # the interleaved kinds: Megatron-LM's flag gives V
+        argv += ["--num-virtual-stages-per-pipeline-rank", str(INTERLEAVED_V)]
+    return argv
 
 
 # ---- the worker ------------------------------------------------------------------------------------
@@ -68,8 +81,22 @@ class _Ours:
     framework = "megareshard"
 
     def __init__(self, cfg: bp.BenchConfig, runtime, trainer) -> None:
+        from megareshard.pipeline.chunks import ModelChunks
+        from peers_torch import chunk_share
+
         self.cfg, self.rt, self.trainer = cfg, runtime, trainer
         self.name = cfg.name
+        self.virtual = runtime.virtual_stages
+        # paced compute: each chunk gets its share of the rank's per-kind budget (torch's multi-chunk rule);
+        # the runtime takes one budget per kind, so the rank's chunks must hold equal shares
+        m = trainer.model
+        mods = [m.chunk(st) for st in m.stages] if isinstance(m, ModelChunks) else [m]
+        held = sum(x.layer_range[1] - x.layer_range[0] for x in mods)
+        shares = sorted({chunk_share(x.layer_range, held) for x in mods})
+        if len(shares) != 1:
+            raise ValueError(f"{cfg.name}: the chunks on pp rank {runtime.stage} hold unequal shares {shares} of its "
+                             f"{held} layers; the runtime paces every chunk with one budget per kind")
+        self.share = shares[0]
 
     def params(self):
         return list(self.trainer.model.parameters())
@@ -81,10 +108,17 @@ class _Ours:
         return self.rt(self.trainer.model, batch, self.trainer.device)
 
     def set_pace(self, budgets: dict[str, float] | None) -> None:
-        self.rt.pace = budgets
+        self.rt.pace = None if budgets is None else {k: v * self.share for k, v in budgets.items()}
 
     def trace(self):
         return [r for r in self.rt.last_trace if r["kind"] in ("F", "B", "I", "W")]
+
+    def calibration_trace(self):
+        """The last trace with each action's duration scaled to a whole stage's (÷ the chunk's share): the
+        budgets are per rank, and a chunk is paced to its share of them (``set_pace``)."""
+        if self.share == 1.0:
+            return self.rt.last_trace
+        return [{**r, "end": r["start"] + (r["end"] - r["start"]) / self.share} for r in self.rt.last_trace]
 
     def overruns(self) -> tuple[int, int]:
         st = self.rt.last_stats
@@ -175,7 +209,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from megareshard.pipeline.runtime import PipelineRuntime, gather_trace
-    from megareshard.pipeline.stage import stage_layouts
+    from megareshard.pipeline.stage import stage_placement
     from megareshard.training import Trainer, build_context, init_distributed
     from peers_torch import LifetimeMeter, compute_order
 
@@ -209,13 +243,25 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
                          + "; ".join(f["reason"] for f in failed if f["name"] == rep.BASELINE))
     configs = kept
     ctx, placement = build_context(cfgs[0], world)
-    trainer = Trainer(cfgs[0], ctx, torch.device("cpu"), out=__import__("io").StringIO())
-    layouts = stage_layouts(cfgs[0], ctx.topology)
-    parts: list[Any] = [_Ours(configs[0], trainer.pipeline, trainer)]
-    for c, cfg in zip(configs[1:], cfgs[1:]):  # collective: every rank builds every edge, same order
-        parts.append(_Ours(c, PipelineRuntime.for_model(trainer.model_spec, cfg, ctx, layouts,
-                                                        finalize_grads=trainer.finalize_grads, record_trace=True), trainer))
-    parts[0].rt.record_trace = True
+    # One Trainer (model, optimizer, runtime) per distinct stage placement among the configurations: the
+    # baseline's (one stage per rank) first, then each virtual-stage placement's (interleaved, zbv), whose
+    # model is this rank's chunks. Same seed, and chunks keep the model's parameter names: the same initial
+    # weights. The other configurations of a placement get runtimes of their own on that trainer's layouts.
+    trainers: dict[tuple[int, ...], Any] = {}
+    parts: list[Any] = []
+    for c, cfg in zip(configs, cfgs):  # collective: every rank builds every trainer and edge, same order
+        key = stage_placement(cfg, cfg.pp)
+        if key not in trainers:
+            trainers[key] = tr = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+            rt = tr.pipeline
+            rt.record_trace = True
+        else:
+            tr = trainers[key]
+            layouts = tr.model_spec.stage_layouts(cfg, ctx.topology, key)
+            rt = PipelineRuntime.for_model(tr.model_spec, cfg, ctx, layouts, finalize_grads=tr.finalize_grads,
+                                           record_trace=True)
+        parts.append(_Ours(c, rt, tr))
+    trainer = parts[0].trainer  # the baseline's: the batch, and the stage model the single-chunk peers share
     batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
     failed += [{"name": n, "framework": "megareshard", "status": "not run", "reason": r} for n, r in skipped]
     # the peers: built and stepped once each (their probe, also the loss check); a failure is reported
@@ -291,7 +337,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
             if r == 0:
                 losses[i] = float(loss)
         if pace == "auto" and r < a.warmup:
-            warm += [gather_trace(ctx, p.rt.last_trace) for p in parts if isinstance(p, _Ours)]  # collective
+            warm += [gather_trace(ctx, p.calibration_trace()) for p in parts if isinstance(p, _Ours)]  # collective
         mx = times[:, r].clone()
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         times[:, r] = mx
@@ -313,7 +359,8 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
         if a.plot:
             rep.plot_run(run, a.plot)
     dist.barrier()
-    trainer.close()
+    for tr in trainers.values():
+        tr.close()
     return run
 
 
@@ -332,6 +379,7 @@ def assemble(a, parts, failed, times_s, losses, every, budgets, world, pph, orde
         rec = {"name": p.name, "framework": p.framework, "status": "ok", "reason": None,
                "schedule": p.cfg.schedule if ours else p.name.split(" ", 1)[1],
                "strategy": p.cfg.strategy if ours else "p2p", "delay_wgrad": p.cfg.dw if ours else None,
+               "virtual_stages": p.virtual if ours else None,
                "signal_name": p.cfg.signal.name if ours and p.cfg.strategy != "signal" else None,
                "ms_all": [round(x, 3) for x in ms], **rep.summarise(ms),
                "bubble": bubble, "act_peak_bytes": peak,
@@ -382,7 +430,8 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
                 r["predicted_note"] = "no compute order known for this schedule"
                 continue
             else:
-                sched = generate(r["schedule"], a.pp, a.microbatches, delay_wgrad=bool(r.get("delay_wgrad")))
+                sched = generate(r["schedule"], a.pp, a.microbatches, delay_wgrad=bool(r.get("delay_wgrad")),
+                                 virtual_stages=r.get("virtual_stages"))
             comm = 1e3 * net["sendrecv" if r["strategy"] == "p2p" else r["strategy"]]["model_s"]
             place, n = sched.placement, sched.graph.num_stages
             share = a.pp / n  # a chunk holds an even share of its rank's layers
