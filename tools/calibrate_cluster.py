@@ -75,7 +75,9 @@ def worker(a: argparse.Namespace) -> int:
         print(f"[calibrate_cluster] {cluster.hosts} host(s) × {cluster.devices_per_host}: matmul "
               f"{cluster.device_tflops * 1e3:.1f} GFLOP/s, layer efficiency {cluster.efficiency:.2f}, backward "
               f"{cluster.backward_factor:.2f}× forward, intra-host {cluster.intra_gbps:.2f} Gbit/s, NIC "
-              f"{cluster.nic_gbps:.3f} Gbit/s" + (f" (not measured, default: {', '.join(measured['not_measured'])})"
+              f"{cluster.nic_gbps:.3f} Gbit/s; latency intra {cluster.intra_latency_s * 1e6:.0f} µs, NIC "
+              f"{cluster.nic_latency_s * 1e6:.0f} µs, collective {cluster.collective_latency_s * 1e6:.0f} µs, "
+              f"action {cluster.action_overhead_s * 1e6:.0f} µs" + (f" (not measured, default: {', '.join(measured['not_measured'])})"
                                                    if measured["not_measured"] else ""), flush=True)
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:

@@ -10,7 +10,11 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
 * **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
 * **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
   between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
-  `target_s`), each direction reported as Gbit/s.
+  `target_s`), each direction reported as Gbit/s;
+* **latencies**: the round trip of a one-element message between the same pairs (half of it →
+  ``intra_latency_s``, ``nic_latency_s``), a one-element all-reduce over ranks 0 and 1 of host 0
+  (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``), and the per-action
+  overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``.
 
 Every rank issues the same point-to-point operations in the same order (NCCL's rules); ranks not in
 a pair wait at a barrier. The JSON (`CLUSTER_FORMAT`) holds `ClusterSpec`'s fields plus
@@ -27,7 +31,8 @@ from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
-           "measure_optimizer", "measure_p2p", "calibrate"]
+           "measure_optimizer", "measure_p2p", "measure_latency", "measure_small_allreduce",
+           "measure_action_overhead", "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1) -> float:
     for _ in range(warmup):
@@ -124,6 +129,68 @@ def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 <
     return {"src": src, "dst": dst, "bytes": n, "seconds": s, "Bps": n / s}
 
 
+def measure_action_overhead(iters: int = 50) -> dict[str, float]:
+    """Seconds of one compute action's fixed cost: half a forward + backward of a one-element autograd step
+    (a linear layer, its loss and its gradients: the Python and autograd work no FLOPs hide)."""
+    import torch
+
+    lin = torch.nn.Linear(1, 1)
+    x = torch.ones(1, 1, requires_grad=True)
+
+    def step() -> None:
+        lin(x).sum().backward()
+
+    s = _median_time(step, iters, warmup=3)
+    return {"forward_backward_s": s, "seconds": s / 2}
+
+
+def measure_latency(src: int, dst: int, iters: int = 20) -> dict[str, float]:
+    """One-way seconds of a one-element message from rank `src` to `dst`: half the median round trip (gloo
+    send/recv); every rank calls it (those not in the pair only wait at the barriers)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    buf = torch.zeros(1)
+    out = []
+    for i in range(iters + 1):  # the first is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == src:
+            dist.send(buf, dst)
+            dist.recv(buf, dst)
+        elif rank == dst:
+            dist.recv(buf, src)
+            dist.send(buf, src)
+        box = torch.tensor([time.perf_counter() - t0 if rank == src else 0.0], dtype=torch.float64)
+        dist.all_reduce(box)
+        if i:
+            out.append(float(box.item()))
+    rtt = statistics.median(out)
+    return {"src": src, "dst": dst, "round_trip_s": rtt, "seconds": rtt / 2}
+
+
+def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, float]:
+    """Seconds of a one-element all-reduce over `ranks` (a group of one host; median); every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks)
+    rank = dist.get_rank()
+    buf = torch.zeros(1)
+    out = []
+    for i in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank in ranks:
+            dist.all_reduce(buf, group=group)
+        box = torch.tensor([time.perf_counter() - t0 if rank == ranks[0] else 0.0], dtype=torch.float64)
+        dist.all_reduce(box)
+        if i:
+            out.append(float(box.item()))
+    return {"ranks": list(ranks), "seconds": statistics.median(out)}
+
+
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
               iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
@@ -141,21 +208,35 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
                                 "optimizer": optim,
                                 "world": world, "devices_per_host": devices_per_host}
-    intra = nic = None
+    action = measure_action_overhead()
+    measured["action_overhead"] = action
+    intra = nic = intra_lat = nic_lat = allreduce = None
     if dist.is_initialized():
         if devices_per_host > 1:
             intra = measure_p2p(0, 1, target_s, iters=iters)
             measured["intra"] = intra
+            intra_lat = measured["intra_latency"] = measure_latency(0, 1)
+            allreduce = measured["small_allreduce"] = measure_small_allreduce([0, 1])
         if hosts > 1:
             nic = measure_p2p(0, devices_per_host, target_s, iters=iters)
             measured["nic"] = nic
+            nic_lat = measured["nic_latency"] = measure_latency(0, devices_per_host)
     defaults = ClusterSpec(1, 1)
+    intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     cluster = ClusterSpec(
         hosts=max(1, hosts), devices_per_host=devices_per_host, device_memory_gib=device_memory_gib,
         device_tflops=mm["flops"] / 1e12, efficiency=min(1.0, achieved / mm["flops"]),
         nic_gbps=nic["Bps"] * 8 / 1e9 if nic else defaults.nic_gbps,
         intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
         backward_factor=layer["backward_s"] / layer["forward_s"],
-        optimizer_s_per_param=optim["seconds_per_param"])
-    measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra)) if v is None]
+        optimizer_s_per_param=optim["seconds_per_param"],
+        intra_latency_s=intra_alpha,
+        nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
+        # a 2-rank all-reduce is 2 ring steps of intra_latency_s plus the collective's own fixed cost
+        collective_latency_s=max(0.0, allreduce["seconds"] - 2 * intra_alpha) if allreduce
+        else defaults.collective_latency_s,
+        action_overhead_s=action["seconds"])
+    measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
+                                               ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))
+                                if v is None]
     return cluster, measured

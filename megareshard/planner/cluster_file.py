@@ -21,7 +21,7 @@ def cluster_to_json(cluster: ClusterSpec, measured: dict[str, Any] | None = None
 
 
 def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | None = None) -> ClusterSpec:
-    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's.
+    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's. Fields the file lacks (older files: the latency terms) keep `ClusterSpec`'s defaults.
 
     Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
     is not a positive number."""
@@ -41,7 +41,8 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
     for k, v in kw.items():
-        zero_ok = k in ("memory_reserve", "optimizer_s_per_param")
+        zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "intra_latency_s", "nic_latency_s",
+                        "collective_latency_s", "action_overhead_s")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")

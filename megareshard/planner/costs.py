@@ -15,6 +15,11 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
   all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` per rank; a host's NIC carries
   it for every rank of the host whose dp ring leaves the host.
+* fixed costs (latency, `ClusterSpec`'s ``*_latency_s`` and ``action_overhead_s``, measured by the
+  calibration): each tensor-parallel collective of a layer costs ``collective_latency_s`` + its ring steps
+  × ``intra_latency_s`` (2 all-reduces per direction, or 2 all-gathers + 2 reduce-scatters with sequence
+  parallelism); each gradient bucket (Megatron's max(40 M, 1 M·dp) parameters) one collective of 2·(dp−1)
+  ring steps at the slowest link's latency; every F and B action ``action_overhead_s``.
 * the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
   seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
@@ -26,11 +31,13 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..resharding.network import NetworkModel
 
-__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops"]
+__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops",
+           "tp_collectives_latency", "dp_reduction_latency", "DDP_BUCKET_PARAMS"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,15 @@ class ClusterSpec:
     optimizer_s_per_param: float = 0.0
     """Seconds of one optimizer step per parameter a device updates (calibration measures it; 0 leaves the
     step out, as on GPUs where it is small next to the pipeline)."""
+    intra_latency_s: float = 20e-6
+    """Fixed seconds of one point-to-point message inside a host (NCCL over NVLink: ~10-30 µs; calibrated)."""
+    nic_latency_s: float = 30e-6
+    """Fixed seconds of one point-to-point message between hosts (launch + ~5-10 µs wire and NIC; calibrated)."""
+    collective_latency_s: float = 20e-6
+    """Fixed seconds of one small collective inside a host on top of its ring steps' `intra_latency_s`
+    (launch and synchronisation; calibrated from a small all-reduce over two ranks of one host)."""
+    action_overhead_s: float = 1e-4
+    """Fixed seconds of one compute action of the pipeline (F, B or W: Python, autograd, waits; calibrated)."""
 
     @property
     def world(self) -> int:
@@ -166,6 +182,32 @@ class StageCosts:
     """Bytes the reduction moves through each NIC it crosses (per direction)."""
     optimizer_s: float = 0.0
     """The optimizer step of the parameters one device updates (its ZeRO shard)."""
+    tp_latency_s: float = 0.0
+    """Fixed (latency) seconds of the tensor-parallel collectives of one microbatch (F + B)."""
+
+
+DDP_BUCKET_PARAMS = 40_000_000
+"""Megatron's default gradient bucket: max(40 M, 1 M × dp) parameters (`--ddp-bucket-size` unset)."""
+
+
+def tp_collectives_latency(c: ClusterSpec, tp: int, sequence_parallel: bool) -> float:
+    """Fixed seconds of one layer's tensor-parallel collectives in one direction: 2 all-reduces (2·(tp−1) ring
+    steps each) or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters (tp−1 steps each)."""
+    if tp <= 1:
+        return 0.0
+    if sequence_parallel:
+        return 4 * (c.collective_latency_s + (tp - 1) * c.intra_latency_s)
+    return 2 * (c.collective_latency_s + 2 * (tp - 1) * c.intra_latency_s)
+
+
+def dp_reduction_latency(c: ClusterSpec, params: int, dp: int, crosses_hosts: bool) -> float:
+    """Fixed seconds of a stage's gradient reduction: per bucket, a ring's 2·(dp−1) steps at the latency of
+    the slowest link it crosses."""
+    if dp <= 1:
+        return 0.0
+    buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * dp)))
+    alpha = c.nic_latency_s if crosses_hosts else c.intra_latency_s
+    return buckets * (c.collective_latency_s + 2 * (dp - 1) * alpha)
 
 
 def _ring(n: int, nbytes: float) -> float:
@@ -181,9 +223,10 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     fwd_flops = layers * layer_fwd + (2 * b * s * h * V if last else 0)
     act = b * s * h * m.dtype_bytes  # the activation of one layer boundary
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
-    tp_s = layers * tp_bytes_layer / c.intra_Bps
-    f = fwd_flops / tp / c.flops + tp_s
-    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s
+    tp_lat = layers * tp_collectives_latency(c, tp, sequence_parallel)
+    tp_s = layers * tp_bytes_layer / c.intra_Bps + tp_lat
+    f = fwd_flops / tp / c.flops + tp_s + c.action_overhead_s
+    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s + c.action_overhead_s
     if recompute:
         bwd += f
     params = layers * layer_params(m)
@@ -214,7 +257,9 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     else:
         nic = 0
         dp_s = ring / c.intra_Bps
+    dp_s += dp_reduction_latency(c, per_dev, dp, dp_crosses_hosts)
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
                       tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic),
-                      optimizer_s=per_dev / opt_div * c.optimizer_s_per_param)
+                      optimizer_s=per_dev / opt_div * c.optimizer_s_per_param,
+                      tp_latency_s=(3 if recompute else 2) * tp_lat)

@@ -37,6 +37,7 @@ from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
+from ..resharding.messages import build_messages
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
@@ -318,7 +319,7 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
             plan = plan_resharding(shape, src, spec, dst, spec, strategy=strategy, scheduler="loadbalance",
                                    itemsize=model.dtype_bytes, time_budget_s=0.05)
             net = cluster.network
-            cache[key] = (net.predict(plan, order="concurrent"),
+            cache[key] = (net.predict(plan, order="concurrent") + _message_latency(plan, cluster),
                           int(max((max(a, b) for a, b in net.host_bytes(plan).values()), default=0)))
         t, nb = cache[key]
         out[f"{i}->{j}"] = t
@@ -326,6 +327,23 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
     if len(set(out.values())) == 1 or sh.virtual > 1:
         return {"*": max(out.values())}, busiest
     return out, busiest
+
+
+def _message_latency(plan, cluster: ClusterSpec) -> float:
+    """Fixed seconds of a resharding plan's messages: the messages its strategy sends (`build_messages`, as
+    the executor builds them), each at the latency of its link, summed per rank (a rank posts its sends and
+    receives one after another) and taken at the busiest rank."""
+    host_of = {r: plan.dst_mesh.host_of(r) for r in plan.dst_mesh.flat_ranks}
+    host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
+    per_rank: dict[int, float] = {}
+    for task in plan.tasks:
+        held = set(task.senders)
+        remote = sorted(r for r in task.receivers if r not in held)
+        for msg in build_messages(plan.strategy, task.numel, task.sender, remote, host_of, int(task.chunks)):
+            a = cluster.intra_latency_s if host_of[msg.src] == host_of[msg.dst] else cluster.nic_latency_s
+            for r in (msg.src, msg.dst):
+                per_rank[r] = per_rank.get(r, 0.0) + a
+    return max(per_rank.values(), default=0.0)
 
 
 def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
@@ -355,7 +373,9 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
     share, nic = cache[key]
     max_dp = max(d for _, d in _mesh_layouts(sh))
     nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
-    return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps)
+    # + at least one message's latency (the simulation counts the plan's messages)
+    return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps) + \
+        (cluster.nic_latency_s if nic else cluster.intra_latency_s)
 
 
 def _mesh_static(sh: _Shape, placement: tuple[int, ...]) -> list[tuple[float, float]]:
@@ -434,7 +454,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     c.live_microbatches = [max(p, k) for p, k in zip(peaks, live_bound(c.schedule, c.delay_wgrad, P, m,
                                                                          sh.virtual))]
     c.memory_gib = [round(x, 2) for x in _memory(sh, placement, c.live_microbatches)]
-    tp_s = m * max(sum(st.tp_bytes_per_mb for st in g) for g in groups) / cluster.intra_Bps
+    tp_s = m * max(sum(st.tp_bytes_per_mb / cluster.intra_Bps + st.tp_latency_s for st in g) for g in groups)
     c.breakdown = {"compute": max(0.0, max(busy) - tp_s), "tp collectives": tp_s,
                    "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed,
                    "optimizer step": optimizer}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megareshard.arguments import ConfigError, parse_args
-from megareshard.planner import ModelShape, plan_layouts
+from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
 from megareshard.planner.calibration import CLUSTER_FORMAT, calibrate, cluster_to_json, load_cluster
 from tests.harness import run_ranks
 
@@ -33,11 +33,18 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["forward_s"])
     # loopback between two processes: faster than 10 Mbit/s, slower than 10 Tbit/s
     assert 0.01 < cluster.intra_gbps < 10_000 and measured["intra"]["bytes"] >= 256 << 10
-    assert measured["not_measured"] == ["nic_gbps"]  # one host: no NIC to measure, the default said so
+    # one host: no NIC to measure, the defaults said so
+    assert measured["not_measured"] == ["nic_gbps", "nic_latency_s"]
+    # loopback latencies: a one-element message or all-reduce between 0.1 µs and 1 s; an autograd step likewise
+    assert 1e-7 < measured["intra_latency"]["seconds"] < 1 and cluster.intra_latency_s == \
+        measured["intra_latency"]["seconds"]
+    assert 1e-7 < measured["small_allreduce"]["seconds"] < 1 and 0 <= cluster.collective_latency_s < 1
+    assert 1e-7 < cluster.action_overhead_s < 1 and cluster.nic_latency_s == ClusterSpec(1, 1).nic_latency_s
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(cluster_to_json(cluster, measured)))
     again = load_cluster(str(path), hosts=2)
     assert again.hosts == 2 and again.device_tflops == cluster.device_tflops
+    assert again.action_overhead_s == cluster.action_overhead_s
     ranked = plan_layouts(MODEL, again, 8, micro_batches=(1, 2), zero_stages=(0,), recompute_options=(False,))
     assert ranked and ranked[0].step_s > 0
     # the planner's layer forward is the measured one (its efficiency is the layer's rate over the matmul's):

@@ -1,0 +1,115 @@
+"""The planner's fixed (latency) costs: each term moves the prediction the way it should, by its formula, and the
+cluster file carries the new fields (pure: no processes)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
+from megareshard.planner.cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
+from megareshard.planner.costs import DDP_BUCKET_PARAMS, stage_costs
+from megareshard.planner.search import _message_latency
+from megareshard.resharding import ShardingSpec, plan_resharding
+from megareshard.resharding.mesh import Mesh
+
+SMALL = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
+ZERO = dict(intra_latency_s=0.0, nic_latency_s=0.0, collective_latency_s=0.0, action_overhead_s=0.0)
+KW = dict(layers=4, first=False, last=False, micro_batch=2, recompute=False, zero=0, dp_ranks_per_host=2)
+
+
+def test_tp_collectives_cost_their_count_times_the_latency() -> None:
+    c0 = ClusterSpec(1, 8, **ZERO)
+    c = ClusterSpec(1, 8, intra_latency_s=1e-3, nic_latency_s=0.0, collective_latency_s=0.01, action_overhead_s=0.0)
+    for sp in (False, True):
+        t0 = stage_costs(SMALL, c0, tp=2, dp=1, sequence_parallel=sp, dp_crosses_hosts=False, **KW)
+        t = stage_costs(SMALL, c, tp=2, dp=1, sequence_parallel=sp, dp_crosses_hosts=False, **KW)
+        # per layer and direction: 2 all-reduces of 2 ring steps, or 4 all-gathers/reduce-scatters of 1 step
+        per_layer = 4 * (0.01 + 1e-3) if sp else 2 * (0.01 + 2 * 1e-3)
+        assert t.forward_s - t0.forward_s == pytest.approx(4 * per_layer)
+        assert t.backward_s - t0.backward_s == pytest.approx(4 * per_layer)
+        assert t.tp_latency_s == pytest.approx(8 * per_layer)
+    sp = stage_costs(SMALL, c, tp=2, dp=1, sequence_parallel=True, dp_crosses_hosts=False, **KW)
+    no = stage_costs(SMALL, c, tp=2, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    assert sp.forward_s > no.forward_s  # twice the collectives: the same bytes, more fixed costs
+    t1 = stage_costs(SMALL, c, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    assert t1.tp_latency_s == 0.0
+
+
+def test_action_overhead_is_added_to_every_forward_and_backward() -> None:
+    c0 = ClusterSpec(1, 8, **ZERO)
+    c = ClusterSpec(1, 8, **{**ZERO, "action_overhead_s": 0.002})
+    a = stage_costs(SMALL, c0, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    b = stage_costs(SMALL, c, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    assert (b.forward_s - a.forward_s, b.backward_s - a.backward_s) == pytest.approx((0.002, 0.002))
+
+
+def test_dp_reduction_pays_a_ring_of_latencies_per_bucket() -> None:
+    c0 = ClusterSpec(2, 4, **ZERO)
+    c = ClusterSpec(2, 4, intra_latency_s=1e-4, nic_latency_s=1e-3, collective_latency_s=0.0, action_overhead_s=0.0)
+    for crosses, alpha in ((False, 1e-4), (True, 1e-3)):
+        a = stage_costs(SMALL, c0, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=crosses, **KW)
+        b = stage_costs(SMALL, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=crosses, **KW)
+        assert a.params < DDP_BUCKET_PARAMS  # one bucket: one ring of 2·(dp−1) steps
+        assert b.dp_seconds - a.dp_seconds == pytest.approx(2 * 3 * alpha)
+    big = ModelShape(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=128, vocab_size=1024)
+    a = stage_costs(big, c0, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
+    b = stage_costs(big, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
+    buckets = -(-a.params // DDP_BUCKET_PARAMS)
+    assert buckets > 1 and b.dp_seconds - a.dp_seconds == pytest.approx(buckets * 2 * 3 * 1e-3)
+
+
+def _mesh(rows: list[list[int]], per_host: int) -> Mesh:
+    return Mesh(rows, {r: r // per_host for row in rows for r in row})
+
+
+def test_transfer_latency_counts_the_plans_messages_and_their_links() -> None:
+    c = ClusterSpec(4, 2, intra_latency_s=1e-4, nic_latency_s=1e-3, collective_latency_s=0.0, action_overhead_s=0.0)
+    spec = ShardingSpec.parse("R,S0,R")
+    shape = (16, 2, 8)
+
+    def latency(src: Mesh, dst: Mesh, strategy: str) -> float:
+        plan = plan_resharding(shape, src, spec, dst, spec, strategy=strategy, scheduler="loadbalance", itemsize=2,
+                               time_budget_s=0.05)
+        return _message_latency(plan, c)
+
+    # one rank to one rank: a single message, intra-host or across hosts
+    assert latency(_mesh([[0]], 2), _mesh([[1]], 2), "sendrecv") == pytest.approx(1e-4)
+    assert latency(_mesh([[0]], 2), _mesh([[2]], 2), "sendrecv") == pytest.approx(1e-3)
+    # more receivers: more messages leave the sender, each across the NIC
+    one_rank = latency(_mesh([[0]], 2), _mesh([[2]], 2), "sendrecv")
+    two_hosts = latency(_mesh([[0]], 2), _mesh([[2, 4]], 2), "sendrecv")
+    assert two_hosts == pytest.approx(2e-3) and two_hosts > one_rank
+    # broadcast through both ranks of a host: one NIC message to its head, one intra-host forward
+    assert latency(_mesh([[0]], 2), _mesh([[2, 3]], 2), "broadcast") >= 1e-3 + 1e-4 - 1e-12
+    # a dp-split tensor (two slices) to one rank: that rank receives two messages
+    assert latency(_mesh([[0], [1]], 2), _mesh([[2]], 2), "sendrecv") == pytest.approx(2e-3)
+
+
+def test_more_microbatches_pay_more_fixed_costs() -> None:
+    lat = ClusterSpec(4, 2, nic_gbps=0.2, intra_gbps=10, intra_latency_s=2e-4, nic_latency_s=1e-3,
+                      collective_latency_s=5e-4, action_overhead_s=2e-3)
+    free = dataclasses.replace(lat, **ZERO)
+    kw = dict(micro_batches=(1, 4), zero_stages=(0,), recompute_options=(False,), schedules=["1f1b"],
+              strategies=["sendrecv"], stage_meshes=False, top_shapes=50, keep=None)
+    got = {}
+    for name, cl in (("lat", lat), ("free", free)):
+        for c in plan_layouts(SMALL, cl, 8, **kw):
+            if (c.tp, c.pp, c.dp, c.sequence_parallel, c.delay_wgrad) == (2, 4, 1, False, False) and \
+                    c.layers_per_stage is None and c.breakdown:
+                got[name, c.micro_batch] = c.step_s
+    extra = {b: got["lat", b] - got["free", b] for b in (1, 4)}
+    assert extra[4] > 0 and extra[1] > 2 * extra[4]  # 8 microbatches against 2: several times the fixed costs
+
+
+def test_the_cluster_file_round_trips_the_latencies_and_old_files_keep_the_defaults(tmp_path) -> None:
+    c = ClusterSpec(2, 4, intra_latency_s=3e-5, nic_latency_s=4e-4, collective_latency_s=6e-4, action_overhead_s=7e-4)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cluster_to_json(c)))
+    assert load_cluster(str(path)) == c
+    path.write_text(json.dumps({"format": CLUSTER_FORMAT, "hosts": 2, "devices_per_host": 4}))
+    assert load_cluster(str(path)) == ClusterSpec(2, 4)
+    path.write_text(json.dumps({"format": CLUSTER_FORMAT, "hosts": 2, "devices_per_host": 4, "nic_latency_s": -1}))
+    with pytest.raises(ValueError, match="nic_latency_s = -1 is not a positive number"):
+        load_cluster(str(path))
