@@ -19,7 +19,9 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   calibration): each tensor-parallel collective of a layer costs ``collective_latency_s`` + its ring steps
   × ``intra_latency_s`` (2 all-reduces per direction, or 2 all-gathers + 2 reduce-scatters with sequence
   parallelism); each gradient bucket (Megatron's max(40 M, 1 M·dp) parameters) one collective of 2·(dp−1)
-  ring steps at the slowest link's latency; every F and B action ``action_overhead_s``.
+  ring steps at the slowest link's latency. Every compute action of the pipeline (F, B, I, W) also pays
+  ``action_overhead_s``: the search adds it to the simulator's costs, not to `StageCosts` (whose F and B
+  are the compute a validation run paces to).
 * the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
   seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
@@ -225,8 +227,8 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
     tp_lat = layers * tp_collectives_latency(c, tp, sequence_parallel)
     tp_s = layers * tp_bytes_layer / c.intra_Bps + tp_lat
-    f = fwd_flops / tp / c.flops + tp_s + c.action_overhead_s
-    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s + c.action_overhead_s
+    f = fwd_flops / tp / c.flops + tp_s
+    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s
     if recompute:
         bwd += f
     params = layers * layer_params(m)

@@ -389,11 +389,11 @@ def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[flo
     return [(a + k * x) / 2**30 for (a, x), k in zip(_mesh_static(sh, placement), live)]
 
 
-def _estimate_parts(sh: _Shape) -> tuple[float, float]:
-    """(one mesh's compute per microbatch at its slowest, its data-parallel reduction and optimizer step at
-    their slowest)."""
+def _estimate_parts(sh: _Shape, overhead: float = 0.0) -> tuple[float, float]:
+    """(one mesh's compute per microbatch at its slowest, with `overhead` per F and B action, its data-parallel
+    reduction and optimizer step at their slowest)."""
     groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
-    fb = max(sum(st.forward_s + st.backward_s for st in g) for g in groups)
+    fb = max(sum(st.forward_s + st.backward_s + 2 * overhead for st in g) for g in groups)
     return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
 
 
@@ -407,11 +407,14 @@ def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: s
 
 def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
               edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
-              v: int = 1) -> tuple[float, Any]:
-    """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m."""
-    key = (name, dw, P, m, f, b, edge, v)
+              v: int = 1, overhead: float = 0.0) -> tuple[float, Any]:
+    """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m. Every
+    compute action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds."""
+    key = (name, dw, P, m, f, b, edge, v, overhead)
     if key not in cache:
-        costs = Costs(f=list(f), b=list(b), comm=edge if isinstance(edge, float) else dict(edge))
+        costs = Costs(f=[x + overhead for x in f], b=[x + overhead for x in b],
+                      i=[x / 2 + overhead for x in b], w=[x / 2 + overhead for x in b],
+                      comm=edge if isinstance(edge, float) else dict(edge))
         kind = REGISTRY[name]
 
         def run(n: int):
@@ -440,7 +443,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     f = [st.forward_s for st in sh.stages]
     b = [st.backward_s for st in sh.stages]
     edge = edges["*"] if "*" in edges else tuple(sorted(edges.items()))
-    pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), edge, cache, sh.virtual)
+    pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), edge, cache, sh.virtual,
+                         cluster.action_overhead_s)
     placement = placement_of(c.schedule, P, sh.virtual) if sh.virtual > 1 else tuple(range(P))
     groups = sh.per_mesh(placement)
     # each mesh's dp reduction starts after its last backward compute
@@ -448,14 +452,17 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     c.step_s = pipe + exposed + optimizer
-    busy = [m * sum(st.forward_s + st.backward_s for st in g) for g in groups]
+    o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
+    busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
     peaks = tl.peak_activations
     c.live_microbatches = [max(p, k) for p, k in zip(peaks, live_bound(c.schedule, c.delay_wgrad, P, m,
                                                                          sh.virtual))]
     c.memory_gib = [round(x, 2) for x in _memory(sh, placement, c.live_microbatches)]
     tp_s = m * max(sum(st.tp_bytes_per_mb / cluster.intra_Bps + st.tp_latency_s for st in g) for g in groups)
-    c.breakdown = {"compute": max(0.0, max(busy) - tp_s), "tp collectives": tp_s,
+    overhead = m * max(len(g) for g in groups) * o
+    c.breakdown = {"compute": max(0.0, max(busy) - tp_s - overhead), "tp collectives": tp_s,
+                   "action overhead": overhead,
                    "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed,
                    "optimizer step": optimizer}
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
@@ -522,7 +529,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             sh = shapes[v]
             placement = placement_of(name, sh.pp, v) if v > 1 else tuple(range(sh.pp))
             static = _mesh_static(sh, placement)
-            parts = _estimate_parts(sh)
+            parts = _estimate_parts(sh, cluster.action_overhead_s)
             strats = strategies if sh.pp > 1 else strategies[:1]
             for dw in ((True,) if REGISTRY[name].zero_bubble else
                        (False, True) if name != "gpipe" and sh.pp > 1 else (False,)):
