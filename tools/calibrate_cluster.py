@@ -77,8 +77,9 @@ def worker(a: argparse.Namespace) -> int:
               f"{cluster.backward_factor:.2f}× forward, intra-host {cluster.intra_gbps:.2f} Gbit/s, NIC "
               f"{cluster.nic_gbps:.3f} Gbit/s; latency intra {cluster.intra_latency_s * 1e6:.0f} µs, NIC "
               f"{cluster.nic_latency_s * 1e6:.0f} µs, collective {cluster.collective_latency_s * 1e6:.0f} µs, "
-              f"action {cluster.action_overhead_s * 1e6:.0f} µs" + (f" (not measured, default: {', '.join(measured['not_measured'])})"
-                                                   if measured["not_measured"] else ""), flush=True)
+              f"action {cluster.action_overhead_s * 1e6:.0f} µs"
+              + (f" (not measured, default: {', '.join(measured['not_measured'])})"
+                 if measured["not_measured"] else ""), flush=True)
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump(cluster_to_json(cluster, measured), f, indent=1)

@@ -21,7 +21,8 @@ def cluster_to_json(cluster: ClusterSpec, measured: dict[str, Any] | None = None
 
 
 def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | None = None) -> ClusterSpec:
-    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's. Fields the file lacks (older files: the latency terms) keep `ClusterSpec`'s defaults.
+    """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's;
+    fields the file lacks (older files: the latency terms) keep `ClusterSpec`'s defaults.
 
     Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
     is not a positive number."""
