@@ -17,8 +17,9 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
    stage sends m activations and m gradients), plus the exposed data-parallel reduction.
 3. **Score**: the best few shapes (every schedule × strategy × delayed W of each; then, while a shape's
    estimate still beats the best simulated step, the next ones, up to four times as many) run through
-   the pipeline simulator with the per-stage F/B times and the resharding planner's
-   predicted transfer time per edge; long runs are extrapolated from steady-state
+   the pipeline simulator with the per-stage F/B times (+ `ClusterSpec.action_overhead_s` per compute
+   action) and the resharding planner's predicted transfer time per edge (+ the latency of the messages
+   its strategy sends, at the busiest rank); long runs are extrapolated from steady-state
    simulations (the step grows linearly in m once every stage is in its steady phase; two
    equal increments are required, otherwise the whole run is simulated).
    The data-parallel reduction of a mesh starts after its last backward; what does not fit
