@@ -95,3 +95,12 @@ def test_sequence_parallel_without_tp_warns():
 def test_no_abbreviations():
     with pytest.raises(ConfigError, match="unknown flag\\(s\\) --micro: neither megareshard's nor Megatron-LM's"):
         parse_args(BASE + ["--micro", "2"], world_size=1)
+
+
+def test_signal_strategy_needs_the_nan_check_off():
+    # signal's stage inputs are undefined: a NaN loss would stop the run, so the flag must say it is a benchmark
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--reshard-strategy", "signal"]
+    with pytest.raises(ConfigError, match="add --no-check-for-nan-in-loss-and-grad"):
+        parse_args(argv, world_size=2)
+    cfg = parse_args(argv + ["--no-check-for-nan-in-loss-and-grad"], world_size=2)
+    assert cfg.pipeline.reshard_strategy == "signal" and not cfg.training.check_for_nan_in_loss_and_grad
