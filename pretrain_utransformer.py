@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
         return 2
-    except (PeerFailure, PreflightError, RunStopped) as e:
+    except (PeerFailure, PreflightError, *RunStopped) as e:  # RunStopped is a tuple: unpacked, since
+        # `except` refuses a nested tuple (TypeError) the moment an exception reaches it
         # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
         # every rank stops, named in one line
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr, flush=True)

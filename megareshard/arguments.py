@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -407,6 +408,9 @@ def validate(cfg: Config, world_size: int) -> Config:
     for name, value in positive:
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:  # every rank refuses, not just the reporter
+        raise ConfigError(f"--wandb-project {lg.wandb_project} needs the wandb package, which is not installed: "
+                          "pip install wandb, or drop --wandb-project")
     tp, pp = cfg.tp, cfg.pp
     if p.stage_layouts:
         _validate_stage_layouts(cfg, world_size)  # sets --pipeline-model-parallel-size from the entries

@@ -104,3 +104,12 @@ def test_signal_strategy_needs_the_nan_check_off():
         parse_args(argv, world_size=2)
     cfg = parse_args(argv + ["--no-check-for-nan-in-loss-and-grad"], world_size=2)
     assert cfg.pipeline.reshard_strategy == "signal" and not cfg.training.check_for_nan_in_loss_and_grad
+
+
+def test_wandb_project_without_wandb_is_refused_on_every_rank(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="--wandb-project mr needs the wandb package, which is not installed"):
+        parse_args(BASE + ["--wandb-project", "mr"], world_size=1)

@@ -74,6 +74,7 @@ def _model_args(a: argparse.Namespace, world: int, tp: int, sp: bool) -> list[st
             "--train-iters", str(a.warmup + a.iters), "--lr-warmup-iters", "1", "--tensor-model-parallel-size", str(tp),
             "--device", a.device, "--log-interval", "1000000",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
+    argv += a.model_args.split() if a.model_args else []   # e.g. Llama's --swiglu --normalization RMSNorm ...
     return argv + (["--sequence-parallel"] if sp else [])
 
 
@@ -98,12 +99,12 @@ def _worker(a: argparse.Namespace) -> None:
         ctx, _ = build_context(cfg, world)
         comm_s, fb_s = [], []
 
-        def timed_fb(model, microbatches, dev, backward=True):
+        def timed_fb(model, microbatches, dev, backward=True, scale_loss=None, **_):
             # time forward/backward only: its collectives are the tensor-parallel ones
             clock.on, clock.seconds = True, 0.0
             t0 = time.perf_counter()
             loss = forward_backward(model, microbatches, dev, autocast_dtype=autocast, backward=backward,
-                                    spec=get_model_spec("gpt"))
+                                    scale_loss=scale_loss, spec=get_model_spec("gpt"))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             fb_s.append(time.perf_counter() - t0)
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--iters", type=int, default=10, help="timed iterations per layout")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per layout")
+    p.add_argument("--model-args", default="", help="more model flags, one string (e.g. \"--swiglu --normalization "
+                   "RMSNorm --position-embedding-type rope\")")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, for MFU (H100 bf16 dense: 989)")
