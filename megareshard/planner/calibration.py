@@ -6,7 +6,8 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   ``h × f``, the MLP's first GEMM) → ``device_tflops``;
 * **per-layer forward and backward** of one Transformer layer of the model at its shape (our
   GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
-  ``backward_factor`` = backward / forward;
+  ``backward_factor`` = backward / forward, both from CPU times (the matmul's too), which the
+  scheduler's preemptions do not stretch; the load enters through the matmul's wall time alone;
 * **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
 * **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
   between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
@@ -14,7 +15,16 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
 * **latencies**: the round trip of a one-element message between the same pairs (half of it →
   ``intra_latency_s``, ``nic_latency_s``), a one-element all-reduce over ranks 0 and 1 of host 0
   (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``), and the per-action
-  overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``.
+  overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``;
+* **a tp all-reduce under load**: every rank busy at once, tp-2 pairs inside each host alternating a
+  compute chunk (a quarter of the layer's forward) with an all-reduce of one microbatch's activation,
+  against the chunks alone; the difference, less the ring steps' latency and the bytes at the measured
+  intra-host rate, raises ``collective_latency_s`` when larger. On an oversubscribed machine (the
+  emulated cluster: 8 ranks on 2 cores) it is the wait for the partner to be scheduled, which the
+  idle two-rank all-reduce misses.
+
+Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
+ranks is kept.
 
 Every rank issues the same point-to-point operations in the same order (NCCL's rules); ranks not in
 a pair wait at a barrier. The JSON (`CLUSTER_FORMAT`) holds `ClusterSpec`'s fields plus
@@ -32,7 +42,7 @@ from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_p2p", "measure_latency", "measure_small_allreduce",
-           "measure_action_overhead", "calibrate"]
+           "measure_action_overhead", "measure_loaded_collective", "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1) -> float:
     for _ in range(warmup):
@@ -45,14 +55,28 @@ def _median_time(fn, iters: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def _median_cpu_time(fn, iters: int, warmup: int = 1) -> float:
+    """Median thread CPU seconds of `fn`: unlike wall time, not lengthened when the scheduler preempts it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
 def measure_matmul(rows: int, inner: int, cols: int, dtype: str = "float32", iters: int = 5) -> dict[str, float]:
-    """FLOP/s of a ``rows × inner`` by ``inner × cols`` matmul (median of `iters`)."""
+    """FLOP/s of a ``rows × inner`` by ``inner × cols`` matmul (median of `iters` wall times), and its CPU time."""
     import torch
 
     dt = getattr(torch, dtype)
     a, b = torch.randn(rows, inner, dtype=dt), torch.randn(inner, cols, dtype=dt)
     s = _median_time(lambda: a @ b, iters)
-    return {"rows": rows, "inner": inner, "cols": cols, "seconds": s, "flops": 2.0 * rows * inner * cols / s}
+    cpu = _median_cpu_time(lambda: a @ b, iters)
+    return {"rows": rows, "inner": inner, "cols": cols, "seconds": s, "flops": 2.0 * rows * inner * cols / s,
+            "cpu_seconds": cpu}
 
 
 def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[str, float]:
@@ -70,17 +94,20 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     layer = next(iter(layer.layers.children()))
     x = torch.randn(model.seq_length, micro_batch, model.hidden_size, requires_grad=True)
     grad = torch.randn(model.seq_length, micro_batch, model.hidden_size)
-    fwd, bwd = [], []
+    fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
     for i in range(iters + 1):  # the first is a warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         y = layer(x)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         y.backward(grad)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         if i:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd)}
+            fwd_cpu.append(c1 - c0)
+            bwd_cpu.append(c2 - c1)
+    return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "forward_cpu_s": statistics.median(fwd_cpu), "backward_cpu_s": statistics.median(bwd_cpu)}
 
 
 def measure_optimizer(params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
@@ -191,6 +218,62 @@ def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, floa
     return {"ranks": list(ranks), "seconds": statistics.median(out)}
 
 
+def _rank_median(value: float) -> float:
+    """The median over every rank of a time each rank measured at once (rank 0's alone swings several-fold on an
+    oversubscribed machine); every rank calls it. Without a process group: the value."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+    box[dist.get_rank()] = value
+    dist.all_reduce(box)
+    return statistics.median(box.tolist())
+
+
+def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_host: int, chunk_s: float,
+                              reps: int = 20, rounds: int = 5) -> dict[str, Any]:
+    """What one tensor-parallel all-reduce costs inside a busy layer, with every rank busy at once (the load of a
+    real run): ranks form tp-2 pairs inside each host; each runs `reps` times a compute chunk of about `chunk_s`
+    (a matmul of the model's MLP shard) followed by an all-reduce of one microbatch's activation over its pair,
+    then the same chunks alone, `rounds` times alternated. The difference per rep (median over rounds, then over
+    ranks) is the all-reduce's cost under load:
+    on an oversubscribed CPU it includes waiting for the partner to be scheduled, which an idle two-rank
+    measurement misses. Every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [[h + 2 * k, h + 2 * k + 1] for h in range(0, world, devices_per_host) for k in range(devices_per_host // 2)]
+    groups = [dist.new_group(pr) for pr in pairs]  # every rank creates every group, in one order
+    mine = next((g for g, pr in zip(groups, pairs) if rank in pr), None)
+    rows, h = model.seq_length * micro_batch, model.hidden_size
+    a, w = torch.randn(rows, h), torch.randn(h, max(1, model.ffn // 2))
+    one = _median_time(lambda: a @ w, 5)
+    inner = max(1, round(chunk_s / max(one, 1e-9)))
+    act = torch.randn(rows, h)
+
+    def phase(with_allreduce: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(inner):
+                a @ w
+            if with_allreduce and mine is not None:
+                dist.all_reduce(act, group=mine)
+        return (time.perf_counter() - t0) / reps
+
+    phase(True)  # warm-up: the groups' first operations connect
+    rounds = [(phase(True), phase(False)) for _ in range(rounds)]  # alternated: slow drifts hit both alike
+    with_ar = statistics.median(w for w, _ in rounds)
+    alone = statistics.median(a for _, a in rounds)
+    extra = statistics.median(w - a for w, a in rounds)
+    return {"pairs": pairs, "bytes": act.numel() * 4, "chunk_s": inner * one, "rounds": len(rounds),
+            "with_allreduce_s": _rank_median(with_ar), "alone_s": _rank_median(alone),
+            "seconds": max(0.0, _rank_median(extra))}
+
+
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
               iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
@@ -200,41 +283,60 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     world = dist.get_world_size() if dist.is_initialized() else 1
     hosts = world // devices_per_host
     h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
+    # every rank measures at once (the load the runs will see); the median over ranks is kept
     mm = measure_matmul(rows, h, f, iters=iters)
-    layer = measure_layer(model, micro_batch, iters=iters)
+    mm["seconds"], mm["cpu_seconds"] = _rank_median(mm["seconds"]), _rank_median(mm["cpu_seconds"])
+    mm["flops"] = 2.0 * rows * h * f / mm["seconds"]
+    layer = measure_layer(model, micro_batch, iters=3 * iters)
+    layer = layer | {k: _rank_median(layer[k]) for k in ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s")}
+    # the layer's ratios (to the matmul, backward to forward) come from CPU times, which preemption does not
+    # stretch: wall times of a ~10 ms layer among 8 ranks on 2 cores swing 2× between runs; the load itself
+    # enters once, through the matmul's wall time (stable to a few %)
+    load = mm["seconds"] / max(mm["cpu_seconds"], 1e-12)
+    layer["under_load_forward_s"] = layer["forward_cpu_s"] * load
     optim = measure_optimizer(iters=iters)
+    optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param")}
     flops = layer_flops(model, micro_batch)
-    achieved = flops / layer["forward_s"]
+    achieved = flops / layer["under_load_forward_s"]
     measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
                                 "optimizer": optim,
                                 "world": world, "devices_per_host": devices_per_host}
     action = measure_action_overhead()
+    action = action | {k: _rank_median(action[k]) for k in ("forward_backward_s", "seconds")}
     measured["action_overhead"] = action
-    intra = nic = intra_lat = nic_lat = allreduce = None
+    intra = nic = intra_lat = nic_lat = allreduce = loaded = None
     if dist.is_initialized():
         if devices_per_host > 1:
             intra = measure_p2p(0, 1, target_s, iters=iters)
             measured["intra"] = intra
             intra_lat = measured["intra_latency"] = measure_latency(0, 1)
             allreduce = measured["small_allreduce"] = measure_small_allreduce([0, 1])
+            # a tp layer has two all-reduces per forward, each after about a quarter of the layer's tp-1 forward
+            loaded = measured["loaded_allreduce"] = measure_loaded_collective(
+                model, micro_batch, devices_per_host, chunk_s=layer["under_load_forward_s"] / 4)
         if hosts > 1:
             nic = measure_p2p(0, devices_per_host, target_s, iters=iters)
             measured["nic"] = nic
             nic_lat = measured["nic_latency"] = measure_latency(0, devices_per_host)
     defaults = ClusterSpec(1, 1)
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
+    collective = defaults.collective_latency_s
+    if allreduce:  # a 2-rank all-reduce is 2 ring steps of intra_latency_s plus the collective's own fixed cost
+        collective = max(0.0, allreduce["seconds"] - 2 * intra_alpha)
+    if loaded and intra:  # under load: what is left after the ring steps' latency and the bytes at the link's rate
+        wire = loaded["bytes"] / (intra["Bps"])  # 2·(tp−1)/tp = 1 at tp 2
+        loaded["fixed_s"] = max(0.0, loaded["seconds"] - 2 * intra_alpha - wire)
+        collective = max(collective, loaded["fixed_s"])
     cluster = ClusterSpec(
         hosts=max(1, hosts), devices_per_host=devices_per_host, device_memory_gib=device_memory_gib,
         device_tflops=mm["flops"] / 1e12, efficiency=min(1.0, achieved / mm["flops"]),
         nic_gbps=nic["Bps"] * 8 / 1e9 if nic else defaults.nic_gbps,
         intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
-        backward_factor=layer["backward_s"] / layer["forward_s"],
+        backward_factor=layer["backward_cpu_s"] / layer["forward_cpu_s"],
         optimizer_s_per_param=optim["seconds_per_param"],
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
-        # a 2-rank all-reduce is 2 ring steps of intra_latency_s plus the collective's own fixed cost
-        collective_latency_s=max(0.0, allreduce["seconds"] - 2 * intra_alpha) if allreduce
-        else defaults.collective_latency_s,
+        collective_latency_s=collective,
         action_overhead_s=action["seconds"])
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))

@@ -30,7 +30,11 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert 1e-11 < cluster.optimizer_s_per_param < 1e-5 and measured["optimizer"]["params"] == 1 << 20
     lay = measured["layer"]
     assert lay["forward_s"] > 0 and lay["backward_s"] > 0
-    assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["forward_s"])
+    assert lay["forward_cpu_s"] > 0 and lay["backward_cpu_s"] > 0
+    load = measured["matmul"]["seconds"] / measured["matmul"]["cpu_seconds"]
+    assert lay["under_load_forward_s"] == pytest.approx(lay["forward_cpu_s"] * load)
+    assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["under_load_forward_s"])
+    assert cluster.backward_factor == pytest.approx(lay["backward_cpu_s"] / lay["forward_cpu_s"])
     # loopback between two processes: faster than 10 Mbit/s, slower than 10 Tbit/s
     assert 0.01 < cluster.intra_gbps < 10_000 and measured["intra"]["bytes"] >= 256 << 10
     # one host: no NIC to measure, the defaults said so
@@ -40,6 +44,12 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
         measured["intra_latency"]["seconds"]
     assert 1e-7 < measured["small_allreduce"]["seconds"] < 1 and 0 <= cluster.collective_latency_s < 1
     assert 1e-7 < cluster.action_overhead_s < 1 and cluster.nic_latency_s == ClusterSpec(1, 1).nic_latency_s
+    # the tp all-reduce under load: one pair, the bigger of the two fixed costs is the planner's
+    loaded = measured["loaded_allreduce"]
+    assert loaded["pairs"] == [[0, 1]] and loaded["bytes"] == 32 * 2 * 64 * 4
+    assert 0 <= loaded["fixed_s"] <= loaded["seconds"] and loaded["with_allreduce_s"] > 0 and loaded["alone_s"] > 0
+    assert cluster.collective_latency_s == max(loaded["fixed_s"], max(0.0, measured["small_allreduce"]["seconds"]
+                                                                      - 2 * cluster.intra_latency_s))
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(cluster_to_json(cluster, measured)))
     again = load_cluster(str(path), hosts=2)
@@ -47,10 +57,11 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert again.action_overhead_s == cluster.action_overhead_s
     ranked = plan_layouts(MODEL, again, 8, micro_batches=(1, 2), zero_stages=(0,), recompute_options=(False,))
     assert ranked and ranked[0].step_s > 0
-    # the planner's layer forward is the measured one (its efficiency is the layer's rate over the matmul's):
+    # the planner's layer forward is the measured one under load (its efficiency is the layer's rate over the
+    # matmul's, in CPU time; the load is the matmul's wall over CPU time):
     # one stage of every layer at micro batch 2 takes at least the layers' measured forwards
     one = [c for c in ranked if c.pp == 1 and c.tp == 1 and c.micro_batch == 2]
-    assert one and one[0].stage_f_s[0] >= MODEL.num_layers * lay["forward_s"] * (1 - 1e-9)
+    assert one and one[0].stage_f_s[0] >= MODEL.num_layers * lay["under_load_forward_s"] * (1 - 1e-9)
     argv = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "4", "--seq-length", "32", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
             "--auto-layout", "--nproc-per-node", "2", "--auto-layout-cluster", str(path)]
