@@ -43,7 +43,7 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
         kw["devices_per_host"] = devices_per_host
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "intra_latency_s", "nic_latency_s",
-                        "collective_latency_s", "action_overhead_s")
+                        "collective_latency_s", "action_overhead_s", "layer_overhead_s")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")

@@ -8,7 +8,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (``ClusterSpec.backward_factor``, measured by
   the calibration) (input and weight
   gradients one forward each); full recomputation adds a forward to the backward. Divided by
-  tp and by the device's achieved FLOP/s.
+  tp and by the device's achieved FLOP/s; each layer adds ``layer_overhead_s`` (× ``backward_factor``
+  backward), the part of its time that does not scale with FLOPs (launches, Python; calibrated).
 * tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter with sequence
   parallelism, the same bytes) of ``b·s·h`` activations per layer forward and 2 backward,
   ring cost ``2·(tp−1)/tp·bytes`` over the intra-host link (tp stays inside a host).
@@ -118,6 +119,10 @@ class ClusterSpec:
     (launch and synchronisation; calibrated from a small all-reduce over two ranks of one host)."""
     action_overhead_s: float = 1e-4
     """Fixed seconds of one compute action of the pipeline (F, B or W: Python, autograd, waits; calibrated)."""
+    layer_overhead_s: float = 0.0
+    """Fixed seconds of one layer's forward that do not shrink with its FLOPs (kernel launches, Python; the
+    backward pays `backward_factor` × it). Calibrated from the layer timed at two micro batch sizes; 0 treats
+    a layer as pure FLOPs (large GPU microbatches)."""
 
     @property
     def world(self) -> int:
@@ -227,8 +232,9 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     tp_bytes_layer = 2 * _ring(tp, act)  # two collectives per layer and direction
     tp_lat = layers * tp_collectives_latency(c, tp, sequence_parallel)
     tp_s = layers * tp_bytes_layer / c.intra_Bps + tp_lat
-    f = fwd_flops / tp / c.flops + tp_s
-    bwd = c.backward_factor * fwd_flops / tp / c.flops + tp_s
+    compute = fwd_flops / tp / c.flops + layers * c.layer_overhead_s
+    f = compute + tp_s
+    bwd = c.backward_factor * compute + tp_s
     if recompute:
         bwd += f
     params = layers * layer_params(m)

@@ -25,6 +25,7 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert (cluster.hosts, cluster.devices_per_host) == (1, 2)
     # a CPU core: between 10 MFLOP/s and 10 TFLOP/s; a layer never beats its own matmul rate by much
     assert 1e-5 < cluster.device_tflops < 10 and 0 < cluster.efficiency <= 1
+    assert cluster.device_tflops * cluster.efficiency * 1e12 == pytest.approx(measured["layer"]["achieved_flops"])
     assert 0.5 < cluster.backward_factor < 20
     # an Adam step touches ~16 bytes per parameter: between 0.01 ns and 10 µs per parameter on any CPU
     assert 1e-11 < cluster.optimizer_s_per_param < 1e-5 and measured["optimizer"]["params"] == 1 << 20
@@ -33,7 +34,11 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert lay["forward_cpu_s"] > 0 and lay["backward_cpu_s"] > 0
     load = measured["matmul"]["seconds"] / measured["matmul"]["cpu_seconds"]
     assert lay["under_load_forward_s"] == pytest.approx(lay["forward_cpu_s"] * load)
-    assert lay["achieved_flops"] == pytest.approx(lay["flops"] / lay["under_load_forward_s"])
+    # the layer at twice the micro batch splits its forward into a fixed part and a part that scales
+    assert lay["fixed_forward_cpu_s"] + lay["scaling_forward_cpu_s"] == pytest.approx(lay["forward_cpu_s"])
+    assert 0 <= lay["fixed_forward_cpu_s"] < lay["forward_cpu_s"] and lay["double_micro_batch"]["forward_cpu_s"] > 0
+    assert lay["achieved_flops"] == pytest.approx(lay["flops"] / (lay["scaling_forward_cpu_s"] * load))
+    assert cluster.layer_overhead_s == pytest.approx(lay["fixed_forward_cpu_s"] * load)
     assert cluster.backward_factor == pytest.approx(lay["backward_cpu_s"] / lay["forward_cpu_s"])
     # loopback between two processes: faster than 10 Mbit/s, slower than 10 Tbit/s
     assert 0.01 < cluster.intra_gbps < 10_000 and measured["intra"]["bytes"] >= 256 << 10
@@ -62,6 +67,7 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     # one stage of every layer at micro batch 2 takes at least the layers' measured forwards
     one = [c for c in ranked if c.pp == 1 and c.tp == 1 and c.micro_batch == 2]
     assert one and one[0].stage_f_s[0] >= MODEL.num_layers * lay["under_load_forward_s"] * (1 - 1e-9)
+    assert again.layer_overhead_s == cluster.layer_overhead_s
     argv = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "4", "--seq-length", "32", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
             "--auto-layout", "--nproc-per-node", "2", "--auto-layout-cluster", str(path)]

@@ -39,6 +39,22 @@ def test_tp_collectives_cost_their_count_times_the_latency() -> None:
     assert t1.tp_latency_s == 0.0
 
 
+def test_layer_overhead_is_paid_per_layer_whatever_the_micro_batch_and_tp() -> None:
+    c0 = ClusterSpec(1, 8, **ZERO)
+    c = dataclasses.replace(c0, layer_overhead_s=0.004, backward_factor=2.5)
+    for tp, mb in ((1, 1), (2, 1), (1, 4), (2, 4)):
+        kw = KW | {"micro_batch": mb}
+        t0 = stage_costs(SMALL, dataclasses.replace(c0, backward_factor=2.5), tp=tp, dp=1, sequence_parallel=False,
+                         dp_crosses_hosts=False, **kw)
+        t = stage_costs(SMALL, c, tp=tp, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **kw)
+        assert t.forward_s - t0.forward_s == pytest.approx(4 * 0.004)          # 4 layers, not divided by tp
+        assert t.backward_s - t0.backward_s == pytest.approx(2.5 * 4 * 0.004)
+    # so a smaller micro batch is cheaper by less than its FLOPs: halving it no longer halves the forward
+    half = stage_costs(SMALL, c, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW | {"micro_batch": 1})
+    full = stage_costs(SMALL, c, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    assert half.forward_s - 4 * 0.004 == pytest.approx((full.forward_s - 4 * 0.004) / 2)
+
+
 def test_action_overhead_is_added_to_every_simulated_compute_action() -> None:
     f, b, e, o = (1.0, 1.2), (2.0, 2.4), 0.1, 0.25
     for dw in (False, True):
