@@ -437,8 +437,38 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
     return cache[key]
 
 
+def tied_embedding_s(model: ModelShape, cluster: ClusterSpec, sh: _Shape, first_mesh: int, last_mesh: int,
+                     cache: dict[tuple, Any]) -> float:
+    """The tied word embedding's gradient all-reduce between the first and the last stage (Megatron's
+    embedding group: rank k of the first stage's mesh with rank k of the last's): a ring of two moves the
+    V·h/tp fp32 gradient once each way; a host's NIC carries it for every pair that leaves the host. 0 with
+    untied embeddings or when one mesh holds both ends (one stage, or zbv's V)."""
+    if model.untied or first_mesh == last_mesh:
+        return 0.0
+    key = ("tied", sh.layouts or (sh.tp, sh.pp, sh.order), first_mesh, last_mesh)
+    if key not in cache:
+        src, dst = stage_mesh(sh.topo, first_mesh), stage_mesh(sh.topo, last_mesh)
+        lay = _mesh_layouts(sh)
+        nbytes = 4 * model.vocab_size * model.hidden_size / min(lay[first_mesh][0], lay[last_mesh][0])
+        out_of: dict[int, float] = {}
+        inside = False
+        for a, b in zip((r for row in src.ranks for r in row), (r for row in dst.ranks for r in row)):
+            ha, hb = src.host_of(a), dst.host_of(b)
+            if ha == hb:
+                inside = True
+            else:
+                out_of[ha] = out_of.get(ha, 0.0) + nbytes
+                out_of[hb] = out_of.get(hb, 0.0) + nbytes
+        t = (max(out_of.values()) / cluster.nic_Bps + cluster.collective_latency_s + 2 * cluster.nic_latency_s
+             if out_of else 0.0)
+        if inside:
+            t = max(t, nbytes / cluster.intra_Bps + cluster.collective_latency_s + 2 * cluster.intra_latency_s)
+        cache[key] = t
+    return cache[key]
+
+
 def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float],
-              cache: dict[tuple, tuple[float, Any]]) -> None:
+              cache: dict[tuple, Any], model: ModelShape) -> None:
     """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
     P, m = sh.pp, sh.m
     f = [st.forward_s for st in sh.stages]
@@ -448,8 +478,14 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
                          cluster.action_overhead_s)
     placement = placement_of(c.schedule, P, sh.virtual) if sh.virtual > 1 else tuple(range(P))
     groups = sh.per_mesh(placement)
-    # each mesh's dp reduction starts after its last backward compute
+    # each mesh's dp reduction starts after its last backward compute; the first and last meshes first
+    # all-reduce the tied embedding's gradient, which waits for the later of the two
     ends = [max((iv.end for iv in row), default=0.0) for row in tl.compute]
+    first, last = placement[0], placement[-1]
+    tied = tied_embedding_s(model, cluster, sh, first, last, cache) if P > 1 else 0.0
+    if tied:
+        both = max(ends[first], ends[last]) + tied
+        ends[first] = ends[last] = both
     exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     c.step_s = pipe + exposed + optimizer
@@ -464,7 +500,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     overhead = m * max(len(g) for g in groups) * o
     c.breakdown = {"compute": max(0.0, max(busy) - tp_s - overhead), "tp collectives": tp_s,
                    "action overhead": overhead,
-                   "pipeline bubble": max(0.0, pipe - max(busy)), "dp reduction (exposed)": exposed,
+                   "pipeline bubble": max(0.0, pipe - max(busy)),
+                   "dp reduction + tied embedding (exposed)": exposed,
                    "optimizer step": optimizer}
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
@@ -531,6 +568,8 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             placement = placement_of(name, sh.pp, v) if v > 1 else tuple(range(sh.pp))
             static = _mesh_static(sh, placement)
             parts = _estimate_parts(sh, cluster.action_overhead_s)
+            if sh.pp > 1:  # the tied embedding's all-reduce comes after the pipeline, before the step
+                parts = (parts[0], parts[1] + tied_embedding_s(model, cluster, sh, placement[0], placement[-1], bounds))
             strats = strategies if sh.pp > 1 else strategies[:1]
             for dw in ((True,) if REGISTRY[name].zero_bubble else
                        (False, True) if name != "gpipe" and sh.pp > 1 else (False,)):
@@ -581,7 +620,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             est, name, dw, strategy, live, mem = row
             edges, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
             c = _candidate(model, sh, row, runnable, max(edges.values()), busiest)
-            _simulate(c, sh, cluster, edges, sims)
+            _simulate(c, sh, cluster, edges, sims, model)
             if max(c.memory_gib) > limit:  # the simulated live set is larger than the bound used
                 st["pruned_memory"] += 1
                 continue

@@ -137,8 +137,12 @@ def test_boundaries_that_cross_hosts_cost_more_than_those_inside_one() -> None:
 def test_no_estimated_layout_ranks_below_a_slower_simulated_one() -> None:
     """NIC-bound (1 Gbit/s, negligible compute): zbv sends two transfers per microbatch where 1F1B sends one;
     the pre-rank must count them, and a shape whose estimate beats the best simulated step gets simulated."""
+    import dataclasses
+
     c = ClusterSpec(hosts=2, devices_per_host=2, nic_gbps=1)
-    ranked = plan_layouts(BIG_VOCAB, c, 16, micro_batches=(1,), zero_stages=(0,), recompute_options=(False,))
+    # untied: tied, zbv's V (both ends on one mesh) would also skip 1F1B's embedding all-reduce across the NIC
+    untied = dataclasses.replace(BIG_VOCAB, untied=True)
+    ranked = plan_layouts(untied, c, 16, micro_batches=(1,), zero_stages=(0,), recompute_options=(False,))
     assert ranked[0].breakdown and ranked[0].step_s <= min(x.step_s for x in ranked) * (1 + 1e-9)
     zbv = [x.step_s for x in ranked if x.schedule == "zbv"]
     one = [x.step_s for x in ranked if x.schedule == "1f1b" and x.pp == 2]
@@ -166,3 +170,29 @@ def test_the_calibrated_optimizer_step_is_added_per_updated_parameter() -> None:
                              dp_crosses_hosts=True, dp_ranks_per_host=2).params
         assert x.step_s - plain[name].step_s == pytest.approx(params * 1e-9, rel=1e-6)
         assert x.breakdown["optimizer step"] == pytest.approx(params * 1e-9)
+
+
+def test_the_tied_embedding_all_reduce_crosses_the_nic_once_per_pair_and_zbv_skips_it() -> None:
+    import dataclasses
+
+    from megareshard.planner.search import tied_embedding_s
+
+    c = ClusterSpec(hosts=2, devices_per_host=2, nic_gbps=1, nic_latency_s=1e-4, collective_latency_s=1e-3)
+    one = dict(micro_batches=(1,), zero_stages=(0,), recompute_options=(False,), stage_meshes=False,
+               uneven_splits=False, strategies=["broadcast"])
+    def best(model, schedule):
+        return min((x for x in plan_layouts(model, c, 16, schedules=[schedule], **one)
+                    if x.tp == 1 and x.pp == 2 and (schedule == "zbv" or not x.delay_wgrad)), key=lambda x: x.step_s)
+
+    untied_model = dataclasses.replace(BIG_VOCAB, untied=True)
+    # tp 1 × pp 2 × dp 2: each stage on its own host, 2 pairs leave each host, V·h fp32 each way per pair;
+    # the dp reductions (inside the hosts, under a millisecond) wait for it
+    expect = 2 * 4 * BIG_VOCAB.vocab_size * BIG_VOCAB.hidden_size / c.nic_Bps + 1e-3 + 2 * 1e-4
+    tied, untied = best(BIG_VOCAB, "1f1b"), best(untied_model, "1f1b")
+    assert tied.step_s - untied.step_s == pytest.approx(expect, rel=1e-3)
+    assert tied.breakdown["dp reduction + tied embedding (exposed)"] > expect
+    # zbv's first and last stage share mesh 0: nothing to send, the same step tied or not
+    assert best(BIG_VOCAB, "zbv").step_s == pytest.approx(best(untied_model, "zbv").step_s)
+    sh = type("Sh", (), {})  # the cost function alone: both ends on one mesh, or an untied model, cost nothing
+    assert tied_embedding_s(BIG_VOCAB, c, sh, 0, 0, {}) == 0.0
+    assert tied_embedding_s(dataclasses.replace(BIG_VOCAB, untied=True), c, sh, 0, 1, {}) == 0.0
