@@ -43,7 +43,7 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megareshard.planner.validation import (GRID, ITERS, PACE_MARGIN, SAMPLE, SEED, TOP_K, WARMUP,  # noqa: E402
+from megareshard.planner.validation import (GRID, ITERS, NIC_BURST, PACE_MARGIN, SAMPLE, SEED, TOP_K, WARMUP,  # noqa: E402
                                             GridPoint, choose, estimate_wall_s, grid_json, read_results, summarize)
 
 TOOLS = ROOT / "tools"
@@ -175,7 +175,8 @@ def _worker(spec_path: str) -> int:
 # ---- the grid (root: emulated cluster) -------------------------------------------------------------------
 def _emulated(point: GridPoint, cmd: list[str], timeout_s: float) -> list[str]:
     return [sys.executable, str(TOOLS / "emulate_cluster.py"), "--hosts", str(point.hosts), "--procs-per-host",
-            str(point.procs_per_host), "--nic-rate", f"{point.rate_mbit:g}mbit", "--timeout", str(int(timeout_s)),
+            str(point.procs_per_host), "--nic-rate", f"{point.rate_mbit:g}mbit", "--burst", NIC_BURST,
+            "--timeout", str(int(timeout_s)),
             "--", *cmd]
 
 
@@ -196,6 +197,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
     from megareshard.planner.calibration import load_cluster
 
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
+                                       "nic_burst": NIC_BURST,
                                        "warmup": WARMUP, "iters": ITERS}, "grid": grid_json(), "points": []}
     tmp = tempfile.mkdtemp(prefix="mr-validate-")
     t_all = time.monotonic()

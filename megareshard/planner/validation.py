@@ -13,7 +13,8 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["ModelPoint", "GridPoint", "GRID", "TOP_K", "SAMPLE", "SEED", "PACE_MARGIN", "spearman", "choose",
+__all__ = ["ModelPoint", "GridPoint", "GRID", "TOP_K", "SAMPLE", "SEED", "NIC_BURST", "PACE_MARGIN", "spearman",
+           "choose",
            "choice_gap", "summarize", "read_results", "estimate_wall_s"]
 
 
@@ -60,6 +61,11 @@ TOP_K = 4
 SAMPLE = 8
 """Further configurations drawn (seeded) from the rest of the planner's ranking."""
 SEED = 0
+NIC_BURST = "32kb"
+"""The emulated NICs' token bucket (`tc tbf burst`) in the validation runs: large enough to keep the rate at
+200 Mbit/s, small enough that a message takes its bytes at the rate, as on a wire. With the emulator's default
+(256 KB) a message under 256 KB after an idle moment — a stage boundary, the tied embedding's gradient of
+the grid's models — passes at memory speed, which no cost model of a link predicts (seen in run 5)."""
 PACE_MARGIN = 1.5
 """The emulated device is this much slower than the compute measured under the run's load, so a paced
 action's budget exceeds its real compute time (overruns are counted and reported)."""
