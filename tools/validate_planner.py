@@ -180,11 +180,17 @@ def _emulated(point: GridPoint, cmd: list[str], timeout_s: float) -> list[str]:
             "--", *cmd]
 
 
+CALIBRATION_MICRO_BATCH = 1
+"""The smallest micro batch the search tries: the layer is timed at it and at twice it, so the fixed part of a
+layer (what does not shrink with the batch) is measured where it weighs most, not extrapolated to it."""
+
+
 def calibration_cmd(point: GridPoint, out: str) -> list[str]:
     m = point.model
     return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
             str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
-            str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", "2", "--iters", "5",
+            str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", str(CALIBRATION_MICRO_BATCH),
+            "--iters", "5",
             "--json", out]
 
 

@@ -14,8 +14,9 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   parallelism, the same bytes) of ``b·s·h`` activations per layer forward and 2 backward,
   ring cost ``2·(tp−1)/tp·bytes`` over the intra-host link (tp stays inside a host).
 * data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
-  all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` per rank; a host's NIC carries
-  it for every rank of the host whose dp ring leaves the host.
+  all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` over every edge of the ring; a
+  host's NIC carries it once for every ring edge that leaves the host (rings in dp order: one
+  edge per ring and host when a ring's ranks sit together, one per rank when they alternate).
 * fixed costs (latency, `ClusterSpec`'s ``*_latency_s`` and ``action_overhead_s``, measured by the
   calibration): each tensor-parallel collective of a layer costs ``collective_latency_s`` + its ring steps
   × ``intra_latency_s`` (2 all-reduces per direction, or 2 all-gathers + 2 reduce-scatters with sequence
@@ -223,7 +224,7 @@ def _ring(n: int, nbytes: float) -> float:
 
 def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last: bool, tp: int, dp: int,
                 micro_batch: int, sequence_parallel: bool, recompute: bool, zero: int,
-                dp_crosses_hosts: bool, dp_ranks_per_host: int) -> StageCosts:
+                dp_crosses_hosts: bool, dp_ring_edges_per_nic: int) -> StageCosts:
     """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term)."""
     b, s, h, V = micro_batch, m.seq_length, m.hidden_size, m.vocab_size
     layer_fwd = layer_flops(m, b)
@@ -260,7 +261,7 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     grads = 4 * per_dev
     ring = _ring(dp, grads)
     if dp_crosses_hosts:
-        nic = ring * dp_ranks_per_host
+        nic = ring * dp_ring_edges_per_nic  # every ring edge carries 2·(dp−1)/dp of the bytes
         dp_s = nic / c.nic_Bps
     else:
         nic = 0

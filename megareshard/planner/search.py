@@ -30,9 +30,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from ..parallel import CommVolume, Topology, hosts_spanned
+from ..parallel import CommVolume, Topology
 from ..parallel.stage_topology import StageTopology
 from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
 from ..pipeline.meshes import stage_mesh
@@ -156,7 +156,7 @@ class _Shape:
     layouts: tuple[tuple[int, int], ...] | None = None
     virtual: int = 1
     uneven: bool = False
-    cross: list[tuple[bool, int]] = field(default_factory=list)  # per mesh: dp leaves a host, ranks per host
+    cross: list[tuple[bool, int]] = field(default_factory=list)  # per mesh: dp leaves a host, ring edges per NIC
 
     @property
     def order(self) -> str:
@@ -186,17 +186,22 @@ def _stage_list(model: ModelShape, cluster: ClusterSpec, layers: tuple[int, ...]
         crosses, per_host = cross[mesh_of[i]]
         out.append(_stage_costs(model, cluster, layers=n, first=i == 0, last=i == S - 1, tp=tp, dp=dp,
                                 micro_batch=b * max_dp // dp, sequence_parallel=sp and tp > 1, recompute=rc,
-                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ranks_per_host=per_host))
+                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ring_edges_per_nic=per_host))
     return out
 
 
-def _stage_dp_cross(topo: StageTopology, D: int) -> list[tuple[bool, int]]:
-    """Per stage: does its dp ring leave a host, and how many of a host's ranks it has (tp innermost)."""
+def _dp_ring_cross(topo: Any, layouts: Sequence[tuple[int, int]], D: int) -> list[tuple[bool, int]]:
+    """Per stage: does a dp ring leave a host, and the most ring edges (over the stage's tp rings, each in dp
+    order as gloo's and NCCL's rings run) that leave one host: what that host's NIC carries."""
     out = []
-    for s, (tp, dp) in enumerate(topo.layouts):
-        o = topo.offsets[s]
-        crosses = any(len({(o + d * tp + t) // D for d in range(dp)}) > 1 for t in range(tp))
-        out.append((crosses, min(D, tp * dp)))
+    for s, (tp, dp) in enumerate(layouts):
+        leaving: dict[int, int] = {}
+        for t in range(tp):
+            hosts = [topo.rank_of(tp=t, dp=d, pp=s) // D for d in range(dp)]
+            for d in range(dp if dp > 1 else 0):
+                if hosts[d] != hosts[(d + 1) % dp]:
+                    leaving[hosts[d]] = leaving.get(hosts[d], 0) + 1
+        out.append((bool(leaving), max(leaving.values(), default=0)))
     return out
 
 
@@ -235,7 +240,7 @@ def _shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, micro_ba
             # pp by communication volume
             order = ("tp",) + tuple(a for a in volume.order() if a != "tp")
             topo = Topology(N, tp=tp, pp=pp, nproc_per_node=D, order=order)
-            cross = [(hosts_spanned(topo, "dp") > 1, min(D, tp * dp))] * pp
+            cross = _dp_ring_cross(topo, [(tp, dp)] * pp, D)
             for b in micro_batches:
                 if global_batch % (b * dp):
                     continue
@@ -259,7 +264,7 @@ def _stage_mesh_shapes(model: ModelShape, cluster: ClusterSpec, global_batch: in
     for lay in stage_layout_variants(base.tp, base.pp, N // base.pp, allowed):
         if lay not in topos:
             st = StageTopology(N, lay, nproc_per_node=D)
-            topos[lay] = (st, _stage_dp_cross(st, D))
+            topos[lay] = (st, _dp_ring_cross(st, st.layouts, D))
         topo, cross = topos[lay]
         max_dp = max(d for _, d in lay)
         if global_batch % (base.b * max_dp):

@@ -18,7 +18,7 @@ from megareshard.resharding.mesh import Mesh
 
 SMALL = ModelShape(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1024)
 ZERO = dict(intra_latency_s=0.0, nic_latency_s=0.0, collective_latency_s=0.0, action_overhead_s=0.0)
-KW = dict(layers=4, first=False, last=False, micro_batch=2, recompute=False, zero=0, dp_ranks_per_host=2)
+KW = dict(layers=4, first=False, last=False, micro_batch=2, recompute=False, zero=0, dp_ring_edges_per_nic=2)
 
 
 def test_tp_collectives_cost_their_count_times_the_latency() -> None:
@@ -144,3 +144,24 @@ def test_the_cluster_file_round_trips_the_latencies_and_old_files_keep_the_defau
     path.write_text(json.dumps({"format": CLUSTER_FORMAT, "hosts": 2, "devices_per_host": 4, "nic_latency_s": -1}))
     with pytest.raises(ValueError, match="nic_latency_s = -1 is not a positive number"):
         load_cluster(str(path))
+
+
+def test_a_dp_ring_loads_a_nic_once_per_edge_that_leaves_the_host() -> None:
+    from megareshard.parallel import Topology
+    from megareshard.planner.search import _dp_ring_cross
+
+    # dp 8 in rank order on 4 hosts of 2: the ring leaves each host once (not once per rank of the host)
+    topo = Topology(8, tp=1, pp=1, nproc_per_node=2, order=("tp", "dp", "pp"))
+    assert _dp_ring_cross(topo, [(1, 8)], 2) == [(True, 1)]
+    # tp 2 × dp 4 on 2 hosts of 4: two rings (one per tp rank), each leaving each host once
+    topo = Topology(8, tp=2, pp=1, nproc_per_node=4, order=("tp", "dp", "pp"))
+    assert _dp_ring_cross(topo, [(2, 4)], 4) == [(True, 2)]
+    # dp inside a host: no NIC
+    topo = Topology(8, tp=1, pp=4, nproc_per_node=2, order=("tp", "dp", "pp"))
+    assert _dp_ring_cross(topo, [(1, 2)] * 4, 2) == [(False, 0)] * 4
+    # and the stage's NIC bytes follow: the ring's 2·(dp−1)/dp of the gradients, times the edges
+    c = ClusterSpec(4, 2, **ZERO)
+    kw = KW | {"dp_crosses_hosts": True}
+    one = stage_costs(SMALL, c, tp=1, dp=8, sequence_parallel=False, **kw | {"dp_ring_edges_per_nic": 1})
+    two = stage_costs(SMALL, c, tp=1, dp=8, sequence_parallel=False, **kw | {"dp_ring_edges_per_nic": 2})
+    assert one.dp_nic_bytes == int(2 * 7 / 8 * 4 * one.params) and two.dp_nic_bytes == 2 * one.dp_nic_bytes

@@ -34,7 +34,7 @@ def test_layer_params_match_the_model() -> None:
 def test_stage_cost_terms_scale_as_the_formulas_say() -> None:
     c = ClusterSpec(1, 8)
     kw = dict(layers=4, first=False, last=False, dp=2, micro_batch=2, recompute=False, zero=0,
-              dp_crosses_hosts=False, dp_ranks_per_host=1)
+              dp_crosses_hosts=False, dp_ring_edges_per_nic=1)
     t1 = stage_costs(LLAMA_8B, c, tp=1, sequence_parallel=False, **kw)
     t2 = stage_costs(LLAMA_8B, c, tp=2, sequence_parallel=True, **kw)
     assert t1.backward_s == pytest.approx(2 * t1.forward_s)  # no tp collectives at tp 1
