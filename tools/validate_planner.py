@@ -69,11 +69,13 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
     return out, len(ranked)
 
 
-def slowed(cluster, margin: float = PACE_MARGIN):
-    """The emulated device: `margin` times slower than the measured compute (same network)."""
+def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0):
+    """The emulated device: `margin` times slower than the measured compute (same network); each paced action
+    also ends when the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the calibration)."""
     import dataclasses
 
-    return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin)
+    return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
+                               action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s)
 
 
 # ---- the worker (inside torchrun, every rank) ----------------------------------------------------------
@@ -225,7 +227,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
             measured = load_cluster(cal, hosts=point.hosts, devices_per_host=point.procs_per_host)
             with open(cal, encoding="utf-8") as f:
                 rec["calibration"] = json.load(f)
-            cluster = slowed(measured)
+            cluster = slowed(measured, sleep_overshoot_s=rec["calibration"]["measured"]["sleep_overshoot"]["seconds"])
             configs, n_ranked = plan_point(point, cluster)
             rec.update(ranked=n_ranked, configs=configs)
             spec = os.path.join(tmp, f"{point.key}-spec.json")

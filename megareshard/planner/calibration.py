@@ -44,7 +44,7 @@ from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_p2p", "measure_latency", "measure_small_allreduce",
-           "measure_action_overhead", "measure_loaded_collective", "calibrate"]
+           "measure_action_overhead", "measure_loaded_collective", "measure_sleep_overshoot", "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1) -> float:
     for _ in range(warmup):
@@ -276,6 +276,30 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
             "seconds": max(0.0, _rank_median(extra))}
 
 
+def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
+    """How late a sleep ends under the run's load: every rank at once alternates half a chunk of compute with a
+    sleep to the chunk's end (what a paced action does) and records how far past the end it wakes (median,
+    then median over ranks). Not a `ClusterSpec` term: a device has no such sleep; an emulation that paces
+    compute with sleeps (tools/validate_planner.py) adds it to each action's overhead. Every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    a, w = torch.randn(64, 64), torch.randn(64, 64)
+    late = []
+    if dist.is_initialized():
+        dist.barrier()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < chunk_s / 2:
+            a @ w
+        left = chunk_s - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+            late.append(time.perf_counter() - t0 - chunk_s)
+    mine = statistics.median(late) if late else 0.0
+    return {"chunk_s": chunk_s, "reps": reps, "seconds": _rank_median(mine)}
+
+
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
               iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
@@ -314,6 +338,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     action = measure_action_overhead()
     action = action | {k: _rank_median(action[k]) for k in ("forward_backward_s", "seconds")}
     measured["action_overhead"] = action
+    # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function)
+    measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"]))
     intra = nic = intra_lat = nic_lat = allreduce = loaded = None
     if dist.is_initialized():
         if devices_per_host > 1:
