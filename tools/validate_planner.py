@@ -70,11 +70,14 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
 
 
 def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0):
-    """The emulated device: `margin` times slower than the measured compute (same network); each paced action
-    also ends when the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the calibration)."""
+    """The emulated device: `margin` times slower than the measured compute — its FLOP rate and a layer's fixed
+    part alike, so that small micro batches, where the fixed part dominates, get slack too — (same network);
+    each paced action also ends when the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the
+    calibration)."""
     import dataclasses
 
     return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
+                               layer_overhead_s=cluster.layer_overhead_s * margin,
                                action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s)
 
 
