@@ -199,3 +199,18 @@ def test_the_tied_embedding_all_reduce_crosses_the_nic_once_per_pair_and_zbv_ski
     sh = type("Sh", (), {})  # the cost function alone: both ends on one mesh, or an untied model, cost nothing
     assert tied_embedding_s(BIG_VOCAB, c, sh, 0, 0, {}) == 0.0
     assert tied_embedding_s(dataclasses.replace(BIG_VOCAB, untied=True), c, sh, 0, 1, {}) == 0.0
+
+
+def test_per_stage_meshes_reduce_the_tied_embedding_in_one_ring_of_the_full_table() -> None:
+    """--stage-layouts: the trainer all-reduces a full [V, h] fp32 buffer over every rank of the first and the
+    last stage (`reduce_tied_grad_across_layouts`); the planner charges that ring, not Megatron's pairs."""
+    from megareshard.parallel.stage_topology import StageTopology
+    from megareshard.planner.search import _Shape, tied_embedding_s
+
+    c = ClusterSpec(hosts=4, devices_per_host=2, nic_gbps=1, nic_latency_s=0.0, collective_latency_s=0.0,
+                    intra_latency_s=0.0)
+    lay = ((2, 1), (1, 2), (1, 2), (2, 1))  # first and last stage: tp 2 on hosts 0 and 3
+    sh = _Shape(2, 4, 2, 1, 4, False, False, 0, StageTopology(8, lay, nproc_per_node=2), [], (2, 2, 2, 2), lay)
+    full = 4 * BIG_VOCAB.vocab_size * BIG_VOCAB.hidden_size
+    # ring 0 → 1 → 6 → 7 → 0 over 4 ranks: each edge carries 2·3/4 of the table; one edge leaves host 0
+    assert tied_embedding_s(BIG_VOCAB, c, sh, 0, 3, {}) == pytest.approx(1.5 * full / c.nic_Bps)
