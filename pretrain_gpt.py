@@ -13,6 +13,7 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 
 `--help` lists every flag. Runs on CPU processes (gloo) or GPUs (NCCL, --device cuda).
 """
+import os
 import sys
 
 from megareshard.arguments import ConfigError, parse_args
@@ -21,7 +22,7 @@ from megareshard.model_spec import get_model_spec
 from megareshard.training import RunStopped, pretrain
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
     try:
         cfg = parse_args(argv)
         pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
@@ -33,9 +34,14 @@ def main(argv=None) -> int:
         # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
         # every rank stops, named in one line
         print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        if hard_exit_after_peer_failure and isinstance(e, PeerFailure):
+            # the process group broke mid-operation: tearing it down at exit can abort in C++ ("terminate
+            # called without an active exception", SIGABRT) instead of exiting 1
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(hard_exit_after_peer_failure=True))

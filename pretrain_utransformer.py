@@ -15,6 +15,7 @@ whose skip tensors cross non-adjacent stages, each stage with its own layout::
 `--help` lists every flag. See ``megareshard/models/utransformer.py`` for the architecture and
 ``megareshard/models/utransformer_spec.py`` for its model spec.
 """
+import os
 import sys
 
 from megareshard.arguments import ConfigError, parse_model_args
@@ -22,7 +23,7 @@ from megareshard.launch import PeerFailure, PreflightError
 from megareshard.training import RunStopped, pretrain
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
     try:
         cfg, spec = parse_model_args("utransformer", argv)  # + the U's --u-* flags
         pretrain(cfg, model_spec=spec)
@@ -34,9 +35,14 @@ def main(argv=None) -> int:
         # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
         # every rank stops, named in one line
         print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr, flush=True)
+        if hard_exit_after_peer_failure and isinstance(e, PeerFailure):
+            # the process group broke mid-operation: tearing it down at exit can abort in C++ ("terminate
+            # called without an active exception", SIGABRT) instead of exiting 1
+            sys.stdout.flush()
+            os._exit(1)
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(hard_exit_after_peer_failure=True))

@@ -98,3 +98,10 @@ def test_every_run_stopping_error_is_one_line_and_exit_1(entry, monkeypatch, cap
             monkeypatch.setattr(mod, "parse_model_args", lambda *a, **k: (object(), object()))
         assert mod.main([]) == 1
         assert capsys.readouterr().err.strip() == f"{entry}.py: error: {err}"
+        # as a script: a peer failure ends the process at once (a broken process group can abort in C++ at
+        # teardown: SIGABRT instead of 1, seen in CI); the other errors exit normally
+        exits = []
+        monkeypatch.setattr(mod.os, "_exit", exits.append)
+        assert mod.main([], hard_exit_after_peer_failure=True) == 1
+        assert exits == ([1] if isinstance(err, PeerFailure) else [])
+        capsys.readouterr()
