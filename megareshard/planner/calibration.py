@@ -267,11 +267,11 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
         return (time.perf_counter() - t0) / reps
 
     phase(True)  # warm-up: the groups' first operations connect
-    rounds = [(phase(True), phase(False)) for _ in range(rounds)]  # alternated: slow drifts hit both alike
-    with_ar = statistics.median(w for w, _ in rounds)
-    alone = statistics.median(a for _, a in rounds)
-    extra = statistics.median(w - a for w, a in rounds)
-    return {"pairs": pairs, "bytes": act.numel() * 4, "chunk_s": inner * one, "rounds": len(rounds),
+    pairs_of_phases = [(phase(True), phase(False)) for _ in range(rounds)]  # alternated: drifts hit both alike
+    with_ar = statistics.median(w for w, _ in pairs_of_phases)
+    alone = statistics.median(a for _, a in pairs_of_phases)
+    extra = statistics.median(w - a for w, a in pairs_of_phases)
+    return {"pairs": pairs, "bytes": act.numel() * 4, "chunk_s": inner * one, "rounds": rounds,
             "with_allreduce_s": _rank_median(with_ar), "alone_s": _rank_median(alone),
             "seconds": max(0.0, _rank_median(extra))}
 
