@@ -46,26 +46,16 @@ __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul"
            "measure_optimizer", "measure_p2p", "measure_latency", "measure_small_allreduce",
            "measure_action_overhead", "measure_loaded_collective", "measure_sleep_overshoot", "calibrate"]
 
-def _median_time(fn, iters: int, warmup: int = 1) -> float:
+def _median_time(fn, iters: int, warmup: int = 1, clock=time.perf_counter) -> float:
+    """Median seconds of `fn` on `clock`: wall time, or ``time.thread_time`` for CPU time, which the scheduler's
+    preemptions do not lengthen."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _median_cpu_time(fn, iters: int, warmup: int = 1) -> float:
-    """Median thread CPU seconds of `fn`: unlike wall time, not lengthened when the scheduler preempts it."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -76,7 +66,7 @@ def measure_matmul(rows: int, inner: int, cols: int, dtype: str = "float32", ite
     dt = getattr(torch, dtype)
     a, b = torch.randn(rows, inner, dtype=dt), torch.randn(inner, cols, dtype=dt)
     s = _median_time(lambda: a @ b, iters)
-    cpu = _median_cpu_time(lambda: a @ b, iters)
+    cpu = _median_time(lambda: a @ b, iters, clock=time.thread_time)
     return {"rows": rows, "inner": inner, "cols": cols, "seconds": s, "flops": 2.0 * rows * inner * cols / s,
             "cpu_seconds": cpu}
 
