@@ -183,8 +183,13 @@ def _port() -> int:
 
 
 def torchrun(workdir: str, args: list[str], *, nproc: int = 2, inject: str = "", script: str | None = None,
-             timeout: float = 240.0) -> dict:
-    """One torchrun job of the worker (or ``script``); returns {rc, out, t0, t_end, injected_at, errors}."""
+             timeout: float = 240.0, monitor_interval: float = 1.0) -> dict:
+    """One torchrun job of the worker (or ``script``); returns {rc, out, t0, t_end, injected_at, errors}.
+
+    ``monitor_interval`` is torchrun's ``--monitor-interval``: how long its agent may take to notice a failed
+    worker and terminate the others. A trial that must see every rank refuse on its own gives the slower rank
+    that long to get there (at torchrun's default 0.1 s a rank still importing torch on a loaded machine is
+    killed before it prints, and "refused on every rank" cannot be shown)."""
     tmp = os.path.join(workdir, "tmp")
     os.makedirs(tmp, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "CHAOS_", "SLURM_"))}
@@ -192,7 +197,8 @@ def torchrun(workdir: str, args: list[str], *, nproc: int = 2, inject: str = "",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), CHAOS_INJECT=inject)
     target = [script] if script else [str(Path(__file__).resolve()), "worker"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0", *target, *args]
+           "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
+           "--monitor-interval", str(monitor_interval), *target, *args]
     t0 = time.time()
     try:
         p = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
@@ -219,6 +225,11 @@ def _latest(root: str) -> str | None:
         return open(os.path.join(root, "latest")).read().strip()
     except OSError:
         return None
+
+
+def _not_everywhere(job: dict, nproc: int) -> str:
+    """What a failed ``_stopped_everywhere`` saw: exit code, how many ranks reported, every distinct error."""
+    return f"rc {job['rc']}, {job['ranks_failed']} of {nproc} ranks reported: {job['errors']}"
 
 
 def _stopped_everywhere(job: dict, nproc: int, needle: str) -> bool:
@@ -257,7 +268,7 @@ def trial_nan(kind: str):
         detected = _stopped_everywhere(job, 2, needle)
         recovered, start = _resume(workdir, root, iters) if detected else (False, None)
         how = (f"every rank stopped before the step: {job['errors'][0]}" if detected
-               else f"rc {job['rc']}: {job['errors'][:1]}")
+               else _not_everywhere(job, 2))
         return _result(kind, detected, how, took, recovered, (3 - start) if start is not None else None,
                        f"none (parameters never stepped with the NaN; resumed from {latest})")
     return trial
@@ -280,7 +291,7 @@ def trial_disk_full(workdir: str, quick: bool) -> dict:
         os.remove(os.path.join(mnt, "filler"))
         recovered, start = _resume(workdir, root, iters) if detected else (False, None)
         how = ("the save failed on every rank (DCP write error agreed), latest still iter_0000002, job stopped "
-               "(--on-save-failure stop)" if detected else f"rc {job['rc']}: {job['errors'][:1]}")
+               "(--on-save-failure stop)" if detected else _not_everywhere(job, 2))
         return _result("disk-full-save", detected, how, took, recovered, (4 - start) if start is not None else None,
                        "none (iter_0000004 never became latest; temp dir removed)")
     finally:
@@ -322,7 +333,7 @@ def trial_checkpoint(kind: str):
         job = torchrun(workdir, argv)
         detected = _stopped_everywhere(job, 2, needle)
         how = (f"refused on every rank before loading: {job['errors'][0]}" if detected
-               else f"rc {job['rc']}: {job['errors'][:1]}")
+               else _not_everywhere(job, 2))
         if kind == "other-model":
             return _result(kind, detected, how, job["t_end"] - job["t0"], None, 0, "none (nothing loaded)")
         recovered, start = _resume(workdir, root, 3, load=os.path.join(root, "iter_0000001")) if detected \
@@ -363,7 +374,7 @@ def trial_data(kind: str):
         job = torchrun(workdir, argv)
         detected = _stopped_everywhere(job, 2, needle)  # each rank exits 2 (torchrun then exits 1)
         how = (f"ConfigError at start-up: {job['errors'][0]}" if detected
-               else f"rc {job['rc']}: {job['errors'][:1]}")
+               else _not_everywhere(job, 2))
         return _result(kind, detected, how, job["t_end"] - job["t0"], None, 0,
                        "none (refused before training; the file must be fixed)")
     return trial
