@@ -65,7 +65,8 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
         c = ranked[i]
         out.append({"rank": i + 1, "why": why, "name": c.name, "flags": c.flags(m.num_layers),
                     "predicted_s": c.step_s, "pp": c.pp, "num_microbatches": c.num_microbatches,
-                    "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "bottleneck": c.bottleneck})
+                    "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "stage_w_s": c.stage_w_s,
+                    "bottleneck": c.bottleneck})
     return out, len(ranked)
 
 
@@ -123,10 +124,10 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             ctx, _ = build_context(cfg, world)
             trainer = Trainer(cfg, ctx, device, out=io.StringIO())
             stage = ctx.pp_rank()
-            f, b = c["stage_f_s"][stage], c["stage_b_s"][stage]
+            f, b, w = c["stage_f_s"][stage], c["stage_b_s"][stage], c["stage_w_s"][stage]
             paced = None
             if trainer.pipeline is not None:
-                trainer.pipeline.pace = {"F": f, "B": b, "I": b / 2, "W": b / 2}
+                trainer.pipeline.pace = {"F": f, "B": b, "I": b - w, "W": w}
             else:
                 paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b))
                 trainer.forward_backward_fn = paced

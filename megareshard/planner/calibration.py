@@ -9,7 +9,9 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   ``backward_factor`` = backward / forward, both from CPU times (the matmul's too), which the
   scheduler's preemptions do not stretch; the load enters through the matmul's wall time alone. The layer
   is timed at the micro batch and at twice it: the forward's part that does not double is
-  ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the rate of the part that does;
+  ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the rate of the part that does. The
+  backward is also run split as delayed weight gradients run it (I, then the queued W): W's share of the
+  CPU time → ``wgrad_fraction``;
 * **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
 * **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
   between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
@@ -78,6 +80,7 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     from ..models.config import ModelConfig
     from ..models.gpt import GPTModel
     from ..parallel import ParallelContext
+    from ..tensor_parallel.layers import WeightGradStore
 
     cfg = ModelConfig(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                       ffn_hidden_size=model.ffn_hidden_size, seq_length=model.seq_length, vocab_size=model.vocab_size,
@@ -98,8 +101,28 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
             bwd.append(t2 - t1)
             fwd_cpu.append(c1 - c0)
             bwd_cpu.append(c2 - c1)
+    # the same backward split as the pipeline's delayed weight gradients run it: I (input gradient; the weight
+    # gradients queued) then W (the queue flushed)
+    store = WeightGradStore()
+    holders = [m for m in layer.modules() if hasattr(m, "wgrad_store")]
+    for m in holders:
+        m.wgrad_store = store
+    i_cpu, w_cpu = [], []
+    for i in range(iters + 1):
+        y = layer(x)
+        c0 = time.thread_time()
+        y.backward(grad)
+        c1 = time.thread_time()
+        store.flush()
+        c2 = time.thread_time()
+        if i:
+            i_cpu.append(c1 - c0)
+            w_cpu.append(c2 - c1)
+    for m in holders:
+        m.wgrad_store = None
     return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-            "forward_cpu_s": statistics.median(fwd_cpu), "backward_cpu_s": statistics.median(bwd_cpu)}
+            "forward_cpu_s": statistics.median(fwd_cpu), "backward_cpu_s": statistics.median(bwd_cpu),
+            "input_grad_cpu_s": statistics.median(i_cpu), "weight_grad_cpu_s": statistics.median(w_cpu)}
 
 
 def measure_optimizer(params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
@@ -303,7 +326,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     mm = measure_matmul(rows, h, f, iters=iters)
     mm["seconds"], mm["cpu_seconds"] = _rank_median(mm["seconds"]), _rank_median(mm["cpu_seconds"])
     mm["flops"] = 2.0 * rows * h * f / mm["seconds"]
-    keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s")
+    keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")
     layer = measure_layer(model, micro_batch, iters=3 * iters)
     layer = layer | {k: _rank_median(layer[k]) for k in keys}
     double = measure_layer(model, 2 * micro_batch, iters=3 * iters)  # twice the samples: what scales, what not
@@ -360,6 +383,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         nic_gbps=nic["Bps"] * 8 / 1e9 if nic else defaults.nic_gbps,
         intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
         backward_factor=layer["backward_cpu_s"] / layer["forward_cpu_s"],
+        wgrad_fraction=layer["weight_grad_cpu_s"] / max(layer["input_grad_cpu_s"] + layer["weight_grad_cpu_s"], 1e-12),
         optimizer_s_per_param=optim["seconds_per_param"],
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,

@@ -7,12 +7,17 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   Megatron does), and the MLP ``2·b·s·h·f`` per matrix (2 matrices, 3 with SwiGLU); the
   logits ``2·b·s·h·V`` on the last stage. Backward = 2 × forward (``ClusterSpec.backward_factor``, measured by
   the calibration) (input and weight
-  gradients one forward each); full recomputation adds a forward to the backward. Divided by
+  gradients one forward each); full recomputation adds the layers' forward to the backward. Divided by
   tp and by the device's achieved FLOP/s; each layer adds ``layer_overhead_s`` (× ``backward_factor``
   backward), the part of its time that does not scale with FLOPs (launches, Python; calibrated).
+  Under delayed weight gradients the backward splits into W, ``wgrad_share`` of its compute (the
+  weight-gradient GEMMs' FLOP share, or the calibrated ``wgrad_fraction``), and I, the rest and
+  every collective.
 * tensor parallelism: 2 all-reduces (or all-gather + reduce-scatter with sequence
   parallelism, the same bytes) of ``b·s·h`` activations per layer forward and 2 backward,
-  ring cost ``2·(tp−1)/tp·bytes`` over the intra-host link (tp stays inside a host).
+  ring cost ``2·(tp−1)/tp·bytes`` over the intra-host link (tp stays inside a host); the ends add
+  theirs (`end_collectives`): the embedding's all-reduce forward on the first stage, the output
+  layer's backward all-reduce and the cross entropy's three small forward all-reduces on the last.
 * data parallelism: the stage's fp32 gradients, ring all-reduce (or reduce-scatter +
   all-gather under ZeRO: the same bytes) ``2·(dp−1)/dp·bytes`` over every edge of the ring; a
   host's NIC carries it once for every ring edge that leaves the host (rings in dp order: one
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 from ..resharding.network import NetworkModel
 
 __all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops",
-           "tp_collectives_latency", "dp_reduction_latency", "DDP_BUCKET_PARAMS"]
+           "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency", "DDP_BUCKET_PARAMS"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,10 @@ class ClusterSpec:
     """Fixed seconds of one layer's forward that do not shrink with its FLOPs (kernel launches, Python; the
     backward pays `backward_factor` × it). Calibrated from the layer timed at two micro batch sizes; 0 treats
     a layer as pure FLOPs (large GPU microbatches)."""
+    wgrad_fraction: float | None = None
+    """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
+    gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
+    calibration measures it (on a CPU the fixed per-op costs fall mostly in I)."""
 
     @property
     def world(self) -> int:
@@ -192,6 +201,8 @@ class StageCosts:
     """The optimizer step of the parameters one device updates (its ZeRO shard)."""
     tp_latency_s: float = 0.0
     """Fixed (latency) seconds of the tensor-parallel collectives of one microbatch (F + B)."""
+    wgrad_s: float = 0.0
+    """The weight-gradient part (W) of `backward_s`: compute only, no collective."""
 
 
 DDP_BUCKET_PARAMS = 40_000_000
@@ -206,6 +217,48 @@ def tp_collectives_latency(c: ClusterSpec, tp: int, sequence_parallel: bool) -> 
     if sequence_parallel:
         return 4 * (c.collective_latency_s + (tp - 1) * c.intra_latency_s)
     return 2 * (c.collective_latency_s + 2 * (tp - 1) * c.intra_latency_s)
+
+
+def end_collectives(m: ModelShape, c: ClusterSpec, micro_batch: int, tp: int, sequence_parallel: bool,
+                    first: bool, last: bool) -> tuple[float, float, float, float, int]:
+    """The tensor-parallel collectives of the model's ends for one microbatch (0 at tp 1), as (forward seconds,
+    backward seconds, their fixed parts forward and backward, bytes per device): the first stage's
+    vocab-parallel embedding all-reduces its output forward (reduce-scatters it under sequence parallelism);
+    the last stage's output layer all-reduces its input gradient backward (all-gather forward and
+    reduce-scatter backward under sequence parallelism), and the vocab-parallel cross entropy all-reduces three
+    ``b·s`` fp32 vectors forward (maximum, target logit, sum of exponentials)."""
+    if tp <= 1 or not (first or last):
+        return 0.0, 0.0, 0.0, 0.0, 0
+    act = micro_batch * m.seq_length * m.hidden_size * m.dtype_bytes
+    all_reduce = c.collective_latency_s + 2 * (tp - 1) * c.intra_latency_s
+    one_way = c.collective_latency_s + (tp - 1) * c.intra_latency_s  # an all-gather or a reduce-scatter
+    f_lat = b_lat = 0.0
+    f_bytes = b_bytes = 0.0
+    if first:
+        f_lat += one_way if sequence_parallel else all_reduce
+        f_bytes += _ring(tp, act) / (2 if sequence_parallel else 1)
+    if last:
+        if sequence_parallel:
+            f_lat, b_lat = f_lat + one_way, b_lat + one_way
+            f_bytes, b_bytes = f_bytes + _ring(tp, act) / 2, b_bytes + _ring(tp, act) / 2
+        else:
+            b_lat += all_reduce
+            b_bytes += _ring(tp, act)
+        f_lat += 3 * all_reduce
+        f_bytes += 3 * _ring(tp, 4 * micro_batch * m.seq_length)
+    return (f_lat + f_bytes / c.intra_Bps, b_lat + b_bytes / c.intra_Bps, f_lat, b_lat, int(f_bytes + b_bytes))
+
+
+def wgrad_share(m: ModelShape, c: ClusterSpec, layers: int, last: bool) -> float:
+    """The weight-gradient share of a stage's backward compute: `ClusterSpec.wgrad_fraction` when calibrated,
+    else the FLOPs of the weight-gradient GEMMs (one forward of every weighted GEMM: the layers' without the
+    attention core, the logits') over the backward's (two forwards)."""
+    if c.wgrad_fraction is not None:
+        return c.wgrad_fraction
+    b1 = layer_flops(m, 1)
+    fwd = layers * b1 + (2 * m.seq_length * m.hidden_size * m.vocab_size if last else 0)
+    weighted = fwd - layers * 4 * m.seq_length * m.seq_length * m.hidden_size
+    return weighted / (2 * fwd) if fwd else 0.0
 
 
 def dp_reduction_latency(c: ClusterSpec, params: int, dp: int, crosses_hosts: bool) -> float:
@@ -234,10 +287,12 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     tp_lat = layers * tp_collectives_latency(c, tp, sequence_parallel)
     tp_s = layers * tp_bytes_layer / c.intra_Bps + tp_lat
     compute = fwd_flops / tp / c.flops + layers * c.layer_overhead_s
-    f = compute + tp_s
-    bwd = c.backward_factor * compute + tp_s
-    if recompute:
-        bwd += f
+    end_f, end_b, end_f_lat, end_b_lat, end_bytes = end_collectives(m, c, b, tp, sequence_parallel, first, last)
+    f = compute + tp_s + end_f
+    wgrad = wgrad_share(m, c, layers, last) * c.backward_factor * compute
+    bwd = c.backward_factor * compute + tp_s + end_b
+    if recompute:  # the layers' forward again (not the ends': the embedding, output layer and loss are kept)
+        bwd += layers * (layer_fwd / tp / c.flops + c.layer_overhead_s) + tp_s
     params = layers * layer_params(m)
     if first:
         params += V * h + (s * h if m.learned_positions else 0)  # word (+ learned position) embedding
@@ -269,6 +324,6 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     dp_s += dp_reduction_latency(c, per_dev, dp, dp_crosses_hosts)
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
-                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)), dp_seconds=dp_s, dp_nic_bytes=int(nic),
-                      optimizer_s=per_dev / opt_div * c.optimizer_s_per_param,
-                      tp_latency_s=(3 if recompute else 2) * tp_lat)
+                      tp_bytes_per_mb=int(4 * layers * _ring(tp, act)) + end_bytes, dp_seconds=dp_s,
+                      dp_nic_bytes=int(nic), optimizer_s=per_dev / opt_div * c.optimizer_s_per_param,
+                      tp_latency_s=(3 if recompute else 2) * tp_lat + end_f_lat + end_b_lat, wgrad_s=wgrad)

@@ -86,6 +86,8 @@ class Candidate:
     """Predicted forward seconds of one microbatch per stage (the paced budgets of a validation run)."""
     stage_b_s: list[float] = field(default_factory=list)
     """Predicted backward seconds of one microbatch per stage."""
+    stage_w_s: list[float] = field(default_factory=list)
+    """The weight-gradient part (W) of `stage_b_s` per stage; I is the rest."""
     tp_bytes: int = 0
     pp_nic_bytes: int = 0
     dp_nic_bytes: int = 0
@@ -129,7 +131,7 @@ class Candidate:
         keys = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "schedule", "delay_wgrad", "strategy",
                 "sequence_parallel", "recompute", "zero", "order", "layers_per_stage", "stage_layouts",
                 "virtual_stages", "runtime", "step_s", "estimate_s", "bubble", "memory_gib", "live_microbatches",
-                "edge_s", "stage_f_s", "stage_b_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes", "bottleneck",
+                "edge_s", "stage_f_s", "stage_b_s", "stage_w_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes", "bottleneck",
                 "breakdown", "tokens_per_s")
         return {k: getattr(self, k) for k in keys} | {"name": self.name, "flags": self.flags()}
 
@@ -413,13 +415,15 @@ def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: s
 
 def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
               edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
-              v: int = 1, overhead: float = 0.0) -> tuple[float, Any]:
-    """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m. Every
-    compute action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds."""
-    key = (name, dw, P, m, f, b, edge, v, overhead)
+              v: int = 1, overhead: float = 0.0, w: tuple[float, ...] | None = None) -> tuple[float, Any]:
+    """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m. Under
+    delayed weight gradients a stage's B splits into W = `w` (default: half of B) and I = B − W. Every compute
+    action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds."""
+    w = w if w is not None else tuple(x / 2 for x in b)
+    key = (name, dw, P, m, f, b, edge, v, overhead, w)
     if key not in cache:
         costs = Costs(f=[x + overhead for x in f], b=[x + overhead for x in b],
-                      i=[x / 2 + overhead for x in b], w=[x / 2 + overhead for x in b],
+                      i=[x - y + overhead for x, y in zip(b, w)], w=[y + overhead for y in w],
                       comm=edge if isinstance(edge, float) else dict(edge))
         kind = REGISTRY[name]
 
@@ -503,7 +507,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     b = [st.backward_s for st in sh.stages]
     edge = edges["*"] if "*" in edges else tuple(sorted(edges.items()))
     pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), edge, cache, sh.virtual,
-                         cluster.action_overhead_s)
+                         cluster.action_overhead_s, tuple(st.wgrad_s for st in sh.stages))
     placement = placement_of(c.schedule, P, sh.virtual) if sh.virtual > 1 else tuple(range(P))
     groups = sh.per_mesh(placement)
     # each mesh's dp reduction starts after its last backward compute; the first and last meshes first
@@ -675,7 +679,8 @@ def _candidate(model: ModelShape, sh: _Shape, row: tuple, runnable: set[str], ed
                   stage_layouts=",".join(f"tp{t}dp{d}" for t, d in sh.layouts) if sh.layouts else None,
                   virtual_stages=sh.virtual, runtime=name in runnable, edge_s=edge_s,
                   memory_gib=[round(x, 2) for x in mem], live_microbatches=list(live),
-                  stage_f_s=[s.forward_s for s in sh.stages], stage_b_s=[s.backward_s for s in sh.stages])
+                  stage_f_s=[s.forward_s for s in sh.stages], stage_b_s=[s.backward_s for s in sh.stages],
+                  stage_w_s=[s.wgrad_s for s in sh.stages])
     c.estimate_s = c.step_s = est
     c.tp_bytes = sh.m * max(s.tp_bytes_per_mb for s in sh.stages)
     if busiest is not None:

@@ -40,6 +40,10 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert lay["achieved_flops"] == pytest.approx(lay["flops"] / (lay["scaling_forward_cpu_s"] * load))
     assert cluster.layer_overhead_s == pytest.approx(lay["fixed_forward_cpu_s"] * load)
     assert cluster.backward_factor == pytest.approx(lay["backward_cpu_s"] / lay["forward_cpu_s"])
+    # the backward run split as delayed weight gradients run it: W's share of I + W
+    assert lay["input_grad_cpu_s"] > 0 and lay["weight_grad_cpu_s"] > 0
+    assert 0 < cluster.wgrad_fraction < 1 and cluster.wgrad_fraction == pytest.approx(
+        lay["weight_grad_cpu_s"] / (lay["input_grad_cpu_s"] + lay["weight_grad_cpu_s"]))
     # loopback between two processes: faster than 10 Mbit/s, slower than 10 Tbit/s
     assert 0.01 < cluster.intra_gbps < 10_000 and measured["intra"]["bytes"] >= 256 << 10
     # one host: no NIC to measure, the defaults said so

@@ -11,7 +11,7 @@ from megareshard.pipeline import generate, simulate
 from megareshard.pipeline.simulate import Costs
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
 from megareshard.planner.cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
-from megareshard.planner.costs import DDP_BUCKET_PARAMS, stage_costs
+from megareshard.planner.costs import DDP_BUCKET_PARAMS, layer_flops, stage_costs, wgrad_share
 from megareshard.planner.search import _message_latency, _pipeline
 from megareshard.resharding import ShardingSpec, plan_resharding
 from megareshard.resharding.mesh import Mesh
@@ -37,6 +37,56 @@ def test_tp_collectives_cost_their_count_times_the_latency() -> None:
     assert sp.forward_s > no.forward_s  # twice the collectives: the same bytes, more fixed costs
     t1 = stage_costs(SMALL, c, tp=1, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
     assert t1.tp_latency_s == 0.0
+
+
+def test_the_ends_pay_the_embedding_output_layer_and_cross_entropy_collectives() -> None:
+    """tp 2, 2 samples of 128 tokens, h 256, 2-byte activations: per all-reduce 0.01 s + 2 ring steps of 1 ms
+    fixed, per all-gather / reduce-scatter 0.01 s + 1 ms; bytes at 1 GB/s (8 Gbit/s)."""
+    c = ClusterSpec(1, 8, intra_gbps=8.0, intra_latency_s=1e-3, nic_latency_s=0.0, collective_latency_s=0.01,
+                    action_overhead_s=0.0)
+    act = 2 * 128 * 256 * 2  # b·s·h 2-byte elements
+    ar, one_way = 0.01 + 2e-3, 0.01 + 1e-3
+    kw = KW | {"tp": 2, "dp": 1, "dp_crosses_hosts": False}
+    for sp in (False, True):
+        mid = stage_costs(SMALL, c, sequence_parallel=sp, **kw)
+        first = stage_costs(SMALL, c, sequence_parallel=sp, **{**kw, "first": True})
+        last = stage_costs(SMALL, c, sequence_parallel=sp, **{**kw, "last": True})
+        # the embedding lookup is costed as no FLOPs: the difference is its collective alone
+        assert first.forward_s - mid.forward_s == pytest.approx(
+            (one_way + act / 2 / 1e9) if sp else (ar + act / 1e9), rel=1e-9)
+        assert first.backward_s == pytest.approx(mid.backward_s, rel=1e-12)  # the embedding's backward: no collective
+        logits = 2 * 2 * 128 * 256 * 1024 / 2 / c.flops  # the output layer's GEMM, split over tp
+        ce = 3 * (ar + 2 * 128 * 4 / 1e9)                 # three all-reduces of b·s fp32
+        out_f = (one_way + act / 2 / 1e9) if sp else 0.0   # the output layer's input: all-gathered under sp
+        out_b = (one_way + act / 2 / 1e9) if sp else (ar + act / 1e9)
+        assert last.forward_s - mid.forward_s == pytest.approx(logits + ce + out_f, rel=1e-9)
+        assert last.backward_s - mid.backward_s == pytest.approx(c.backward_factor * logits + out_b, rel=1e-9)
+        assert last.tp_latency_s - mid.tp_latency_s == pytest.approx(3 * ar + (2 * one_way if sp else ar))
+    # tp 1: nothing to reduce at either end
+    one = stage_costs(SMALL, c, **{**kw, "tp": 1, "first": True, "last": True}, sequence_parallel=False)
+    assert one.tp_latency_s == 0.0 and one.tp_bytes_per_mb == 0
+
+
+def test_the_backward_splits_into_w_by_the_weight_gemms_or_the_calibrated_share() -> None:
+    c = ClusterSpec(1, 8, **ZERO)
+    t = stage_costs(SMALL, c, tp=2, dp=1, sequence_parallel=False, dp_crosses_hosts=False, **KW)
+    s, h = SMALL.seq_length, SMALL.hidden_size
+    share = (layer_flops(SMALL, 1) - 4 * s * s * h) / (2 * layer_flops(SMALL, 1))  # weighted GEMMs / (2 × forward)
+    assert wgrad_share(SMALL, c, 4, last=False) == pytest.approx(share)
+    compute = 4 * layer_flops(SMALL, 2) / 2 / c.flops
+    assert t.wgrad_s == pytest.approx(share * c.backward_factor * compute)  # compute only: the collectives are I's
+    measured = dataclasses.replace(c, wgrad_fraction=0.2)
+    assert stage_costs(SMALL, measured, tp=2, dp=1, sequence_parallel=False, dp_crosses_hosts=False,
+                       **KW).wgrad_s == pytest.approx(0.2 * c.backward_factor * compute)
+    # the simulator runs I = B − W and W: a small W leaves less for zero-bubble schedules to fill bubbles with
+    f, b, w = (1.0, 1.0), (2.0, 2.0), (0.4, 0.4)
+    got, _ = _pipeline("zb-h1", True, 2, 8, f, b, 0.0, {}, 1, 0.0, w)
+    want = simulate(generate("zb-h1", 2, 8, True), costs=Costs(f=list(f), b=list(b), i=[1.6, 1.6], w=[0.4, 0.4],
+                                                                comm=0.0)).makespan
+    assert got == pytest.approx(want, rel=1e-12)
+    half, _ = _pipeline("zb-h1", True, 2, 8, f, b, 0.0, {})
+    assert half == pytest.approx(simulate(generate("zb-h1", 2, 8, True), costs=Costs(
+        f=list(f), b=list(b), i=[1.0, 1.0], w=[1.0, 1.0], comm=0.0)).makespan, rel=1e-12) and half != got
 
 
 def test_layer_overhead_is_paid_per_layer_whatever_the_micro_batch_and_tp() -> None:
