@@ -4,9 +4,12 @@
     tools/validate_planner.py --dry-run            # every point's commands and the wall-time estimate; runs nothing
     sudo tools/validate_planner.py                 # the whole grid (root: network namespaces), ~10 min
     tools/validate_planner.py --from-json docs/results/planner_validation.json   # redraw the table and picture
+    tools/validate_planner.py --history docs/results/planner_validation_run*.json  # every run side by side
 
-The grid is fixed in megareshard/planner/validation.py before anything runs: two GPT shapes on
-4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction. For every point:
+The grids are fixed in megareshard/planner/validation.py before anything runs: `--grid main`, two GPT
+shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
+on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s and 8 hosts × 1 rank at
+300 Mbit/s (fixed later, never used to change the model). For every point:
 
 1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
    matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
@@ -43,8 +46,9 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megareshard.planner.validation import (GRID, ITERS, NIC_BURST, PACE_MARGIN, SAMPLE, SEED, TOP_K, WARMUP,  # noqa: E402
-                                            GridPoint, choose, estimate_wall_s, grid_json, read_results, summarize)
+from megareshard.planner.validation import (GRIDS, ITERS, NIC_BURST, PACE_MARGIN, SAMPLE, SEED, TOP_K,  # noqa: E402
+                                            WARMUP, GridPoint, choose, estimate_wall_s, grid_json, median_error, read_results,
+                                            summarize)
 
 TOOLS = ROOT / "tools"
 
@@ -210,7 +214,8 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
 
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
                                        "nic_burst": NIC_BURST,
-                                       "warmup": WARMUP, "iters": ITERS}, "grid": grid_json(), "points": []}
+                                       "warmup": WARMUP, "iters": ITERS, "grid": a.grid},
+                            "grid": grid_json(GRIDS[a.grid]), "points": []}
     tmp = tempfile.mkdtemp(prefix="mr-validate-")
     t_all = time.monotonic()
     try:
@@ -219,7 +224,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
             print(f"[validate_planner] point {n + 1}/{len(points)} {point.key}: calibrating "
                   f"(total {time.monotonic() - t_all:.0f} s)", flush=True)
             cal = os.path.join(tmp, f"{point.key}-cluster.json")
-            rec: dict[str, Any] = {"key": point.key, "point": grid_json()[GRID.index(point)], "results": []}
+            rec: dict[str, Any] = {"key": point.key, "point": grid_json([point])[0], "results": []}
             # the wall-time budget: what is left, shared by the points still to run
             share = (a.budget_min * 60 - (time.monotonic() - t_all)) / (len(points) - n)
             rc = _run(_emulated(point, calibration_cmd(point, cal), max(30.0, min(90.0, share / 3))))
@@ -332,6 +337,40 @@ def tables(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def history(paths: Sequence[str]) -> str:
+    """Every run side by side (docs/benchmarks.md's tables): per run its median prediction error and how many
+    points met both targets, then every point of every run. The run number is the N of `..._runN.json`."""
+    import re
+
+    runs = []
+    for path in paths:
+        m = re.search(r"run(\d+)\.json$", path)
+        runs.append((int(m.group(1)) if m else 0, path, read_results(path)))
+    runs.sort(key=lambda r: r[0])
+    out = ["| run | median \\|measured / predicted − 1\\| | points meeting both targets |", "|---|---|---|"]
+    for n, _, data in runs:
+        every = [r for p in data["points"] for r in p.get("results", [])]
+        err = median_error(every)
+        met = sum(1 for p in data["points"] if p["summary"].get("spearman_target_met")
+                  and p["summary"].get("choice_target_met"))
+        out.append(f"| {n} | {'—' if err is None else f'{100 * err:.0f}%'} | {met} of {len(data['points'])} |")
+    out += ["", "| run | point | finished | Spearman | planner's choice | measured vs best (best) | targets "
+            "(Spearman / choice) | most pace overruns in one config |", "|---|---|---|---|---|---|---|---|"]
+    for n, _, data in runs:
+        for p in data["points"]:
+            s = p["summary"]
+            if s.get("spearman") is None:
+                out.append(f"| {n} | {p['key']} | {s['finished']}/{s['started']} | — | — | — | "
+                           f"{p.get('status', 'too few finished')} | — |")
+                continue
+            over = max((r.get("pace_overruns", 0) for r in p["results"] if r.get("status") == "ok"), default=0)
+            yes = {True: "met", False: "not met"}
+            out.append(f"| {n} | {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "
+                       f"{100 * s['choice_gap']:+.0f}% ({s['best_measured']}) | {yes[s['spearman_target_met']]} / "
+                       f"{yes[s['choice_target_met']]} | {over} |")
+    return "\n".join(out)
+
+
 def draw(data: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -365,8 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="validate_planner.py", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="print each point's commands and the wall estimate")
     p.add_argument("--from-json", default=None, help="no run: print the tables (and --img) of a finished run")
+    p.add_argument("--history", nargs="+", default=None, metavar="RUN_JSON",
+                   help="no run: the tables of several runs side by side (docs/results/planner_validation_run*.json)")
     p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
     p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="main",
+                   help="main: the grid the cost model was developed on; holdout: a second grid fixed later, "
+                        "never used to change the model")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
     p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
     p.add_argument("--budget-min", type=float, default=14.0,
@@ -376,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return _worker(a.worker)
+    if a.history:
+        try:
+            print(history(a.history))
+        except (OSError, ValueError) as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        return 0
     if a.from_json:
         try:
             data = read_results(a.from_json)
@@ -386,14 +436,15 @@ def main(argv: list[str] | None = None) -> int:
             draw(data, a.img)
             print(f"picture: {a.img}")
         return 0
-    points = list(GRID)
+    grid = GRIDS[a.grid]
+    points = list(grid)
     if a.points:
         keys = a.points.split(",")
-        unknown = [k for k in keys if k not in {g.key for g in GRID}]
+        unknown = [k for k in keys if k not in {g.key for g in grid}]
         if unknown:
-            p.exit(2, f"{p.prog}: error: unknown point(s) {', '.join(unknown)}; the grid: "
-                      f"{', '.join(g.key for g in GRID)}\n")
-        points = [g for g in GRID if g.key in keys]
+            p.exit(2, f"{p.prog}: error: unknown point(s) {', '.join(unknown)}; the {a.grid} grid: "
+                      f"{', '.join(g.key for g in grid)}\n")
+        points = [g for g in grid if g.key in keys]
     if a.dry_run:
         return dry_run(points)
     return run_grid(a, points)

@@ -23,7 +23,8 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
    simulations (the step grows linearly in m once every stage is in its steady phase; two
    equal increments are required, otherwise the whole run is simulated).
    The data-parallel reduction of a mesh starts after its last backward; what does not fit
-   before the step's end is added.
+   before the step's end is added, then the optimizer step and the one-element all-reduces every step
+   ends with (`step_sync_s`: loss, gradient norm, non-finite check, dp mean).
 """
 from __future__ import annotations
 
@@ -499,6 +500,33 @@ def _tied_ring_s(model: ModelShape, cluster: ClusterSpec, sh: _Shape, src: Any, 
     return t
 
 
+def step_sync_s(cluster: ClusterSpec, sh: _Shape) -> float:
+    """The one-element all-reduces every training step ends with, as the trainer issues them (latency alone):
+    the loss over the pipeline group (pp > 1), the gradient norm over the model-parallel group (tp × pp), the
+    non-finite check over the world, the loss's mean over the data-parallel group (dp > 1); with per-stage
+    meshes the loss and the norm go over the world and the mean is not needed. Each pays
+    `collective_latency_s` plus its 2·(n−1) ring steps at the latency of the slowest link it crosses."""
+    def one(n: int, crosses: bool) -> float:
+        alpha = cluster.nic_latency_s if crosses else cluster.intra_latency_s
+        return cluster.collective_latency_s + 2 * (n - 1) * alpha if n > 1 else 0.0
+
+    world = one(cluster.world, cluster.hosts > 1)
+    if sh.layouts:
+        return (2 if sh.pp > 1 else 1) * world + world
+    topo = sh.topo
+    t = world
+
+    def group(axes: tuple[str, ...]) -> float:
+        g = topo.group_of(axes, 0)
+        return one(len(g), len(topo.hosts_of(g)) > 1)
+    if sh.pp > 1:
+        t += group(("pp",))
+    t += group(("tp", "pp"))
+    if sh.dp > 1:
+        t += group(("dp",))
+    return t
+
+
 def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float],
               cache: dict[tuple, Any], model: ModelShape) -> None:
     """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
@@ -520,7 +548,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
         ends[first] = ends[last] = both
     exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
-    c.step_s = pipe + exposed + optimizer
+    sync = step_sync_s(cluster, sh)
+    c.step_s = pipe + exposed + optimizer + sync
     o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
     busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
@@ -534,7 +563,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
                    "action overhead": overhead,
                    "pipeline bubble": max(0.0, pipe - max(busy)),
                    "dp reduction + tied embedding (exposed)": exposed,
-                   "optimizer step": optimizer}
+                   "optimizer step": optimizer, "step-end all-reduces (loss, norm, checks)": sync}
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"
@@ -602,6 +631,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             parts = _estimate_parts(sh, cluster.action_overhead_s)
             if sh.pp > 1:  # the tied embedding's all-reduce comes after the pipeline, before the step
                 parts = (parts[0], parts[1] + tied_embedding_s(model, cluster, sh, placement[0], placement[-1], bounds))
+            parts = (parts[0], parts[1] + step_sync_s(cluster, sh))
             strats = strategies if sh.pp > 1 else strategies[:1]
             for dw in ((True,) if REGISTRY[name].zero_bubble else
                        (False, True) if name != "gpipe" and sh.pp > 1 else (False,)):

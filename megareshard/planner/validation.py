@@ -13,9 +13,9 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["ModelPoint", "GridPoint", "GRID", "TOP_K", "SAMPLE", "SEED", "NIC_BURST", "PACE_MARGIN", "spearman",
-           "choose",
-           "choice_gap", "summarize", "read_results", "estimate_wall_s"]
+__all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "GRIDS", "median_error", "TOP_K", "SAMPLE", "SEED",
+           "NIC_BURST", "PACE_MARGIN", "spearman", "choose", "choice_gap", "summarize", "read_results",
+           "estimate_wall_s"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,16 @@ _GPT_WIDE = ModelPoint("gpt-wide", 4, 256, 8, 32, 1024, 8)
 # as many bytes, its layers four times the weights) on 4 hosts × 2 ranks, at a NIC rate where the dp reduction
 # and stage transfers cost about as much as compute (40 Mbit/s) and one where compute dominates (200 Mbit/s)
 GRID: tuple[GridPoint, ...] = tuple(GridPoint(m, 4, 2, r) for m in (_GPT_SMALL, _GPT_WIDE) for r in (40.0, 200.0))
+_GPT_DEEP = ModelPoint("gpt-deep", 8, 128, 4, 64, 512, 8)
+_GPT_LONG = ModelPoint("gpt-long", 4, 192, 4, 96, 768, 8)
+# a second grid, fixed (session 6) after the cost model had been shaped by GRID's residuals and before any run
+# of it: other models (twice the layers; a wider layer with 1.5× the sequence) on other cluster shapes (2 hosts
+# of 4 ranks, where tp reaches 4 and a host holds whole stages; 8 hosts of 1, where every boundary and every dp
+# ring crosses a NIC) at other rates — an independent check of the model, not a tuning set
+HOLDOUT: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_DEEP, _GPT_LONG)
+                                       for h, p, r in ((2, 4, 60.0), (8, 1, 300.0)))
+GRIDS = {"main": GRID, "holdout": HOLDOUT}
+"""The grids `tools/validate_planner.py --grid` runs."""
 TOP_K = 4
 """The planner's best configurations run at every point."""
 SAMPLE = 8
@@ -152,6 +162,15 @@ def read_results(path: str) -> dict[str, Any]:
     return data
 
 
+def median_error(results: Sequence[dict[str, Any]]) -> float | None:
+    """Median over the finished configurations of |measured / predicted − 1| (None when none finished)."""
+    errs = sorted(abs(r["measured_s"] / r["predicted_s"] - 1) for r in results if r.get("status") == "ok")
+    if not errs:
+        return None
+    mid = len(errs) // 2
+    return errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+
+
 def estimate_wall_s(predicted_steps: Sequence[float], warmup: int = WARMUP, iters: int = ITERS,
                     launch_s: float = 25.0, build_s: float = 4.0, slack: float = 1.3) -> float:
     """Wall seconds of one point: the calibration and run launches, and per configuration its build and
@@ -159,5 +178,5 @@ def estimate_wall_s(predicted_steps: Sequence[float], warmup: int = WARMUP, iter
     return 2 * launch_s + sum(build_s + (warmup + iters) * s * slack for s in predicted_steps)
 
 
-def grid_json() -> list[dict[str, Any]]:
-    return [asdict(p) | {"key": p.key} for p in GRID]
+def grid_json(grid: Sequence[GridPoint] = GRID) -> list[dict[str, Any]]:
+    return [asdict(p) | {"key": p.key} for p in grid]

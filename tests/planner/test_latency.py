@@ -172,13 +172,16 @@ def test_more_microbatches_pay_more_fixed_costs() -> None:
     free = dataclasses.replace(lat, **ZERO)
     kw = dict(micro_batches=(1, 4), zero_stages=(0,), recompute_options=(False,), schedules=["1f1b"],
               strategies=["sendrecv"], stage_meshes=False, top_shapes=50, keep=None)
-    got = {}
+    got, sync = {}, {}
     for name, cl in (("lat", lat), ("free", free)):
         for c in plan_layouts(SMALL, cl, 8, **kw):
             if (c.tp, c.pp, c.dp, c.sequence_parallel, c.delay_wgrad) == (2, 4, 1, False, False) and \
                     c.layers_per_stage is None and c.breakdown:
                 got[name, c.micro_batch] = c.step_s
-    extra = {b: got["lat", b] - got["free", b] for b in (1, 4)}
+                sync[name, c.micro_batch] = c.breakdown["step-end all-reduces (loss, norm, checks)"]
+    # the step's closing all-reduces cost the same whatever the micro batch; the rest grows with the microbatches
+    assert sync["lat", 1] == sync["lat", 4] > 0 and sync["free", 1] == 0
+    extra = {b: got["lat", b] - got["free", b] - sync["lat", b] for b in (1, 4)}
     assert extra[4] > 0 and extra[1] > 2 * extra[4]  # 8 microbatches against 2: several times the fixed costs
     # here the fixed costs turn the order: micro batch 1 wins on bandwidth alone, micro batch 4 with latencies
     assert got["free", 1] < got["free", 4] and got["lat", 1] > got["lat", 4]
@@ -215,3 +218,25 @@ def test_a_dp_ring_loads_a_nic_once_per_edge_that_leaves_the_host() -> None:
     one = stage_costs(SMALL, c, tp=1, dp=8, sequence_parallel=False, **kw | {"dp_ring_edges_per_nic": 1})
     two = stage_costs(SMALL, c, tp=1, dp=8, sequence_parallel=False, **kw | {"dp_ring_edges_per_nic": 2})
     assert one.dp_nic_bytes == int(2 * 7 / 8 * 4 * one.params) and two.dp_nic_bytes == 2 * one.dp_nic_bytes
+
+
+def test_every_step_ends_with_the_trainers_small_all_reduces() -> None:
+    """tp 1, pp 4, dp 2 on 4 hosts × 2 (dp inside a host): the loss over the pipeline group (4 ranks on 4 hosts),
+    the norm over the model-parallel group (the same 4), the non-finite check over all 8 (two hosts' NICs), the
+    loss's dp mean over 2 ranks of one host."""
+    from megareshard.parallel import Topology
+    from megareshard.planner.search import _Shape, step_sync_s
+
+    c = ClusterSpec(4, 2, intra_latency_s=1e-3, nic_latency_s=1e-2, collective_latency_s=0.1, action_overhead_s=0.0)
+    topo = Topology(8, tp=1, pp=4, nproc_per_node=2, order="tp-dp-pp")
+    sh = _Shape(1, 4, 2, 1, 4, False, False, 0, topo, [], (1, 1, 1, 1))
+    pp4 = 0.1 + 2 * 3 * 1e-2
+    assert step_sync_s(c, sh) == pytest.approx((0.1 + 2 * 7 * 1e-2) + 2 * pp4 + (0.1 + 2 * 1e-3))
+    # pp inside the order's first places: a pipeline group (ranks 0-3) still spans two hosts, and the dp mean
+    # (ranks 0 and 4) now crosses a NIC
+    across = _Shape(1, 4, 2, 1, 4, False, False, 0, Topology(8, tp=1, pp=4, nproc_per_node=2, order="tp-pp-dp"),
+                    [], (1, 1, 1, 1))
+    assert step_sync_s(c, across) - step_sync_s(c, sh) == pytest.approx(2 * (1e-2 - 1e-3))
+    # one process: nothing to agree on
+    alone = ClusterSpec(1, 1, collective_latency_s=0.1)
+    assert step_sync_s(alone, _Shape(1, 1, 1, 1, 4, False, False, 0, Topology(1), [], (4,))) == 0.0

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megareshard.planner import ClusterSpec
-from megareshard.planner.validation import (GRID, ModelPoint, GridPoint, choice_gap, choose, estimate_wall_s,
-                                            read_results, spearman, summarize)
+from megareshard.planner.validation import (GRID, GridPoint, ModelPoint, choice_gap, choose, estimate_wall_s,
+                                            median_error, read_results, spearman, summarize)
 from tests.harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -68,6 +68,13 @@ def test_summary_and_reading_results(tmp_path) -> None:
     assert "| p | 3/4 | 0.50 | a | +9.1 % | NOT met |" in text and "failed: boom" in text
     validate_planner.draw(data, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").stat().st_size > 1000
+    # errors 0.2, 0.45, 0.1 (the failed one has none): median 0.2
+    assert median_error(res) == pytest.approx(0.2) and median_error(res[3:]) is None
+    run7 = tmp_path / "planner_validation_run7.json"
+    run7.write_text(path.read_text())
+    hist = validate_planner.history([str(run7)]).splitlines()
+    assert hist[2] == "| 7 | 20% | 0 of 1 |"
+    assert "| 7 | p | 3/4 | 0.50 | a | +9% (b) | not met / met | 0 |" in hist
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a planner validation file"):
         read_results(str(path))
