@@ -2,12 +2,13 @@
 
 What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emulated cluster included):
 
-* **device FLOP/s**: the median time of a matmul of the model's own sizes (``b·s × h`` by
-  ``h × f``, the MLP's first GEMM) → ``device_tflops``;
+* **device FLOP/s**: a matmul of the model's own sizes (``b·s × h`` by ``h × f``, the MLP's first
+  GEMM): its median CPU time stretched by the **load** — wall over CPU time while every rank repeats it
+  for a common window (`measure_load`) — → ``device_tflops``;
 * **per-layer forward and backward** of one Transformer layer of the model at its shape (our
   GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
   ``backward_factor`` = backward / forward, both from CPU times (the matmul's too), which the
-  scheduler's preemptions do not stretch; the load enters through the matmul's wall time alone. The layer
+  scheduler's preemptions do not stretch; the load enters once, through `measure_load`. The layer
   is timed at the micro batch and at twice it: the forward's part that does not double is
   ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the rate of the part that does. The
   backward is also run split as delayed weight gradients run it (I, then the queued W): W's share of the
@@ -45,7 +46,7 @@ from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
-           "measure_optimizer", "measure_p2p", "measure_latency", "measure_small_allreduce",
+           "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
            "measure_action_overhead", "measure_loaded_collective", "measure_sleep_overshoot", "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1, clock=time.perf_counter) -> float:
@@ -71,6 +72,27 @@ def measure_matmul(rows: int, inner: int, cols: int, dtype: str = "float32", ite
     cpu = _median_time(lambda: a @ b, iters, clock=time.thread_time)
     return {"rows": rows, "inner": inner, "cols": cols, "seconds": s, "flops": 2.0 * rows * inner * cols / s,
             "cpu_seconds": cpu}
+
+
+def measure_load(rows: int, inner: int, cols: int, window_s: float = 0.3) -> dict[str, float]:
+    """How much slower than its CPU time compute runs when every rank computes at once: after a barrier (when a
+    process group exists) every rank repeats the matmul for `window_s` of wall time, long against the
+    scheduler's time slices, so the ranks overlap for the whole window (a few short matmuls per rank, started
+    when each rank gets there, mostly do not: their wall/CPU ratio swung 1.1–2.5 between runs of the same
+    8 ranks on 2 cores). Returns wall and CPU seconds of the window and their ratio, ``load``."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+    a @ b
+    if dist.is_initialized():
+        dist.barrier()
+    t0, c0, n = time.perf_counter(), time.thread_time(), 0
+    while time.perf_counter() - t0 < window_s:
+        a @ b
+        n += 1
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return {"window_s": wall, "cpu_s": cpu, "matmuls": n, "load": wall / max(cpu, 1e-12)}
 
 
 def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[str, float]:
@@ -324,7 +346,11 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
     # every rank measures at once (the load the runs will see); the median over ranks is kept
     mm = measure_matmul(rows, h, f, iters=iters)
-    mm["seconds"], mm["cpu_seconds"] = _rank_median(mm["seconds"]), _rank_median(mm["cpu_seconds"])
+    mm["cpu_seconds"] = _rank_median(mm["cpu_seconds"])
+    loaded = measure_load(rows, h, f)
+    loaded["load"] = _rank_median(loaded["load"])
+    # the matmul's time when every rank computes at once: its CPU time stretched by the measured load
+    mm["idle_seconds"], mm["seconds"] = _rank_median(mm["seconds"]), mm["cpu_seconds"] * loaded["load"]
     mm["flops"] = 2.0 * rows * h * f / mm["seconds"]
     keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")
     layer = measure_layer(model, micro_batch, iters=3 * iters)
@@ -338,14 +364,15 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
               "fixed_forward_cpu_s": fixed_cpu}
     # the layer's ratios (to the matmul, backward to forward) come from CPU times, which preemption does not
     # stretch: wall times of a ~10 ms layer among 8 ranks on 2 cores swing 2× between runs; the load itself
-    # enters once, through the matmul's wall time (stable to a few %)
-    load = mm["seconds"] / max(mm["cpu_seconds"], 1e-12)
+    # enters once, measured over a window every rank computes through
+    load = loaded["load"]
     layer["under_load_forward_s"] = layer["forward_cpu_s"] * load
     optim = measure_optimizer(iters=iters)
     optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param")}
     flops = layer_flops(model, micro_batch)
     achieved = flops / (layer["scaling_forward_cpu_s"] * load)  # the FLOP rate of the part that scales
-    measured: dict[str, Any] = {"matmul": mm, "layer": layer | {"flops": flops, "achieved_flops": achieved},
+    measured: dict[str, Any] = {"matmul": mm, "load": loaded,
+                                "layer": layer | {"flops": flops, "achieved_flops": achieved},
                                 "optimizer": optim,
                                 "world": world, "devices_per_host": devices_per_host}
     action = measure_action_overhead()

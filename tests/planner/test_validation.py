@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megareshard.planner import ClusterSpec
-from megareshard.planner.validation import (GRID, GridPoint, ModelPoint, choice_gap, choose, estimate_wall_s,
-                                            median_error, read_results, spearman, summarize)
+from megareshard.planner.validation import (GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint, choice_gap, choose,
+                                            estimate_wall_s, median_error, read_results, spearman, summarize)
 from tests.harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -44,6 +44,12 @@ def test_choose_is_seeded_distinct_and_top_first() -> None:
 def test_grid_is_fixed_and_fits_the_budget() -> None:
     assert len(GRID) == 4 and len({g.key for g in GRID}) == 4
     assert {g.rate_mbit for g in GRID} == {40.0, 200.0} and all((g.hosts, g.procs_per_host) == (4, 2) for g in GRID)
+    # the holdout grid shares no model, cluster shape or rate with the main one
+    assert len(HOLDOUT) == 4 and len({g.key for g in HOLDOUT}) == 4 and GRIDS == {"main": GRID, "holdout": HOLDOUT}
+    assert not {g.model for g in HOLDOUT} & {g.model for g in GRID}
+    assert (4, 2) not in {(g.hosts, g.procs_per_host) for g in HOLDOUT}
+    assert not {g.rate_mbit for g in HOLDOUT} & {40.0, 200.0}
+    assert all(g.hosts * g.procs_per_host == 8 for g in HOLDOUT)
     assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0) == 40 + 8 + 4 * 3
 
 
