@@ -19,7 +19,8 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   `target_s`), each direction reported as Gbit/s;
 * **latencies**: the round trip of a one-element message between the same pairs (half of it →
   ``intra_latency_s``, ``nic_latency_s``), a one-element all-reduce over ranks 0 and 1 of host 0
-  (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``), and the per-action
+  (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``; with one rank per host, over
+  ranks 0 and 1 less two ``nic_latency_s``), and the per-action
   overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``;
 * **a tp all-reduce under load**: every rank busy at once, tp-2 pairs inside each host alternating a
   compute chunk (a quarter of the layer's forward) with an all-reduce of one microbatch's activation,
@@ -235,7 +236,7 @@ def measure_latency(src: int, dst: int, iters: int = 20) -> dict[str, float]:
 
 
 def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, float]:
-    """Seconds of a one-element all-reduce over `ranks` (a group of one host; median); every rank calls it."""
+    """Seconds of a one-element all-reduce over `ranks` (median); every rank calls it."""
     import torch
     import torch.distributed as dist
 
@@ -394,11 +395,14 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             nic = measure_p2p(0, devices_per_host, target_s, iters=iters)
             measured["nic"] = nic
             nic_lat = measured["nic_latency"] = measure_latency(0, devices_per_host)
+            if devices_per_host == 1:  # no two ranks share a host: the collective's fixed cost across a NIC
+                allreduce = measured["small_allreduce"] = measure_small_allreduce([0, 1])
     defaults = ClusterSpec(1, 1)
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
-    if allreduce:  # a 2-rank all-reduce is 2 ring steps of intra_latency_s plus the collective's own fixed cost
-        collective = max(0.0, allreduce["seconds"] - 2 * intra_alpha)
+    if allreduce:  # a 2-rank all-reduce is 2 ring steps of (intra-host or NIC) latency plus its own fixed cost
+        alpha = intra_alpha if devices_per_host > 1 else nic_lat["seconds"]
+        collective = max(0.0, allreduce["seconds"] - 2 * alpha)
     if loaded and intra:  # under load: what is left after the ring steps' latency and the bytes at the link's rate
         wire = loaded["bytes"] / (intra["Bps"])  # 2·(tp−1)/tp = 1 at tp 2
         loaded["fixed_s"] = max(0.0, loaded["seconds"] - 2 * intra_alpha - wire)

@@ -96,3 +96,18 @@ def test_bad_cluster_files_are_named(tmp_path) -> None:
         load_cluster(str(bad))
     with pytest.raises(ValueError, match="missing.json: No such file"):
         load_cluster(str(tmp_path / "missing.json"))
+
+
+def _calibrate_one_per_host(rank: int, world: int):
+    return calibrate(MODEL, 1, devices_per_host=1, device_memory_gib=1.0, iters=1, target_s=0.02)
+
+
+def test_one_rank_per_host_measures_the_collective_across_the_nic() -> None:
+    (cluster, measured), _ = run_ranks(_calibrate_one_per_host, 2, timeout=90)
+    assert (cluster.hosts, cluster.devices_per_host) == (2, 1)
+    # no two ranks share a host: nothing intra-host is measured, the small all-reduce runs across the "NIC"
+    assert "intra" not in measured and "loaded_allreduce" not in measured and "nic" in measured
+    assert measured["small_allreduce"]["ranks"] == [0, 1]
+    assert cluster.collective_latency_s == max(0.0, measured["small_allreduce"]["seconds"]
+                                               - 2 * measured["nic_latency"]["seconds"])
+    assert measured["not_measured"] == ["intra_gbps", "intra_latency_s"]
