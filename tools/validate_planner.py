@@ -339,12 +339,13 @@ def tables(data: dict[str, Any]) -> str:
 
 def history(paths: Sequence[str]) -> str:
     """Every run side by side (docs/benchmarks.md's tables): per run its median prediction error and how many
-    points met both targets, then every point of every run. The run number is the N of `..._runN.json`."""
+    points met both targets, then every point of every run. The run number is the N of `..._runN.json`
+    (`..._runN_holdout.json` likewise)."""
     import re
 
     runs = []
     for path in paths:
-        m = re.search(r"run(\d+)\.json$", path)
+        m = re.search(r"run(\d+)\D*\.json$", path)
         runs.append((int(m.group(1)) if m else 0, path, read_results(path)))
     runs.sort(key=lambda r: r[0])
     out = ["| run | median \\|measured / predicted − 1\\| | points meeting both targets |", "|---|---|---|"]

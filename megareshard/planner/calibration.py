@@ -20,7 +20,8 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
 * **latencies**: the round trip of a one-element message between the same pairs (half of it →
   ``intra_latency_s``, ``nic_latency_s``), a one-element all-reduce over ranks 0 and 1 of host 0
   (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``; with one rank per host, over
-  ranks 0 and 1 less two ``nic_latency_s``), and the per-action
+  ranks 0 and 1 less two ``nic_latency_s``), a ring all-reduce over one rank per host (more than two
+  hosts) against the ring model at the measured NIC rate → ``ring_efficiency``, and the per-action
   overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``;
 * **a tp all-reduce under load**: every rank busy at once, tp-2 pairs inside each host alternating a
   compute chunk (a quarter of the layer's forward) with an all-reduce of one microbatch's activation,
@@ -48,7 +49,8 @@ from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
-           "measure_action_overhead", "measure_loaded_collective", "measure_sleep_overshoot", "calibrate"]
+           "measure_action_overhead", "measure_ring_allreduce", "measure_loaded_collective", "measure_sleep_overshoot",
+           "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1, clock=time.perf_counter) -> float:
     """Median seconds of `fn` on `clock`: wall time, or ``time.thread_time`` for CPU time, which the scheduler's
@@ -235,6 +237,35 @@ def measure_latency(src: int, dst: int, iters: int = 20) -> dict[str, float]:
     return {"src": src, "dst": dst, "round_trip_s": rtt, "seconds": rtt / 2}
 
 
+def measure_ring_allreduce(ranks: list[int], link_Bps: float, target_s: float = 0.3, iters: int = 3
+                           ) -> dict[str, float]:
+    """A ring all-reduce over `ranks` (one per host), sized so that at `link_Bps` per ring edge it would take
+    about `target_s`; ``efficiency`` = that ring model's time over the measured median (at most 1). Every
+    rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    n = len(ranks)
+    group = dist.new_group(ranks)
+    per_edge = max(1 << 16, int(target_s * link_Bps))  # the bytes each ring edge carries: 2·(n−1)/n of the buffer
+    nbytes = int(per_edge * n / (2 * (n - 1))) // 4 * 4
+    buf = torch.zeros(nbytes // 4)
+    out = []
+    for i in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dist.get_rank() in ranks:
+            dist.all_reduce(buf, group=group)
+        box = torch.tensor([time.perf_counter() - t0 if dist.get_rank() == ranks[0] else 0.0], dtype=torch.float64)
+        dist.all_reduce(box)
+        if i:
+            out.append(float(box.item()))
+    seconds = statistics.median(out)
+    model = 2 * (n - 1) / n * nbytes / link_Bps
+    return {"ranks": list(ranks), "bytes": nbytes, "seconds": seconds, "model_s": model,
+            "efficiency": min(1.0, model / seconds)}
+
+
 def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, float]:
     """Seconds of a one-element all-reduce over `ranks` (median); every rank calls it."""
     import torch
@@ -381,7 +412,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     measured["action_overhead"] = action
     # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function)
     measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"]))
-    intra = nic = intra_lat = nic_lat = allreduce = loaded = None
+    intra = nic = intra_lat = nic_lat = allreduce = loaded = ring = None
     if dist.is_initialized():
         if devices_per_host > 1:
             intra = measure_p2p(0, 1, target_s, iters=iters)
@@ -397,6 +428,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             nic_lat = measured["nic_latency"] = measure_latency(0, devices_per_host)
             if devices_per_host == 1:  # no two ranks share a host: the collective's fixed cost across a NIC
                 allreduce = measured["small_allreduce"] = measure_small_allreduce([0, 1])
+            if hosts > 2 and nic:  # a dp ring over every host: how much of the NIC rate its steps keep
+                ring = measured["ring_allreduce"] = measure_ring_allreduce(
+                    list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
     defaults = ClusterSpec(1, 1)
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
@@ -419,7 +453,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
-        action_overhead_s=action["seconds"], layer_overhead_s=layer["fixed_forward_cpu_s"] * load)
+        action_overhead_s=action["seconds"], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
+        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))
                                 if v is None]

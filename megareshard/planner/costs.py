@@ -129,6 +129,10 @@ class ClusterSpec:
     """Fixed seconds of one layer's forward that do not shrink with its FLOPs (kernel launches, Python; the
     backward pays `backward_factor` × it). Calibrated from the layer timed at two micro batch sizes; 0 treats
     a layer as pure FLOPs (large GPU microbatches)."""
+    ring_efficiency: float = 1.0
+    """Share of the NIC rate a ring all-reduce over more than two hosts achieves (its 2·(n−1) dependent steps
+    and chunking: gloo measured 0.75–0.9 over 8 emulated hosts; NCCL's rings come close to 1). Calibrated from
+    an all-reduce over one rank per host; two-rank rings are plain exchanges and keep the full rate."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
@@ -317,7 +321,7 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     ring = _ring(dp, grads)
     if dp_crosses_hosts:
         nic = ring * dp_ring_edges_per_nic  # every ring edge carries 2·(dp−1)/dp of the bytes
-        dp_s = nic / c.nic_Bps
+        dp_s = nic / (c.nic_Bps * (c.ring_efficiency if dp > 2 else 1.0))
     else:
         nic = 0
         dp_s = ring / c.intra_Bps

@@ -495,7 +495,8 @@ def _tied_ring_s(model: ModelShape, cluster: ClusterSpec, sh: _Shape, src: Any, 
             leaving[host[r]] = leaving.get(host[r], 0) + 1
     t = per_edge / cluster.intra_Bps + cluster.collective_latency_s + 2 * (n - 1) * cluster.intra_latency_s
     if leaving:
-        t = max(t, max(leaving.values()) * per_edge / cluster.nic_Bps + cluster.collective_latency_s
+        rate = cluster.nic_Bps * (cluster.ring_efficiency if n > 2 else 1.0)
+        t = max(t, max(leaving.values()) * per_edge / rate + cluster.collective_latency_s
                 + 2 * (n - 1) * cluster.nic_latency_s)
     return t
 

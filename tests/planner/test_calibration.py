@@ -102,12 +102,17 @@ def _calibrate_one_per_host(rank: int, world: int):
     return calibrate(MODEL, 1, devices_per_host=1, device_memory_gib=1.0, iters=1, target_s=0.02)
 
 
-def test_one_rank_per_host_measures_the_collective_across_the_nic() -> None:
-    (cluster, measured), _ = run_ranks(_calibrate_one_per_host, 2, timeout=90)
-    assert (cluster.hosts, cluster.devices_per_host) == (2, 1)
+def test_one_rank_per_host_measures_the_collective_and_the_ring_across_the_nic() -> None:
+    (cluster, measured), *_ = run_ranks(_calibrate_one_per_host, 3, timeout=90)
+    assert (cluster.hosts, cluster.devices_per_host) == (3, 1)
     # no two ranks share a host: nothing intra-host is measured, the small all-reduce runs across the "NIC"
     assert "intra" not in measured and "loaded_allreduce" not in measured and "nic" in measured
     assert measured["small_allreduce"]["ranks"] == [0, 1]
     assert cluster.collective_latency_s == max(0.0, measured["small_allreduce"]["seconds"]
                                                - 2 * measured["nic_latency"]["seconds"])
     assert measured["not_measured"] == ["intra_gbps", "intra_latency_s"]
+    # more than two hosts: a ring over one rank per host, against the ring model at the measured NIC rate
+    ring = measured["ring_allreduce"]
+    assert ring["ranks"] == [0, 1, 2]
+    assert ring["model_s"] == pytest.approx(4 / 3 * ring["bytes"] / measured["nic"]["Bps"])
+    assert 0 < cluster.ring_efficiency <= 1 and cluster.ring_efficiency == min(1.0, ring["model_s"] / ring["seconds"])
