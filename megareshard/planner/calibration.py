@@ -28,7 +28,8 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   against the chunks alone; the difference, less the ring steps' latency and the bytes at the measured
   intra-host rate, raises ``collective_latency_s`` when larger. On an oversubscribed machine (the
   emulated cluster: 8 ranks on 2 cores) it is the wait for the partner to be scheduled, which the
-  idle two-rank all-reduce misses.
+  idle two-rank all-reduce misses. With one rank per host the pairs are neighbouring hosts, across
+  the NIC (at its measured rate and latency);
 
 Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
 ranks is kept.
@@ -304,7 +305,8 @@ def _rank_median(value: float) -> float:
 def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_host: int, chunk_s: float,
                               reps: int = 20, rounds: int = 5) -> dict[str, Any]:
     """What one tensor-parallel all-reduce costs inside a busy layer, with every rank busy at once (the load of a
-    real run): ranks form tp-2 pairs inside each host; each runs `reps` times a compute chunk of about `chunk_s`
+    real run): ranks form tp-2 pairs inside each host (with one rank per host: neighbouring hosts, across the
+    NIC); each runs `reps` times a compute chunk of about `chunk_s`
     (a matmul of the model's MLP shard) followed by an all-reduce of one microbatch's activation over its pair,
     then the same chunks alone, `rounds` times alternated. The difference per rep (median over rounds, then over
     ranks) is the all-reduce's cost under load:
@@ -314,7 +316,11 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    pairs = [[h + 2 * k, h + 2 * k + 1] for h in range(0, world, devices_per_host) for k in range(devices_per_host // 2)]
+    if devices_per_host > 1:  # tp pairs inside each host
+        pairs = [[h + 2 * k, h + 2 * k + 1] for h in range(0, world, devices_per_host)
+                 for k in range(devices_per_host // 2)]
+    else:  # one rank per host: neighbouring hosts pair up across their NICs (a dp ring's or a step's collectives)
+        pairs = [[r, r + 1] for r in range(0, world - 1, 2)]
     groups = [dist.new_group(pr) for pr in pairs]  # every rank creates every group, in one order
     mine = next((g for g, pr in zip(groups, pairs) if rank in pr), None)
     rows, h = model.seq_length * micro_batch, model.hidden_size
@@ -344,10 +350,13 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
 
 
 def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
-    """How late a sleep ends under the run's load: every rank at once alternates half a chunk of compute with a
+    """How late a sleep ends under the run's load: every rank alternates half a chunk of compute with a
     sleep to the chunk's end (what a paced action does) and records how far past the end it wakes (median,
-    then median over ranks). Not a `ClusterSpec` term: a device has no such sleep; an emulation that paces
-    compute with sleeps (tools/validate_planner.py) adds it to each action's overhead. Every rank calls it."""
+    then median over ranks). The ranks start out of phase (rank r waits r/world of a chunk first), as the
+    stages of a pipeline are: in phase, every rank sleeps while the others sleep and wakes on an idle machine
+    (0.07 ms measured, against 1–2.5 ms out of phase). Not a `ClusterSpec` term: a device has no such sleep;
+    an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each action's
+    overhead. Every rank calls it."""
     import torch
     import torch.distributed as dist
 
@@ -355,6 +364,7 @@ def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
     late = []
     if dist.is_initialized():
         dist.barrier()
+        time.sleep(chunk_s * dist.get_rank() / dist.get_world_size())
     for _ in range(reps):
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < chunk_s / 2:
@@ -428,6 +438,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             nic_lat = measured["nic_latency"] = measure_latency(0, devices_per_host)
             if devices_per_host == 1:  # no two ranks share a host: the collective's fixed cost across a NIC
                 allreduce = measured["small_allreduce"] = measure_small_allreduce([0, 1])
+                loaded = measured["loaded_allreduce"] = measure_loaded_collective(
+                    model, micro_batch, devices_per_host, chunk_s=layer["under_load_forward_s"] / 4)
             if hosts > 2 and nic:  # a dp ring over every host: how much of the NIC rate its steps keep
                 ring = measured["ring_allreduce"] = measure_ring_allreduce(
                     list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
@@ -437,9 +449,11 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     if allreduce:  # a 2-rank all-reduce is 2 ring steps of (intra-host or NIC) latency plus its own fixed cost
         alpha = intra_alpha if devices_per_host > 1 else nic_lat["seconds"]
         collective = max(0.0, allreduce["seconds"] - 2 * alpha)
-    if loaded and intra:  # under load: what is left after the ring steps' latency and the bytes at the link's rate
-        wire = loaded["bytes"] / (intra["Bps"])  # 2·(tp−1)/tp = 1 at tp 2
-        loaded["fixed_s"] = max(0.0, loaded["seconds"] - 2 * intra_alpha - wire)
+    link = intra if devices_per_host > 1 else nic
+    if loaded and link:  # under load: what is left after the ring steps' latency and the bytes at the link's rate
+        wire = loaded["bytes"] / link["Bps"]  # 2·(n−1)/n = 1 for a pair
+        alpha = intra_alpha if devices_per_host > 1 else nic_lat["seconds"]
+        loaded["fixed_s"] = max(0.0, loaded["seconds"] - 2 * alpha - wire)
         collective = max(collective, loaded["fixed_s"])
     cluster = ClusterSpec(
         hosts=max(1, hosts), devices_per_host=devices_per_host, device_memory_gib=device_memory_gib,

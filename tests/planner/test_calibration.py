@@ -105,11 +105,14 @@ def _calibrate_one_per_host(rank: int, world: int):
 def test_one_rank_per_host_measures_the_collective_and_the_ring_across_the_nic() -> None:
     (cluster, measured), *_ = run_ranks(_calibrate_one_per_host, 3, timeout=90)
     assert (cluster.hosts, cluster.devices_per_host) == (3, 1)
-    # no two ranks share a host: nothing intra-host is measured, the small all-reduce runs across the "NIC"
-    assert "intra" not in measured and "loaded_allreduce" not in measured and "nic" in measured
-    assert measured["small_allreduce"]["ranks"] == [0, 1]
-    assert cluster.collective_latency_s == max(0.0, measured["small_allreduce"]["seconds"]
-                                               - 2 * measured["nic_latency"]["seconds"])
+    # no two ranks share a host: nothing intra-host is measured, the collectives run across the "NIC"
+    assert "intra" not in measured and "nic" in measured
+    assert measured["small_allreduce"]["ranks"] == [0, 1] and measured["loaded_allreduce"]["pairs"] == [[0, 1]]
+    nic_alpha = measured["nic_latency"]["seconds"]
+    loaded = measured["loaded_allreduce"]
+    assert loaded["fixed_s"] == max(0.0, loaded["seconds"] - 2 * nic_alpha - loaded["bytes"] / measured["nic"]["Bps"])
+    small = measured["small_allreduce"]["seconds"] - 2 * nic_alpha
+    assert cluster.collective_latency_s == max(loaded["fixed_s"], small, 0.0)
     assert measured["not_measured"] == ["intra_gbps", "intra_latency_s"]
     # more than two hosts: a ring over one rank per host, against the ring model at the measured NIC rate
     ring = measured["ring_allreduce"]
