@@ -353,8 +353,8 @@ def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
     """How late a sleep ends under the run's load: every rank alternates half a chunk of compute with a
     sleep to the chunk's end (what a paced action does) and records how far past the end it wakes (median,
     then median over ranks). The ranks start out of phase (rank r waits r/world of a chunk first), as the
-    stages of a pipeline are: in phase, every rank sleeps while the others sleep and wakes on an idle machine
-    (0.07 ms measured, against 1–2.5 ms out of phase). Not a `ClusterSpec` term: a device has no such sleep;
+    stages of a pipeline are, not all sleeping and waking together. Not a `ClusterSpec` term: a device has no
+    such sleep;
     an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each action's
     overhead. Every rank calls it."""
     import torch
