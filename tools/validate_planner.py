@@ -2,14 +2,14 @@
 """Validate the layout planner against measured runs on the emulated cluster (issue 18, item 4).
 
     tools/validate_planner.py --dry-run            # every point's commands and the wall-time estimate; runs nothing
-    sudo tools/validate_planner.py                 # the whole grid (root: network namespaces), ~10 min
+    sudo tools/validate_planner.py                 # the main grid (root: network namespaces), ~6 min
     tools/validate_planner.py --from-json docs/results/planner_validation.json   # redraw the table and picture
     tools/validate_planner.py --history docs/results/planner_validation_run*.json  # every run side by side
 
 The grids are fixed in megareshard/planner/validation.py before anything runs: `--grid main`, two GPT
 shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
 on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s and 8 hosts × 1 rank at
-300 Mbit/s (fixed later, never used to change the model). For every point:
+300 Mbit/s (fixed later, before its first run). For every point:
 
 1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
    matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
@@ -410,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
     p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
     p.add_argument("--grid", choices=sorted(GRIDS), default="main",
-                   help="main: the grid the cost model was developed on; holdout: a second grid fixed later, "
-                        "never used to change the model")
+                   help="main: the grid the cost model was developed on; holdout: a second grid, fixed before its "
+                        "first run (run 16)")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
     p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
     p.add_argument("--budget-min", type=float, default=20.0,

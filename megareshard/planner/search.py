@@ -132,8 +132,8 @@ class Candidate:
         keys = ("tp", "pp", "dp", "micro_batch", "num_microbatches", "schedule", "delay_wgrad", "strategy",
                 "sequence_parallel", "recompute", "zero", "order", "layers_per_stage", "stage_layouts",
                 "virtual_stages", "runtime", "step_s", "estimate_s", "bubble", "memory_gib", "live_microbatches",
-                "edge_s", "stage_f_s", "stage_b_s", "stage_w_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes", "bottleneck",
-                "breakdown", "tokens_per_s")
+                "edge_s", "stage_f_s", "stage_b_s", "stage_w_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes",
+                "bottleneck", "breakdown", "tokens_per_s")
         return {k: getattr(self, k) for k in keys} | {"name": self.name, "flags": self.flags()}
 
 
@@ -512,14 +512,15 @@ def step_sync_s(cluster: ClusterSpec, sh: _Shape) -> float:
         return cluster.collective_latency_s + 2 * (n - 1) * alpha if n > 1 else 0.0
 
     world = one(cluster.world, cluster.hosts > 1)
-    if sh.layouts:
-        return (2 if sh.pp > 1 else 1) * world + world
+    if sh.layouts:  # the loss (pp > 1), the norm and the check, each over the world
+        return world * (3 if sh.pp > 1 else 2)
     topo = sh.topo
-    t = world
 
     def group(axes: tuple[str, ...]) -> float:
         g = topo.group_of(axes, 0)
         return one(len(g), len(topo.hosts_of(g)) > 1)
+
+    t = world  # the non-finite check
     if sh.pp > 1:
         t += group(("pp",))
     t += group(("tp", "pp"))

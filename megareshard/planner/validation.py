@@ -61,7 +61,8 @@ _GPT_LONG = ModelPoint("gpt-long", 4, 192, 4, 96, 768, 8)
 # a second grid, fixed (session 6) after the cost model had been shaped by GRID's residuals and before any run
 # of it: other models (twice the layers; a wider layer with 1.5× the sequence) on other cluster shapes (2 hosts
 # of 4 ranks, where tp reaches 4 and a host holds whole stages; 8 hosts of 1, where every boundary and every dp
-# ring crosses a NIC) at other rates — an independent check of the model, not a tuning set
+# ring crosses a NIC) at other rates — meant as an independent check; what its first runs showed did change the
+# calibration twice (docs/benchmarks.md says which runs)
 HOLDOUT: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_DEEP, _GPT_LONG)
                                        for h, p, r in ((2, 4, 60.0), (8, 1, 300.0)))
 GRIDS = {"main": GRID, "holdout": HOLDOUT}

@@ -237,6 +237,9 @@ def test_every_step_ends_with_the_trainers_small_all_reduces() -> None:
     across = _Shape(1, 4, 2, 1, 4, False, False, 0, Topology(8, tp=1, pp=4, nproc_per_node=2, order="tp-pp-dp"),
                     [], (1, 1, 1, 1))
     assert step_sync_s(c, across) - step_sync_s(c, sh) == pytest.approx(2 * (1e-2 - 1e-3))
+    # per-stage meshes: the loss and the norm go over the world too (no one-rank-per-stage groups)
+    per_stage = _Shape(1, 2, 4, 1, 2, False, False, 0, None, [], (2, 2), layouts=((2, 2), (1, 4)))
+    assert step_sync_s(c, per_stage) == pytest.approx(3 * (0.1 + 2 * 7 * 1e-2))
     # one process: nothing to agree on
     alone = ClusterSpec(1, 1, collective_latency_s=0.1)
     assert step_sync_s(alone, _Shape(1, 1, 1, 1, 4, False, False, 0, Topology(1), [], (4,))) == 0.0
