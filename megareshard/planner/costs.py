@@ -131,7 +131,7 @@ class ClusterSpec:
     a layer as pure FLOPs (large GPU microbatches)."""
     ring_efficiency: float = 1.0
     """Share of the NIC rate a ring all-reduce over more than two hosts achieves (its 2·(n−1) dependent steps
-    and chunking: gloo measured 0.75–0.9 over 8 emulated hosts; NCCL's rings come close to 1). Calibrated from
+    and chunking: gloo measured 0.66–0.91 over 8 emulated hosts; NCCL's rings come close to 1). Calibrated from
     an all-reduce over one rank per host; two-rank rings are plain exchanges and keep the full rate."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
