@@ -13,34 +13,19 @@ an uneven split, ``--pipeline-trace trace.json`` to record the last iteration's 
 
 `--help` lists every flag. Runs on CPU processes (gloo) or GPUs (NCCL, --device cuda).
 """
-import os
 import sys
 
-from megareshard.arguments import ConfigError, parse_args
-from megareshard.launch import PeerFailure, PreflightError
+from megareshard.arguments import parse_args
+from megareshard.entry import run_entry_point
 from megareshard.model_spec import get_model_spec
-from megareshard.training import RunStopped, pretrain
+from megareshard.training import pretrain
 
 
 def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
-    try:
-        cfg = parse_args(argv)
-        pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
-    except ConfigError as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        return 2
-    except (PeerFailure, PreflightError, *RunStopped) as e:  # RunStopped is a tuple: unpacked, since
-        # `except` refuses a nested tuple (TypeError) the moment an exception reaches it
-        # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
-        # every rank stops, named in one line
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        if hard_exit_after_peer_failure and isinstance(e, PeerFailure):
-            # the process group broke mid-operation: tearing it down at exit can abort in C++ ("terminate
-            # called without an active exception", SIGABRT) instead of exiting 1
-            sys.stdout.flush()
-            os._exit(1)
-        return 1
-    return 0
+    def run() -> None:
+        pretrain(parse_args(argv), model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
+
+    return run_entry_point("pretrain_gpt.py", run, hard_exit_after_peer_failure=hard_exit_after_peer_failure)
 
 
 if __name__ == "__main__":

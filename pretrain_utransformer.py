@@ -15,33 +15,19 @@ whose skip tensors cross non-adjacent stages, each stage with its own layout::
 `--help` lists every flag. See ``megareshard/models/utransformer.py`` for the architecture and
 ``megareshard/models/utransformer_spec.py`` for its model spec.
 """
-import os
 import sys
 
-from megareshard.arguments import ConfigError, parse_model_args
-from megareshard.launch import PeerFailure, PreflightError
-from megareshard.training import RunStopped, pretrain
+from megareshard.arguments import parse_model_args
+from megareshard.entry import run_entry_point
+from megareshard.training import pretrain
 
 
 def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
-    try:
+    def run() -> None:
         cfg, spec = parse_model_args("utransformer", argv)  # + the U's --u-* flags
         pretrain(cfg, model_spec=spec)
-    except ConfigError as e:
-        print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr)
-        return 2
-    except (PeerFailure, PreflightError, *RunStopped) as e:  # RunStopped is a tuple: unpacked, since
-        # `except` refuses a nested tuple (TypeError) the moment an exception reaches it
-        # a missing, dead, stalled or cut-off rank; a failed checkpoint save; a non-finite loss or gradient:
-        # every rank stops, named in one line
-        print(f"pretrain_utransformer.py: error: {e}", file=sys.stderr, flush=True)
-        if hard_exit_after_peer_failure and isinstance(e, PeerFailure):
-            # the process group broke mid-operation: tearing it down at exit can abort in C++ ("terminate
-            # called without an active exception", SIGABRT) instead of exiting 1
-            sys.stdout.flush()
-            os._exit(1)
-        return 1
-    return 0
+
+    return run_entry_point("pretrain_utransformer.py", run, hard_exit_after_peer_failure=hard_exit_after_peer_failure)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_every_run_stopping_error_is_one_line_and_exit_1(entry, monkeypatch, cap
         # as a script: a peer failure ends the process at once (a broken process group can abort in C++ at
         # teardown: SIGABRT instead of 1, seen in CI); the other errors exit normally
         exits = []
-        monkeypatch.setattr(mod.os, "_exit", exits.append)
+        monkeypatch.setattr(os, "_exit", exits.append)
         assert mod.main([], hard_exit_after_peer_failure=True) == 1
         assert exits == ([1] if isinstance(err, PeerFailure) else [])
         capsys.readouterr()

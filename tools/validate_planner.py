@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megareshard.planner.validation import (GRIDS, ITERS, NIC_BURST, PACE_MARGIN, SAMPLE, SEED, TOP_K,  # noqa: E402
-                                            WARMUP, GridPoint, choose, estimate_wall_s, grid_json, median_error, read_results,
-                                            summarize)
+                                            WARMUP, GridPoint, choose, estimate_wall_s, grid_json, median_error,
+                                            read_results, summarize)
 
 TOOLS = ROOT / "tools"
 
@@ -346,10 +346,11 @@ def history(paths: Sequence[str]) -> str:
     runs = []
     for path in paths:
         m = re.search(r"run(\d+)\D*\.json$", path)
-        runs.append((int(m.group(1)) if m else 0, path, read_results(path)))
+        runs.append((int(m.group(1)) if m else 0, read_results(path)))
     runs.sort(key=lambda r: r[0])
+    yes = {True: "met", False: "not met"}
     out = ["| run | median \\|measured / predicted − 1\\| | points meeting both targets |", "|---|---|---|"]
-    for n, _, data in runs:
+    for n, data in runs:
         every = [r for p in data["points"] for r in p.get("results", [])]
         err = median_error(every)
         met = sum(1 for p in data["points"] if p["summary"].get("spearman_target_met")
@@ -357,7 +358,7 @@ def history(paths: Sequence[str]) -> str:
         out.append(f"| {n} | {'—' if err is None else f'{100 * err:.0f}%'} | {met} of {len(data['points'])} |")
     out += ["", "| run | point | finished | Spearman | planner's choice | measured vs best (best) | targets "
             "(Spearman / choice) | most pace overruns in one config |", "|---|---|---|---|---|---|---|---|"]
-    for n, _, data in runs:
+    for n, data in runs:
         for p in data["points"]:
             s = p["summary"]
             if s.get("spearman") is None:
@@ -365,7 +366,6 @@ def history(paths: Sequence[str]) -> str:
                            f"{p.get('status', 'too few finished')} | — |")
                 continue
             over = max((r.get("pace_overruns", 0) for r in p["results"] if r.get("status") == "ok"), default=0)
-            yes = {True: "met", False: "not met"}
             out.append(f"| {n} | {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "
                        f"{100 * s['choice_gap']:+.0f}% ({s['best_measured']}) | {yes[s['spearman_target_met']]} / "
                        f"{yes[s['choice_target_met']]} | {over} |")

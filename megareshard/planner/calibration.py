@@ -111,8 +111,8 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     cfg = ModelConfig(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                       ffn_hidden_size=model.ffn_hidden_size, seq_length=model.seq_length, vocab_size=model.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0)
-    layer = GPTModel(cfg, ParallelContext.single_process(), seed=1, device=torch.device("cpu"))
-    layer = next(iter(layer.layers.children()))
+    gpt = GPTModel(cfg, ParallelContext.single_process(), seed=1, device=torch.device("cpu"))
+    layer = next(iter(gpt.layers.children()))
     x = torch.randn(model.seq_length, micro_batch, model.hidden_size, requires_grad=True)
     grad = torch.randn(model.seq_length, micro_batch, model.hidden_size)
     fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
@@ -130,9 +130,7 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     # the same backward split as the pipeline's delayed weight gradients run it: I (input gradient; the weight
     # gradients queued) then W (the queue flushed)
     store = WeightGradStore()
-    holders = [m for m in layer.modules() if hasattr(m, "wgrad_store")]
-    for m in holders:
-        m.wgrad_store = store
+    gpt.set_wgrad_store(store)
     i_cpu, w_cpu = [], []
     for i in range(iters + 1):
         y = layer(x)
@@ -144,8 +142,7 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
         if i:
             i_cpu.append(c1 - c0)
             w_cpu.append(c2 - c1)
-    for m in holders:
-        m.wgrad_store = None
+    gpt.set_wgrad_store(None)
     return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
             "forward_cpu_s": statistics.median(fwd_cpu), "backward_cpu_s": statistics.median(bwd_cpu),
             "input_grad_cpu_s": statistics.median(i_cpu), "weight_grad_cpu_s": statistics.median(w_cpu)}
@@ -244,24 +241,11 @@ def measure_ring_allreduce(ranks: list[int], link_Bps: float, target_s: float = 
     about `target_s`; ``efficiency`` = that ring model's time over the measured median (at most 1). Every
     rank calls it."""
     import torch
-    import torch.distributed as dist
 
     n = len(ranks)
-    group = dist.new_group(ranks)
     per_edge = max(1 << 16, int(target_s * link_Bps))  # the bytes each ring edge carries: 2·(n−1)/n of the buffer
     nbytes = int(per_edge * n / (2 * (n - 1))) // 4 * 4
-    buf = torch.zeros(nbytes // 4)
-    out = []
-    for i in range(iters + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if dist.get_rank() in ranks:
-            dist.all_reduce(buf, group=group)
-        box = torch.tensor([time.perf_counter() - t0 if dist.get_rank() == ranks[0] else 0.0], dtype=torch.float64)
-        dist.all_reduce(box)
-        if i:
-            out.append(float(box.item()))
-    seconds = statistics.median(out)
+    seconds = _timed_allreduce(torch.zeros(nbytes // 4), ranks, iters)
     model = 2 * (n - 1) / n * nbytes / link_Bps
     return {"ranks": list(ranks), "bytes": nbytes, "seconds": seconds, "model_s": model,
             "efficiency": min(1.0, model / seconds)}
@@ -270,11 +254,18 @@ def measure_ring_allreduce(ranks: list[int], link_Bps: float, target_s: float = 
 def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, float]:
     """Seconds of a one-element all-reduce over `ranks` (median); every rank calls it."""
     import torch
+
+    return {"ranks": list(ranks), "seconds": _timed_allreduce(torch.zeros(1), ranks, iters)}
+
+
+def _timed_allreduce(buf, ranks: list[int], iters: int) -> float:
+    """Median seconds, on ``ranks[0]``, of an all-reduce of `buf` over `ranks` after a barrier (one warm-up);
+    every rank of the default group calls it (the others wait) and gets the same number."""
+    import torch
     import torch.distributed as dist
 
     group = dist.new_group(ranks)
     rank = dist.get_rank()
-    buf = torch.zeros(1)
     out = []
     for i in range(iters + 1):
         dist.barrier()
@@ -285,7 +276,7 @@ def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, floa
         dist.all_reduce(box)
         if i:
             out.append(float(box.item()))
-    return {"ranks": list(ranks), "seconds": statistics.median(out)}
+    return statistics.median(out)
 
 
 def _rank_median(value: float) -> float:
@@ -354,9 +345,8 @@ def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
     sleep to the chunk's end (what a paced action does) and records how far past the end it wakes (median,
     then median over ranks). The ranks start out of phase (rank r waits r/world of a chunk first), as the
     stages of a pipeline are, not all sleeping and waking together. Not a `ClusterSpec` term: a device has no
-    such sleep;
-    an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each action's
-    overhead. Every rank calls it."""
+    such sleep; an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each
+    action's overhead. Every rank calls it."""
     import torch
     import torch.distributed as dist
 
@@ -446,13 +436,12 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     defaults = ClusterSpec(1, 1)
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
-    if allreduce:  # a 2-rank all-reduce is 2 ring steps of (intra-host or NIC) latency plus its own fixed cost
-        alpha = intra_alpha if devices_per_host > 1 else nic_lat["seconds"]
+    # the pairs of those all-reduces sit inside a host, or (one rank per host) across a NIC
+    link, alpha = (intra, intra_alpha) if devices_per_host > 1 else (nic, nic_lat["seconds"] if nic_lat else 0.0)
+    if allreduce:  # a 2-rank all-reduce is 2 ring steps of the link's latency plus its own fixed cost
         collective = max(0.0, allreduce["seconds"] - 2 * alpha)
-    link = intra if devices_per_host > 1 else nic
     if loaded and link:  # under load: what is left after the ring steps' latency and the bytes at the link's rate
         wire = loaded["bytes"] / link["Bps"]  # 2·(n−1)/n = 1 for a pair
-        alpha = intra_alpha if devices_per_host > 1 else nic_lat["seconds"]
         loaded["fixed_s"] = max(0.0, loaded["seconds"] - 2 * alpha - wire)
         collective = max(collective, loaded["fixed_s"])
     cluster = ClusterSpec(

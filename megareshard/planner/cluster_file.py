@@ -41,10 +41,12 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
         kw["hosts"] = hosts
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
-    if kw.get("wgrad_fraction", 0.0) is None:
-        del kw["wgrad_fraction"]  # not calibrated: the FLOP share
-    elif not (isinstance(kw.get("wgrad_fraction", 0.0), (int, float)) and 0 <= kw.get("wgrad_fraction", 0.0) <= 1):
-        raise ValueError(f"cluster file {path}: wgrad_fraction = {kw['wgrad_fraction']!r} is not a share in [0, 1]")
+    if "wgrad_fraction" in kw:
+        share = kw["wgrad_fraction"]
+        if share is None:
+            del kw["wgrad_fraction"]  # not calibrated: the FLOP share
+        elif not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            raise ValueError(f"cluster file {path}: wgrad_fraction = {share!r} is not a share in [0, 1]")
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "intra_latency_s", "nic_latency_s",
                         "collective_latency_s", "action_overhead_s", "layer_overhead_s", "wgrad_fraction")

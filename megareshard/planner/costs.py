@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from ..resharding.network import NetworkModel
 
 __all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops",
-           "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency", "DDP_BUCKET_PARAMS"]
+           "collective_latency", "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency",
+           "DDP_BUCKET_PARAMS"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ class ClusterSpec:
     def nic_Bps(self) -> float:
         return self.network.nic_Bps
 
+    def ring_nic_Bps(self, n: int) -> float:
+        """The NIC rate a ring all-reduce over `n` ranks keeps per edge: `ring_efficiency` of it beyond two."""
+        return self.nic_Bps * (self.ring_efficiency if n > 2 else 1.0)
+
     @property
     def intra_Bps(self) -> float:
         return self.network.intra_Bps
@@ -213,14 +218,22 @@ DDP_BUCKET_PARAMS = 40_000_000
 """Megatron's default gradient bucket: max(40 M, 1 M × dp) parameters (`--ddp-bucket-size` unset)."""
 
 
+def collective_latency(c: ClusterSpec, n: int, crosses_hosts: bool = False, steps_per_rank: int = 2) -> float:
+    """Fixed seconds of one ring collective over `n` ranks: `collective_latency_s` plus its
+    ``steps_per_rank·(n−1)`` ring steps (2 for an all-reduce, 1 for an all-gather or a reduce-scatter) at the
+    latency of the link it crosses; 0 for one rank."""
+    if n <= 1:
+        return 0.0
+    alpha = c.nic_latency_s if crosses_hosts else c.intra_latency_s
+    return c.collective_latency_s + steps_per_rank * (n - 1) * alpha
+
+
 def tp_collectives_latency(c: ClusterSpec, tp: int, sequence_parallel: bool) -> float:
     """Fixed seconds of one layer's tensor-parallel collectives in one direction: 2 all-reduces (2·(tp−1) ring
     steps each) or, with sequence parallelism, 2 all-gathers + 2 reduce-scatters (tp−1 steps each)."""
-    if tp <= 1:
-        return 0.0
     if sequence_parallel:
-        return 4 * (c.collective_latency_s + (tp - 1) * c.intra_latency_s)
-    return 2 * (c.collective_latency_s + 2 * (tp - 1) * c.intra_latency_s)
+        return 4 * collective_latency(c, tp, steps_per_rank=1)
+    return 2 * collective_latency(c, tp)
 
 
 def end_collectives(m: ModelShape, c: ClusterSpec, micro_batch: int, tp: int, sequence_parallel: bool,
@@ -234,8 +247,8 @@ def end_collectives(m: ModelShape, c: ClusterSpec, micro_batch: int, tp: int, se
     if tp <= 1 or not (first or last):
         return 0.0, 0.0, 0.0, 0.0, 0
     act = micro_batch * m.seq_length * m.hidden_size * m.dtype_bytes
-    all_reduce = c.collective_latency_s + 2 * (tp - 1) * c.intra_latency_s
-    one_way = c.collective_latency_s + (tp - 1) * c.intra_latency_s  # an all-gather or a reduce-scatter
+    all_reduce = collective_latency(c, tp)
+    one_way = collective_latency(c, tp, steps_per_rank=1)  # an all-gather or a reduce-scatter
     f_lat = b_lat = 0.0
     f_bytes = b_bytes = 0.0
     if first:
@@ -271,8 +284,7 @@ def dp_reduction_latency(c: ClusterSpec, params: int, dp: int, crosses_hosts: bo
     if dp <= 1:
         return 0.0
     buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * dp)))
-    alpha = c.nic_latency_s if crosses_hosts else c.intra_latency_s
-    return buckets * (c.collective_latency_s + 2 * (dp - 1) * alpha)
+    return buckets * collective_latency(c, dp, crosses_hosts)
 
 
 def _ring(n: int, nbytes: float) -> float:
@@ -321,7 +333,7 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     ring = _ring(dp, grads)
     if dp_crosses_hosts:
         nic = ring * dp_ring_edges_per_nic  # every ring edge carries 2·(dp−1)/dp of the bytes
-        dp_s = nic / (c.nic_Bps * (c.ring_efficiency if dp > 2 else 1.0))
+        dp_s = nic / c.ring_nic_Bps(dp)
     else:
         nic = 0
         dp_s = ring / c.intra_Bps

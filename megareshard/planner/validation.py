@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -169,11 +170,8 @@ def read_results(path: str) -> dict[str, Any]:
 
 def median_error(results: Sequence[dict[str, Any]]) -> float | None:
     """Median over the finished configurations of |measured / predicted − 1| (None when none finished)."""
-    errs = sorted(abs(r["measured_s"] / r["predicted_s"] - 1) for r in results if r.get("status") == "ok")
-    if not errs:
-        return None
-    mid = len(errs) // 2
-    return errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+    errs = [abs(r["measured_s"] / r["predicted_s"] - 1) for r in results if r.get("status") == "ok"]
+    return statistics.median(errs) if errs else None
 
 
 def estimate_wall_s(predicted_steps: Sequence[float], warmup: int = WARMUP, iters: int = ITERS,
