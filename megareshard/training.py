@@ -675,6 +675,14 @@ class Trainer:
                   flush=True)
         return stop
 
+    def release_communicators(self) -> None:
+        """Destroy the pipeline's and the parallel context's process groups (every rank, after its last step):
+        a process that trains again (tests, the planner's validation) would otherwise keep each run's gloo
+        threads and connections, and every later run would pay for them."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.ctx.destroy()
+
     def close(self) -> None:
         try:
             self.checkpoints.close()  # waits for a background save (its error is reported here)
@@ -715,9 +723,11 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None
     try:
         trainer = Trainer(cfg, ctx, device, out=out, watchdog=watchdog, model_spec=model_spec)
         try:
-            return trainer.train()
+            records = trainer.train()
         finally:
             trainer.close()
+        trainer.release_communicators()  # only after success: a failed collective could hang their shutdown
+        return records
     except BaseException as e:
         # a peer died, stalled or was cut off: the watchdog printed this rank's report; one line, exit 1
         if watchdog is not None and watchdog.failure is not None and not isinstance(e, PeerFailure):

@@ -152,6 +152,7 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             total = torch.tensor([overruns], dtype=torch.float64)
             dist.all_reduce(total)
             trainer.close()
+            trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
             rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
                        pace_overruns=int(total.item()))
         except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on

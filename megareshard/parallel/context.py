@@ -63,6 +63,15 @@ class ParallelContext:
                     ctx.group_ranks[name] = members
         return ctx
 
+    def destroy(self) -> None:
+        """Destroy every communicator `create` made for this rank (each once). A process that builds
+        contexts one after another (the planner's validation, tests) must: gloo keeps each group's
+        worker threads and connections until then, and they slow the later runs down. Every rank calls it,
+        after the last operation on these groups has completed."""
+        for g in {id(g): g for g in self.groups.values() if g is not None}.values():
+            dist.destroy_process_group(g)
+        self.groups = {name: None for name in self.groups}
+
     @classmethod
     def single_process(cls) -> "ParallelContext":
         """A context for one process without torch.distributed (reference runs, tools)."""

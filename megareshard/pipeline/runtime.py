@@ -378,6 +378,14 @@ class PipelineRuntime:
         return "\n".join(lines)
 
     # ---- one step ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the edges' communicators and their stream threads (every rank, after the last step; a process
+        that builds one runtime after another must, or gloo's threads pile up and slow the later ones)."""
+        streams = {id(r.streams): r.streams for c in self.comms.values() for r in (c.fwd, c.bwd)}
+        for s in streams.values():
+            s.close(destroy_groups=True)
+        self.comms = {}
+
     def __call__(self, model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
                  autocast_dtype: torch.dtype | None = None, backward: bool = True,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

@@ -176,10 +176,16 @@ class CommStreams:
             self._streams[key] = _Stream(f"reshard-stream-r{self._rank}-{key}")
         return self._streams[key]
 
-    def close(self) -> None:
+    def close(self, destroy_groups: bool = False) -> None:
+        """Stop the stream threads; with ``destroy_groups`` also destroy the communicators (every rank, after
+        the last run on them has completed)."""
         for s in self._streams.values():
             s.close()
         self._streams.clear()
+        if destroy_groups:
+            for g in self._groups.values():
+                dist.destroy_process_group(g)
+            self._groups.clear()
 
 
 _SHARED: dict[str, CommStreams] = {}  # CommStreams.shared(): a cache per default group, like torch's group registry
