@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="memory per device (default: the GPU's, on CPU the RAM per process)")
     p.add_argument("--iters", type=int, default=3, help="timed repetitions of every measurement (median)")
+    p.add_argument("--pace-margin", type=float, default=1.0,
+                   help="an emulation paces compute this much slower than measured (tools/validate_planner.py): "
+                        "the sleep overshoot is measured at the CPU demand of such runs")
     p.add_argument("--json", default=None, help="write the cluster JSON here (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="plain launch: kill torchrun after this long")
     return p
@@ -70,7 +73,8 @@ def worker(a: argparse.Namespace) -> int:
     rank = dist.get_rank()
     per_host = a.procs_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     memory = a.device_memory_gib or device_memory_gib(per_host)
-    cluster, measured = calibrate(model_of(a), a.micro_batch_size, per_host, memory, iters=a.iters)
+    cluster, measured = calibrate(model_of(a), a.micro_batch_size, per_host, memory, iters=a.iters,
+                                  pace_margin=a.pace_margin)
     if rank == 0:
         print(f"[calibrate_cluster] {cluster.hosts} host(s) × {cluster.devices_per_host}: matmul "
               f"{cluster.device_tflops * 1e3:.1f} GFLOP/s, layer efficiency {cluster.efficiency:.2f}, backward "

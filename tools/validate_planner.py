@@ -201,7 +201,7 @@ def calibration_cmd(point: GridPoint, out: str) -> list[str]:
     return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
             str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
             str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", str(CALIBRATION_MICRO_BATCH),
-            "--iters", "5",
+            "--iters", "5", "--pace-margin", str(PACE_MARGIN),
             "--json", out]
 
 

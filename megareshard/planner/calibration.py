@@ -13,7 +13,9 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the rate of the part that does. The
   backward is also run split as delayed weight gradients run it (I, then the queued W): W's share of the
   CPU time → ``wgrad_fraction``;
-* **the optimizer step**: one AdamW step over 1 Mi fp32 parameters → ``optimizer_s_per_param``;
+* **the optimizer step**: the trainer's AdamW step over ~1 Mi fp32 parameters shaped as the model's layers →
+  ``optimizer_s_per_param``, and its passes over the gradients around the reduction (non-finite check, bucket
+  packing, norm) → ``grad_pass_s_per_param``;
 * **intra-host bandwidth**: send/recv between two ranks of one host, and **NIC bandwidth**:
   between rank 0 of host 0 and rank 0 of host 1 (gloo; messages sized so a transfer takes about
   `target_s`), each direction reported as Gbit/s;
@@ -41,6 +43,7 @@ replacing the measured machine's.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -148,15 +151,48 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
             "input_grad_cpu_s": statistics.median(i_cpu), "weight_grad_cpu_s": statistics.median(w_cpu)}
 
 
-def measure_optimizer(params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
-    """Seconds per parameter of one AdamW step (fp32, the optimizer the trainer builds on CPU)."""
+def measure_optimizer(hidden_size: int = 128, params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
+    """Seconds per parameter of the trainer's per-step passes over the gradients, on Transformer layers of
+    `hidden_size` (at least `params` parameters in all) — the trainer's own optimizer (`ZeroOptimizer`,
+    ZeRO 0, one rank), not a stand-in:
+
+    * ``seconds_per_param``: the AdamW step (and the copy of the master weights into the model's);
+    * ``grad_pass_s_per_param``: the passes around the data-parallel reduction — the non-finite check
+      (``--check-for-nan-in-loss-and-grad``), packing the gradients into buckets and back, the gradient norm.
+    """
     import torch
 
-    p = torch.nn.Parameter(torch.randn(params))
-    p.grad = torch.randn(params)
-    opt = torch.optim.AdamW([p], lr=1e-4)
-    s = _median_time(opt.step, iters)
-    return {"params": params, "seconds": s, "seconds_per_param": s / params}
+    from ..optim.numerics import first_nonfinite_grad
+    from ..optim.zero import ZeroOptimizer
+    from ..parallel import ParallelContext
+
+    h = hidden_size
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,), (h,), (h,), (h,), (h,)]
+    per_layer = sum(math.prod(x) for x in shapes)
+    named = [(f"layers.{i}.p{k}", torch.nn.Parameter(torch.randn(*x) * 0.02))
+             for i in range(max(1, -(-params // per_layer))) for k, x in enumerate(shapes)]
+    grads = {n: torch.randn_like(p) * 1e-3 for n, p in named}
+    opt = ZeroOptimizer(named, ParallelContext.single_process(), stage=0, lr=1e-4)
+
+    def passes() -> None:
+        first_nonfinite_grad(named)
+        opt.finish_grad_sync()
+        opt.clip_grad_norm(1.0)
+
+    pass_s, step_s = [], []
+    for _ in range(iters + 1):  # the first builds the optimizer's state
+        opt.zero_grad()
+        for n, p in named:
+            p.grad = grads[n].clone()
+        t0 = time.perf_counter()
+        passes()
+        t1 = time.perf_counter()
+        opt.step()
+        pass_s.append(t1 - t0)
+        step_s.append(time.perf_counter() - t1)
+    n = sum(p.numel() for _, p in named)
+    s, g = statistics.median(step_s[1:]), statistics.median(pass_s[1:])
+    return {"params": n, "seconds": s, "seconds_per_param": s / n, "grad_pass_s": g, "grad_pass_s_per_param": g / n}
 
 
 def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 << 20,
@@ -340,13 +376,16 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
             "seconds": max(0.0, _rank_median(extra))}
 
 
-def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
-    """How late a sleep ends under the run's load: every rank alternates half a chunk of compute with a
-    sleep to the chunk's end (what a paced action does) and records how far past the end it wakes (median,
-    then median over ranks). The ranks start out of phase (rank r waits r/world of a chunk first), as the
-    stages of a pipeline are, not all sleeping and waking together. Not a `ClusterSpec` term: a device has no
-    such sleep; an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each
-    action's overhead. Every rank calls it."""
+def measure_sleep_overshoot(chunk_s: float, cpu_s: float, reps: int = 40) -> dict[str, float]:
+    """How late a sleep ends under the load of paced runs: every rank alternates `cpu_s` of CPU time (a
+    paced action's compute: a layer's forward) with a sleep to the chunk's end (`chunk_s`: the action's
+    budget) and records how far past the end it wakes. The ranks start out of phase (rank r waits r/world of
+    a chunk first), as the stages of a pipeline are, not all sleeping and waking together. The CPU demand
+    is the runs' (world × cpu_s / chunk_s cores): at a higher one, every waking rank queues behind the
+    others and the lateness is several times what the runs see. Kept: the mean over every sleep of every
+    rank (what a chain of actions adds up), and the median. Not a `ClusterSpec` term: a device has no such
+    sleep; an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each action's
+    overhead. Every rank calls it."""
     import torch
     import torch.distributed as dist
 
@@ -356,21 +395,36 @@ def measure_sleep_overshoot(chunk_s: float, reps: int = 40) -> dict[str, float]:
         dist.barrier()
         time.sleep(chunk_s * dist.get_rank() / dist.get_world_size())
     for _ in range(reps):
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < chunk_s / 2:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        while time.thread_time() - c0 < cpu_s and time.perf_counter() - t0 < chunk_s:
             a @ w
         left = chunk_s - (time.perf_counter() - t0)
         if left > 0:
             time.sleep(left)
             late.append(time.perf_counter() - t0 - chunk_s)
-    mine = statistics.median(late) if late else 0.0
-    return {"chunk_s": chunk_s, "reps": reps, "seconds": _rank_median(mine)}
+    mean = statistics.mean(late) if late else 0.0
+    return {"chunk_s": chunk_s, "cpu_s": cpu_s, "reps": reps, "sleeps": _rank_sum(len(late)),
+            "seconds": _rank_sum(mean * len(late)) / max(1, _rank_sum(len(late))),
+            "median_s": _rank_median(statistics.median(late) if late else 0.0)}
+
+
+def _rank_sum(value: float) -> float:
+    """The sum over every rank (every rank calls it); without a process group: the value."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(box)
+    return float(box.item())
 
 
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
-              iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
+              iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
-    cluster (this launch's hosts × devices) and the raw measurements."""
+    cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
+    measured an emulation paces compute (only the sleep overshoot depends on it)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -399,8 +453,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     # enters once, measured over a window every rank computes through
     load = loaded["load"]
     layer["under_load_forward_s"] = layer["forward_cpu_s"] * load
-    optim = measure_optimizer(iters=iters)
-    optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param")}
+    optim = measure_optimizer(model.hidden_size, iters=iters)
+    optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param", "grad_pass_s",
+                                                         "grad_pass_s_per_param")}
     flops = layer_flops(model, micro_batch)
     achieved = flops / (layer["scaling_forward_cpu_s"] * load)  # the FLOP rate of the part that scales
     measured: dict[str, Any] = {"matmul": mm, "load": loaded,
@@ -410,8 +465,10 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     action = measure_action_overhead()
     action = action | {k: _rank_median(action[k]) for k in ("forward_backward_s", "seconds")}
     measured["action_overhead"] = action
-    # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function)
-    measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"]))
+    # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function), at
+    # the CPU demand of runs paced `pace_margin` times slower than measured
+    measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"] * pace_margin),
+                                                          layer["forward_cpu_s"])
     intra = nic = intra_lat = nic_lat = allreduce = loaded = ring = None
     if dist.is_initialized():
         if devices_per_host > 1:
@@ -452,7 +509,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         intra_gbps=intra["Bps"] * 8 / 1e9 if intra else defaults.intra_gbps,
         backward_factor=layer["backward_cpu_s"] / layer["forward_cpu_s"],
         wgrad_fraction=layer["weight_grad_cpu_s"] / max(layer["input_grad_cpu_s"] + layer["weight_grad_cpu_s"], 1e-12),
-        optimizer_s_per_param=optim["seconds_per_param"],
+        optimizer_s_per_param=optim["seconds_per_param"], grad_pass_s_per_param=optim["grad_pass_s_per_param"],
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,

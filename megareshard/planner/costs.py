@@ -30,7 +30,9 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   ``action_overhead_s``: the search adds it to the simulator's costs, not to `StageCosts` (whose F and B
   are the compute a validation run paces to).
 * the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
-  seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline.
+  seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline; and
+  the other passes over the gradients (non-finite check, bucket packing, norm): the parameters a device holds
+  × `ClusterSpec.grad_pass_s_per_param`.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
   moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2 —;
   activations per layer and microbatch ``34·s·b·h/tp`` bytes with sequence parallelism and
@@ -117,6 +119,10 @@ class ClusterSpec:
     optimizer_s_per_param: float = 0.0
     """Seconds of one optimizer step per parameter a device updates (calibration measures it; 0 leaves the
     step out, as on GPUs where it is small next to the pipeline)."""
+    grad_pass_s_per_param: float = 0.0
+    """Seconds per parameter a device holds of the trainer's other passes over the gradients each step: the
+    non-finite check, packing them into the reduction's buckets and back, the norm (calibrated; 0 leaves them
+    out, as for the step). Not divided by dp under ZeRO: the check and the packing see every local gradient."""
     intra_latency_s: float = 20e-6
     """Fixed seconds of one point-to-point message inside a host (NCCL over NVLink: ~10-30 µs; calibrated)."""
     nic_latency_s: float = 30e-6
@@ -131,9 +137,11 @@ class ClusterSpec:
     backward pays `backward_factor` × it). Calibrated from the layer timed at two micro batch sizes; 0 treats
     a layer as pure FLOPs (large GPU microbatches)."""
     ring_efficiency: float = 1.0
-    """Share of the NIC rate a ring all-reduce over more than two hosts achieves (its 2·(n−1) dependent steps
-    and chunking: gloo measured 0.66–0.91 over 8 emulated hosts; NCCL's rings come close to 1). Calibrated from
-    an all-reduce over one rank per host; two-rank rings are plain exchanges and keep the full rate."""
+    """Share of the NIC rate a data-parallel reduction across hosts keeps when every host's NIC carries one at
+    once, as at the end of a step (a ring's 2·(n−1) dependent steps and chunking, the hosts' shared network:
+    gloo measured 0.66–0.91 over 8 emulated hosts, and two-rank exchanges beside each other ran at 0.88 and
+    below; NCCL's rings come close to 1). Calibrated from an all-reduce over one rank per host, on clusters
+    of more than two hosts (two hosts keep the default)."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
@@ -157,8 +165,8 @@ class ClusterSpec:
         return self.network.nic_Bps
 
     def ring_nic_Bps(self, n: int) -> float:
-        """The NIC rate a ring all-reduce over `n` ranks keeps per edge: `ring_efficiency` of it beyond two."""
-        return self.nic_Bps * (self.ring_efficiency if n > 2 else 1.0)
+        """The NIC rate a ring all-reduce over `n` ranks across hosts keeps per edge: `ring_efficiency` of it."""
+        return self.nic_Bps * (self.ring_efficiency if n > 1 else 1.0)
 
     @property
     def intra_Bps(self) -> float:
@@ -341,5 +349,6 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
                       tp_bytes_per_mb=int(4 * layers * _ring(tp, act)) + end_bytes, dp_seconds=dp_s,
-                      dp_nic_bytes=int(nic), optimizer_s=per_dev / opt_div * c.optimizer_s_per_param,
+                      dp_nic_bytes=int(nic), optimizer_s=per_dev / opt_div * c.optimizer_s_per_param
+                      + per_dev * c.grad_pass_s_per_param,
                       tp_latency_s=(3 if recompute else 2) * tp_lat + end_f_lat + end_b_lat, wgrad_s=wgrad)

@@ -245,10 +245,10 @@ def test_every_step_ends_with_the_trainers_small_all_reduces() -> None:
     assert step_sync_s(alone, _Shape(1, 1, 1, 1, 4, False, False, 0, Topology(1), [], (4,))) == 0.0
 
 
-def test_rings_over_more_than_two_hosts_run_at_the_measured_share_of_the_nic() -> None:
+def test_reductions_across_hosts_run_at_the_measured_share_of_the_nic() -> None:
     c = ClusterSpec(4, 2, nic_gbps=1.0, **ZERO)
     slow = dataclasses.replace(c, ring_efficiency=0.8)
-    for dp, eff in ((4, 0.8), (2, 1.0)):  # two ranks: a plain exchange at the full rate
+    for dp, eff in ((4, 0.8), (2, 0.8)):  # two ranks too: exchanges beside each other share the network
         kw = KW | {"dp_ring_edges_per_nic": 1}
         a = stage_costs(SMALL, c, tp=1, dp=dp, sequence_parallel=False, dp_crosses_hosts=True, **kw)
         b = stage_costs(SMALL, slow, tp=1, dp=dp, sequence_parallel=False, dp_crosses_hosts=True, **kw)

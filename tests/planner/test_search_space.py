@@ -160,6 +160,11 @@ def test_the_calibrated_optimizer_step_is_added_per_updated_parameter() -> None:
     z0, z1 = stage_costs(BIG_VOCAB, c, zero=0, **kw), stage_costs(BIG_VOCAB, c, zero=1, **kw)
     assert z0.optimizer_s == pytest.approx(z0.params * 1e-9) and z1.optimizer_s == pytest.approx(z0.params / 4 * 1e-9)
     assert stage_costs(BIG_VOCAB, SMALL, zero=0, **kw).optimizer_s == 0.0
+    # the passes over the gradients (check, packing, norm) see every local gradient, under ZeRO too
+    g = dataclasses.replace(c, grad_pass_s_per_param=3e-9)
+    g0, g1 = stage_costs(BIG_VOCAB, g, zero=0, **kw), stage_costs(BIG_VOCAB, g, zero=1, **kw)
+    assert g0.optimizer_s == pytest.approx(z0.params * 4e-9) and g1.optimizer_s == pytest.approx(
+        z0.params * (1e-9 / 4 + 3e-9))
     one = dict(micro_batches=(1,), zero_stages=(0,), recompute_options=(False,), stage_meshes=False,
                uneven_splits=False, schedules=["1f1b"], strategies=["broadcast"], top_shapes=10**6)  # all simulated
     plain = {x.name: x for x in plan_layouts(BIG_VOCAB, SMALL, 16, **one) if x.breakdown and x.pp == 1}
