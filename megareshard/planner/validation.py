@@ -14,7 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "GRIDS", "median_error", "TOP_K", "SAMPLE", "SEED",
+__all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "FRESH", "GRIDS", "median_error", "TOP_K", "SAMPLE", "SEED",
            "NIC_BURST", "PACE_MARGIN", "spearman", "choose", "choice_gap", "summarize", "read_results",
            "estimate_wall_s"]
 
@@ -66,7 +66,14 @@ _GPT_LONG = ModelPoint("gpt-long", 4, 192, 4, 96, 768, 8)
 # calibration twice (docs/benchmarks.md says which runs)
 HOLDOUT: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_DEEP, _GPT_LONG)
                                        for h, p, r in ((2, 4, 60.0), (8, 1, 300.0)))
-GRIDS = {"main": GRID, "holdout": HOLDOUT}
+_GPT_NARROW = ModelPoint("gpt-narrow", 12, 96, 4, 64, 384, 12)
+_GPT_MID = ModelPoint("gpt-mid", 6, 160, 4, 80, 640, 12)
+# a third grid, fixed (session 7) after the changes the holdout's misses led to and before any run of it: models
+# of neither grid (12 narrow layers; 6 layers of width 160 at sequence 80), global batch 12, on 6 ranks —
+# 3 hosts × 2 and 6 hosts × 1, shapes neither grid has, with pipelines of 3 and 6 stages — at two other rates
+FRESH: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_NARROW, _GPT_MID)
+                                     for h, p, r in ((3, 2, 80.0), (6, 1, 200.0)))
+GRIDS = {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH}
 """The grids `tools/validate_planner.py --grid` runs."""
 TOP_K = 4
 """The planner's best configurations run at every point."""
