@@ -46,9 +46,9 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megareshard.planner.validation import (GRIDS, ITERS, NIC_BURST, PACE_MARGIN, SAMPLE, SEED, TOP_K,  # noqa: E402
-                                            WARMUP, GridPoint, choose, estimate_wall_s, grid_json, median_error,
-                                            read_results, summarize)
+from megareshard.planner.validation import (ACTION_SLACK_S, GRIDS, ITERS, NIC_BURST, PACE_MARGIN,  # noqa: E402
+                                            SAMPLE, SEED, TOP_K, WARMUP, GridPoint, choose, estimate_wall_s,
+                                            grid_json, median_error, read_results, summarize)
 
 TOOLS = ROOT / "tools"
 
@@ -70,20 +70,21 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
         out.append({"rank": i + 1, "why": why, "name": c.name, "flags": c.flags(m.num_layers),
                     "predicted_s": c.step_s, "pp": c.pp, "num_microbatches": c.num_microbatches,
                     "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "stage_w_s": c.stage_w_s,
+                    "slack_s": ACTION_SLACK_S,
                     "bottleneck": c.bottleneck})
     return out, len(ranked)
 
 
-def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0):
+def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0, slack_s: float = ACTION_SLACK_S):
     """The emulated device: `margin` times slower than the measured compute — its FLOP rate and a layer's fixed
     part alike, so that small micro batches, where the fixed part dominates, get slack too — (same network);
-    each paced action also ends when the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the
-    calibration)."""
+    every paced action takes `slack_s` more (`ACTION_SLACK_S`: the worker adds it to each budget) and ends when
+    the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the calibration)."""
     import dataclasses
 
     return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
                                layer_overhead_s=cluster.layer_overhead_s * margin,
-                               action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s)
+                               action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s + slack_s)
 
 
 # ---- the worker (inside torchrun, every rank) ----------------------------------------------------------
@@ -131,9 +132,11 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             f, b, w = c["stage_f_s"][stage], c["stage_b_s"][stage], c["stage_w_s"][stage]
             paced = None
             if trainer.pipeline is not None:
-                trainer.pipeline.pace = {"F": f, "B": b, "I": b - w, "W": w}
-            else:
-                paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b))
+                slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
+                trainer.pipeline.pace = {"F": f + slack, "B": b + slack, "I": b - w + slack, "W": w + slack}
+            else:  # one stage: F and B of every microbatch
+                slack = c.get("slack_s", 0.0)
+                paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
                 trainer.forward_backward_fn = paced
             batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
             times, overruns = [], 0
@@ -214,6 +217,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
     from megareshard.planner.calibration import load_cluster
 
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
+                                       "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
                                        "warmup": WARMUP, "iters": ITERS, "grid": a.grid},
                             "grid": grid_json(GRIDS[a.grid]), "points": []}

@@ -49,7 +49,8 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
             raise ValueError(f"cluster file {path}: wgrad_fraction = {share!r} is not a share in [0, 1]")
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "grad_pass_s_per_param", "intra_latency_s",
-                        "nic_latency_s", "collective_latency_s", "action_overhead_s", "layer_overhead_s", "wgrad_fraction")
+                        "nic_latency_s", "collective_latency_s", "action_overhead_s", "layer_overhead_s",
+                        "wgrad_fraction")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from megareshard.planner import ClusterSpec
-from megareshard.planner.validation import (GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint, choice_gap, choose,
-                                            estimate_wall_s, median_error, read_results, spearman, summarize)
+from megareshard.planner.validation import (ACTION_SLACK_S, FRESH, GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint,
+                                            choice_gap, choose, estimate_wall_s, median_error, read_results, spearman,
+                                            summarize)
 from tests.harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -45,11 +46,18 @@ def test_grid_is_fixed_and_fits_the_budget() -> None:
     assert len(GRID) == 4 and len({g.key for g in GRID}) == 4
     assert {g.rate_mbit for g in GRID} == {40.0, 200.0} and all((g.hosts, g.procs_per_host) == (4, 2) for g in GRID)
     # the holdout grid shares no model, cluster shape or rate with the main one
-    assert len(HOLDOUT) == 4 and len({g.key for g in HOLDOUT}) == 4 and GRIDS == {"main": GRID, "holdout": HOLDOUT}
+    assert len(HOLDOUT) == 4 and len({g.key for g in HOLDOUT}) == 4
+    assert GRIDS == {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH}
     assert not {g.model for g in HOLDOUT} & {g.model for g in GRID}
     assert (4, 2) not in {(g.hosts, g.procs_per_host) for g in HOLDOUT}
     assert not {g.rate_mbit for g in HOLDOUT} & {40.0, 200.0}
     assert all(g.hosts * g.procs_per_host == 8 for g in HOLDOUT)
+    # the fresh grid: models, shapes and rates of neither, on 6 ranks
+    assert len(FRESH) == 4 and len({g.key for g in FRESH}) == 4
+    assert not {g.model for g in FRESH} & {g.model for g in GRID + HOLDOUT}
+    assert not {(g.hosts, g.procs_per_host) for g in FRESH} & {(g.hosts, g.procs_per_host) for g in GRID + HOLDOUT}
+    assert {g.rate_mbit for g in FRESH} - {g.rate_mbit for g in GRID + HOLDOUT} == {80.0}  # 200: main's too
+    assert all(g.hosts * g.procs_per_host == 6 for g in FRESH)
     assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0) == 40 + 8 + 4 * 3
 
 
@@ -100,14 +108,17 @@ def _smoke(rank: int, world: int, configs, argv):
 def test_worker_smoke_on_two_local_ranks() -> None:
     import validate_planner
 
+    # the emulated device's per-action slack is in the planner's device and in every paced budget
+    assert validate_planner.slowed(SLOW, margin=1.0).action_overhead_s == SLOW.action_overhead_s + ACTION_SLACK_S
     configs, n = validate_planner.plan_point(TINY, SLOW)
     assert n >= len(configs) >= 2 and configs[0]["why"] == "top"
+    assert all(c["slack_s"] == ACTION_SLACK_S for c in configs)
     configs = configs[:1] + [c for c in configs if c["pp"] > 1][:1]  # one stage, and a pipeline
     assert len(configs) == 2
     recs = run_ranks(_smoke, 2, configs, TINY.model.argv(), timeout=120)[0]
     assert [r["status"] for r in recs] == ["ok", "ok"], recs
     for c, r in zip(configs, recs):
-        busiest = max(f + b for f, b in zip(c["stage_f_s"], c["stage_b_s"]))
+        busiest = max(f + b for f, b in zip(c["stage_f_s"], c["stage_b_s"])) + 2 * ACTION_SLACK_S
         # paced: a stage runs its m forwards and backwards one after another, each at least its budget
         assert r["measured_s"] >= 0.95 * c["num_microbatches"] * busiest, (c, r)
         assert r["measured_s"] < 20 * c["predicted_s"] + 1.0, (c, r)
