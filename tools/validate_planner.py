@@ -9,17 +9,20 @@
 The grids are fixed in megareshard/planner/validation.py before anything runs: `--grid main`, two GPT
 shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
 on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s and 8 hosts × 1 rank at
-300 Mbit/s (fixed later, before its first run). For every point:
+300 Mbit/s (fixed later, before its first run); `--grid fresh`, two more on 6 ranks, 3 hosts × 2 at
+80 Mbit/s and 6 hosts × 1 at 200 Mbit/s (fixed in session 7, before its first run). For every point:
 
 1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
    matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
-   will see —, intra-host and NIC bandwidth); the emulated device is `PACE_MARGIN` slower than that;
+   will see —, intra-host and NIC bandwidth); the emulated device is `PACE_MARGIN` slower than that
+   and takes `ACTION_SLACK_S` more per action;
 2. **plan** with that cluster (schedules the runtime executes, ZeRO 0, no recomputation: both change
    memory, not the paced time), every shape scored by the simulator;
 3. **run** the planner's `TOP_K` best configurations and a seeded sample of `SAMPLE` others in ONE
    launch (one process group, one trainer per configuration in turn), every compute action paced to
-   the planner's per-stage forward/backward time (`PipelineRuntime.pace`; one stage: the whole
-   forward-backward padded to m·(F + B)), so measured times are comparable to the model's; step time
+   the planner's per-stage forward/backward time plus the slack (`PipelineRuntime.pace`; one stage: the
+   whole forward-backward padded to m·(F + B + 2·slack)), so measured times are comparable to the model's;
+   each configuration's process groups are destroyed before the next one starts; step time
    = median over `ITERS` timed iterations after `WARMUP`, barrier to optimizer step, max over ranks;
 4. **compare**: Spearman rank correlation of predicted and measured step times, and how much slower
    the planner's choice measured than the best measured (targets: >= 0.8, <= 10 %).
@@ -303,11 +306,13 @@ def dry_run(points: Sequence[GridPoint]) -> int:
         mm = measure_matmul(m.seq_length * 2, m.hidden_size, shape.ffn)
         layer = measure_layer(shape, 2)
         share = max(1.0, point.hosts * point.procs_per_host / cores)  # every rank computes at once
+        opt = measure_optimizer(m.hidden_size)
         cluster = ClusterSpec(point.hosts, point.procs_per_host, 4.0, mm["flops"] / 1e12,
                               min(1.0, layer_flops(shape, 2) / layer["forward_s"] / mm["flops"]) / share,
                               nic_gbps=point.rate_mbit / 1e3, intra_gbps=30.0,
                               backward_factor=layer["backward_s"] / layer["forward_s"],
-                              optimizer_s_per_param=measure_optimizer()["seconds_per_param"] * share)
+                              optimizer_s_per_param=opt["seconds_per_param"] * share,
+                              grad_pass_s_per_param=opt["grad_pass_s_per_param"] * share)
         configs, n = plan_point(point, slowed(cluster))
         est = estimate_wall_s([c["predicted_s"] for c in configs])
         total += est
