@@ -36,6 +36,7 @@ from typing import Any, Iterable, Sequence
 from ..parallel import CommVolume, Topology
 from ..parallel.stage_topology import StageTopology
 from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
+from ..pipeline.lowering import lower
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
@@ -312,16 +313,19 @@ def _boundaries(sh: _Shape, cache: dict[tuple, list]) -> list[tuple[int, int, tu
 
 
 def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
-                  cache: dict[tuple, Any]) -> tuple[dict[str, float], int]:
+                  cache: dict[tuple, Any]) -> tuple[dict[str, float], dict[str, float], int]:
     """Predicted seconds of every cross-mesh stage-boundary transfer (the resharding planner + network
     model), keyed by the edge text ``"i->i+1"``, or ``"*"`` when every boundary costs the same (and for
-    virtual stages: the slowest boundary), and the bytes through the busiest NIC side of one transfer."""
+    virtual stages: the slowest boundary): with every data-parallel replica's rows on the wire at once, and
+    with one replica's rows alone (its destination row's tasks: `_replica_seconds`); and the bytes through
+    the busiest NIC side of one transfer (every replica)."""
     if sh.pp == 1:
-        return {"*": 0.0}, 0
+        return {"*": 0.0}, {"*": 0.0}, 0
     max_dp = max(d for _, d in _mesh_layouts(sh))
     spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
     shape = (model.seq_length, sh.b * max_dp, model.hidden_size)
     out: dict[str, float] = {}
+    solo: dict[str, float] = {}
     busiest = 0
     for i, j, pattern, src, dst in _boundaries(sh, cache):
         key = ("edge", pattern, shape, sh.sp, strategy)
@@ -329,14 +333,30 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
             plan = plan_resharding(shape, src, spec, dst, spec, strategy=strategy, scheduler="loadbalance",
                                    itemsize=model.dtype_bytes, time_budget_s=0.05)
             net = cluster.network
-            cache[key] = (net.predict(plan, order="concurrent") + _message_latency(plan, cluster),
+            latency = _message_latency(plan, cluster)
+            cache[key] = (net.predict(plan, order="concurrent") + latency,
+                          _replica_seconds(plan, net) + latency,
                           int(max((max(a, b) for a, b in net.host_bytes(plan).values()), default=0)))
-        t, nb = cache[key]
+        t, t1, nb = cache[key]
         out[f"{i}->{j}"] = t
+        solo[f"{i}->{j}"] = t1
         busiest = max(busiest, nb)
-    if len(set(out.values())) == 1 or sh.virtual > 1:
-        return {"*": max(out.values())}, busiest
-    return out, busiest
+    if (len(set(out.values())) == 1 and len(set(solo.values())) == 1) or sh.virtual > 1:
+        return {"*": max(out.values())}, {"*": max(solo.values())}, busiest
+    return out, solo, busiest
+
+
+def _replica_seconds(plan, net) -> float:
+    """Seconds of one data-parallel replica's part of a boundary transfer with the wire to itself: the
+    concurrent prediction of the tasks that one destination row (its tp ranks) receives, the slowest row.
+    Rows whose transfers share a NIC run out of step in a real pipeline, so a transfer meets the other
+    replicas' only part of the time (`_shared_edges`)."""
+    rows: dict[int, list] = {}
+    row_of = {r: k for k, row in enumerate(plan.dst_mesh.ranks) for r in row}
+    for task in plan.tasks:
+        for k in sorted({row_of[r] for r in task.receivers}):
+            rows.setdefault(k, []).append(task)
+    return max((net.predict(plan, order="concurrent", tasks=ts) for ts in rows.values()), default=0.0)
 
 
 def _message_latency(plan, cluster: ClusterSpec) -> float:
@@ -415,6 +435,12 @@ def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: s
     return max(sh.m * fb, 2 * sh.m * sh.virtual * edge_s) + fill + dp
 
 
+@functools.lru_cache(maxsize=512)
+def _lowered(name: str, P: int, m: int, dw: bool, v: int | None) -> Any:
+    """The schedule lowered with its communication (one per shape: the search simulates it under many costs)."""
+    return lower(generate(name, P, m, dw, virtual_stages=v))
+
+
 def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
               edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
               v: int = 1, overhead: float = 0.0, w: tuple[float, ...] | None = None) -> tuple[float, Any]:
@@ -430,8 +456,7 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
         kind = REGISTRY[name]
 
         def run(n: int):
-            return simulate(generate(name, P, n, dw, virtual_stages=v if kind.stages_per_mesh is None else None),
-                            costs=costs)
+            return simulate(_lowered(name, P, n, dw, v if kind.stages_per_mesh is None else None), costs=costs)
 
         step = P if kind.microbatch_multiple_of_pp else 4
         m1 = step * math.ceil((3 * P + 2) / step)  # past every schedule's warm-up transient
@@ -448,15 +473,47 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
     return cache[key]
 
 
-def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float],
+def _edge_arg(edges: dict[str, float]) -> float | tuple[tuple[str, float], ...]:
+    return edges["*"] if "*" in edges else tuple(sorted(edges.items()))
+
+
+def _shared_edges(edges: dict[str, float], solo: dict[str, float], tl: Any) -> tuple[dict[str, float], float]:
+    """Boundary transfers whose NIC the data-parallel replicas share (`edges` > `solo`): the simulator runs one
+    replica, so each transfer takes its own time `solo` plus the others' extra (`edges` − `solo`) for the
+    share u of the time they hold the NIC — one replica's busiest NIC side in `tl`, a timeline simulated
+    with the `solo` times, over its makespan. Replicas run out of step (measured: 8–18 ms a transfer where
+    one alone takes 11 and two at once 22), so assuming they always collide (u = 1) overstates the edges.
+    Also returns the bound the shared NIC puts on the pipeline: the busiest side's busy time with every
+    replica's bytes."""
+    scale = {k: (edges[k] / solo[k] if solo[k] > 0 else 1.0) for k in edges}
+    busy: dict[tuple[str, int], list[float]] = {}
+    for iv in tl.comm:
+        k = "*" if "*" in scale else str(iv.edge)
+        for side in (("send", iv.sender), ("recv", iv.receiver)):
+            b = busy.setdefault(side, [0.0, 0.0])
+            b[0] += iv.end - iv.start
+            b[1] += (iv.end - iv.start) * scale[k]
+    u = min(1.0, max((b[0] for b in busy.values()), default=0.0) / tl.makespan) if tl.makespan > 0 else 0.0
+    return ({k: solo[k] + (edges[k] - solo[k]) * u for k in edges},
+            max((b[1] for b in busy.values()), default=0.0))
+
+
+def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float], solo: dict[str, float],
               cache: dict[tuple, Any], model: ModelShape) -> None:
     """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
     P, m = sh.pp, sh.m
-    f = [st.forward_s for st in sh.stages]
-    b = [st.backward_s for st in sh.stages]
-    edge = edges["*"] if "*" in edges else tuple(sorted(edges.items()))
-    pipe, tl = _pipeline(c.schedule, c.delay_wgrad, P, m, tuple(f), tuple(b), edge, cache, sh.virtual,
-                         cluster.action_overhead_s, tuple(st.wgrad_s for st in sh.stages))
+    f = tuple(st.forward_s for st in sh.stages)
+    b = tuple(st.backward_s for st in sh.stages)
+    w = tuple(st.wgrad_s for st in sh.stages)
+    args = (c.schedule, c.delay_wgrad, P, m, f, b)
+    rest = (cache, sh.virtual, cluster.action_overhead_s, w)
+    if any(solo[k] < edges[k] for k in edges):  # replicas share a NIC: simulate one alone, then the sharing
+        pipe1, tl1 = _pipeline(*args, _edge_arg(solo), *rest)
+        edges, nic_bound = _shared_edges(edges, solo, tl1)
+        pipe, tl = _pipeline(*args, _edge_arg(edges), *rest)
+        pipe = max(pipe, nic_bound * pipe1 / tl1.makespan if tl1.makespan > 0 else 0.0)
+    else:
+        pipe, tl = _pipeline(*args, _edge_arg(edges), *rest)
     placement = placement_of(c.schedule, P, sh.virtual) if sh.virtual > 1 else tuple(range(P))
     groups = sh.per_mesh(placement)
     # each mesh's dp reduction starts after its last backward compute; the first and last meshes first
@@ -601,9 +658,9 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
         scored += 1
         for row in rows:
             est, name, dw, strategy, live, mem = row
-            edges, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
+            edges, solo, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
             c = _candidate(model, sh, row, runnable, max(edges.values()), busiest)
-            _simulate(c, sh, cluster, edges, sims, model)
+            _simulate(c, sh, cluster, edges, solo, sims, model)
             if max(c.memory_gib) > limit:  # the simulated live set is larger than the bound used
                 st["pruned_memory"] += 1
                 continue

@@ -5,6 +5,7 @@ between the first and the last stage, and the one-element all-reduces every trai
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..pipeline.meshes import stage_mesh
@@ -75,11 +76,8 @@ def step_sync_s(cluster: ClusterSpec, sh: Any) -> float:
     world = collective_latency(cluster, cluster.world, cluster.hosts > 1)
     if sh.layouts:  # the loss (pp > 1), the norm and the check, each over the world
         return world * (3 if sh.pp > 1 else 2)
-    topo = sh.topo
-
     def group(axes: tuple[str, ...]) -> float:
-        g = topo.group_of(axes, 0)
-        return collective_latency(cluster, len(g), len(topo.hosts_of(g)) > 1)
+        return collective_latency(cluster, *_group_span(sh.topo, axes))
 
     t = world  # the non-finite check
     if sh.pp > 1:
@@ -88,3 +86,11 @@ def step_sync_s(cluster: ClusterSpec, sh: Any) -> float:
     if sh.dp > 1:
         t += group(("dp",))
     return t
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_span(topo: Any, axes: tuple[str, ...]) -> tuple[int, bool]:
+    """(size, whether it spans hosts) of rank 0's group over `axes` (the search asks for one topology's
+    groups thousands of times)."""
+    g = topo.group_of(axes, 0)
+    return len(g), len(topo.hosts_of(g)) > 1

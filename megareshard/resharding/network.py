@@ -34,12 +34,13 @@ fill, not the overhead (`latency_s` covers fixed costs per task).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .decompose import UnitTask
     from .plan import ReshardingPlan
 
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
@@ -199,7 +200,7 @@ class NetworkModel:
             out.append((start, end))
         return out
 
-    def predict(self, plan: "ReshardingPlan", order: str = "plan") -> float:
+    def predict(self, plan: "ReshardingPlan", order: str = "plan", tasks: Sequence["UnitTask"] | None = None) -> float:
         """Predicted seconds for the plan under its strategy and the executor's `order`.
 
         ``"plan"``: list scheduling in plan order, one task per NIC side at a time (module
@@ -207,18 +208,20 @@ class NetworkModel:
         among its flows (TCP): the busiest side's bytes / bandwidth, or the slowest single
         task alone (its pipeline fill, intra-host part), or a host's serialised intra-host-only
         tasks, whichever is longest. The sender choice matters, the order does not; the
-        prediction lies between `lower_bound` and the "plan" prediction.
+        prediction lies between `lower_bound` and the "plan" prediction. `tasks` (concurrent only): a subset
+        of the plan's tasks on the wire alone (default: all of them).
         """
         if order == "plan":
             return max((end for _, end in self.task_times(plan)), default=0.0)
         if order != "concurrent":
             raise ValueError(f"order must be 'plan' or 'concurrent', got {order!r}")
-        if not plan.tasks:
+        tasks = plan.tasks if tasks is None else tasks
+        if not tasks:
             return 0.0
-        busiest = max((max(o, i) for o, i in self.host_bytes(plan).values()), default=0)
+        busiest = max((max(o, i) for o, i in self.host_bytes(plan, tasks).values()), default=0)
         alone = 0.0
         intra: dict[int, float] = {}
-        for task in plan.tasks:
+        for task in tasks:
             cost = plan.task_cost(task)
             t = cost.seconds(self.nic_Bps, self.intra_Bps, self.latency_s)
             alone = max(alone, t)
@@ -227,10 +230,12 @@ class NetworkModel:
                 intra[h] = intra.get(h, 0.0) + t
         return max(busiest / self.nic_Bps + self.latency_s, alone, max(intra.values(), default=0.0))
 
-    def host_bytes(self, plan: "ReshardingPlan") -> dict[int, tuple[int, int]]:
-        """Per host: (bytes out of, bytes into) its NIC under the plan's strategy and senders."""
+    def host_bytes(self, plan: "ReshardingPlan",
+                   tasks: Sequence["UnitTask"] | None = None) -> dict[int, tuple[int, int]]:
+        """Per host: (bytes out of, bytes into) its NIC under the plan's strategy and senders (of `tasks`, a
+        subset of the plan's; default all)."""
         acc: dict[int, list[int]] = {}
-        for task in plan.tasks:
+        for task in plan.tasks if tasks is None else tasks:
             cost = plan.task_cost(task)
             for h, b in cost.out_bytes.items():
                 acc.setdefault(h, [0, 0])[0] += b

@@ -129,7 +129,7 @@ def test_boundaries_that_cross_hosts_cost_more_than_those_inside_one() -> None:
     model = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=2048, vocab_size=256)
     c = ClusterSpec(hosts=2, devices_per_host=2, nic_gbps=1, intra_gbps=100)
     sh = next(s for s in _shapes(model, c, 8, (1,), (0,), (False,), False) if (s.tp, s.pp) == (1, 4))
-    edges, _ = _edge_seconds(model, c, sh, "broadcast", {})
+    edges, _, _ = _edge_seconds(model, c, sh, "broadcast", {})
     assert set(edges) == {"0->1", "1->2", "2->3"}
     assert edges["1->2"] > 10 * edges["0->1"] and edges["0->1"] == edges["2->3"]
 
