@@ -10,7 +10,9 @@ The grids are fixed in megareshard/planner/validation.py before anything runs: `
 shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
 on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s and 8 hosts × 1 rank at
 300 Mbit/s (fixed later, before its first run); `--grid fresh`, two more on 6 ranks, 3 hosts × 2 at
-80 Mbit/s and 6 hosts × 1 at 200 Mbit/s (fixed in session 7, before its first run). For every point:
+80 Mbit/s and 6 hosts × 1 at 200 Mbit/s (fixed in session 7, before its first run); `--grid blind`, two
+more on 4 ranks, 2 hosts × 2 at 30 Mbit/s and 4 hosts × 1 at 150 Mbit/s (fixed in session 8, before its
+first run). For every point:
 
 1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `tools/emulate_cluster.py`:
    matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "FRESH", "GRIDS", "median_error", "TOP_K", "SAMPLE",
+__all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "FRESH", "BLIND", "GRIDS", "median_error", "TOP_K", "SAMPLE",
            "SEED", "NIC_BURST", "PACE_MARGIN", "ACTION_SLACK_S", "spearman", "choose", "choice_gap", "summarize",
            "read_results", "estimate_wall_s"]
 
@@ -74,7 +74,16 @@ _GPT_MID = ModelPoint("gpt-mid", 6, 160, 4, 80, 640, 12)
 # neither has) and 200 Mbit/s (the main grid's faster one)
 FRESH: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_NARROW, _GPT_MID)
                                      for h, p, r in ((3, 2, 80.0), (6, 1, 200.0)))
-GRIDS = {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH}
+_GPT_TALL = ModelPoint("gpt-tall", 10, 112, 4, 48, 448, 12)
+_GPT_SQUAT = ModelPoint("gpt-squat", 5, 224, 8, 40, 896, 8)
+# a fourth grid, fixed (session 8) after the shared-NIC edges that the fresh grid's gpt-mid 3 × 2 led to and
+# before any run of it, as the independent check of that code: models of no grid (10 layers of width 112; 5
+# layers of width 224 with 8 heads, sequence 40), on 4 ranks — 2 hosts × 2 at 30 Mbit/s (slower than any grid:
+# stage boundaries and the dp reduction on the NIC dominate) and 4 hosts × 1 at 150 Mbit/s (one rank per host,
+# the shape where the model is weakest) — shapes and rates no grid has
+BLIND: tuple[GridPoint, ...] = tuple(GridPoint(m, h, p, r) for m in (_GPT_TALL, _GPT_SQUAT)
+                                     for h, p, r in ((2, 2, 30.0), (4, 1, 150.0)))
+GRIDS = {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH, "blind": BLIND}
 """The grids `tools/validate_planner.py --grid` runs."""
 TOP_K = 4
 """The planner's best configurations run at every point."""

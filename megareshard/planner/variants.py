@@ -84,13 +84,16 @@ def stage_layout_variants(tp: int, pp: int, ranks_per_stage: int, allowed_tp: Se
 
 
 def virtual_options(name: str, pp: int, num_layers: int, microbatches: int, max_v: int = 4) -> list[int]:
-    """Stages per mesh V that `name` can run with: 1 for one-stage-per-mesh kinds, 2 for zbv, every V in
-    2..max_v dividing layers / pp for the interleaved kinds (which also need microbatches % pp == 0)."""
+    """Stages per mesh V that `name` can run with: 1 for one-stage-per-mesh kinds (whatever the layers: a split
+    that pp does not divide is uneven), 2 for zbv when 2·pp divides the layers, every V in 2..max_v dividing
+    layers / pp for the interleaved kinds (which also need microbatches % pp == 0)."""
     kind = REGISTRY[name]
     if pp < 2 and kind.stages_per_mesh != 1:
         return []
     if kind.microbatch_multiple_of_pp and microbatches % pp:
         return []
+    if kind.stages_per_mesh == 1:
+        return [1]
     if kind.stages_per_mesh is not None:
         v = kind.stages_per_mesh
         return [v] if num_layers % (pp * v) == 0 else []

@@ -219,3 +219,17 @@ def test_per_stage_meshes_reduce_the_tied_embedding_in_one_ring_of_the_full_tabl
     full = 4 * BIG_VOCAB.vocab_size * BIG_VOCAB.hidden_size
     # ring 0 → 1 → 6 → 7 → 0 over 4 ranks: each edge carries 2·3/4 of the table; one edge leaves host 0
     assert tied_embedding_s(BIG_VOCAB, c, sh, 0, 3, {}) == pytest.approx(1.5 * full / c.nic_Bps)
+
+
+def test_layers_that_pp_does_not_divide_still_pipeline() -> None:
+    """5 layers on 4 hosts × 1: pp 2 and pp 4 take uneven splits (3,2 / 2,1,1,1) under every one-stage-per-mesh
+    schedule; zbv (two stages per mesh, an even split) cannot run them. Before session 8 the schedules of one
+    stage per mesh required pp to divide the layers, so such a model had no pipelined layout at all."""
+    five = ModelShape(num_layers=5, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256)
+    ranked = plan_layouts(five, ClusterSpec(hosts=4, devices_per_host=1), 8, micro_batches=(1,), zero_stages=(0,),
+                          recompute_options=(False,), keep=None)
+    by_pp = {p: {c.schedule for c in ranked if c.pp == p} for p in (2, 4)}
+    one_per_mesh = {n for n, k in REGISTRY.items() if k.stages_per_mesh == 1}
+    assert by_pp[2] == by_pp[4] == one_per_mesh, by_pp
+    assert {tuple(c.layers_per_stage) for c in ranked if c.pp == 4} == {(2, 1, 1, 1)}
+    assert virtual_options("zbv", 2, 5, 8) == [] and virtual_options("1f1b", 2, 5, 8) == [1]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megareshard.planner import ClusterSpec
-from megareshard.planner.validation import (ACTION_SLACK_S, FRESH, GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint,
+from megareshard.planner.validation import (ACTION_SLACK_S, BLIND, FRESH, GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint,
                                             choice_gap, choose, estimate_wall_s, median_error, read_results, spearman,
                                             summarize)
 from tests.harness import run_ranks
@@ -47,7 +47,7 @@ def test_grid_is_fixed_and_fits_the_budget() -> None:
     assert {g.rate_mbit for g in GRID} == {40.0, 200.0} and all((g.hosts, g.procs_per_host) == (4, 2) for g in GRID)
     # the holdout grid shares no model, cluster shape or rate with the main one
     assert len(HOLDOUT) == 4 and len({g.key for g in HOLDOUT}) == 4
-    assert GRIDS == {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH}
+    assert GRIDS == {"main": GRID, "holdout": HOLDOUT, "fresh": FRESH, "blind": BLIND}
     assert not {g.model for g in HOLDOUT} & {g.model for g in GRID}
     assert (4, 2) not in {(g.hosts, g.procs_per_host) for g in HOLDOUT}
     assert not {g.rate_mbit for g in HOLDOUT} & {40.0, 200.0}
@@ -58,6 +58,13 @@ def test_grid_is_fixed_and_fits_the_budget() -> None:
     assert not {(g.hosts, g.procs_per_host) for g in FRESH} & {(g.hosts, g.procs_per_host) for g in GRID + HOLDOUT}
     assert {g.rate_mbit for g in FRESH} - {g.rate_mbit for g in GRID + HOLDOUT} == {80.0}  # 200: main's too
     assert all(g.hosts * g.procs_per_host == 6 for g in FRESH)
+    # the blind grid: models, shapes and rates of no other grid, on 4 ranks
+    others = GRID + HOLDOUT + FRESH
+    assert len(BLIND) == 4 and len({g.key for g in BLIND}) == 4
+    assert not {g.model for g in BLIND} & {g.model for g in others}
+    assert not {(g.hosts, g.procs_per_host) for g in BLIND} & {(g.hosts, g.procs_per_host) for g in others}
+    assert not {g.rate_mbit for g in BLIND} & {g.rate_mbit for g in others}
+    assert all(g.hosts * g.procs_per_host == 4 for g in BLIND)
     assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0) == 40 + 8 + 4 * 3
 
 
