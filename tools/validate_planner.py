@@ -5,6 +5,7 @@
     sudo tools/validate_planner.py                 # the main grid (root: network namespaces), ~6 min
     tools/validate_planner.py --from-json docs/results/planner_validation.json   # redraw the table and picture
     tools/validate_planner.py --history docs/results/planner_validation_run*.json  # every run side by side
+    tools/validate_planner.py --replay docs/results/planner_validation_run42_blind.json  # its predictions, again
 
 The grids are fixed in megareshard/planner/validation.py before anything runs: `--grid main`, two GPT
 shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
@@ -59,15 +60,21 @@ TOOLS = ROOT / "tools"
 
 
 # ---- planning (pure) -----------------------------------------------------------------------------
-def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
-    """The configurations to run at `point` (dicts the worker reads) and the size of the ranking they come from."""
+def ranking(point: GridPoint, cluster) -> list:
+    """The planner's whole ranking at `point` (every candidate simulated) on the emulated device `cluster`."""
     from megareshard.planner import ModelShape, plan_layouts
 
     m = point.model
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
                        dtype_bytes=4)  # the runs train in fp32
-    ranked = plan_layouts(shape, cluster, m.global_batch_size, micro_batches=(1, 2, 4), zero_stages=(0,),
-                          recompute_options=(False,), runtime_only=True, top_shapes=10**6, keep=None)
+    return plan_layouts(shape, cluster, m.global_batch_size, micro_batches=(1, 2, 4), zero_stages=(0,),
+                        recompute_options=(False,), runtime_only=True, top_shapes=10**6, keep=None)
+
+
+def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
+    """The configurations to run at `point` (dicts the worker reads) and the size of the ranking they come from."""
+    m = point.model
+    ranked = ranking(point, cluster)
     picked = choose([c.step_s for c in ranked], TOP_K, SAMPLE, SEED)
     out = []
     for i, why in picked:
@@ -384,6 +391,57 @@ def history(paths: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+def replay(paths: Sequence[str]) -> tuple[str, bool]:
+    """Every finished run's measured configurations predicted again by the current planner, from the run's own
+    recorded calibration and emulated device (its pace margin, slack and late wake-up): per point, how many
+    predictions equal the recorded ones bit for bit, and both targets with the recorded and the current
+    predictions. A run made with the current code reproduces exactly; after a change to the cost model it shows
+    what the change does to the points already measured — not an independent check, since the configurations
+    were chosen by the old ranking. Returns the table and whether every prediction reproduced."""
+    from megareshard.planner.calibration import load_cluster
+    from megareshard.planner.validation import ModelPoint
+
+    yes = {True: "met", False: "not met", None: "—"}
+    out = ["| run | point | predictions reproduced | Spearman (recorded → now) | choice vs best (recorded → now) | "
+           "targets now |", "|---|---|---|---|---|---|"]
+    exact = True
+    tmp = tempfile.mkdtemp(prefix="mr-replay-")
+    try:
+        for path in paths:
+            data = read_results(path)
+            method = data.get("method", {})
+            for rec in data["points"]:
+                if "calibration" not in rec:
+                    continue
+                pj = rec["point"]
+                point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
+                cal = os.path.join(tmp, "cluster.json")
+                with open(cal, "w", encoding="utf-8") as f:
+                    json.dump(rec["calibration"], f)
+                measured = load_cluster(cal, hosts=point.hosts, devices_per_host=point.procs_per_host)
+                cluster = slowed(measured, margin=method.get("pace_margin", PACE_MARGIN),
+                                 sleep_overshoot_s=rec["calibration"]["measured"]["sleep_overshoot"]["seconds"],
+                                 slack_s=method.get("action_slack_s", 0.0))
+                now = {c.name: (i + 1, c.step_s) for i, c in enumerate(ranking(point, cluster))}
+                ok = [r for r in rec["results"] if r.get("status") == "ok"]
+                missing = [r["name"] for r in ok if r["name"] not in now]
+                if missing:  # the current search no longer has a measured configuration
+                    exact = False
+                    out.append(f"| {path} | {rec['key']} | 0 of {len(ok)} ({len(missing)} no longer planned) | "
+                               "— | — | — |")
+                    continue
+                same = sum(1 for r in ok if now[r["name"]][1] == r["predicted_s"])
+                exact &= same == len(ok)
+                again = [r | {"rank": now[r["name"]][0], "predicted_s": now[r["name"]][1]} for r in ok]
+                a, b = rec["summary"], summarize(again)
+                out.append(f"| {path} | {rec['key']} | {same} of {len(ok)} | {a.get('spearman')} → {b.get('spearman')} "
+                           f"| {a.get('choice_gap')} → {b.get('choice_gap')} | "
+                           f"{yes[b.get('spearman_target_met')]} / {yes[b.get('choice_target_met')]} |")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return "\n".join(out), exact
+
+
 def draw(data: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -419,11 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-json", default=None, help="no run: print the tables (and --img) of a finished run")
     p.add_argument("--history", nargs="+", default=None, metavar="RUN_JSON",
                    help="no run: the tables of several runs side by side (docs/results/planner_validation_run*.json)")
+    p.add_argument("--replay", nargs="+", default=None, metavar="RUN_JSON",
+                   help="no run: predict each run's measured configurations again with the current code from the "
+                        "run's recorded calibration (exit code 1 unless every prediction reproduces bit for bit)")
     p.add_argument("--json", default="docs/results/planner_validation.json", help="results (rewritten per point)")
     p.add_argument("--img", default="docs/img/planner_validation.png", help="predicted vs measured picture")
     p.add_argument("--grid", choices=sorted(GRIDS), default="main",
-                   help="main: the grid the cost model was developed on; holdout: a second grid, fixed before its "
-                        "first run (run 16)")
+                   help="main: the grid the cost model was developed on; holdout, fresh, blind: grids fixed before "
+                        "their first runs (runs 16, 25 and 38)")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
     p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
     p.add_argument("--budget-min", type=float, default=20.0,
@@ -439,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             p.exit(2, f"{p.prog}: error: {e}\n")
         return 0
+    if a.replay:
+        try:
+            table, exact = replay(a.replay)
+        except (OSError, ValueError, KeyError) as e:
+            p.exit(2, f"{p.prog}: error: {e}\n")
+        print(table)
+        return 0 if exact else 1
     if a.from_json:
         try:
             data = read_results(a.from_json)

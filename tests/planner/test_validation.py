@@ -101,6 +101,30 @@ def test_summary_and_reading_results(tmp_path) -> None:
         read_results(str(path))
 
 
+def test_the_newest_blind_run_reproduces_from_its_calibration(tmp_path) -> None:
+    """The committed predictions come from the committed code: the newest blind-grid run's cheapest point,
+    planned again from its recorded calibration, gives every measured configuration's prediction bit for bit
+    (after a change to the cost model, run the grids again: docs/benchmarks.md). A changed prediction is
+    reported."""
+    import re
+
+    import validate_planner
+
+    runs = sorted(Path(validate_planner.ROOT, "docs/results").glob("planner_validation_run*_blind.json"),
+                  key=lambda p: int(re.search(r"run(\d+)", p.name).group(1)))
+    data = json.loads(runs[-1].read_text())
+    data["points"] = [min(data["points"], key=lambda p: p["ranked"])]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(data))
+    table, exact = validate_planner.replay([str(one)])
+    n = sum(1 for r in data["points"][0]["results"] if r.get("status") == "ok")
+    assert exact and f"| {n} of {n} |" in table, table
+    next(r for r in data["points"][0]["results"] if r.get("status") == "ok")["predicted_s"] *= 1.01
+    one.write_text(json.dumps(data))
+    table, exact = validate_planner.replay([str(one)])
+    assert not exact and f"| {n - 1} of {n} |" in table, table
+
+
 TINY = GridPoint(ModelPoint("tiny", 2, 32, 4, 16, 64, 4), 1, 2, 1000.0)
 # a slow device (20 MFLOP/s): a tiny layer's paced forward takes ~10 ms, far more than its real compute
 SLOW = ClusterSpec(1, 2, device_memory_gib=1.0, device_tflops=2e-5, efficiency=1.0, nic_gbps=1.0, intra_gbps=10.0)
