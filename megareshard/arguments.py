@@ -18,62 +18,11 @@ from typing import Any, Sequence
 from . import megatron_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
-from .pipeline.generators import SCHEDULES
+from .data.config import DataConfig
+from .parallel.config import ParallelConfig
+from .pipeline.config import PipelineConfig
 from .parallel.topology import TopologyError, parse_order
 from .model_spec.protocol import ModelSpec, get_model_spec
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees and placement of the parallel axes."""
-
-    tensor_model_parallel_size: int = _f(1, "tensor-parallel degree (tp)")
-    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel degree (pp)")
-    sequence_parallel: bool = _f(False, "shard activations along the sequence over tp between blocks")
-    rank_order: str | None = _f(None, "placement order, innermost first, e.g. tp-dp-pp (default: by volume)")
-    nproc_per_node: int | None = _f(None, "processes per host (default: torchrun's LOCAL_WORLD_SIZE)")
-    stage_layouts: str | None = _f(None, "per-stage (tp, dp), one entry per pipeline stage, e.g. "
-                                         "tp1dp4,tp2dp2: stage i on its own contiguous block of ranks, tp innermost; "
-                                         "the global microbatch is --micro-batch-size × the largest dp")
-    auto_layout: bool = _f(False, "let the layout planner choose tp, pp, micro batch, schedule, resharding "
-                                  "strategy, sequence parallelism, recomputation and ZeRO (tools/plan_layout.py)")
-    auto_layout_device_memory_gib: float | None = _f(None, "--auto-layout: memory per device, GiB (default: the "
-                                                           "device's; on CPU the RAM per process)")
-    auto_layout_device_tflops: float = _f(989.0, "--auto-layout: peak dense bf16 TFLOP/s per device")
-    auto_layout_nic_gbps: float = _f(100.0, "--auto-layout: NIC bandwidth per host and direction, Gbit/s")
-    auto_layout_intra_gbps: float = _f(3600.0, "--auto-layout: intra-host bandwidth per device, Gbit/s")
-    auto_layout_cluster: str | None = _f(None, "--auto-layout: the cluster JSON tools/calibrate_cluster.py measured "
-                                               "(FLOP/s, per-layer times, intra-host and NIC bandwidth) instead of "
-                                               "the --auto-layout-* speeds")
-
-
-@dataclass
-class PipelineConfig:
-    """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
-
-    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; with virtual stages 1f1b and "
-                                        "eager-1f1b run as their interleaved kinds)", choices=SCHEDULES)
-    delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
-    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage, one per virtual stage "
-                                                "with virtual stages (default: even split)")
-    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual pipeline stage (Megatron-LM): "
-                                                                 "virtual stages per rank = layers / pp / this")
-    virtual_pipeline_model_parallel_size: int | None = _f(None, "virtual pipeline stages (model chunks) per "
-                                                                "pipeline rank (Megatron-LM's older name)")
-    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "virtual pipeline stages (model chunks) per pipeline "
-                                                                "rank (Megatron-LM's current name of the above)")
-    reshard_strategy: str = _f("broadcast", "how tensors cross stages",
-                               choices=("sendrecv", "allgather", "broadcast", "signal"))
-    reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
-                                choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
-    reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
-                                          "network model)")
-    pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
-                                          "for tools/plot_schedule.py --trace; it also holds every stage's "
-                                          "measured and simulated peak activations (MEMORY records)")
-    pipeline_schedule_file: str | None = _f(None, "run the schedule written in this file (the schedule IR's text "
-                                                  "form, or CSV if it ends in .csv: one row per stage, one action "
-                                                  "per cell); validated at start-up; excludes --pipeline-schedule")
 
 
 @dataclass
@@ -144,35 +93,6 @@ class TrainingConfig:
                                                     "loss scaler still skip the step); "
                                                     "--no-check-for-nan-in-loss-and-grad disables the check",
                                               flag="--no-check-for-nan-in-loss-and-grad")
-
-
-@dataclass
-class DataConfig:
-    """Where samples come from."""
-
-    data_path: list[str] | None = _f(None, "PREFIX of a preprocessed dataset (.bin/.idx), or a blend "
-                                           "W1 PREFIX1 W2 PREFIX2 ... split by --split")
-    train_data_path: list[str] | None = _f(None, "PREFIX or blend for training only (instead of --data-path)")
-    valid_data_path: list[str] | None = _f(None, "PREFIX or blend for validation only")
-    test_data_path: list[str] | None = _f(None, "PREFIX or blend for testing only")
-    data_args_path: str | None = _f(None, "file holding the --data-path arguments (for long blends)")
-    per_split_data_args_path: str | None = _f(None, "JSON file with 'train', 'valid', 'test' keys holding the "
-                                                    "per-split data paths (for long blends)")
-    data_cache_path: str | None = _f(None, "directory where built sample indices are cached and reused")
-    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
-    mock_data: bool = _f(False, "synthetic deterministic data (no files needed)")
-    tokenizer_type: str | None = _f(None, "Megatron-LM tokenizer (default: GPT2BPETokenizer with --vocab-file, "
-                                          "megareshard's sentencepiece with only --tokenizer-model)",
-                                    choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
-                                             "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                                             "HuggingFaceTokenizer", "NullTokenizer"))
-    tokenizer_model: str | None = _f(None, "sentencepiece model file, or a local Hugging Face tokenizer directory")
-    vocab_file: str | None = _f(None, "GPT-2 BPE vocabulary (vocab.json)")
-    merge_file: str | None = _f(None, "GPT-2 BPE merges (merges.txt)")
-    data_validation: bool = _f(True, "check every dataset at start-up (index against .bin, token ids below the "
-                                     "vocabulary size, not empty; one chunked pass over the tokens shared by the "
-                                     "ranks); --no-data-validation skips the token pass for huge corpora",
-                               flag="--no-data-validation")
 
 
 @dataclass

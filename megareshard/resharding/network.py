@@ -37,11 +37,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from .decompose import UnitTask
-    from .plan import ReshardingPlan
 
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 
@@ -142,6 +141,20 @@ def task_cost(
     )
 
 
+class PlanView(Protocol):
+    """What the network model reads of a resharding plan (`plan.ReshardingPlan`, which builds one with this
+    model: a protocol here keeps the import one way)."""
+
+    strategy: str
+    tasks: list["UnitTask"]
+
+    def task_cost(self, task: "UnitTask") -> TaskCost: ...
+
+    def sender_host(self, task: "UnitTask") -> int: ...
+
+    def host_of(self, rank: int) -> int: ...
+
+
 class NetworkModel:
     """Hosts with one full-duplex NIC each (`nic_gbps` each way) and `intra_gbps` inside."""
 
@@ -186,7 +199,7 @@ class NetworkModel:
     def intra_Bps(self) -> float:
         return self.intra_gbps * 1e9 / 8
 
-    def task_times(self, plan: "ReshardingPlan") -> list[tuple[float, float]]:
+    def task_times(self, plan: "PlanView") -> list[tuple[float, float]]:
         """(start, end) seconds of each task of `plan.tasks`, by list scheduling in plan order."""
         free: dict[tuple[int, int], float] = {}
         out = []
@@ -200,7 +213,7 @@ class NetworkModel:
             out.append((start, end))
         return out
 
-    def predict(self, plan: "ReshardingPlan", order: str = "plan", tasks: Sequence["UnitTask"] | None = None) -> float:
+    def predict(self, plan: "PlanView", order: str = "plan", tasks: Sequence["UnitTask"] | None = None) -> float:
         """Predicted seconds for the plan under its strategy and the executor's `order`.
 
         ``"plan"``: list scheduling in plan order, one task per NIC side at a time (module
@@ -230,7 +243,7 @@ class NetworkModel:
                 intra[h] = intra.get(h, 0.0) + t
         return max(busiest / self.nic_Bps + self.latency_s, alone, max(intra.values(), default=0.0))
 
-    def host_bytes(self, plan: "ReshardingPlan",
+    def host_bytes(self, plan: "PlanView",
                    tasks: Sequence["UnitTask"] | None = None) -> dict[int, tuple[int, int]]:
         """Per host: (bytes out of, bytes into) its NIC under the plan's strategy and senders (of `tasks`, a
         subset of the plan's; default all)."""
@@ -243,7 +256,7 @@ class NetworkModel:
                 acc.setdefault(h, [0, 0])[1] += b
         return {h: (o, i) for h, (o, i) in sorted(acc.items())}
 
-    def lower_bound(self, plan: "ReshardingPlan") -> float:
+    def lower_bound(self, plan: "PlanView") -> float:
         """max over hosts of max(bytes in, bytes out) / NIC bandwidth, whatever the schedule.
 
         In: every receiving host that holds no copy of a slice must receive it once.

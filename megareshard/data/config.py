@@ -1,0 +1,36 @@
+"""`DataConfig`: where samples come from — datasets, blends, splits, tokenizers (Megatron-LM's flags; parsed by
+`arguments`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config_fields import config_field as _f
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from."""
+
+    data_path: list[str] | None = _f(None, "PREFIX of a preprocessed dataset (.bin/.idx), or a blend "
+                                           "W1 PREFIX1 W2 PREFIX2 ... split by --split")
+    train_data_path: list[str] | None = _f(None, "PREFIX or blend for training only (instead of --data-path)")
+    valid_data_path: list[str] | None = _f(None, "PREFIX or blend for validation only")
+    test_data_path: list[str] | None = _f(None, "PREFIX or blend for testing only")
+    data_args_path: str | None = _f(None, "file holding the --data-path arguments (for long blends)")
+    per_split_data_args_path: str | None = _f(None, "JSON file with 'train', 'valid', 'test' keys holding the "
+                                                    "per-split data paths (for long blends)")
+    data_cache_path: str | None = _f(None, "directory where built sample indices are cached and reused")
+    split: str = _f("969,30,1", "train,valid,test proportions of the documents")
+    mock_data: bool = _f(False, "synthetic deterministic data (no files needed)")
+    tokenizer_type: str | None = _f(None, "Megatron-LM tokenizer (default: GPT2BPETokenizer with --vocab-file, "
+                                          "megareshard's sentencepiece with only --tokenizer-model)",
+                                    choices=("GPT2BPETokenizer", "SentencePieceTokenizer",
+                                             "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                             "HuggingFaceTokenizer", "NullTokenizer"))
+    tokenizer_model: str | None = _f(None, "sentencepiece model file, or a local Hugging Face tokenizer directory")
+    vocab_file: str | None = _f(None, "GPT-2 BPE vocabulary (vocab.json)")
+    merge_file: str | None = _f(None, "GPT-2 BPE merges (merges.txt)")
+    data_validation: bool = _f(True, "check every dataset at start-up (index against .bin, token ids below the "
+                                     "vocabulary size, not empty; one chunked pass over the tokens shared by the "
+                                     "ranks); --no-data-validation skips the token pass for huge corpora",
+                               flag="--no-data-validation")

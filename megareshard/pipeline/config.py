@@ -1,0 +1,37 @@
+"""`PipelineConfig`: the schedule and stage-boundary resharding flags (Megatron-LM's names where it has them;
+parsed by `arguments`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config_fields import config_field as _f
+from .generators import SCHEDULES
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
+
+    pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; with virtual stages 1f1b and "
+                                        "eager-1f1b run as their interleaved kinds)", choices=SCHEDULES)
+    delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
+    num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage, one per virtual stage "
+                                                "with virtual stages (default: even split)")
+    num_layers_per_virtual_pipeline_stage: int | None = _f(None, "layers per virtual pipeline stage (Megatron-LM): "
+                                                                 "virtual stages per rank = layers / pp / this")
+    virtual_pipeline_model_parallel_size: int | None = _f(None, "virtual pipeline stages (model chunks) per "
+                                                                "pipeline rank (Megatron-LM's older name)")
+    num_virtual_stages_per_pipeline_rank: int | None = _f(None, "virtual pipeline stages (model chunks) per pipeline "
+                                                                "rank (Megatron-LM's current name of the above)")
+    reshard_strategy: str = _f("broadcast", "how tensors cross stages",
+                               choices=("sendrecv", "allgather", "broadcast", "signal"))
+    reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
+                                choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
+    reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
+                                          "network model)")
+    pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
+                                          "for tools/plot_schedule.py --trace; it also holds every stage's "
+                                          "measured and simulated peak activations (MEMORY records)")
+    pipeline_schedule_file: str | None = _f(None, "run the schedule written in this file (the schedule IR's text "
+                                                  "form, or CSV if it ends in .csv: one row per stage, one action "
+                                                  "per cell); validated at start-up; excludes --pipeline-schedule")
