@@ -99,6 +99,17 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
                                action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s + slack_s)
 
 
+def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any], source: str):
+    """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
+    by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up."""
+    from megareshard.planner.cluster_file import cluster_from_json
+
+    measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
+    return slowed(measured, margin=method.get("pace_margin", PACE_MARGIN),
+                  sleep_overshoot_s=calibration["measured"]["sleep_overshoot"]["seconds"],
+                  slack_s=method.get("action_slack_s", 0.0))
+
+
 # ---- the worker (inside torchrun, every rank) ----------------------------------------------------------
 class _Paced:
     """One stage without a pipeline runtime: the whole forward-backward padded to `budget_s`."""
@@ -143,11 +154,10 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             stage = ctx.pp_rank()
             f, b, w = c["stage_f_s"][stage], c["stage_b_s"][stage], c["stage_w_s"][stage]
             paced = None
+            slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
             if trainer.pipeline is not None:
-                slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
                 trainer.pipeline.pace = {"F": f + slack, "B": b + slack, "I": b - w + slack, "W": w + slack}
             else:  # one stage: F and B of every microbatch
-                slack = c.get("slack_s", 0.0)
                 paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
                 trainer.forward_backward_fn = paced
             batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
@@ -226,8 +236,6 @@ def _run(cmd: list[str]) -> int:
 
 
 def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
-    from megareshard.planner.calibration import load_cluster
-
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
                                        "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
@@ -250,10 +258,9 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
                 data["points"].append(rec)
                 _write(a.json, data)
                 continue
-            measured = load_cluster(cal, hosts=point.hosts, devices_per_host=point.procs_per_host)
             with open(cal, encoding="utf-8") as f:
                 rec["calibration"] = json.load(f)
-            cluster = slowed(measured, sleep_overshoot_s=rec["calibration"]["measured"]["sleep_overshoot"]["seconds"])
+            cluster = recorded_device(point, rec["calibration"], data["method"], cal)
             configs, n_ranked = plan_point(point, cluster)
             rec.update(ranked=n_ranked, configs=configs)
             spec = os.path.join(tmp, f"{point.key}-spec.json")
@@ -398,47 +405,35 @@ def replay(paths: Sequence[str]) -> tuple[str, bool]:
     predictions. A run made with the current code reproduces exactly; after a change to the cost model it shows
     what the change does to the points already measured — not an independent check, since the configurations
     were chosen by the old ranking. Returns the table and whether every prediction reproduced."""
-    from megareshard.planner.calibration import load_cluster
     from megareshard.planner.validation import ModelPoint
 
     yes = {True: "met", False: "not met", None: "—"}
     out = ["| run | point | predictions reproduced | Spearman (recorded → now) | choice vs best (recorded → now) | "
            "targets now |", "|---|---|---|---|---|---|"]
     exact = True
-    tmp = tempfile.mkdtemp(prefix="mr-replay-")
-    try:
-        for path in paths:
-            data = read_results(path)
-            method = data.get("method", {})
-            for rec in data["points"]:
-                if "calibration" not in rec:
-                    continue
-                pj = rec["point"]
-                point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
-                cal = os.path.join(tmp, "cluster.json")
-                with open(cal, "w", encoding="utf-8") as f:
-                    json.dump(rec["calibration"], f)
-                measured = load_cluster(cal, hosts=point.hosts, devices_per_host=point.procs_per_host)
-                cluster = slowed(measured, margin=method.get("pace_margin", PACE_MARGIN),
-                                 sleep_overshoot_s=rec["calibration"]["measured"]["sleep_overshoot"]["seconds"],
-                                 slack_s=method.get("action_slack_s", 0.0))
-                now = {c.name: (i + 1, c.step_s) for i, c in enumerate(ranking(point, cluster))}
-                ok = [r for r in rec["results"] if r.get("status") == "ok"]
-                missing = [r["name"] for r in ok if r["name"] not in now]
-                if missing:  # the current search no longer has a measured configuration
-                    exact = False
-                    out.append(f"| {path} | {rec['key']} | 0 of {len(ok)} ({len(missing)} no longer planned) | "
-                               "— | — | — |")
-                    continue
-                same = sum(1 for r in ok if now[r["name"]][1] == r["predicted_s"])
-                exact &= same == len(ok)
-                again = [r | {"rank": now[r["name"]][0], "predicted_s": now[r["name"]][1]} for r in ok]
-                a, b = rec["summary"], summarize(again)
-                out.append(f"| {path} | {rec['key']} | {same} of {len(ok)} | {a.get('spearman')} → {b.get('spearman')} "
-                           f"| {a.get('choice_gap')} → {b.get('choice_gap')} | "
-                           f"{yes[b.get('spearman_target_met')]} / {yes[b.get('choice_target_met')]} |")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for path in paths:
+        data = read_results(path)
+        for rec in data["points"]:
+            if "calibration" not in rec:
+                continue
+            pj = rec["point"]
+            point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
+            cluster = recorded_device(point, rec["calibration"], data.get("method", {}), f"{path} ({rec['key']})")
+            now = {c.name: (i + 1, c.step_s) for i, c in enumerate(ranking(point, cluster))}
+            ok = [r for r in rec["results"] if r.get("status") == "ok"]
+            missing = [r["name"] for r in ok if r["name"] not in now]
+            if missing:  # the current search no longer has a measured configuration
+                exact = False
+                out.append(f"| {path} | {rec['key']} | 0 of {len(ok)} ({len(missing)} no longer planned) | "
+                           "— | — | — |")
+                continue
+            same = sum(1 for r in ok if now[r["name"]][1] == r["predicted_s"])
+            exact &= same == len(ok)
+            again = [r | {"rank": now[r["name"]][0], "predicted_s": now[r["name"]][1]} for r in ok]
+            a, b = rec["summary"], summarize(again)
+            out.append(f"| {path} | {rec['key']} | {same} of {len(ok)} | {a.get('spearman')} → {b.get('spearman')} "
+                       f"| {a.get('choice_gap')} → {b.get('choice_gap')} | "
+                       f"{yes[b.get('spearman_target_met')]} / {yes[b.get('choice_target_met')]} |")
     return "\n".join(out), exact
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from .costs import ClusterSpec
 
-__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json"]
+__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_from_json", "cluster_to_json"]
 
 CLUSTER_FORMAT = "megareshard-cluster/1"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
@@ -33,6 +33,12 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
         raise ValueError(f"cluster file {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"cluster file {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    return cluster_from_json(data, path, hosts, devices_per_host)
+
+
+def cluster_from_json(data: Any, path: str, hosts: int | None = None,
+                      devices_per_host: int | None = None) -> ClusterSpec:
+    """`load_cluster` of a cluster JSON already read (`path` names where it came from in the errors)."""
     if not isinstance(data, dict) or data.get("format") != CLUSTER_FORMAT:
         raise ValueError(f"cluster file {path}: expected \"format\": \"{CLUSTER_FORMAT}\" (written by "
                          "tools/calibrate_cluster.py)")
