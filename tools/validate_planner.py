@@ -221,12 +221,12 @@ CALIBRATION_MICRO_BATCH = 1
 layer (what does not shrink with the batch) is measured where it weighs most, not extrapolated to it."""
 
 
-def calibration_cmd(point: GridPoint, out: str) -> list[str]:
+def calibration_cmd(point: GridPoint, out: str, pace_margin: float = PACE_MARGIN) -> list[str]:
     m = point.model
     return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
             str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
             str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", str(CALIBRATION_MICRO_BATCH),
-            "--iters", "5", "--pace-margin", str(PACE_MARGIN),
+            "--iters", "5", "--pace-margin", str(pace_margin),
             "--json", out]
 
 
@@ -236,7 +236,7 @@ def _run(cmd: list[str]) -> int:
 
 
 def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
-    data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": PACE_MARGIN,
+    data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": a.pace_margin,
                                        "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
                                        "warmup": WARMUP, "iters": ITERS, "grid": a.grid},
@@ -252,7 +252,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
             rec: dict[str, Any] = {"key": point.key, "point": grid_json([point])[0], "results": []}
             # the wall-time budget: what is left, shared by the points still to run
             share = (a.budget_min * 60 - (time.monotonic() - t_all)) / (len(points) - n)
-            rc = _run(_emulated(point, calibration_cmd(point, cal), max(30.0, min(90.0, share / 3))))
+            rc = _run(_emulated(point, calibration_cmd(point, cal, a.pace_margin), max(30.0, min(90.0, share / 3))))
             if rc or not os.path.exists(cal):
                 rec["status"] = f"calibration failed (exit code {rc})"
                 data["points"].append(rec)
@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-min", type=float, default=20.0,
                    help="wall-time budget of the whole grid: each point's launches stop at its share of what is left "
                         "(the configurations they did not reach are reported as not finished)")
+    p.add_argument("--pace-margin", type=float, default=PACE_MARGIN,
+                   help=f"how much slower than measured the emulated device computes (default {PACE_MARGIN}, "
+                        "validation.PACE_MARGIN; recorded in the JSON's method)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
