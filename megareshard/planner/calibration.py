@@ -23,8 +23,7 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   ``intra_latency_s``, ``nic_latency_s``), a one-element all-reduce over ranks 0 and 1 of host 0
   (less its two ring steps' ``intra_latency_s`` → ``collective_latency_s``; with one rank per host, over
   ranks 0 and 1 less two ``nic_latency_s``), a ring all-reduce over one rank per host (more than two
-  hosts) against the ring model at the measured NIC rate → ``ring_efficiency``, every host sending to
-  the next at once (more than two hosts) → ``fabric_gbps``, what the network carries in all, and the per-action
+  hosts) against the ring model at the measured NIC rate → ``ring_efficiency``, and the per-action
   overhead: half the time of a forward + backward of a one-element autograd step → ``action_overhead_s``;
 * **a tp all-reduce under load**: every rank busy at once, tp-2 pairs inside each host alternating a
   compute chunk (a quarter of the layer's forward) with an all-reduce of one microbatch's activation,
@@ -54,7 +53,7 @@ from .costs import ClusterSpec, ModelShape, layer_flops
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
-           "measure_action_overhead", "measure_ring_allreduce", "measure_fabric", "measure_loaded_collective", "measure_sleep_overshoot",
+           "measure_action_overhead", "measure_ring_allreduce", "measure_loaded_collective", "measure_sleep_overshoot",
            "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1, clock=time.perf_counter) -> float:
@@ -288,36 +287,6 @@ def measure_ring_allreduce(ranks: list[int], link_Bps: float, target_s: float = 
             "efficiency": min(1.0, model / seconds)}
 
 
-def measure_fabric(ranks: list[int], link_Bps: float, target_s: float = 0.3, iters: int = 3) -> dict[str, float]:
-    """What the network carries in all with every host's NIC busy at once: each of `ranks` (one per host, more
-    than two) sends a message sized to take about `target_s` at `link_Bps` to the next and receives one from
-    the previous, all at once (`batch_isend_irecv`); ``Bps`` = the bytes every rank sent over the median
-    time the slowest took. Every rank calls it (ranks not in `ranks` wait at the barriers)."""
-    import torch
-    import torch.distributed as dist
-
-    rank, n = dist.get_rank(), len(ranks)
-    nbytes = max(1 << 16, int(target_s * link_Bps)) // 4 * 4
-    out_buf, in_buf = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
-    times = []
-    for i in range(iters + 1):  # the first is a warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank in ranks:
-            k = ranks.index(rank)
-            ops = [dist.P2POp(dist.isend, out_buf, ranks[(k + 1) % n]),
-                   dist.P2POp(dist.irecv, in_buf, ranks[(k - 1) % n])]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        box = torch.tensor([time.perf_counter() - t0 if rank in ranks else 0.0], dtype=torch.float64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        if i:
-            times.append(float(box.item()))
-    seconds = statistics.median(times)
-    return {"ranks": list(ranks), "bytes": nbytes, "seconds": seconds, "Bps": n * nbytes / seconds,
-            "per_nic_Bps": nbytes / seconds}
-
-
 def measure_small_allreduce(ranks: list[int], iters: int = 20) -> dict[str, float]:
     """Seconds of a one-element all-reduce over `ranks` (median); every rank calls it."""
     import torch
@@ -500,7 +469,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     # the CPU demand of runs paced `pace_margin` times slower than measured
     measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"] * pace_margin),
                                                           layer["forward_cpu_s"])
-    intra = nic = intra_lat = nic_lat = allreduce = loaded = ring = fabric = None
+    intra = nic = intra_lat = nic_lat = allreduce = loaded = ring = None
     if dist.is_initialized():
         if devices_per_host > 1:
             intra = measure_p2p(0, 1, target_s, iters=iters)
@@ -521,9 +490,6 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             if hosts > 2 and nic:  # a dp ring over every host: how much of the NIC rate its steps keep
                 ring = measured["ring_allreduce"] = measure_ring_allreduce(
                     list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
-                # every NIC at once: what the fabric carries in all
-                fabric = measured["fabric"] = measure_fabric(list(range(0, world, devices_per_host)), nic["Bps"],
-                                                             target_s, iters=iters)
     defaults = ClusterSpec(1, 1)
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
@@ -548,8 +514,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
         action_overhead_s=action["seconds"], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
-        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency,
-        fabric_gbps=fabric["Bps"] * 8 / 1e9 if fabric else None)
+        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))
                                 if v is None]

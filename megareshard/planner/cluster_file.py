@@ -47,8 +47,6 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
         kw["hosts"] = hosts
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
-    if kw.get("fabric_gbps", 0) is None:
-        del kw["fabric_gbps"]  # not calibrated (two hosts or fewer): non-blocking
     if "wgrad_fraction" in kw:
         share = kw["wgrad_fraction"]
         if share is None:

@@ -142,12 +142,6 @@ class ClusterSpec:
     gloo measured 0.66–0.91 over 8 emulated hosts, and two-rank exchanges beside each other ran at 0.88 and
     below; NCCL's rings come close to 1). Calibrated from an all-reduce over one rank per host, on clusters
     of more than two hosts (two hosts keep the default)."""
-    fabric_gbps: float | None = None
-    """What the network between hosts carries in all, Gbit/s, when every host's NIC sends at once: a
-    non-blocking fabric carries hosts × `nic_gbps`; an oversubscribed one, or an emulated cluster whose kernel
-    moves every NIC's packets on a few cores, less (8 emulated hosts on 2 cores at 300 Mbit/s each: 1.5–1.7
-    Gbit/s, not 2.4). None: non-blocking. Bounds the data-parallel reductions that run at once at the end of
-    a step; calibrated with every host sending to the next at once (more than two hosts)."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
@@ -173,11 +167,6 @@ class ClusterSpec:
     def ring_nic_Bps(self, n: int) -> float:
         """The NIC rate a ring all-reduce over `n` ranks across hosts keeps per edge: `ring_efficiency` of it."""
         return self.nic_Bps * (self.ring_efficiency if n > 1 else 1.0)
-
-    @property
-    def fabric_Bps(self) -> float:
-        """`fabric_gbps` in bytes/s; without it (non-blocking) what every NIC carries at once."""
-        return self.fabric_gbps * 1e9 / 8 if self.fabric_gbps else self.hosts * self.nic_Bps
 
     @property
     def intra_Bps(self) -> float:

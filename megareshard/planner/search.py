@@ -161,8 +161,7 @@ class _Shape:
     layouts: tuple[tuple[int, int], ...] | None = None
     virtual: int = 1
     uneven: bool = False
-    # per mesh: dp leaves a host, its most ring edges leaving one host (NIC), its ring edges leaving hosts in all
-    cross: list[tuple[bool, int, int]] = field(default_factory=list)
+    cross: list[tuple[bool, int]] = field(default_factory=list)  # per mesh: dp leaves a host, ring edges per NIC
 
     @property
     def order(self) -> str:
@@ -183,23 +182,22 @@ _stage_costs = functools.lru_cache(maxsize=1 << 16)(stage_costs)
 
 
 def _stage_list(model: ModelShape, cluster: ClusterSpec, layers: tuple[int, ...], mesh_of: list[int],
-                layouts: list[tuple[int, int]], cross: list[tuple[bool, int, int]], b: int, max_dp: int, sp: bool,
+                layouts: list[tuple[int, int]], cross: list[tuple[bool, int]], b: int, max_dp: int, sp: bool,
                 rc: bool, zero: int) -> list[StageCosts]:
     S = len(layers)
     out = []
     for i, n in enumerate(layers):
         tp, dp = layouts[mesh_of[i]]
-        crosses, per_host, _ = cross[mesh_of[i]]
+        crosses, per_host = cross[mesh_of[i]]
         out.append(_stage_costs(model, cluster, layers=n, first=i == 0, last=i == S - 1, tp=tp, dp=dp,
                                 micro_batch=b * max_dp // dp, sequence_parallel=sp and tp > 1, recompute=rc,
                                 zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ring_edges_per_nic=per_host))
     return out
 
 
-def _dp_ring_cross(topo: Any, layouts: Sequence[tuple[int, int]], D: int) -> list[tuple[bool, int, int]]:
-    """Per stage: does a dp ring leave a host, the most ring edges (over the stage's tp rings, each in dp
-    order as gloo's and NCCL's rings run) that leave one host — what that host's NIC carries —, and the ring
-    edges that leave a host in all — what the fabric carries."""
+def _dp_ring_cross(topo: Any, layouts: Sequence[tuple[int, int]], D: int) -> list[tuple[bool, int]]:
+    """Per stage: does a dp ring leave a host, and the most ring edges (over the stage's tp rings, each in dp
+    order as gloo's and NCCL's rings run) that leave one host: what that host's NIC carries."""
     out = []
     for s, (tp, dp) in enumerate(layouts):
         leaving: dict[int, int] = {}
@@ -208,7 +206,7 @@ def _dp_ring_cross(topo: Any, layouts: Sequence[tuple[int, int]], D: int) -> lis
             for d in range(dp if dp > 1 else 0):
                 if hosts[d] != hosts[(d + 1) % dp]:
                     leaving[hosts[d]] = leaving.get(hosts[d], 0) + 1
-        out.append((bool(leaving), max(leaving.values(), default=0), sum(leaving.values())))
+        out.append((bool(leaving), max(leaving.values(), default=0)))
     return out
 
 
@@ -421,16 +419,12 @@ def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[flo
     return [(a + k * x) / 2**30 for (a, x), k in zip(_mesh_static(sh, placement), live)]
 
 
-def _estimate_parts(sh: _Shape, cluster: ClusterSpec) -> tuple[float, float]:
-    """(one mesh's compute per microbatch at its slowest, with the action overhead per F and B, its data-parallel
-    reduction and optimizer step at their slowest — the reductions started together, on the fabric at once)."""
+def _estimate_parts(sh: _Shape, overhead: float = 0.0) -> tuple[float, float]:
+    """(one mesh's compute per microbatch at its slowest, with `overhead` per F and B action, its data-parallel
+    reduction and optimizer step at their slowest)."""
     groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
-    fb = max(sum(st.forward_s + st.backward_s + 2 * cluster.action_overhead_s for st in g) for g in groups)
-    reduce = max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
-    if cluster.fabric_gbps:
-        reduce = max(reduce, _reductions_end(groups, [0.0] * len(groups), sh.cross, cluster)
-                     + max(sum(st.optimizer_s for st in g) for g in groups))
-    return fb, reduce
+    fb = max(sum(st.forward_s + st.backward_s + 2 * overhead for st in g) for g in groups)
+    return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
 
 
 def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
@@ -504,22 +498,6 @@ def _shared_edges(edges: dict[str, float], solo: dict[str, float], tl: Any) -> t
             max((b[1] for b in busy.values()), default=0.0))
 
 
-def _reductions_end(groups: list[list[StageCosts]], starts: list[float], cross: list[tuple[bool, int, int]],
-                    cluster: ClusterSpec) -> float:
-    """When the last mesh's data-parallel reduction ends: each starts at its mesh's `starts` and takes its stages'
-    ``dp_seconds``, and the fabric carries all of them together at `ClusterSpec.fabric_Bps` at most — the
-    reductions that start at t or later need their bytes' time after t (every t a reduction starts at).
-    A mesh's bytes on the fabric: its stages' ring bytes per edge × its ring edges that leave a host."""
-    end = max(s + sum(st.dp_seconds for st in g) for g, s in zip(groups, starts))
-    if not cluster.fabric_gbps:
-        return end
-    fabric = [sum(st.dp_nic_bytes for st in g) / per_host * edges if per_host else 0.0
-              for g, (_, per_host, edges) in zip(groups, cross)]
-    for t in set(starts):
-        end = max(end, t + sum(b for b, s in zip(fabric, starts) if s >= t) / cluster.fabric_Bps)
-    return end
-
-
 def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float], solo: dict[str, float],
               cache: dict[tuple, Any], model: ModelShape) -> None:
     """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
@@ -546,7 +524,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     if tied:
         both = max(ends[first], ends[last]) + tied
         ends[first] = ends[last] = both
-    exposed = max(0.0, _reductions_end(groups, ends, sh.cross, cluster) - tl.makespan)
+    exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync
@@ -628,7 +606,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             sh = shapes[v]
             placement = placement_of(name, sh.pp, v) if v > 1 else tuple(range(sh.pp))
             static = _mesh_static(sh, placement)
-            parts = _estimate_parts(sh, cluster)
+            parts = _estimate_parts(sh, cluster.action_overhead_s)
             if sh.pp > 1:  # the tied embedding's all-reduce comes after the pipeline, before the step
                 parts = (parts[0], parts[1] + tied_embedding_s(model, cluster, sh, placement[0], placement[-1], bounds))
             parts = (parts[0], parts[1] + step_sync_s(cluster, sh))

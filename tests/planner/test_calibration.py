@@ -124,7 +124,3 @@ def test_one_rank_per_host_measures_the_collective_and_the_ring_across_the_nic()
     assert ring["ranks"] == [0, 1, 2]
     assert ring["model_s"] == pytest.approx(4 / 3 * ring["bytes"] / measured["nic"]["Bps"])
     assert 0 < cluster.ring_efficiency <= 1 and cluster.ring_efficiency == min(1.0, ring["model_s"] / ring["seconds"])
-    # and every host sending to the next at once: the fabric carries every rank's bytes in the time it took
-    fabric = measured["fabric"]
-    assert fabric["ranks"] == [0, 1, 2] and fabric["bytes"] >= 1 << 16
-    assert cluster.fabric_gbps == pytest.approx(3 * fabric["bytes"] / fabric["seconds"] * 8 / 1e9)
