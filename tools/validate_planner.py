@@ -492,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return _worker(a.worker)
+    if a.pace_margin < 1.0:
+        p.exit(2, f"{p.prog}: error: --pace-margin {a.pace_margin:g} is below 1: the emulated device would be faster "
+                  "than the compute measured, and every paced action would overrun its budget\n")
     if a.history:
         try:
             print(history(a.history))
