@@ -62,6 +62,53 @@ def model_of(a: argparse.Namespace) -> ModelShape:
                       ffn_hidden_size=a.ffn_hidden_size)
 
 
+def probe_step_cpu(per_host: int):
+    """`calibrate`'s runtime probe: fn(m) builds the trainer for a GPT of one `PROBE` layer per rank (pp = world,
+    1f1b, delayed weight gradients, micro batch 1, global batch m), runs one step to warm up and five timed,
+    and returns the medians over them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0
+    read them around it (every process and the kernel; collective: every rank gets them)."""
+    import io
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from megareshard.arguments import parse_args
+    from megareshard.planner.calibration_shared import PROBE, machine_busy_s
+    from megareshard.training import Trainer, build_context
+
+    def step_cpu(m: int) -> tuple[float, float]:
+        world = dist.get_world_size()
+        argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(PROBE["hidden_size"]),
+                "--num-attention-heads", str(PROBE["num_attention_heads"]), "--seq-length", str(PROBE["seq_length"]),
+                "--vocab-size", str(PROBE["vocab_size"]), "--global-batch-size", str(m), "--micro-batch-size", "1",
+                "--pipeline-model-parallel-size", str(world), "--pipeline-schedule", "1f1b",
+                "--delay-wgrad-compute", "--train-iters", "1000000", "--lr", "1e-4", "--device", "cpu",
+                "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--nproc-per-node", str(per_host)]
+        cfg = parse_args(argv, world_size=world)
+        ctx, _ = build_context(cfg, world)
+        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+        batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
+        busy, wall = [], []
+        for i in range(6):
+            dist.barrier()
+            b0, t0 = machine_busy_s(), time.perf_counter()
+            trainer.train_step(batch)
+            dist.barrier()
+            box = torch.tensor([machine_busy_s() - b0, time.perf_counter() - t0], dtype=torch.float64)
+            dist.broadcast(box, src=0)
+            if i:
+                busy.append(float(box[0]))
+                wall.append(float(box[1]))
+        trainer.close()
+        trainer.release_communicators()
+        return statistics.median(busy), statistics.median(wall)
+
+    return step_cpu
+
+
 def worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -74,7 +121,7 @@ def worker(a: argparse.Namespace) -> int:
     per_host = a.procs_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     memory = a.device_memory_gib or device_memory_gib(per_host)
     cluster, measured = calibrate(model_of(a), a.micro_batch_size, per_host, memory, iters=a.iters,
-                                  pace_margin=a.pace_margin)
+                                  pace_margin=a.pace_margin, runtime_step_cpu=probe_step_cpu(per_host))
     if rank == 0:
         print(f"[calibrate_cluster] {cluster.hosts} host(s) × {cluster.devices_per_host}: matmul "
               f"{cluster.device_tflops * 1e3:.1f} GFLOP/s, layer efficiency {cluster.efficiency:.2f}, backward "

@@ -83,7 +83,10 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
                     "predicted_s": c.step_s, "pp": c.pp, "num_microbatches": c.num_microbatches,
                     "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "stage_w_s": c.stage_w_s,
                     "slack_s": ACTION_SLACK_S,
-                    "bottleneck": c.bottleneck})
+                    "bottleneck": c.bottleneck, "shared_cpu_s": c.shared_cpu_s,
+                    # what the worker's pipeline_s measures: the pipeline and the exposed dp reduction
+                    "pipeline_s": c.step_s - sum(v for k, v in c.breakdown.items()
+                                                 if k.startswith(("optimizer", "step-end")))})
     return out, len(ranked)
 
 
@@ -96,6 +99,7 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
 
     return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
                                layer_overhead_s=cluster.layer_overhead_s * margin,
+                               compute_cpu_share=cluster.compute_cpu_share / margin,
                                action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s + slack_s)
 
 
@@ -115,7 +119,7 @@ class _Paced:
     """One stage without a pipeline runtime: the whole forward-backward padded to `budget_s`."""
 
     def __init__(self, fn, budget_s: float) -> None:
-        self.fn, self.budget_s, self.overruns = fn, budget_s, 0
+        self.fn, self.budget_s, self.overruns, self.overrun_s = fn, budget_s, 0, 0.0
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -125,7 +129,24 @@ class _Paced:
             time.sleep(left)
         else:
             self.overruns += 1
+            self.overrun_s -= left
         return out
+
+
+class _Timed:
+    """The trainer's forward-backward, timed: `last_s` is its last call's wall seconds (the pipeline part of a step;
+    the gradient reduction too where the runtime finalizes it)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.last_s = fn, 0.0
+        self.finalizes_grads = getattr(fn, "finalizes_grads", False)
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.last_s = time.perf_counter() - t0
 
 
 def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], procs_per_host: int,
@@ -136,6 +157,7 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
     import torch.distributed as dist
 
     from megareshard.arguments import ConfigError, parse_args
+    from megareshard.planner.calibration_shared import machine_busy_s
     from megareshard.training import Trainer, build_context
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -161,25 +183,41 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                 paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
                 trainer.forward_backward_fn = paced
             batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
-            times, overruns = [], 0
+            timed = _Timed(trainer.forward_backward_fn)
+            trainer.forward_backward_fn = timed
+            times, overruns, overrun_s, cpu, pipe = [], 0, 0.0, [], []
+            machine = []
             for r in range(warmup + iters):
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
+                m0 = machine_busy_s() if rank == 0 else 0.0
                 trainer.train_step(batch)
-                box = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(box, op=dist.ReduceOp.MAX)
+                # the step (max over ranks), its pipeline part (forward-backward returned; max) and the CPU seconds
+                # every thread of every rank spent in it (sum: 8 emulated hosts share this machine's cores)
+                mx = torch.tensor([time.perf_counter() - t0, timed.last_s], dtype=torch.float64)
+                sm = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+                dist.all_reduce(sm)
+                if rank == 0:  # the machine's cores, every process and the kernel (the emulated NICs' packets)
+                    machine.append(machine_busy_s() - m0)
                 if r >= warmup:
-                    times.append(float(box.item()))
+                    times.append(float(mx[0]))
+                    pipe.append(float(mx[1]))
+                    cpu.append(float(sm[0]))
                     if trainer.pipeline is not None:
                         overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
+                        overrun_s += trainer.pipeline.last_stats.get("pace_overrun_us", 0) / 1e6
             if paced is not None:
-                overruns = paced.overruns
-            total = torch.tensor([overruns], dtype=torch.float64)
+                overruns, overrun_s = paced.overruns, paced.overrun_s
+            total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
             dist.all_reduce(total)
             trainer.close()
             trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
             rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
-                       pace_overruns=int(total.item()))
+                       pace_overruns=int(total[0]), pace_overrun_s=round(float(total[1]), 5),
+                       pipeline_s=round(statistics.median(pipe), 5), cpu_s=round(statistics.median(cpu), 5))
+            if rank == 0:
+                rec["machine_cpu_s"] = round(statistics.median(machine[warmup:]), 4)
         except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
             rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
         rec["wall_s"] = round(time.monotonic() - t_start, 2)

@@ -33,6 +33,12 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   idle two-rank all-reduce misses. With one rank per host the pairs are neighbouring hosts, across
   the NIC (at its measured rate and latency);
 
+* **the cores the hosts share** (an emulated cluster, every rank on one kernel; `calibration_shared.py`):
+  the machine's busy time idle, and with every rank in a two-rank all-reduce across a NIC (and inside its
+  host) at once → ``shared_cores``, ``cpu_s_per_nic_byte``, ``cpu_s_per_intra_byte``; with the optimizer's
+  CPU time per parameter (``cpu_s_per_param``) and the layer's CPU share of its loaded time
+  (``compute_cpu_share`` = 1 / load).
+
 Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
 ranks is kept.
 
@@ -46,8 +52,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
+from .calibration_shared import PROBE, fit_runtime_cpu, measure_shared_cpu
 from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
 
@@ -179,20 +186,22 @@ def measure_optimizer(hidden_size: int = 128, params: int = 1 << 20, iters: int 
         opt.finish_grad_sync()
         opt.clip_grad_norm(1.0)
 
-    pass_s, step_s = [], []
+    pass_s, step_s, cpu_s = [], [], []
     for _ in range(iters + 1):  # the first builds the optimizer's state
         opt.zero_grad()
         for n, p in named:
             p.grad = grads[n].clone()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         passes()
         t1 = time.perf_counter()
         opt.step()
         pass_s.append(t1 - t0)
         step_s.append(time.perf_counter() - t1)
+        cpu_s.append(time.process_time() - c0)
     n = sum(p.numel() for _, p in named)
-    s, g = statistics.median(step_s[1:]), statistics.median(pass_s[1:])
-    return {"params": n, "seconds": s, "seconds_per_param": s / n, "grad_pass_s": g, "grad_pass_s_per_param": g / n}
+    s, g, c = statistics.median(step_s[1:]), statistics.median(pass_s[1:]), statistics.median(cpu_s[1:])
+    return {"params": n, "seconds": s, "seconds_per_param": s / n, "grad_pass_s": g, "grad_pass_s_per_param": g / n,
+            "cpu_s": c, "cpu_s_per_param": c / n}
 
 
 def measure_p2p(src: int, dst: int, target_s: float = 0.3, max_bytes: int = 64 << 20,
@@ -421,10 +430,14 @@ def _rank_sum(value: float) -> float:
 
 
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
-              iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0) -> tuple[ClusterSpec, dict[str, Any]]:
+              iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
+              runtime_step_cpu: Callable[[int], tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
-    measured an emulation paces compute (only the sleep overshoot depends on it)."""
+    measured an emulation paces compute (only the sleep overshoot depends on it). `runtime_step_cpu(m)`: the
+    machine's busy and wall seconds of a real training step of m microbatches through a pipeline of one `PROBE`
+    layer per rank (`calibration_shared.fit_runtime_cpu`; the caller builds it: the planner imports no
+    trainer), run where the hosts share their cores."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -455,7 +468,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     layer["under_load_forward_s"] = layer["forward_cpu_s"] * load
     optim = measure_optimizer(model.hidden_size, iters=iters)
     optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param", "grad_pass_s",
-                                                         "grad_pass_s_per_param")}
+                                                         "grad_pass_s_per_param", "cpu_s", "cpu_s_per_param")}
     flops = layer_flops(model, micro_batch)
     achieved = flops / (layer["scaling_forward_cpu_s"] * load)  # the FLOP rate of the part that scales
     measured: dict[str, Any] = {"matmul": mm, "load": loaded,
@@ -490,7 +503,27 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             if hosts > 2 and nic:  # a dp ring over every host: how much of the NIC rate its steps keep
                 ring = measured["ring_allreduce"] = measure_ring_allreduce(
                     list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
+    shared = None
+    if dist.is_initialized():  # one machine under every rank (an emulated cluster): the cores they share
+        shared = measured["shared_cpu"] = measure_shared_cpu(devices_per_host, nic["Bps"] if nic else None,
+                                                             intra["Bps"] if intra else None, target_s * 2 / 3,
+                                                             iters=iters)
     defaults = ClusterSpec(1, 1)
+    if shared and runtime_step_cpu is not None:
+        probe = ModelShape(world, PROBE["hidden_size"], PROBE["num_attention_heads"], PROBE["seq_length"],
+                           PROBE["vocab_size"])
+        own = measure_layer(probe, 1, iters=3 * iters)
+        own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
+        shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
+    if shared:  # compute: a device second is CPU time stretched by the load
+        cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
+                         compute_cpu_share=min(1.0, 1.0 / load), cpu_s_per_param=optim["cpu_s_per_param"],
+                         cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
+                         cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0,
+                         cpu_s_per_action=shared.get("runtime", {}).get("cpu_s_per_action", 0.0),
+                         cpu_s_per_step=shared.get("runtime", {}).get("cpu_s_per_step", 0.0))
+    else:
+        cpu_rates = {}
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
     # the pairs of those all-reduces sit inside a host, or (one rank per host) across a NIC
@@ -514,7 +547,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
         action_overhead_s=action["seconds"], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
-        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency)
+        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency, **cpu_rates)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))
                                 if v is None]

@@ -47,6 +47,8 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
         kw["hosts"] = hosts
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
+    if kw.get("shared_cores", 0) is None:
+        del kw["shared_cores"]  # the hosts have cores of their own
     if "wgrad_fraction" in kw:
         share = kw["wgrad_fraction"]
         if share is None:
@@ -56,7 +58,8 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "grad_pass_s_per_param", "intra_latency_s",
                         "nic_latency_s", "collective_latency_s", "action_overhead_s", "layer_overhead_s",
-                        "wgrad_fraction")
+                        "wgrad_fraction", "cpu_s_per_param", "cpu_s_per_nic_byte", "cpu_s_per_intra_byte",
+                        "cpu_s_per_action", "cpu_s_per_step")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")

@@ -142,6 +142,32 @@ class ClusterSpec:
     gloo measured 0.66–0.91 over 8 emulated hosts, and two-rank exchanges beside each other ran at 0.88 and
     below; NCCL's rings come close to 1). Calibrated from an all-reduce over one rank per host, on clusters
     of more than two hosts (two hosts keep the default)."""
+    shared_cores: float | None = None
+    """Cores that every host of this cluster shares — an emulated cluster, network namespaces on one machine —
+    for all the CPU work of its ranks: the compute, the passes over the gradients, and the network's packets,
+    which the kernel moves on those cores too. A step cannot take less than that work over these cores (8
+    emulated hosts on 2 cores: the data-parallel configurations' steps measured 1.1–1.3× their simulated time,
+    the configurations without data parallelism at it). None: every host has cores of its own (no bound).
+    Calibrated where every rank reports one kernel (boot id): the machine's cores less what it keeps busy
+    while the ranks idle."""
+    compute_cpu_share: float = 1.0
+    """CPU seconds per second of device compute, with `shared_cores`: on the emulated cluster a device second
+    is CPU time stretched by the ranks' load (and the emulation's pace margin), so less than 1."""
+    cpu_s_per_param: float = 0.0
+    """CPU seconds per parameter a device holds, each step, with `shared_cores`: the passes over the gradients and
+    the optimizer step (calibrated on the trainer's own `ZeroOptimizer`, CPU time, not wall)."""
+    cpu_s_per_action: float = 0.0
+    """CPU seconds of the pipeline runtime's own work per compute action (dispatch, the sends and receives it
+    posts, autograd's bookkeeping past the layer), with `shared_cores`; calibrated from a real pipeline of
+    one small layer per rank at two microbatch counts, less that layer's own CPU time."""
+    cpu_s_per_step: float = 0.0
+    """CPU seconds of each rank's fixed work per training step (the step's closing collectives, the optimizer's
+    bookkeeping), with `shared_cores`; calibrated with `cpu_s_per_action`."""
+    cpu_s_per_nic_byte: float = 0.0
+    """CPU seconds of the shared cores per byte a rank sends across a NIC in a reduction (sender, kernel and
+    receiver together), with `shared_cores`; calibrated with every host in a two-host all-reduce at once."""
+    cpu_s_per_intra_byte: float = 0.0
+    """The same per byte a rank sends to another of its host (loopback), with `shared_cores`."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
@@ -220,6 +246,9 @@ class StageCosts:
     """Fixed (latency) seconds of the tensor-parallel collectives of one microbatch (F + B)."""
     wgrad_s: float = 0.0
     """The weight-gradient part (W) of `backward_s`: compute only, no collective."""
+    compute_s: float = 0.0
+    """Device seconds of compute (no collectives) in one microbatch's F and B: what `ClusterSpec.compute_cpu_share`
+    turns into CPU time on shared cores."""
 
 
 DDP_BUCKET_PARAMS = 40_000_000
@@ -351,4 +380,6 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
                       tp_bytes_per_mb=int(4 * layers * _ring(tp, act)) + end_bytes, dp_seconds=dp_s,
                       dp_nic_bytes=int(nic), optimizer_s=per_dev / opt_div * c.optimizer_s_per_param
                       + per_dev * c.grad_pass_s_per_param,
-                      tp_latency_s=(3 if recompute else 2) * tp_lat + end_f_lat + end_b_lat, wgrad_s=wgrad)
+                      tp_latency_s=(3 if recompute else 2) * tp_lat + end_f_lat + end_b_lat, wgrad_s=wgrad,
+                      compute_s=(1 + c.backward_factor) * compute
+                      + (layers * (layer_fwd / tp / c.flops + c.layer_overhead_s) if recompute else 0.0))

@@ -42,6 +42,7 @@ from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
 from ..resharding.messages import build_messages
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
+from .shared_cpu import shared_cpu_bound_s
 from .step_collectives import step_sync_s, tied_embedding_s
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
@@ -97,6 +98,8 @@ class Candidate:
     bottleneck: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
+    shared_cpu_s: float = 0.0
+    """CPU seconds one step asks of the cores every host shares (`ClusterSpec.shared_cores`; else 0)."""
 
     @property
     def name(self) -> str:
@@ -528,6 +531,8 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync
+    cpu = shared_cpu_bound_s(model, cluster, sh, placement, c.delay_wgrad, cache)  # 0 unless cores are shared
+    c.shared_cpu_s = cpu * (cluster.shared_cores or 0.0)
     o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
     busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
@@ -545,6 +550,10 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"
+    if cpu > c.step_s:  # the step's CPU work does not fit on the cores the hosts share in the simulated time
+        c.breakdown["waiting for the shared cores"] = cpu - c.step_s
+        c.bottleneck = "the cores every host shares (CPU)"
+        c.step_s = cpu
 
 
 def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
@@ -619,8 +628,9 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 if max(mem) > limit:
                     st["pruned_memory"] += len(strats)
                     continue
+                cpu = shared_cpu_bound_s(model, cluster, sh, placement, dw, bounds)
                 for strategy in strats:
-                    est = _estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds), name)
+                    est = max(cpu, _estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds), name))
                     by_v.setdefault(v, []).append((est, name, dw, strategy, live, mem))
         for v, rows in by_v.items():
             groups.append((min(r[0] for r in rows), shapes[v], rows))
