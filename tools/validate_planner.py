@@ -392,12 +392,20 @@ def tables(data: dict[str, Any]) -> str:
         out.append(f"| {p['key']} | {s['finished']}/{s['started']} | {s['spearman']:.2f} | {s['choice']} | "
                    f"{100 * s['choice_gap']:+.1f} % | {met} |")
     for p in data["points"]:
-        out += ["", f"#### {p['key']}", "", "| # | why | configuration | predicted s | measured s | actions over "
-                "their paced budget | status |", "|---|---|---|---|---|---|---|"]
+        # runs since 51 also record the step's CPU seconds, planned (shared cores) and the machine's busy time
+        cpu = {c["name"]: c["shared_cpu_s"] for c in p.get("configs", []) if "shared_cpu_s" in c}
+        busy = any("machine_cpu_s" in r for r in p.get("results", []))
+        head = "| # | why | configuration | predicted s | measured s | actions over their paced budget | "
+        out += ["", f"#### {p['key']}", "", head + ("step CPU s, planned / machine | " if busy else "") + "status |",
+                "|---|---|---|---|---|---|" + ("---|" if busy else "") + "---|"]
         for r in sorted(p.get("results", []), key=lambda r: r["rank"]):
             meas = f"{r['measured_s']:.3f}" if r.get("status") == "ok" else "—"
+            extra = ""
+            if busy:
+                planned = f"{cpu[r['name']]:.2f}" if r["name"] in cpu else "—"
+                extra = f" {planned} / {r['machine_cpu_s']:.2f} |" if "machine_cpu_s" in r else f" {planned} / — |"
             out.append(f"| {r['rank']} | {r['why']} | {r['name']} | {r['predicted_s']:.3f} | {meas} | "
-                       f"{r.get('pace_overruns', '—')} | {r['status']} |")
+                       f"{r.get('pace_overruns', '—')} |{extra} {r['status']} |")
     return "\n".join(out)
 
 

@@ -69,6 +69,15 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert 0 <= loaded["fixed_s"] <= loaded["seconds"] and loaded["with_allreduce_s"] > 0 and loaded["alone_s"] > 0
     assert cluster.collective_latency_s == max(loaded["fixed_s"], max(0.0, measured["small_allreduce"]["seconds"]
                                                                       - 2 * cluster.intra_latency_s))
+    # local ranks run on one kernel: the cores they share and the CPU rates of a step (no runtime probe here)
+    shared = measured["shared_cpu"]
+    assert shared["cores"] >= 1 and 0 <= shared["idle_busy_cores"] <= shared["cores"] / 2
+    assert cluster.shared_cores == pytest.approx(max(0.5, shared["cores"] - shared["idle_busy_cores"]))
+    assert cluster.compute_cpu_share == pytest.approx(min(1.0, 1.0 / load))
+    assert cluster.cpu_s_per_param == opt["cpu_s_per_param"] and 1e-12 < opt["cpu_s_per_param"] < 1e-5
+    assert shared["intra"]["pairs"] == [[0, 1]] and "nic" not in shared  # one host: pairs inside it only
+    assert cluster.cpu_s_per_intra_byte == shared["intra"]["cpu_s_per_byte"] >= 0
+    assert cluster.cpu_s_per_nic_byte == cluster.cpu_s_per_action == cluster.cpu_s_per_step == 0.0
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(cluster_to_json(cluster, measured)))
     again = load_cluster(str(path), hosts=2)
@@ -124,3 +133,7 @@ def test_one_rank_per_host_measures_the_collective_and_the_ring_across_the_nic()
     assert ring["ranks"] == [0, 1, 2]
     assert ring["model_s"] == pytest.approx(4 / 3 * ring["bytes"] / measured["nic"]["Bps"])
     assert 0 < cluster.ring_efficiency <= 1 and cluster.ring_efficiency == min(1.0, ring["model_s"] / ring["seconds"])
+    # the hosts share this machine's cores: two-rank all-reduces across the "NIC", hosts 0 and 1 (host 2 waits)
+    shared = measured["shared_cpu"]
+    assert shared["nic"]["pairs"] == [[0, 1]] and "intra" not in shared
+    assert cluster.cpu_s_per_nic_byte == shared["nic"]["cpu_s_per_byte"] >= 0 and cluster.shared_cores > 0
