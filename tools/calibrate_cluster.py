@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -155,12 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     # the arguments travel in the environment: torchrun's own parser would claim --nproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            str(Path(__file__).resolve())]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_ARGV: json.dumps(argv)})
+    # torchrun's torchelastic_* dirs and torch's compile cache (created when the runtime probe's trainer imports
+    # torch._dynamo) land in a private temp dir, removed at the end
+    tmp = tempfile.mkdtemp(prefix="mr-calibrate-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp, **{ENV_ARGV: json.dumps(argv)})
     try:
         return subprocess.run(cmd, env=env, timeout=a.timeout).returncode
     except subprocess.TimeoutExpired:
         print(f"{p.prog}: error: torchrun did not finish within {a.timeout:.0f} s", file=sys.stderr)
         return 124
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
