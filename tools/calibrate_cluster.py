@@ -70,14 +70,12 @@ def probe_step_cpu(per_host: int):
     and returns the medians over them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0
     read them around it (every process and the kernel; collective: every rank gets them)."""
     import io
-    import statistics
-    import time
 
     import torch
     import torch.distributed as dist
 
     from megareshard.arguments import parse_args
-    from megareshard.planner.calibration_shared import PROBE, machine_busy_s
+    from megareshard.planner.calibration_shared import PROBE, busy_over
     from megareshard.training import Trainer, build_context
 
     def step_cpu(m: int) -> tuple[float, float]:
@@ -93,20 +91,10 @@ def probe_step_cpu(per_host: int):
         ctx, _ = build_context(cfg, world)
         trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
         batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
-        busy, wall = [], []
-        for i in range(6):
-            dist.barrier()
-            b0, t0 = machine_busy_s(), time.perf_counter()
-            trainer.train_step(batch)
-            dist.barrier()
-            box = torch.tensor([machine_busy_s() - b0, time.perf_counter() - t0], dtype=torch.float64)
-            dist.broadcast(box, src=0)
-            if i:
-                busy.append(float(box[0]))
-                wall.append(float(box[1]))
+        busy_wall = busy_over(lambda: trainer.train_step(batch), iters=5)
         trainer.close()
         trainer.release_communicators()
-        return statistics.median(busy), statistics.median(wall)
+        return busy_wall
 
     return step_cpu
 

@@ -516,12 +516,13 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
         shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
     if shared:  # compute: a device second is CPU time stretched by the load
+        runtime = shared.get("runtime", {})
         cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
                          compute_cpu_share=min(1.0, 1.0 / load), cpu_s_per_param=optim["cpu_s_per_param"],
                          cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
                          cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0,
-                         cpu_s_per_action=shared.get("runtime", {}).get("cpu_s_per_action", 0.0),
-                         cpu_s_per_step=shared.get("runtime", {}).get("cpu_s_per_step", 0.0))
+                         cpu_s_per_action=runtime.get("cpu_s_per_action", 0.0),
+                         cpu_s_per_step=runtime.get("cpu_s_per_step", 0.0))
     else:
         cpu_rates = {}
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s

@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["machine_busy_s", "boot_id", "measure_shared_cpu", "PROBE", "fit_runtime_cpu"]
+__all__ = ["machine_busy_s", "boot_id", "busy_over", "measure_shared_cpu", "PROBE", "fit_runtime_cpu"]
 
 PROBE = {"hidden_size": 16, "num_attention_heads": 2, "seq_length": 8, "vocab_size": 64}
 """The GPT of the runtime probe (`fit_runtime_cpu`): one layer per rank, so small that what a step costs is
@@ -54,7 +54,7 @@ def boot_id() -> str | None:
         return None
 
 
-def _busy_over(fn: Callable[[], None], iters: int) -> tuple[float, float]:
+def busy_over(fn: Callable[[], None], iters: int) -> tuple[float, float]:
     """(machine CPU seconds, wall seconds) of `fn` run by every rank between two barriers, medians of `iters`
     after one warm-up, as rank 0 read them (every rank gets the same numbers)."""
     import torch
@@ -89,7 +89,7 @@ def _pairs_rate(pairs: list[tuple[int, int]], nbytes: int, idle_cores: float, it
         if mine is not None:
             dist.all_reduce(buf, group=mine)
 
-    busy, wall = _busy_over(run, iters)
+    busy, wall = busy_over(run, iters)
     sent = 2 * len(pairs) * buf.numel() * 4
     for g in groups:
         dist.destroy_process_group(g)
@@ -110,7 +110,7 @@ def measure_shared_cpu(devices_per_host: int, nic_Bps: float | None, intra_Bps: 
     if world < 2 or len(set(ids)) != 1 or ids[0][0] is None or not ids[0][1]:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    busy, wall = _busy_over(lambda: time.sleep(target_s / 2), iters)
+    busy, wall = busy_over(lambda: time.sleep(target_s / 2), iters)
     idle = min(cores / 2, busy / wall)
     out: dict[str, Any] = {"cores": cores, "idle_busy_cores": idle}
     hosts = world // devices_per_host

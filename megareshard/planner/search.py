@@ -43,7 +43,7 @@ from ..resharding import ShardingSpec, plan_resharding
 from ..resharding.messages import build_messages
 from .candidate import Candidate
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
-from .shared_cpu import shared_cpu_bound_s
+from .shared_cpu import shared_cpu_bound_s, shared_cpu_s
 from .step_collectives import step_sync_s, tied_embedding_s
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
@@ -91,9 +91,9 @@ class _Shape:
             out[p].append(st)
         return out
 
-
-def _mesh_layouts(sh: _Shape) -> list[tuple[int, int]]:
-    return list(sh.layouts) if sh.layouts else [(sh.tp, sh.dp)] * sh.pp
+    def mesh_layouts(self) -> list[tuple[int, int]]:
+        """(tp, dp) of every mesh."""
+        return list(self.layouts) if self.layouts else [(self.tp, self.dp)] * self.pp
 
 
 _stage_costs = functools.lru_cache(maxsize=1 << 16)(stage_costs)
@@ -207,7 +207,7 @@ def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int) -> 
     """The same shape with v stages per mesh (layers / (pp·v) each; uniform meshes only)."""
     S = sh.pp * v
     n = model.num_layers // S
-    lay = _mesh_layouts(sh)
+    lay = sh.mesh_layouts()
     stages = _stage_list(model, cluster, (n,) * S, [s % sh.pp for s in range(S)], lay, sh.cross, sh.b,
                          sh.dp, sh.sp, sh.recompute, sh.zero)
     return _Shape(sh.tp, sh.pp, sh.dp, sh.b, sh.m, sh.sp, sh.recompute, sh.zero, sh.topo, stages, (n,) * S,
@@ -239,7 +239,7 @@ def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy:
     the busiest NIC side of one transfer (every replica)."""
     if sh.pp == 1:
         return {"*": 0.0}, {"*": 0.0}, 0
-    max_dp = max(d for _, d in _mesh_layouts(sh))
+    max_dp = max(d for _, d in sh.mesh_layouts())
     spec = ShardingSpec.parse("S1,S0,R" if sh.sp else "R,S0,R")
     shape = (model.seq_length, sh.b * max_dp, model.hidden_size)
     out: dict[str, float] = {}
@@ -319,7 +319,7 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
                 worst = share
         cache[key] = worst
     share, nic = cache[key]
-    max_dp = max(d for _, d in _mesh_layouts(sh))
+    max_dp = max(d for _, d in sh.mesh_layouts())
     nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
     # + at least one message's latency (the simulation counts the plan's messages)
     return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps) + \
@@ -447,7 +447,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync
     cpu = shared_cpu_bound_s(model, cluster, sh, placement, c.delay_wgrad, cache)  # 0 unless cores are shared
-    c.shared_cpu_s = cpu * (cluster.shared_cores or 0.0)
+    c.shared_cpu_s = shared_cpu_s(model, cluster, sh, placement, c.delay_wgrad, cache) if cpu else 0.0
     o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
     busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..pipeline.meshes import stage_mesh
-from .costs import ClusterSpec, ModelShape, StageCosts
+from .costs import ClusterSpec, ModelShape
 
 __all__ = ["shared_cpu_s", "shared_cpu_bound_s"]
 
@@ -52,12 +52,9 @@ def shared_cpu_s(model: ModelShape, cluster: ClusterSpec, sh: Any, placement: Se
     The tied embedding's all-reduce and the one-element all-reduces a step ends with are left out (a
     vocabulary × hidden table on two ranks; a few bytes)."""
     c = cluster
-    layouts = list(sh.layouts) if sh.layouts else [(sh.tp, sh.dp)] * sh.pp
-    groups: list[list[StageCosts]] = [[] for _ in range(sh.pp)]
-    for st, p in zip(sh.stages, placement):
-        groups[p].append(st)
+    layouts = sh.mesh_layouts()
     total = 0.0
-    for (tp, dp), g in zip(layouts, groups):
+    for (tp, dp), g in zip(layouts, sh.per_mesh(tuple(placement))):
         per_rank = sh.m * sum(st.compute_s for st in g) * c.compute_cpu_share
         per_rank += c.cpu_s_per_step + sh.m * len(g) * (3 if delay_wgrad else 2) * c.cpu_s_per_action
         per_rank += sum(st.params for st in g) * c.cpu_s_per_param
