@@ -65,10 +65,11 @@ def model_of(a: argparse.Namespace) -> ModelShape:
 
 
 def probe_step_cpu(per_host: int):
-    """`calibrate`'s runtime probe: fn(m) builds the trainer for a GPT of one `PROBE` layer per rank (pp = world,
-    1f1b, delayed weight gradients, micro batch 1, global batch m), runs one step to warm up and five timed,
-    and returns the medians over them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0
-    read them around it (every process and the kernel; collective: every rank gets them)."""
+    """`calibrate`'s runtime probe: fn(m, pace=None) builds the trainer for a GPT of one `PROBE` layer per rank
+    (pp = world, 1f1b, delayed weight gradients, micro batch 1, global batch m; every action paced to `pace`
+    seconds if given), runs one step to warm up and five timed, and returns the medians over them of (the
+    machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process and the
+    kernel; collective: every rank gets them)."""
     import io
 
     import torch
@@ -78,7 +79,7 @@ def probe_step_cpu(per_host: int):
     from megareshard.planner.calibration_shared import PROBE, busy_over
     from megareshard.training import Trainer, build_context
 
-    def step_cpu(m: int) -> tuple[float, float]:
+    def step_cpu(m: int, pace: float | None = None) -> tuple[float, float]:
         world = dist.get_world_size()
         argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(PROBE["hidden_size"]),
                 "--num-attention-heads", str(PROBE["num_attention_heads"]), "--seq-length", str(PROBE["seq_length"]),
@@ -90,6 +91,8 @@ def probe_step_cpu(per_host: int):
         cfg = parse_args(argv, world_size=world)
         ctx, _ = build_context(cfg, world)
         trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+        if pace is not None:  # every action paced to `pace` seconds (a backward, unsplit, to two)
+            trainer.pipeline.pace = {"F": pace, "B": 2 * pace, "I": pace, "W": pace}
         batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
         busy_wall = busy_over(lambda: trainer.train_step(batch), iters=5)
         trainer.close()

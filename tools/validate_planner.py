@@ -290,7 +290,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
             rec: dict[str, Any] = {"key": point.key, "point": grid_json([point])[0], "results": []}
             # the wall-time budget: what is left, shared by the points still to run
             share = (a.budget_min * 60 - (time.monotonic() - t_all)) / (len(points) - n)
-            rc = _run(_emulated(point, calibration_cmd(point, cal, a.pace_margin), max(30.0, min(90.0, share / 3))))
+            rc = _run(_emulated(point, calibration_cmd(point, cal, a.pace_margin), max(30.0, min(150.0, share / 3))))
             if rc or not os.path.exists(cal):
                 rec["status"] = f"calibration failed (exit code {rc})"
                 data["points"].append(rec)

@@ -37,7 +37,9 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   the machine's busy time idle, and with every rank in a two-rank all-reduce across a NIC (and inside its
   host) at once → ``shared_cores``, ``cpu_s_per_nic_byte``, ``cpu_s_per_intra_byte``; with the optimizer's
   CPU time per parameter (``cpu_s_per_param``) and the layer's CPU share of its loaded time
-  (``compute_cpu_share`` = 1 / load).
+  (``compute_cpu_share`` = 1 / load); a real pipeline of one small layer per rank, unpaced at two
+  microbatch counts (``cpu_s_per_action``, ``cpu_s_per_step``) and paced as the emulated device paces a
+  layer's forward (``cpu_contention``: its growth per microbatch beyond the simulated one).
 
 Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
 ranks is kept.
@@ -54,9 +56,10 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .calibration_shared import PROBE, fit_runtime_cpu, measure_shared_cpu
+from .calibration_shared import PROBE, fit_contention, fit_runtime_cpu, measure_shared_cpu
 from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
+from .search import pipeline_makespan
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
@@ -431,7 +434,7 @@ def _rank_sum(value: float) -> float:
 
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
               iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
-              runtime_step_cpu: Callable[[int], tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
+              runtime_step_cpu: Callable[..., tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
     measured an emulation paces compute (only the sleep overshoot depends on it). `runtime_step_cpu(m)`: the
@@ -514,7 +517,20 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                            PROBE["vocab_size"])
         own = measure_layer(probe, 1, iters=3 * iters)
         own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
-        shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
+        runtime = shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
+        # the same pipeline paced as the emulated device paces a layer's forward (the sleep overshoot's chunk)
+        cores = max(0.5, shared["cores"] - shared["idle_busy_cores"])
+        budget, act = measured["sleep_overshoot"]["chunk_s"], PROBE["seq_length"] * PROBE["hidden_size"] * 4
+        link, lat = (nic, nic_lat["seconds"]) if nic and nic_lat else (intra, intra_lat["seconds"] if intra_lat else 0.0)
+        edge = lat + (act / link["Bps"] if link else 0.0)
+        overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
+        period = (pipeline_makespan("1f1b", True, world, 4 * world, budget, 2 * budget, budget, edge, overhead)
+                  - pipeline_makespan("1f1b", True, world, 2 * world, budget, 2 * budget, budget, edge, overhead)) \
+            / (2 * world)
+        byte_rate = shared["nic"]["cpu_s_per_byte"] if "nic" in shared else \
+            shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0
+        per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate
+        shared["contention"] = fit_contention(runtime_step_cpu, world, budget, period, per_mb, cores)
     if shared:  # compute: a device second is CPU time stretched by the load
         runtime = shared.get("runtime", {})
         cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
@@ -522,7 +538,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                          cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
                          cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0,
                          cpu_s_per_action=runtime.get("cpu_s_per_action", 0.0),
-                         cpu_s_per_step=runtime.get("cpu_s_per_step", 0.0))
+                         cpu_s_per_step=runtime.get("cpu_s_per_step", 0.0),
+                         cpu_contention=shared.get("contention", {}).get("cpu_contention", 0.0))
     else:
         cpu_rates = {}
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s

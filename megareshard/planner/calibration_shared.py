@@ -15,7 +15,9 @@ NICs' packets — around three patterns, each after a barrier and timed to the n
 
 And the pipeline runtime's own CPU work (`fit_runtime_cpu`): a real training step of a pipeline of one `PROBE`
 layer per rank at two microbatch counts (the caller runs it: the planner does not import the trainer) →
-``cpu_s_per_action`` and ``cpu_s_per_step``.
+``cpu_s_per_action`` and ``cpu_s_per_step``; then the same pipeline with every action paced as the emulated
+device paces a layer's forward (`fit_contention`) → ``cpu_contention``: how much longer each microbatch
+makes the step than the simulator says, per second of the CPU work it adds over the cores.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["machine_busy_s", "boot_id", "busy_over", "measure_shared_cpu", "PROBE", "fit_runtime_cpu"]
+__all__ = ["machine_busy_s", "boot_id", "busy_over", "measure_shared_cpu", "PROBE", "fit_runtime_cpu",
+           "fit_contention"]
 
 PROBE = {"hidden_size": 16, "num_attention_heads": 2, "seq_length": 8, "vocab_size": 64}
 """The GPT of the runtime probe (`fit_runtime_cpu`): one layer per rank, so small that what a step costs is
@@ -141,3 +144,23 @@ def fit_runtime_cpu(step_cpu: Callable[[int], tuple[float, float]], world: int, 
     return {"microbatches": [m1, m2], "step_busy_s": [b1, b2], "step_wall_s": [w1, w2], "layer_cpu_s": own,
             "cpu_s_per_action": max(0.0, per_mb - own) / 3,
             "cpu_s_per_step": max(0.0, c1 / world - m1 * per_mb)}
+
+
+def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, budget_s: float,
+                   period_s: float, cpu_per_microbatch_s: float, cores: float) -> dict[str, Any]:
+    """``cpu_contention`` from `step_cpu(m, pace=budget_s)`: (the machine's busy CPU seconds, wall seconds) of a
+    training step of m microbatches through the runtime probe's pipeline (one `PROBE` layer on each of the
+    `world` ranks, 1f1b with delayed weight gradients) with every action paced to `budget_s`, at m = 2 and 4 ×
+    `world` (past the warm-up, so the pipeline's fill and the step's fixed work cancel in the difference).
+    `period_s`: the simulator's growth of that step per microbatch (each action its budget plus the late
+    wake-up and the runtime's overhead, the planner's emulated device); `cpu_per_microbatch_s`: the CPU work a
+    microbatch adds, as the planner counts it (`shared_cpu_s`'s terms); `cores`: `shared_cores`. The measured
+    growth beyond `period_s` is the waiting, taken per second of that CPU work over the cores. Every rank
+    calls it (`step_cpu` is collective)."""
+    m1, m2 = 2 * world, 4 * world
+    (b1, w1), (b2, w2) = step_cpu(m1, pace=budget_s), step_cpu(m2, pace=budget_s)
+    growth = (w2 - w1) / (m2 - m1)
+    per_core = cpu_per_microbatch_s / cores
+    return {"microbatches": [m1, m2], "budget_s": budget_s, "step_busy_s": [b1, b2], "step_wall_s": [w1, w2],
+            "growth_s": growth, "period_s": period_s, "cpu_per_microbatch_s": cpu_per_microbatch_s,
+            "cpu_contention": max(0.0, (growth - period_s) / per_core) if per_core > 0 else 0.0}

@@ -168,6 +168,12 @@ class ClusterSpec:
     receiver together), with `shared_cores`; calibrated with every host in a two-host all-reduce at once."""
     cpu_s_per_intra_byte: float = 0.0
     """The same per byte a rank sends to another of its host (loopback), with `shared_cores`."""
+    cpu_contention: float = 0.0
+    """Seconds a step waits per second of its CPU work over `shared_cores`, below saturation, with
+    `shared_cores`: a rank woken by a message or by its pacing sleep finds the cores busy with the other
+    ranks' work more often the more of it there is (the step is max(simulated + this × CPU / cores,
+    CPU / cores)). Calibrated with a pipeline of one small layer per rank paced as the emulated device paces:
+    its step's growth per microbatch beyond the simulated one, over the CPU each microbatch adds per core."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the

@@ -43,11 +43,11 @@ from ..resharding import ShardingSpec, plan_resharding
 from ..resharding.messages import build_messages
 from .candidate import Candidate
 from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
-from .shared_cpu import shared_cpu_bound_s, shared_cpu_s
+from .shared_cpu import on_shared_cores, shared_cpu_bound_s, shared_cpu_s
 from .step_collectives import step_sync_s, tied_embedding_s
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
-__all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES"]  # Candidate: from candidate.py
+__all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES", "pipeline_makespan"]  # Candidate: from candidate.py
 
 STRATEGIES = ("allgather", "broadcast", "sendrecv")
 """Resharding strategies the planner considers (``signal`` is a benchmark bound, not a strategy)."""
@@ -391,6 +391,15 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
     return cache[key]
 
 
+def pipeline_makespan(schedule: str, delay_wgrad: bool, P: int, m: int, forward_s: float, backward_s: float,
+                      wgrad_s: float, edge_s: float, overhead_s: float) -> float:
+    """Simulated seconds of m microbatches through P equal stages of one mesh each (what `_simulate` scores a
+    candidate's pipeline with): F = `forward_s`, B = `backward_s` (I = B − W and W = `wgrad_s` under delayed
+    weight gradients), every action `overhead_s` more, every stage transfer `edge_s`."""
+    return _pipeline(schedule, delay_wgrad, P, m, (forward_s,) * P, (backward_s,) * P, edge_s, {}, 1, overhead_s,
+                     (wgrad_s,) * P)[0]
+
+
 def _edge_arg(edges: dict[str, float]) -> float | tuple[tuple[str, float], ...]:
     return edges["*"] if "*" in edges else tuple(sorted(edges.items()))
 
@@ -465,10 +474,12 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"
-    if cpu > c.step_s:  # the step's CPU work does not fit on the cores the hosts share in the simulated time
-        c.breakdown["waiting for the shared cores"] = cpu - c.step_s
-        c.bottleneck = "the cores every host shares (CPU)"
-        c.step_s = cpu
+    shared = on_shared_cores(c.step_s, cpu, cluster)
+    if shared > c.step_s:  # the ranks wait for the cores every host shares (a real cluster: never)
+        c.breakdown["waiting for the shared cores"] = shared - c.step_s
+        if cpu >= shared:  # the step's CPU work does not fit on them in the simulated time
+            c.bottleneck = "the cores every host shares (CPU)"
+        c.step_s = shared
 
 
 def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
@@ -545,7 +556,8 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                     continue
                 cpu = shared_cpu_bound_s(model, cluster, sh, placement, dw, bounds)
                 for strategy in strats:
-                    est = max(cpu, _estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds), name))
+                    est = on_shared_cores(_estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds),
+                                                    name), cpu, cluster)
                     by_v.setdefault(v, []).append((est, name, dw, strategy, live, mem))
         for v, rows in by_v.items():
             groups.append((min(r[0] for r in rows), shapes[v], rows))

@@ -9,7 +9,9 @@ veth pair on the development machines, sender, bridge and receiver together). Ei
 1.1–1.3× the simulated step while the configurations without data parallelism measured at it, and their
 CPU time summed over ranks came within a few per cent of their step × cores. This module adds up a
 candidate's CPU seconds per step from calibrated rates; the search takes the step as at least that over the
-shared cores.
+shared cores, and below that bound as the simulated step plus the waits that CPU work causes
+(`ClusterSpec.cpu_contention` per second of it over the cores: a rank that a message or its pacing sleep
+wakes finds the cores taken by the others' work; `on_shared_cores`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Sequence
 from ..pipeline.meshes import stage_mesh
 from .costs import ClusterSpec, ModelShape
 
-__all__ = ["shared_cpu_s", "shared_cpu_bound_s"]
+__all__ = ["shared_cpu_s", "shared_cpu_bound_s", "on_shared_cores"]
 
 
 def _mesh_hosts(sh: Any, cache: dict[tuple, Any]) -> list[frozenset[int]]:
@@ -80,3 +82,12 @@ def shared_cpu_bound_s(model: ModelShape, cluster: ClusterSpec, sh: Any, placeme
     if not cluster.shared_cores:
         return 0.0
     return shared_cpu_s(model, cluster, sh, placement, delay_wgrad, cache) / cluster.shared_cores
+
+
+def on_shared_cores(step_s: float, bound_s: float, cluster: ClusterSpec) -> float:
+    """The step of a simulated `step_s` whose CPU work over the shared cores is `bound_s`
+    (`shared_cpu_bound_s`): the simulated step plus `cpu_contention` × `bound_s` of waiting for a core, and
+    never less than the bound itself. `step_s` unchanged where the hosts have cores of their own."""
+    if not bound_s:
+        return step_s
+    return max(step_s + cluster.cpu_contention * bound_s, bound_s)

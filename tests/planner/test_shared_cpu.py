@@ -1,6 +1,7 @@
 """The cores an emulated cluster's hosts share (`ClusterSpec.shared_cores`): a step's CPU work over them bounds
-the step. Each CPU term is checked against its arithmetic on one-term clusters; without shared cores the plans
-are the same bit for bit; the runtime probe's fit recovers known rates."""
+the step, and below the bound the ranks wait for them (`ClusterSpec.cpu_contention`). Each CPU term is checked
+against its arithmetic on one-term clusters; without shared cores the plans are the same bit for bit; the
+runtime probe's fits recover known rates."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +10,11 @@ import json
 import pytest
 
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
-from megareshard.planner.calibration_shared import fit_runtime_cpu
+from megareshard.planner.calibration_shared import fit_contention, fit_runtime_cpu
 from megareshard.planner.cluster_file import cluster_from_json, cluster_to_json
 from megareshard.planner.costs import stage_costs
+from megareshard.planner.search import pipeline_makespan
+from megareshard.planner.shared_cpu import on_shared_cores
 
 MODEL = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128,
                    dtype_bytes=4)
@@ -111,6 +114,51 @@ def test_the_bound_is_the_step_at_least_and_reorders_data_parallel_layouts() -> 
     assert dp8 and all(c.bottleneck == "the cores every host shares (CPU)" for c in dp8)
 
 
+def test_waiting_for_the_shared_cores_adds_to_the_simulated_step_below_the_bound() -> None:
+    cluster = dataclasses.replace(BASE, shared_cores=2.0, cpu_contention=0.25)
+    assert on_shared_cores(1.0, 0.0, cluster) == 1.0  # no CPU work counted (own cores): the step itself
+    assert on_shared_cores(1.0, 0.8, cluster) == pytest.approx(1.2, rel=1e-12)  # 1 + 0.25 × 0.8
+    assert on_shared_cores(1.0, 1.5, cluster) == 1.5  # the bound: the work does not fit in 1 + 0.25 × 1.5
+    assert on_shared_cores(1.0, 0.8, BASE) == 1.0 and on_shared_cores(1.0, 1.5, BASE) == 1.5  # no contention rate
+    # every candidate of a plan: its step without the cores, plus the rate × its CPU work over them
+    model = ModelShape(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512,
+                       dtype_bytes=4)
+    rates = dict(shared_cores=2.0, compute_cpu_share=0.2, cpu_s_per_param=2e-8, cpu_s_per_nic_byte=1.2e-8,
+                 cpu_s_per_action=1e-3, cpu_s_per_step=1e-2)
+    cluster = dataclasses.replace(BASE, hosts=8, nic_gbps=0.3, device_tflops=0.015, layer_overhead_s=3e-3)
+    plain = {c.name: c for c in _plan(cluster, model=model)}
+    ranked = _plan(dataclasses.replace(cluster, cpu_contention=0.3, **rates), model=model)
+    below = 0
+    for c in ranked:
+        p, cpu = plain[c.name], c.shared_cpu_s / 2.0
+        assert c.step_s == pytest.approx(max(p.step_s + 0.3 * cpu, cpu), rel=1e-12)
+        assert c.breakdown["waiting for the shared cores"] == pytest.approx(c.step_s - p.step_s, rel=1e-9)
+        if cpu < p.step_s + 0.3 * cpu:
+            below += 1
+            assert c.bottleneck != "the cores every host shares (CPU)"
+    assert below > 0
+
+
+def test_the_contention_fit_recovers_its_rate() -> None:
+    # a pipeline whose every microbatch takes its simulated period plus 0.2 × its CPU over 2 cores
+    world, budget, per_mb, rate, cores = 4, 5e-3, 0.03, 0.2, 2.0
+    period = (pipeline_makespan("1f1b", True, world, 16, budget, 2 * budget, budget, 3e-4, 1e-4)
+              - pipeline_makespan("1f1b", True, world, 8, budget, 2 * budget, budget, 3e-4, 1e-4)) / 8
+    assert period == pytest.approx(3 * (budget + 1e-4), rel=1e-9)  # steady 1f1b: F, I and W per microbatch
+    seen = []
+
+    def step_cpu(m: int, pace: float | None = None) -> tuple[float, float]:
+        seen.append((m, pace))
+        return 0.01 + m * per_mb, 0.07 + m * (period + rate * per_mb / cores)
+
+    fit = fit_contention(step_cpu, world, budget, period, per_mb, cores)
+    assert seen == [(8, budget), (16, budget)]
+    assert fit["cpu_contention"] == pytest.approx(rate, rel=1e-9)
+    # a pipeline at its simulated pace: no waiting (never negative)
+    fit = fit_contention(lambda m, pace=None: (1.0, 0.5 + m * period * 0.99), world, budget, period, per_mb, cores)
+    assert fit["cpu_contention"] == 0.0
+
+
 def test_the_runtime_probe_fit_recovers_its_rates() -> None:
     world, per_step, per_action, idle = 8, 0.009, 0.0008, 0.2
     layer = {"forward_cpu_s": 1e-4, "input_grad_cpu_s": 1.5e-4, "weight_grad_cpu_s": 0.5e-4}
@@ -127,7 +175,8 @@ def test_the_runtime_probe_fit_recovers_its_rates() -> None:
 
 def test_cluster_files_carry_the_shared_cores() -> None:
     shared = dataclasses.replace(BASE, shared_cores=1.8, compute_cpu_share=0.25, cpu_s_per_param=2e-8,
-                                 cpu_s_per_nic_byte=1.2e-8, cpu_s_per_action=9e-4, cpu_s_per_step=0.01)
+                                 cpu_s_per_nic_byte=1.2e-8, cpu_s_per_action=9e-4, cpu_s_per_step=0.01,
+                                 cpu_contention=0.27)
     again = cluster_from_json(json.loads(json.dumps(cluster_to_json(shared))), "x.json")
     assert again == shared
     plain = cluster_from_json(json.loads(json.dumps(cluster_to_json(BASE))), "x.json")
