@@ -255,8 +255,9 @@ def _emulated(point: GridPoint, cmd: list[str], timeout_s: float) -> list[str]:
 
 
 CALIBRATION_MICRO_BATCH = 1
-"""The smallest micro batch the search tries: the layer is timed at it and at twice it, so the fixed part of a
-layer (what does not shrink with the batch) is measured where it weighs most, not extrapolated to it."""
+"""The smallest micro batch the search tries: the layer is timed at it, at twice and at four times it (the search's
+three), so the fixed part of a layer (what does not shrink with the batch) is measured where it weighs most, not
+extrapolated to it, and the largest micro batch is measured, not extrapolated either."""
 
 
 def calibration_cmd(point: GridPoint, out: str, pace_margin: float = PACE_MARGIN) -> list[str]:

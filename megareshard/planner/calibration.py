@@ -9,8 +9,9 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
   ``backward_factor`` = backward / forward, both from CPU times (the matmul's too), which the
   scheduler's preemptions do not stretch; the load enters once, through `measure_load`. The layer
-  is timed at the micro batch and at twice it: the forward's part that does not double is
-  ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the rate of the part that does. The
+  is timed at the micro batch, at twice and at four times it: the forward's fixed part of a line fitted
+  to the three (least squares) is ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the
+  rate of the part that grows. The
   backward is also run split as delayed weight gradients run it (I, then the queued W): W's share of the
   CPU time → ``wgrad_fraction``;
 * **the optimizer step**: the trainer's AdamW step over ~1 Mi fp32 parameters shaped as the model's layers →
@@ -432,6 +433,24 @@ def _rank_sum(value: float) -> float:
     return float(box.item())
 
 
+def fit_fixed_and_scaling(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed, per-unit) seconds of a time that grows linearly with the micro batch, least squares through
+    `points` [(micro batch in units of the calibrated one, seconds)]: the fixed part clamped to at least 0 (then
+    the line through the origin) and the per-unit part to at least a thousandth of the first point's time."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx > 0 else 0.0
+    fixed = my - slope * mx
+    if fixed < 0:
+        fixed, slope = 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    floor = 1e-3 * points[0][1]
+    if slope < floor:
+        slope = floor
+        fixed = max(0.0, my - slope * mx)
+    return fixed, slope
+
+
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
               iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
               runtime_step_cpu: Callable[..., tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
@@ -459,11 +478,15 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     layer = layer | {k: _rank_median(layer[k]) for k in keys}
     double = measure_layer(model, 2 * micro_batch, iters=3 * iters)  # twice the samples: what scales, what not
     double = {k: _rank_median(double[k]) for k in keys}
-    # forward CPU time = fixed + per-sample part; the per-sample part of `micro_batch` samples is the difference
-    scaling_cpu = max(double["forward_cpu_s"] - layer["forward_cpu_s"], 1e-3 * layer["forward_cpu_s"])
-    fixed_cpu = min(max(0.0, layer["forward_cpu_s"] - scaling_cpu), layer["forward_cpu_s"])
-    layer |= {"double_micro_batch": double, "scaling_forward_cpu_s": layer["forward_cpu_s"] - fixed_cpu,
-              "fixed_forward_cpu_s": fixed_cpu}
+    quadruple = measure_layer(model, 4 * micro_batch, iters=3 * iters)  # the largest micro batch the search tries
+    quadruple = {k: _rank_median(quadruple[k]) for k in keys}
+    # forward CPU time = fixed + per-sample part, fitted to the three micro batches (a difference of two small
+    # timings swung the per-sample part 1.0-2.1× between calibrations of one model, and four times the micro
+    # batch extrapolated from it measured 0.85× its prediction: run 57)
+    fixed_cpu, scaling_cpu = fit_fixed_and_scaling([(1, layer["forward_cpu_s"]), (2, double["forward_cpu_s"]),
+                                                    (4, quadruple["forward_cpu_s"])])
+    layer |= {"double_micro_batch": double, "quadruple_micro_batch": quadruple,
+              "scaling_forward_cpu_s": scaling_cpu, "fixed_forward_cpu_s": fixed_cpu}
     # the layer's ratios (to the matmul, backward to forward) come from CPU times, which preemption does not
     # stretch: wall times of a ~10 ms layer among 8 ranks on 2 cores swing 2× between runs; the load itself
     # enters once, measured over a window every rank computes through
@@ -524,9 +547,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         link, lat = (nic, nic_lat["seconds"]) if nic and nic_lat else (intra, intra_lat["seconds"] if intra_lat else 0.0)
         edge = lat + (act / link["Bps"] if link else 0.0)
         overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
-        period = (pipeline_makespan("1f1b", True, world, 4 * world, budget, 2 * budget, budget, edge, overhead)
+        period = (pipeline_makespan("1f1b", True, world, 6 * world, budget, 2 * budget, budget, edge, overhead)
                   - pipeline_makespan("1f1b", True, world, 2 * world, budget, 2 * budget, budget, edge, overhead)) \
-            / (2 * world)
+            / (4 * world)
         byte_rate = shared["nic"]["cpu_s_per_byte"] if "nic" in shared else \
             shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0
         per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate

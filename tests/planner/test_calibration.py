@@ -8,7 +8,8 @@ import pytest
 
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
-from megareshard.planner.calibration import CLUSTER_FORMAT, calibrate, cluster_to_json, load_cluster
+from megareshard.planner.calibration import (CLUSTER_FORMAT, calibrate, cluster_to_json, fit_fixed_and_scaling,
+                                            load_cluster)
 from tests.harness import run_ranks
 
 MODEL = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
@@ -40,9 +41,12 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert measured["load"]["window_s"] >= 0.3 and measured["load"]["matmuls"] > 0 and 0.5 < load < 50
     assert measured["matmul"]["seconds"] == pytest.approx(measured["matmul"]["cpu_seconds"] * load)
     assert lay["under_load_forward_s"] == pytest.approx(lay["forward_cpu_s"] * load)
-    # the layer at twice the micro batch splits its forward into a fixed part and a part that scales
-    assert lay["fixed_forward_cpu_s"] + lay["scaling_forward_cpu_s"] == pytest.approx(lay["forward_cpu_s"])
-    assert 0 <= lay["fixed_forward_cpu_s"] < lay["forward_cpu_s"] and lay["double_micro_batch"]["forward_cpu_s"] > 0
+    # the layer at twice and four times the micro batch: a line through the three splits its forward into a
+    # fixed part and a part that scales
+    fit = fit_fixed_and_scaling([(1, lay["forward_cpu_s"]), (2, lay["double_micro_batch"]["forward_cpu_s"]),
+                                 (4, lay["quadruple_micro_batch"]["forward_cpu_s"])])
+    assert (lay["fixed_forward_cpu_s"], lay["scaling_forward_cpu_s"]) == fit
+    assert lay["fixed_forward_cpu_s"] >= 0 and lay["scaling_forward_cpu_s"] > 0
     assert lay["achieved_flops"] == pytest.approx(lay["flops"] / (lay["scaling_forward_cpu_s"] * load))
     assert cluster.layer_overhead_s == pytest.approx(lay["fixed_forward_cpu_s"] * load)
     assert cluster.backward_factor == pytest.approx(lay["backward_cpu_s"] / lay["forward_cpu_s"])
@@ -137,3 +141,17 @@ def test_one_rank_per_host_measures_the_collective_and_the_ring_across_the_nic()
     shared = measured["shared_cpu"]
     assert shared["nic"]["pairs"] == [[0, 1]] and "intra" not in shared
     assert cluster.cpu_s_per_nic_byte == shared["nic"]["cpu_s_per_byte"] >= 0 and cluster.shared_cores > 0
+
+
+def test_the_layer_line_is_fitted_to_every_micro_batch() -> None:
+    # a line recovers itself; noise on the middle point moves it less than a two-point difference would
+    assert fit_fixed_and_scaling([(1, 3.0), (2, 5.0), (4, 9.0)]) == pytest.approx((1.0, 2.0), rel=1e-12)
+    fixed, per = fit_fixed_and_scaling([(1, 3.0), (2, 6.0), (4, 9.0)])  # 2 one unit high
+    assert per == pytest.approx(2.0 - 1 / 14, rel=1e-12) and fixed == pytest.approx(1.5, rel=1e-12)
+    assert fixed + 4 * per < 6.0 + 2 * (6.0 - 3.0)  # the two-point extrapolation to 4: 12
+    # a negative intercept: the line through the origin
+    fixed, per = fit_fixed_and_scaling([(1, 1.0), (2, 3.0), (4, 7.0)])
+    assert fixed == 0.0 and per == pytest.approx((1 + 6 + 28) / 21, rel=1e-12)
+    # no growth (or less): the per-unit part is floored, the rest fixed
+    fixed, per = fit_fixed_and_scaling([(1, 2.0), (2, 2.0), (4, 1.9)])
+    assert per == pytest.approx(2e-3) and fixed == pytest.approx((2.0 + 2.0 + 1.9) / 3 - 2e-3 * 7 / 3)
