@@ -456,10 +456,11 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
               runtime_step_cpu: Callable[..., tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
-    measured an emulation paces compute (only the sleep overshoot depends on it). `runtime_step_cpu(m)`: the
-    machine's busy and wall seconds of a real training step of m microbatches through a pipeline of one `PROBE`
-    layer per rank (`calibration_shared.fit_runtime_cpu`; the caller builds it: the planner imports no
-    trainer), run where the hosts share their cores."""
+    measured an emulation paces compute (the sleep overshoot and the contention probe's budget depend on it).
+    `runtime_step_cpu(m, pace=None)`: the machine's busy and wall seconds of a real training step of m
+    microbatches through a pipeline of one `PROBE` layer per rank, every action paced to `pace` seconds if given
+    (`calibration_shared.fit_runtime_cpu` unpaced, `fit_contention` paced; the caller builds it: the planner
+    imports no trainer), run where the hosts share their cores."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
