@@ -536,6 +536,12 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                                                              intra["Bps"] if intra else None, target_s * 2 / 3,
                                                              iters=iters)
     defaults = ClusterSpec(1, 1)
+    cpu_rates: dict[str, Any] = {}
+    if shared:  # compute: a device second is CPU time stretched by the load
+        cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
+                         compute_cpu_share=min(1.0, 1.0 / load), cpu_s_per_param=optim["cpu_s_per_param"],
+                         cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
+                         cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0)
     if shared and runtime_step_cpu is not None:
         probe = ModelShape(world, PROBE["hidden_size"], PROBE["num_attention_heads"], PROBE["seq_length"],
                            PROBE["vocab_size"])
@@ -543,29 +549,20 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
         runtime = shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
         # the same pipeline paced as the emulated device paces a layer's forward (the sleep overshoot's chunk)
-        cores = max(0.5, shared["cores"] - shared["idle_busy_cores"])
         budget, act = measured["sleep_overshoot"]["chunk_s"], PROBE["seq_length"] * PROBE["hidden_size"] * 4
-        link, lat = (nic, nic_lat["seconds"]) if nic and nic_lat else (intra, intra_lat["seconds"] if intra_lat else 0.0)
-        edge = lat + (act / link["Bps"] if link else 0.0)
+        link, lat = (nic, nic_lat) if nic and nic_lat else (intra, intra_lat)
+        edge = (lat["seconds"] if lat else 0.0) + (act / link["Bps"] if link else 0.0)
         overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
-        period = (pipeline_makespan("1f1b", True, world, 6 * world, budget, 2 * budget, budget, edge, overhead)
-                  - pipeline_makespan("1f1b", True, world, 2 * world, budget, 2 * budget, budget, edge, overhead)) \
-            / (4 * world)
-        byte_rate = shared["nic"]["cpu_s_per_byte"] if "nic" in shared else \
-            shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0
+
+        def simulated(m: int) -> float:
+            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead)
+
+        byte_rate = cpu_rates["cpu_s_per_nic_byte" if "nic" in shared else "cpu_s_per_intra_byte"]
         per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate
-        shared["contention"] = fit_contention(runtime_step_cpu, world, budget, period, per_mb, cores)
-    if shared:  # compute: a device second is CPU time stretched by the load
-        runtime = shared.get("runtime", {})
-        cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
-                         compute_cpu_share=min(1.0, 1.0 / load), cpu_s_per_param=optim["cpu_s_per_param"],
-                         cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
-                         cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0,
-                         cpu_s_per_action=runtime.get("cpu_s_per_action", 0.0),
-                         cpu_s_per_step=runtime.get("cpu_s_per_step", 0.0),
-                         cpu_contention=shared.get("contention", {}).get("cpu_contention", 0.0))
-    else:
-        cpu_rates = {}
+        contention = shared["contention"] = fit_contention(runtime_step_cpu, world, budget, simulated, per_mb,
+                                                           cpu_rates["shared_cores"])
+        cpu_rates |= dict(cpu_s_per_action=runtime["cpu_s_per_action"], cpu_s_per_step=runtime["cpu_s_per_step"],
+                          cpu_contention=contention["cpu_contention"])
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
     # the pairs of those all-reduces sit inside a host, or (one rank per host) across a NIC

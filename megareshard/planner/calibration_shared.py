@@ -147,20 +147,22 @@ def fit_runtime_cpu(step_cpu: Callable[[int], tuple[float, float]], world: int, 
 
 
 def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, budget_s: float,
-                   period_s: float, cpu_per_microbatch_s: float, cores: float) -> dict[str, Any]:
+                   simulated_s: Callable[[int], float], cpu_per_microbatch_s: float, cores: float) -> dict[str, Any]:
     """``cpu_contention`` from `step_cpu(m, pace=budget_s)`: (the machine's busy CPU seconds, wall seconds) of a
     training step of m microbatches through the runtime probe's pipeline (one `PROBE` layer on each of the
     `world` ranks, 1f1b with delayed weight gradients) with every action paced to `budget_s`, at m = 2 and 6 ×
     `world` (past the warm-up, so the pipeline's fill and the step's fixed work cancel in the difference; 4 ×
     `world` more microbatches, so that a step's few milliseconds of noise weigh little per microbatch).
-    `period_s`: the simulator's growth of that step per microbatch (each action its budget plus the late
-    wake-up and the runtime's overhead, the planner's emulated device); `cpu_per_microbatch_s`: the CPU work a
+    `simulated_s(m)`: the simulator's step of m microbatches (each action its budget plus the late wake-up and
+    the runtime's overhead, the planner's emulated device), whose growth per microbatch is the period;
+    `cpu_per_microbatch_s`: the CPU work a
     microbatch adds, as the planner counts it (`shared_cpu_s`'s terms); `cores`: `shared_cores`. The measured
-    growth beyond `period_s` is the waiting, taken per second of that CPU work over the cores. Every rank
+    growth beyond the period is the waiting, taken per second of that CPU work over the cores. Every rank
     calls it (`step_cpu` is collective)."""
     m1, m2 = 2 * world, 6 * world
     (b1, w1), (b2, w2) = step_cpu(m1, pace=budget_s), step_cpu(m2, pace=budget_s)
     growth = (w2 - w1) / (m2 - m1)
+    period_s = (simulated_s(m2) - simulated_s(m1)) / (m2 - m1)
     per_core = cpu_per_microbatch_s / cores
     return {"microbatches": [m1, m2], "budget_s": budget_s, "step_busy_s": [b1, b2], "step_wall_s": [w1, w2],
             "growth_s": growth, "period_s": period_s, "cpu_per_microbatch_s": cpu_per_microbatch_s,

@@ -455,8 +455,9 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync
-    cpu = shared_cpu_bound_s(model, cluster, sh, placement, c.delay_wgrad, cache)  # 0 unless cores are shared
-    c.shared_cpu_s = shared_cpu_s(model, cluster, sh, placement, c.delay_wgrad, cache) if cpu else 0.0
+    # 0 unless cores are shared
+    c.shared_cpu_s = shared_cpu_s(model, cluster, sh, placement, c.delay_wgrad, cache) if cluster.shared_cores else 0.0
+    cpu = c.shared_cpu_s / cluster.shared_cores if cluster.shared_cores else 0.0  # `shared_cpu_bound_s`
     o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
     busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0

@@ -142,8 +142,11 @@ def test_waiting_for_the_shared_cores_adds_to_the_simulated_step_below_the_bound
 def test_the_contention_fit_recovers_its_rate() -> None:
     # a pipeline whose every microbatch takes its simulated period plus 0.2 × its CPU over 2 cores
     world, budget, per_mb, rate, cores = 4, 5e-3, 0.03, 0.2, 2.0
-    period = (pipeline_makespan("1f1b", True, world, 24, budget, 2 * budget, budget, 3e-4, 1e-4)
-              - pipeline_makespan("1f1b", True, world, 8, budget, 2 * budget, budget, 3e-4, 1e-4)) / 16
+
+    def simulated(m: int) -> float:
+        return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, 3e-4, 1e-4)
+
+    period = (simulated(24) - simulated(8)) / 16
     assert period == pytest.approx(3 * (budget + 1e-4), rel=1e-9)  # steady 1f1b: F, I and W per microbatch
     seen = []
 
@@ -151,11 +154,12 @@ def test_the_contention_fit_recovers_its_rate() -> None:
         seen.append((m, pace))
         return 0.01 + m * per_mb, 0.07 + m * (period + rate * per_mb / cores)
 
-    fit = fit_contention(step_cpu, world, budget, period, per_mb, cores)
+    fit = fit_contention(step_cpu, world, budget, simulated, per_mb, cores)
     assert seen == [(8, budget), (24, budget)]
     assert fit["cpu_contention"] == pytest.approx(rate, rel=1e-9)
     # a pipeline at its simulated pace: no waiting (never negative)
-    fit = fit_contention(lambda m, pace=None: (1.0, 0.5 + m * period * 0.99), world, budget, period, per_mb, cores)
+    fit = fit_contention(lambda m, pace=None: (1.0, 0.5 + m * period * 0.99), world, budget, simulated, per_mb,
+                         cores)
     assert fit["cpu_contention"] == 0.0
 
 
