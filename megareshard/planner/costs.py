@@ -336,8 +336,11 @@ def _ring(n: int, nbytes: float) -> float:
 
 def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last: bool, tp: int, dp: int,
                 micro_batch: int, sequence_parallel: bool, recompute: bool, zero: int,
-                dp_crosses_hosts: bool, dp_ring_edges_per_nic: int) -> StageCosts:
-    """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term)."""
+                dp_crosses_hosts: bool, dp_ring_edges_per_nic: int, tied_copy: bool = True) -> StageCosts:
+    """Per-device costs of a stage of ``layers`` layers (see the module docstring for every term). `tied_copy`:
+    the last stage holds its own copy of the output weight tied to the word embedding (False where one mesh holds
+    both ends, zbv's V: the trainer keeps one Parameter there, whose gradient and optimizer state the first stage
+    already counts)."""
     b, s, h, V = micro_batch, m.seq_length, m.hidden_size, m.vocab_size
     layer_fwd = layer_flops(m, b)
     fwd_flops = layers * layer_fwd + (2 * b * s * h * V if last else 0)
@@ -356,7 +359,7 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
     if first:
         params += V * h + (s * h if m.learned_positions else 0)  # word (+ learned position) embedding
     if last:
-        params += V * h if (m.untied or not first) else 0  # output layer (a tied copy when pp > 1)
+        params += V * h if (m.untied or (not first and tied_copy)) else 0  # output layer (a tied copy when pp > 1)
         params += 2 * h  # final norm
     per_dev = params // tp
     opt_div = dp if zero >= 1 else 1

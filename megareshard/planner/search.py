@@ -104,12 +104,14 @@ def _stage_list(model: ModelShape, cluster: ClusterSpec, layers: tuple[int, ...]
                 rc: bool, zero: int) -> list[StageCosts]:
     S = len(layers)
     out = []
+    tied_copy = mesh_of[0] != mesh_of[-1]  # one mesh with both ends holds one tied Parameter (zbv's V)
     for i, n in enumerate(layers):
         tp, dp = layouts[mesh_of[i]]
         crosses, per_host = cross[mesh_of[i]]
         out.append(_stage_costs(model, cluster, layers=n, first=i == 0, last=i == S - 1, tp=tp, dp=dp,
                                 micro_batch=b * max_dp // dp, sequence_parallel=sp and tp > 1, recompute=rc,
-                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ring_edges_per_nic=per_host))
+                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ring_edges_per_nic=per_host,
+                                tied_copy=tied_copy))
     return out
 
 
@@ -203,12 +205,13 @@ def _stage_mesh_shapes(model: ModelShape, cluster: ClusterSpec, global_batch: in
                          cross=cross)
 
 
-def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int) -> _Shape:
-    """The same shape with v stages per mesh (layers / (pp·v) each; uniform meshes only)."""
+def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int, placement: tuple[int, ...]) -> _Shape:
+    """The same shape with v stages per mesh (layers / (pp·v) each; uniform meshes only), stage s on mesh
+    `placement[s]` (the schedule's: interleaved round robin, or zbv's V, whose first mesh holds both ends)."""
     S = sh.pp * v
     n = model.num_layers // S
     lay = sh.mesh_layouts()
-    stages = _stage_list(model, cluster, (n,) * S, [s % sh.pp for s in range(S)], lay, sh.cross, sh.b,
+    stages = _stage_list(model, cluster, (n,) * S, list(placement), lay, sh.cross, sh.b,
                          sh.dp, sh.sp, sh.recompute, sh.zero)
     return _Shape(sh.tp, sh.pp, sh.dp, sh.b, sh.m, sh.sp, sh.recompute, sh.zero, sh.topo, stages, (n,) * S,
                   None, v, cross=sh.cross)
@@ -534,13 +537,15 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
     groups: list[tuple[float, _Shape, list[Row]]] = []
 
     def add(base: _Shape) -> None:
-        shapes: dict[int, _Shape] = {1: base}
-        by_v: dict[int, list[Row]] = {}
+        # per (v, placement): the stages' costs depend on which mesh holds both ends of the model
+        shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {(1, tuple(range(base.pp))): base}
+        by_v: dict[tuple[int, tuple[int, ...]], list[Row]] = {}
         for name, v in _schedule_options(names, base, model.num_layers):
-            if v not in shapes:
-                shapes[v] = _virtualize(model, cluster, base, v)
-            sh = shapes[v]
-            placement = placement_of(name, sh.pp, v) if v > 1 else tuple(range(sh.pp))
+            placement = placement_of(name, base.pp, v) if v > 1 else tuple(range(base.pp))
+            key = (v, placement)
+            if key not in shapes:
+                shapes[key] = _virtualize(model, cluster, base, v, placement)
+            sh = shapes[key]
             static = _mesh_static(sh, placement)
             parts = _estimate_parts(sh, cluster.action_overhead_s)
             if sh.pp > 1:  # the tied embedding's all-reduce comes after the pipeline, before the step
@@ -559,9 +564,9 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 for strategy in strats:
                     est = on_shared_cores(_estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds),
                                                     name), cpu, cluster)
-                    by_v.setdefault(v, []).append((est, name, dw, strategy, live, mem))
-        for v, rows in by_v.items():
-            groups.append((min(r[0] for r in rows), shapes[v], rows))
+                    by_v.setdefault(key, []).append((est, name, dw, strategy, live, mem))
+        for key, rows in by_v.items():
+            groups.append((min(r[0] for r in rows), shapes[key], rows))
 
     for base in _shapes(model, cluster, global_batch, micro_batches, zero_stages, recompute_options, uneven_splits):
         add(base)
