@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from ..resharding.network import NetworkModel
 
-__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "layer_params", "layer_flops",
+__all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "mesh_dp_seconds", "layer_params", "layer_flops",
            "collective_latency", "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency",
            "DDP_BUCKET_PARAMS"]
 
@@ -328,6 +328,16 @@ def dp_reduction_latency(c: ClusterSpec, params: int, dp: int, crosses_hosts: bo
         return 0.0
     buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * dp)))
     return buckets * collective_latency(c, dp, crosses_hosts)
+
+
+def mesh_dp_seconds(c: ClusterSpec, stages: list[StageCosts], dp: int, crosses_hosts: bool) -> float:
+    """The gradient reduction of a mesh holding `stages` (several under virtual stages): their rings' bytes, and
+    the fixed part of the buckets of all their parameters together — the trainer buckets a mesh's model chunks
+    as one model (each stage's own `dp_seconds` counts its buckets' latency alone)."""
+    if len(stages) == 1:
+        return stages[0].dp_seconds
+    return (sum(st.dp_seconds - dp_reduction_latency(c, st.params, dp, crosses_hosts) for st in stages)
+            + dp_reduction_latency(c, sum(st.params for st in stages), dp, crosses_hosts))
 
 
 def _ring(n: int, nbytes: float) -> float:

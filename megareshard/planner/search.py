@@ -22,7 +22,8 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
    its strategy sends, at the busiest rank); long runs are extrapolated from steady-state
    simulations (the step grows linearly in m once every stage is in its steady phase; two
    equal increments are required, otherwise the whole run is simulated).
-   The data-parallel reduction of a mesh starts after its last backward; what does not fit
+   The data-parallel reduction of a mesh (its stages' gradients bucketed together, `costs.mesh_dp_seconds`)
+   starts after its last backward; what does not fit
    before the step's end is added, then the optimizer step and the one-element all-reduces every step
    ends with (`step_sync_s`: loss, gradient norm, non-finite check, dp mean).
 """
@@ -42,7 +43,7 @@ from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, plan_resharding
 from ..resharding.messages import build_messages
 from .candidate import Candidate
-from .costs import ClusterSpec, ModelShape, StageCosts, stage_costs
+from .costs import ClusterSpec, ModelShape, StageCosts, mesh_dp_seconds, stage_costs
 from .shared_cpu import on_shared_cores, shared_cpu_bound_s, shared_cpu_s
 from .step_collectives import step_sync_s, tied_embedding_s
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
@@ -454,7 +455,9 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     if tied:
         both = max(ends[first], ends[last]) + tied
         ends[first] = ends[last] = both
-    exposed = max(max(0.0, sum(st.dp_seconds for st in g) + e - tl.makespan) for g, e in zip(groups, ends))
+    reduce_s = [mesh_dp_seconds(cluster, g, dp, crosses) for g, (_, dp), (crosses, _) in
+                zip(groups, sh.mesh_layouts(), sh.cross, strict=True)]
+    exposed = max(max(0.0, r + e - tl.makespan) for r, e in zip(reduce_s, ends))
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync

@@ -11,7 +11,7 @@ from megareshard.pipeline import generate, simulate
 from megareshard.pipeline.simulate import Costs
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
 from megareshard.planner.cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
-from megareshard.planner.costs import DDP_BUCKET_PARAMS, layer_flops, stage_costs, wgrad_share
+from megareshard.planner.costs import DDP_BUCKET_PARAMS, layer_flops, mesh_dp_seconds, stage_costs, wgrad_share
 from megareshard.planner.search import _message_latency, _pipeline
 from megareshard.resharding import ShardingSpec, plan_resharding
 from megareshard.resharding.mesh import Mesh
@@ -137,6 +137,15 @@ def test_dp_reduction_pays_a_ring_of_latencies_per_bucket() -> None:
     b = stage_costs(big, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
     buckets = -(-a.params // DDP_BUCKET_PARAMS)
     assert buckets > 1 and b.dp_seconds - a.dp_seconds == pytest.approx(buckets * 2 * 3 * 1e-3)
+
+    # two model chunks on one mesh (virtual stages): the trainer buckets them as one model, so their reduction pays
+    # the ring bytes of both and the latency of one bucket (each stage alone counts its own)
+    s1 = stage_costs(SMALL, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
+    assert mesh_dp_seconds(c, [s1], 4, True) == s1.dp_seconds
+    assert mesh_dp_seconds(c, [s1, s1], 4, True) == pytest.approx(2 * s1.dp_seconds - 2 * 3 * 1e-3)
+    two = 2 * a.params  # past one bucket together: one latency more
+    assert mesh_dp_seconds(c, [b, b], 4, True) == pytest.approx(
+        2 * b.dp_seconds + (-(-two // DDP_BUCKET_PARAMS) - 2 * buckets) * 2 * 3 * 1e-3)
 
 
 def _mesh(rows: list[list[int]], per_host: int) -> Mesh:
