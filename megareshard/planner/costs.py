@@ -25,7 +25,7 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
 * fixed costs (latency, `ClusterSpec`'s ``*_latency_s`` and ``action_overhead_s``, measured by the
   calibration): each tensor-parallel collective of a layer costs ``collective_latency_s`` + its ring steps
   × ``intra_latency_s`` (2 all-reduces per direction, or 2 all-gathers + 2 reduce-scatters with sequence
-  parallelism); each gradient bucket (Megatron's max(40 M, 1 M·dp) parameters) one collective of 2·(dp−1)
+  parallelism); each gradient bucket (the trainer's 25 MiB of fp32 gradients) one collective of 2·(dp−1)
   ring steps at the slowest link's latency. Every compute action of the pipeline (F, B, I, W) also pays
   ``action_overhead_s``: the search adds it to the simulator's costs, not to `StageCosts` (whose F and B
   are the compute a validation run paces to).
@@ -49,7 +49,7 @@ from ..resharding.network import NetworkModel
 
 __all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "mesh_dp_seconds", "layer_params", "layer_flops",
            "collective_latency", "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency",
-           "DDP_BUCKET_PARAMS"]
+           "GRAD_BUCKET_BYTES"]
 
 
 @dataclass(frozen=True)
@@ -257,8 +257,10 @@ class StageCosts:
     turns into CPU time on shared cores."""
 
 
-DDP_BUCKET_PARAMS = 40_000_000
-"""Megatron's default gradient bucket: max(40 M, 1 M × dp) parameters (`--ddp-bucket-size` unset)."""
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""The trainer's gradient bucket (`optim.zero.ZeroOptimizer`'s ``bucket_bytes``): one collective per 25 MiB of fp32
+gradients. (Megatron-LM's default is max(40 M, 1 M × dp) parameters, one bucket without --overlap-grad-reduce;
+the planner counts what this trainer issues.)"""
 
 
 def collective_latency(c: ClusterSpec, n: int, crosses_hosts: bool = False, steps_per_rank: int = 2) -> float:
@@ -326,7 +328,7 @@ def dp_reduction_latency(c: ClusterSpec, params: int, dp: int, crosses_hosts: bo
     the slowest link it crosses."""
     if dp <= 1:
         return 0.0
-    buckets = max(1, math.ceil(params / max(DDP_BUCKET_PARAMS, 1_000_000 * dp)))
+    buckets = max(1, math.ceil(4 * params / GRAD_BUCKET_BYTES))  # fp32 gradients
     return buckets * collective_latency(c, dp, crosses_hosts)
 
 

@@ -11,7 +11,7 @@ from megareshard.pipeline import generate, simulate
 from megareshard.pipeline.simulate import Costs
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
 from megareshard.planner.cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
-from megareshard.planner.costs import DDP_BUCKET_PARAMS, layer_flops, mesh_dp_seconds, stage_costs, wgrad_share
+from megareshard.planner.costs import GRAD_BUCKET_BYTES, layer_flops, mesh_dp_seconds, stage_costs, wgrad_share
 from megareshard.planner.search import _message_latency, _pipeline
 from megareshard.resharding import ShardingSpec, plan_resharding
 from megareshard.resharding.mesh import Mesh
@@ -124,18 +124,28 @@ def test_action_overhead_is_added_to_every_simulated_compute_action() -> None:
     assert (a.forward_s, a.backward_s) == (b2.forward_s, b2.backward_s)
 
 
+def test_the_planners_gradient_bucket_is_the_trainers() -> None:
+    import inspect
+
+    from megareshard.optim.zero import ZeroOptimizer
+    from megareshard.parallel.data_parallel import GradAverager
+
+    for cls in (ZeroOptimizer, GradAverager):
+        assert inspect.signature(cls.__init__).parameters["bucket_bytes"].default == GRAD_BUCKET_BYTES
+
+
 def test_dp_reduction_pays_a_ring_of_latencies_per_bucket() -> None:
     c0 = ClusterSpec(2, 4, **ZERO)
     c = ClusterSpec(2, 4, intra_latency_s=1e-4, nic_latency_s=1e-3, collective_latency_s=0.0, action_overhead_s=0.0)
     for crosses, alpha in ((False, 1e-4), (True, 1e-3)):
         a = stage_costs(SMALL, c0, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=crosses, **KW)
         b = stage_costs(SMALL, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=crosses, **KW)
-        assert a.params < DDP_BUCKET_PARAMS  # one bucket: one ring of 2·(dp−1) steps
+        assert 4 * a.params < GRAD_BUCKET_BYTES  # one bucket: one ring of 2·(dp−1) steps
         assert b.dp_seconds - a.dp_seconds == pytest.approx(2 * 3 * alpha)
     big = ModelShape(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=128, vocab_size=1024)
     a = stage_costs(big, c0, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
     b = stage_costs(big, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=True, **KW)
-    buckets = -(-a.params // DDP_BUCKET_PARAMS)
+    buckets = -(-4 * a.params // GRAD_BUCKET_BYTES)
     assert buckets > 1 and b.dp_seconds - a.dp_seconds == pytest.approx(buckets * 2 * 3 * 1e-3)
 
     # two model chunks on one mesh (virtual stages): the trainer buckets them as one model, so their reduction pays
@@ -145,7 +155,7 @@ def test_dp_reduction_pays_a_ring_of_latencies_per_bucket() -> None:
     assert mesh_dp_seconds(c, [s1, s1], 4, True) == pytest.approx(2 * s1.dp_seconds - 2 * 3 * 1e-3)
     two = 2 * a.params  # past one bucket together: one latency more
     assert mesh_dp_seconds(c, [b, b], 4, True) == pytest.approx(
-        2 * b.dp_seconds + (-(-two // DDP_BUCKET_PARAMS) - 2 * buckets) * 2 * 3 * 1e-3)
+        2 * b.dp_seconds + (-(-4 * two // GRAD_BUCKET_BYTES) - 2 * buckets) * 2 * 3 * 1e-3)
 
 
 def _mesh(rows: list[list[int]], per_host: int) -> Mesh:
