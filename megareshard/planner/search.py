@@ -542,7 +542,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
     def add(base: _Shape) -> None:
         # per (v, placement): the stages' costs depend on which mesh holds both ends of the model
         shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {(1, tuple(range(base.pp))): base}
-        by_v: dict[tuple[int, tuple[int, ...]], list[Row]] = {}
+        by_shape: dict[tuple[int, tuple[int, ...]], list[Row]] = {}
         for name, v in _schedule_options(names, base, model.num_layers):
             placement = placement_of(name, base.pp, v) if v > 1 else tuple(range(base.pp))
             key = (v, placement)
@@ -567,8 +567,8 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 for strategy in strats:
                     est = on_shared_cores(_estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds),
                                                     name), cpu, cluster)
-                    by_v.setdefault(key, []).append((est, name, dw, strategy, live, mem))
-        for key, rows in by_v.items():
+                    by_shape.setdefault(key, []).append((est, name, dw, strategy, live, mem))
+        for key, rows in by_shape.items():
             groups.append((min(r[0] for r in rows), shapes[key], rows))
 
     for base in _shapes(model, cluster, global_batch, micro_batches, zero_stages, recompute_options, uneven_splits):
