@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                         "their first runs (runs 16, 25 and 38)")
     p.add_argument("--points", default=None, help="comma list of point keys (default: the whole grid)")
     p.add_argument("--point-timeout", type=float, default=300.0, help="stop one point's run after this many seconds")
-    p.add_argument("--budget-min", type=float, default=20.0,
+    p.add_argument("--budget-min", type=float, default=30.0,
                    help="wall-time budget of the whole grid: each point's launches stop at its share of what is left "
                         "(the configurations they did not reach are reported as not finished)")
     p.add_argument("--pace-margin", type=float, default=PACE_MARGIN,
