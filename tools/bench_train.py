@@ -22,6 +22,9 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                "reduce_scatter_tensor")
 

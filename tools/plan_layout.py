@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
 
 from megareshard.planner import ClusterSpec, ModelShape, PlanError, plan_layouts
 from megareshard.planner.calibration import load_cluster

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
 
 from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
 from megareshard.parallel.stage_topology import StageTopology
