@@ -260,12 +260,6 @@ three), so the fixed part of a layer (what does not shrink with the batch) is me
 extrapolated to it, and the largest micro batch is measured, not extrapolated either."""
 
 
-LAYER_TIMING = "loaded window"
-"""How the calibration times the layer, recorded in the JSON: since run 80 every rank at once, the three micro
-batches in turn, through a common window (`calibration.measure_layer_loaded`); runs 1-79 timed each micro batch
-in its own loop, each rank on its own ("separate")."""
-
-
 def calibration_cmd(point: GridPoint, out: str, pace_margin: float = PACE_MARGIN) -> list[str]:
     m = point.model
     return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
@@ -284,8 +278,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": a.pace_margin,
                                        "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
-                                       "warmup": WARMUP, "iters": ITERS, "grid": a.grid,
-                                       "layer_timing": LAYER_TIMING},
+                                       "warmup": WARMUP, "iters": ITERS, "grid": a.grid},
                             "grid": grid_json(GRIDS[a.grid]), "points": []}
     tmp = tempfile.mkdtemp(prefix="mr-validate-")
     t_all = time.monotonic()

@@ -9,8 +9,7 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   GPT layer, one process) → ``efficiency`` = the layer's achieved FLOP/s over the matmul's, and
   ``backward_factor`` = backward / forward, both from CPU times (the matmul's too), which the
   scheduler's preemptions do not stretch; the load enters once, through `measure_load`. The layer
-  is timed at the micro batch, at twice and at four times it, in turn, while every rank computes through a
-  common window (`measure_layer_loaded`): the forward's fixed part of a line fitted
+  is timed at the micro batch, at twice and at four times it: the forward's fixed part of a line fitted
   to the three (least squares) is ``layer_overhead_s`` (launches, Python), and ``efficiency`` is the
   rate of the part that grows. The
   backward is also run split as delayed weight gradients run it (I, then the queued W): W's share of the
@@ -63,7 +62,7 @@ from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
 from .search import pipeline_makespan
 
-__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer", "measure_layer_loaded",
+__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
            "measure_action_overhead", "measure_ring_allreduce", "measure_loaded_collective", "measure_sleep_overshoot",
            "calibrate"]
@@ -114,32 +113,20 @@ def measure_load(rows: int, inner: int, cols: int, window_s: float = 0.3) -> dic
     return {"window_s": wall, "cpu_s": cpu, "matmuls": n, "load": wall / max(cpu, 1e-12)}
 
 
-def _build_layer(model: ModelShape):
-    """One Transformer layer of `model` (our GPT layer, fp32, no dropout) and the GPT holding it."""
+def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[str, float]:
+    """Forward and backward seconds of one Transformer layer of `model` (our GPT layer, one process, fp32)."""
     import torch
 
     from ..models.config import ModelConfig
     from ..models.gpt import GPTModel
     from ..parallel import ParallelContext
+    from ..tensor_parallel.layers import WeightGradStore
 
     cfg = ModelConfig(num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
                       ffn_hidden_size=model.ffn_hidden_size, seq_length=model.seq_length, vocab_size=model.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0)
     gpt = GPTModel(cfg, ParallelContext.single_process(), seed=1, device=torch.device("cpu"))
-    return gpt, next(iter(gpt.layers.children()))
-
-
-LAYER_KEYS = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")
-"""What `measure_layer` and `measure_layer_loaded` report per micro batch (medians)."""
-
-
-def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[str, float]:
-    """Forward and backward seconds of one Transformer layer of `model` (our GPT layer, one process, fp32)."""
-    import torch
-
-    from ..tensor_parallel.layers import WeightGradStore
-
-    gpt, layer = _build_layer(model)
+    layer = next(iter(gpt.layers.children()))
     x = torch.randn(model.seq_length, micro_batch, model.hidden_size, requires_grad=True)
     grad = torch.randn(model.seq_length, micro_batch, model.hidden_size)
     fwd, bwd, fwd_cpu, bwd_cpu = [], [], [], []
@@ -173,68 +160,6 @@ def measure_layer(model: ModelShape, micro_batch: int, iters: int = 3) -> dict[s
     return {"micro_batch": micro_batch, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
             "forward_cpu_s": statistics.median(fwd_cpu), "backward_cpu_s": statistics.median(bwd_cpu),
             "input_grad_cpu_s": statistics.median(i_cpu), "weight_grad_cpu_s": statistics.median(w_cpu)}
-
-
-def measure_layer_loaded(model: ModelShape, micro_batches: tuple[int, ...] = (1, 2, 4), window_s: float = 1.0,
-                         min_cycles: int = 7) -> dict[int, dict[str, float]]:
-    """`measure_layer`'s timings at every micro batch of `micro_batches`, taken while every rank computes: after a
-    barrier each rank repeats cycles — at each micro batch in turn a forward and backward, then a forward and the
-    backward split as delayed weight gradients run it (I, then the queued W) — for a common window (at least
-    `window_s`, and `min_cycles` times the slowest rank's warm-up cycle), as `measure_load` does for the matmul.
-
-    A layer's CPU time depends on what runs beside it (caches, the cores' shared parts): timed alone, one rank
-    after another, the same layer's forward measured from 1.38 to 2.79 ms of CPU between calibrations of one model
-    (runs 59-79), and a low one left the emulated device's budgets short of the runs' compute. Inside the common
-    window every rank sees the most contention a run can give it, and the micro batches, timed in turn, see the
-    same. Per micro batch: the medians over the cycles, ``cycles``, and ``spread`` (the forward's CPU time at the
-    90th percentile of the cycles over its median)."""
-    import torch
-    import torch.distributed as dist
-
-    from ..tensor_parallel.layers import WeightGradStore
-
-    gpt, layer = _build_layer(model)
-    store = WeightGradStore()
-    data = {mb: (torch.randn(model.seq_length, mb, model.hidden_size, requires_grad=True),
-                 torch.randn(model.seq_length, mb, model.hidden_size)) for mb in micro_batches}
-    samples: dict[int, dict[str, list[float]]] = {mb: {k: [] for k in LAYER_KEYS} for mb in micro_batches}
-
-    def cycle(record: bool) -> None:
-        for mb in micro_batches:
-            x, grad = data[mb]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            y = layer(x)
-            t1, c1 = time.perf_counter(), time.thread_time()
-            y.backward(grad)
-            t2, c2 = time.perf_counter(), time.thread_time()
-            gpt.set_wgrad_store(store)
-            y = layer(x)
-            c3 = time.thread_time()
-            y.backward(grad)
-            c4 = time.thread_time()
-            store.flush()
-            c5 = time.thread_time()
-            gpt.set_wgrad_store(None)
-            if record:
-                for k, v in zip(LAYER_KEYS, (t1 - t0, t2 - t1, c1 - c0, c2 - c1, c4 - c3, c5 - c4)):
-                    samples[mb][k].append(v)
-
-    cycle(False)  # warm-up: the first call of each shape is slow
-    t0 = time.perf_counter()
-    cycle(False)
-    window = max(window_s, min_cycles * _rank_max(time.perf_counter() - t0))
-    if dist.is_initialized():
-        dist.barrier()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < window:
-        cycle(True)
-    out = {}
-    for mb in micro_batches:
-        fwd = sorted(samples[mb]["forward_cpu_s"])
-        med = statistics.median(fwd)
-        out[mb] = {k: statistics.median(v) for k, v in samples[mb].items()} | {
-            "micro_batch": mb, "cycles": len(fwd), "spread": fwd[min(len(fwd) - 1, int(0.9 * len(fwd)))] / med}
-    return out
 
 
 def measure_optimizer(hidden_size: int = 128, params: int = 1 << 20, iters: int = 3) -> dict[str, float]:
@@ -417,18 +342,6 @@ def _rank_median(value: float) -> float:
     return statistics.median(box.tolist())
 
 
-def _rank_max(value: float) -> float:
-    """The largest over every rank of a value (every rank calls it); without a process group: the value."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return float(box.item())
-
-
 def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_host: int, chunk_s: float,
                               reps: int = 20, rounds: int = 5) -> dict[str, Any]:
     """What one tensor-parallel all-reduce costs inside a busy layer, with every rank busy at once (the load of a
@@ -561,13 +474,13 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     # the matmul's time when every rank computes at once: its CPU time stretched by the measured load
     mm["idle_seconds"], mm["seconds"] = _rank_median(mm["seconds"]), mm["cpu_seconds"] * loaded["load"]
     mm["flops"] = 2.0 * rows * h * f / mm["seconds"]
-    # the layer at the micro batch, twice it (what scales, what not) and four times it (the largest micro batch the
-    # search tries), in turn, while every rank computes (runs 1-79 timed them one after another, each rank alone)
-    timed = measure_layer_loaded(model, (micro_batch, 2 * micro_batch, 4 * micro_batch), window_s=2.0,
-                                 min_cycles=4 * iters)
-    layer, double, quadruple = ({k: _rank_median(t[k]) for k in LAYER_KEYS + ("cycles", "spread")}
-                                for t in timed.values())
-    layer["micro_batch"] = micro_batch
+    keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")
+    layer = measure_layer(model, micro_batch, iters=3 * iters)
+    layer = layer | {k: _rank_median(layer[k]) for k in keys}
+    double = measure_layer(model, 2 * micro_batch, iters=3 * iters)  # twice the samples: what scales, what not
+    double = {k: _rank_median(double[k]) for k in keys}
+    quadruple = measure_layer(model, 4 * micro_batch, iters=3 * iters)  # the largest micro batch the search tries
+    quadruple = {k: _rank_median(quadruple[k]) for k in keys}
     # forward CPU time = fixed + per-sample part, fitted to the three micro batches (a difference of two small
     # timings swung the per-sample part 1.0-2.1× between calibrations of one model, and four times the micro
     # batch extrapolated from it measured 0.85× its prediction: run 57)

@@ -8,8 +8,8 @@ import pytest
 
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.planner import ClusterSpec, ModelShape, plan_layouts
-from megareshard.planner.calibration import (CLUSTER_FORMAT, LAYER_KEYS, calibrate, cluster_to_json,
-                                            fit_fixed_and_scaling, load_cluster, measure_layer_loaded)
+from megareshard.planner.calibration import (CLUSTER_FORMAT, calibrate, cluster_to_json, fit_fixed_and_scaling,
+                                            load_cluster)
 from tests.harness import run_ranks
 
 MODEL = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
@@ -47,10 +47,6 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
                                  (4, lay["quadruple_micro_batch"]["forward_cpu_s"])])
     assert (lay["fixed_forward_cpu_s"], lay["scaling_forward_cpu_s"]) == fit
     assert lay["fixed_forward_cpu_s"] >= 0 and lay["scaling_forward_cpu_s"] > 0
-    # the three micro batches are timed in turn inside one window: each rank ran as many cycles of each
-    cycles = [lay["cycles"], lay["double_micro_batch"]["cycles"], lay["quadruple_micro_batch"]["cycles"]]
-    assert cycles[0] >= 2 and cycles == [cycles[0]] * 3
-    assert lay["spread"] >= 1 and lay["quadruple_micro_batch"]["spread"] >= 1
     assert lay["achieved_flops"] == pytest.approx(lay["flops"] / (lay["scaling_forward_cpu_s"] * load))
     assert cluster.layer_overhead_s == pytest.approx(lay["fixed_forward_cpu_s"] * load)
     assert cluster.backward_factor == pytest.approx(lay["backward_cpu_s"] / lay["forward_cpu_s"])
@@ -162,17 +158,3 @@ def test_the_layer_line_is_fitted_to_every_micro_batch() -> None:
     # no growth (or less): the per-unit part is floored, the rest fixed
     fixed, per = fit_fixed_and_scaling([(1, 2.0), (2, 2.0), (4, 1.9)])
     assert per == pytest.approx(2e-3) and fixed == pytest.approx((2.0 + 2.0 + 1.9) / 3 - 2e-3 * 7 / 3)
-
-
-def test_the_loaded_layer_window_times_every_micro_batch_in_turn() -> None:
-    import time
-
-    t0 = time.perf_counter()
-    out = measure_layer_loaded(MODEL, (1, 2), window_s=0.2, min_cycles=3)
-    assert time.perf_counter() - t0 >= 0.2  # the window is at least window_s
-    assert sorted(out) == [1, 2] and out[1]["cycles"] == out[2]["cycles"] >= 3
-    for mb, rec in out.items():
-        assert rec["micro_batch"] == mb and all(rec[k] > 0 for k in LAYER_KEYS) and rec["spread"] >= 1
-    # (this model's cycles take milliseconds: the 0.2 s window holds dozens, far above min_cycles). The same
-    # layer at twice the micro batch: the fixed part and twice the part that grows, never half the time
-    assert out[2]["forward_cpu_s"] > 0.5 * out[1]["forward_cpu_s"]
