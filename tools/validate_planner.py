@@ -186,6 +186,9 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             timed = _Timed(trainer.forward_backward_fn)
             trainer.forward_backward_fn = timed
             times, overruns, overrun_s, cpu, pipe = [], 0, 0.0, [], []
+            kinds = ("F", "B", "I", "W")
+            # per compute kind, summed over the timed steps: actions, their compute's wall and CPU µs, their budgets
+            compute = torch.zeros(4 * len(kinds), dtype=torch.float64)
             machine = []
             for r in range(warmup + iters):
                 dist.barrier()
@@ -207,10 +210,17 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                     if trainer.pipeline is not None:
                         overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
                         overrun_s += trainer.pipeline.last_stats.get("pace_overrun_us", 0) / 1e6
+                        st = trainer.pipeline.last_stats
+                        for i, kind in enumerate(kinds):
+                            n = st.get(f"compute_n_{kind}", 0)
+                            compute[4 * i:4 * i + 4] += torch.tensor(
+                                [n, st.get(f"compute_wall_us_{kind}", 0), st.get(f"compute_cpu_us_{kind}", 0),
+                                 n * trainer.pipeline.pace[kind] * 1e6], dtype=torch.float64)
             if paced is not None:
                 overruns, overrun_s = paced.overruns, paced.overrun_s
             total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
             dist.all_reduce(total)
+            dist.all_reduce(compute)
             trainer.close()
             trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
             rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
@@ -218,6 +228,10 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                        pipeline_s=round(statistics.median(pipe), 5), cpu_s=round(statistics.median(cpu), 5))
             if rank == 0:
                 rec["machine_cpu_s"] = round(statistics.median(machine[warmup:]), 4)
+                # a paced pipeline's compute per action, every rank's timed steps: what its budget had to cover
+                rec["compute_ms"] = {kind: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
+                                            "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
+                                     for kind, (n, wl, cp, bd) in zip(kinds, compute.view(-1, 4).tolist()) if n}
         except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
             rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
         rec["wall_s"] = round(time.monotonic() - t_start, 2)

@@ -401,10 +401,11 @@ class PipelineRuntime:
                         self._reduce_grads(a, st)
                     elif a.kind.is_compute:
                         self._poll_sends(st)
-                        t0 = time.time()
+                        t0, c0 = time.time(), time.thread_time()
                         self._compute(model, a, st)
                         self._count_live(a, st)
                         if self.pace is not None:
+                            self._note_compute(a, t0, c0, st)
                             self._pad(a, t0, st)
                         if self.record_trace:
                             st.trace.append({"stage": self.stage, "vstage": a.stage, "kind": a.kind.value,
@@ -494,6 +495,15 @@ class PipelineRuntime:
             store.flush()
         else:  # pragma: no cover
             raise AssertionError(a)
+
+    @staticmethod
+    def _note_compute(a: Action, t0: float, c0: float, st: _Step) -> None:
+        """Per compute kind of a paced run: how many actions, their compute's wall and CPU time (µs, summed) before
+        the padding — what the emulated device's budgets have to cover."""
+        k = a.kind.value
+        for key, v in ((f"compute_n_{k}", 1), (f"compute_wall_us_{k}", int((time.time() - t0) * 1e6)),
+                       (f"compute_cpu_us_{k}", int((time.thread_time() - c0) * 1e6))):
+            st.stats[key] = st.stats.get(key, 0) + v
 
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
         """Sleep until the action has taken its paced time; count actions that took longer."""

@@ -153,3 +153,10 @@ def test_worker_smoke_on_two_local_ranks() -> None:
         # paced: a stage runs its m forwards and backwards one after another, each at least its budget
         assert r["measured_s"] >= 0.95 * c["num_microbatches"] * busiest, (c, r)
         assert r["measured_s"] < 20 * c["predicted_s"] + 1.0, (c, r)
+    # the pipeline's compute per action, every rank's 2 timed steps: each stage's m forwards, within its budget's
+    # order of magnitude; one thread's CPU time never exceeds its wall time (µs counters: 1 µs per action)
+    one, pipe = recs
+    assert one["compute_ms"] == {}
+    fwd = pipe["compute_ms"]["F"]
+    assert fwd["actions"] == 2 * configs[1]["num_microbatches"] * configs[1]["pp"], pipe
+    assert 0 < fwd["cpu"] <= fwd["wall"] + 1e-3 and 0 < fwd["budget"], pipe
