@@ -189,6 +189,8 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             kinds = ("F", "B", "I", "W")
             # per compute kind, summed over the timed steps: actions, their compute's wall and CPU µs, their budgets
             compute = torch.zeros(4 * len(kinds), dtype=torch.float64)
+            others = ("SEND_F", "RECV_F", "WAIT_F", "SEND_B", "RECV_B", "WAIT_B", "R", "tail")
+            other = torch.zeros(2 * len(others), dtype=torch.float64)  # per other kind: actions, wall µs
             machine = []
             for r in range(warmup + iters):
                 dist.barrier()
@@ -216,11 +218,16 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                             compute[4 * i:4 * i + 4] += torch.tensor(
                                 [n, st.get(f"compute_wall_us_{kind}", 0), st.get(f"compute_cpu_us_{kind}", 0),
                                  n * trainer.pipeline.pace[kind] * 1e6], dtype=torch.float64)
+                        for i, kind in enumerate(others):
+                            other[2 * i:2 * i + 2] += torch.tensor(
+                                [st.get(f"action_n_{kind}", 0), st.get(f"action_wall_us_{kind}", 0)],
+                                dtype=torch.float64)
             if paced is not None:
                 overruns, overrun_s = paced.overruns, paced.overrun_s
             total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
             dist.all_reduce(total)
             dist.all_reduce(compute)
+            dist.all_reduce(other)
             trainer.close()
             trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
             rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
@@ -232,6 +239,10 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                 rec["compute_ms"] = {kind: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
                                             "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
                                      for kind, (n, wl, cp, bd) in zip(kinds, compute.view(-1, 4).tolist()) if n}
+                # and the rest of its step, per rank and step: the transfers, the reduction, the tail
+                rec["other_ms_per_step"] = {kind: {"actions": round(n / (iters * world), 2),
+                                                   "wall": round(wl / 1e3 / (iters * world), 3)}
+                                            for kind, (n, wl) in zip(others, other.view(-1, 2).tolist()) if n}
         except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
             rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
         rec["wall_s"] = round(time.monotonic() - t_start, 2)

@@ -396,6 +396,7 @@ class PipelineRuntime:
         ok = False
         try:
             for a in prog:
+                ta = time.time()
                 with self._activity(a):
                     if a.kind.is_reduce:
                         self._reduce_grads(a, st)
@@ -412,11 +413,16 @@ class PipelineRuntime:
                                              "mb": a.mb, "start": t0, "end": time.time()})
                     else:
                         self._communicate(a, st)
+                if self.pace is not None and not a.kind.is_compute:  # where a paced step's time goes besides compute
+                    self._note(st, a.kind.value, ta)
+            ta = time.time()
             if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
             for s in st.sends:
                 self._finish_send(s, st)
             st.sends.clear()
+            if self.pace is not None:
+                self._note(st, "tail", ta)
             ok = True
         finally:
             for r in st.reapers.values():
@@ -504,6 +510,13 @@ class PipelineRuntime:
         for key, v in ((f"compute_n_{k}", 1), (f"compute_wall_us_{k}", int((time.time() - t0) * 1e6)),
                        (f"compute_cpu_us_{k}", int((time.thread_time() - c0) * 1e6))):
             st.stats[key] = st.stats.get(key, 0) + v
+
+    @staticmethod
+    def _note(st: _Step, what: str, t0: float) -> None:
+        """Per other action kind of a paced run (and ``tail``: the reduction and the sends after the last action):
+        how many, and their wall time (µs, summed)."""
+        st.stats[f"action_n_{what}"] = st.stats.get(f"action_n_{what}", 0) + 1
+        st.stats[f"action_wall_us_{what}"] = st.stats.get(f"action_wall_us_{what}", 0) + int((time.time() - t0) * 1e6)
 
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
         """Sleep until the action has taken its paced time; count actions that took longer."""

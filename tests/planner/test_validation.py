@@ -160,3 +160,9 @@ def test_worker_smoke_on_two_local_ranks() -> None:
     fwd = pipe["compute_ms"]["F"]
     assert fwd["actions"] == 2 * configs[1]["num_microbatches"] * configs[1]["pp"], pipe
     assert 0 < fwd["cpu"] <= fwd["wall"] + 1e-3 and 0 < fwd["budget"], pipe
+    # the rest of a pipeline step, per rank and step: with 2 stages each rank waits for m activations or m
+    # gradients, and every step ends with its tail (the reduction, the last sends)
+    other = pipe["other_ms_per_step"]
+    m = configs[1]["num_microbatches"]
+    assert other["WAIT_F"]["actions"] + other["WAIT_B"]["actions"] == m and other["tail"]["actions"] == 1, pipe
+    assert one["other_ms_per_step"] == {}
