@@ -157,6 +157,7 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
     import torch.distributed as dist
 
     from megareshard.arguments import ConfigError, parse_args
+    from megareshard.pipeline.pacing import PACE_KINDS
     from megareshard.planner.calibration_shared import machine_busy_s
     from megareshard.training import Trainer, build_context
 
@@ -186,11 +187,10 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             timed = _Timed(trainer.forward_backward_fn)
             trainer.forward_backward_fn = timed
             times, overruns, overrun_s, cpu, pipe = [], 0, 0.0, [], []
-            kinds = ("F", "B", "I", "W")
-            # per compute kind, summed over the timed steps: actions, their compute's wall and CPU µs, their budgets
-            compute = torch.zeros(4 * len(kinds), dtype=torch.float64)
+            kinds = PACE_KINDS  # compute, then the rest of a paced step (the kinds pacing.note_action counts)
             others = ("SEND_F", "RECV_F", "WAIT_F", "SEND_B", "RECV_B", "WAIT_B", "R", "tail")
-            other = torch.zeros(2 * len(others), dtype=torch.float64)  # per other kind: actions, wall µs
+            # per kind, summed over the timed steps: actions, their wall and CPU µs, their budgets (compute only)
+            paced_sums = torch.zeros(len(kinds) + len(others), 4, dtype=torch.float64)
             machine = []
             for r in range(warmup + iters):
                 dist.barrier()
@@ -212,22 +212,15 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                     if trainer.pipeline is not None:
                         overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
                         overrun_s += trainer.pipeline.last_stats.get("pace_overrun_us", 0) / 1e6
-                        st = trainer.pipeline.last_stats
-                        for i, kind in enumerate(kinds):
-                            n = st.get(f"compute_n_{kind}", 0)
-                            compute[4 * i:4 * i + 4] += torch.tensor(
-                                [n, st.get(f"compute_wall_us_{kind}", 0), st.get(f"compute_cpu_us_{kind}", 0),
-                                 n * trainer.pipeline.pace[kind] * 1e6], dtype=torch.float64)
-                        for i, kind in enumerate(others):
-                            other[2 * i:2 * i + 2] += torch.tensor(
-                                [st.get(f"action_n_{kind}", 0), st.get(f"action_wall_us_{kind}", 0)],
-                                dtype=torch.float64)
+                        st, pace = trainer.pipeline.last_stats, trainer.pipeline.pace
+                        paced_sums += torch.tensor([[st.get(f"paced_{w}_{k}", 0) for w in ("n", "wall_us", "cpu_us")]
+                                                    + [st.get(f"paced_n_{k}", 0) * pace.get(k, 0.0) * 1e6]
+                                                    for k in kinds + others], dtype=torch.float64)
             if paced is not None:
                 overruns, overrun_s = paced.overruns, paced.overrun_s
             total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
             dist.all_reduce(total)
-            dist.all_reduce(compute)
-            dist.all_reduce(other)
+            dist.all_reduce(paced_sums)
             trainer.close()
             trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
             rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
@@ -236,13 +229,14 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             if rank == 0:
                 rec["machine_cpu_s"] = round(statistics.median(machine[warmup:]), 4)
                 # a paced pipeline's compute per action, every rank's timed steps: what its budget had to cover
-                rec["compute_ms"] = {kind: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
-                                            "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
-                                     for kind, (n, wl, cp, bd) in zip(kinds, compute.view(-1, 4).tolist()) if n}
+                sums = dict(zip(kinds + others, paced_sums.tolist()))
+                rec["compute_ms"] = {k: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
+                                         "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
+                                     for k in kinds for n, wl, cp, bd in [sums[k]] if n}
                 # and the rest of its step, per rank and step: the transfers, the reduction, the tail
-                rec["other_ms_per_step"] = {kind: {"actions": round(n / (iters * world), 2),
-                                                   "wall": round(wl / 1e3 / (iters * world), 3)}
-                                            for kind, (n, wl) in zip(others, other.view(-1, 2).tolist()) if n}
+                rec["other_ms_per_step"] = {k: {"actions": round(n / (iters * world), 2),
+                                                "wall": round(wl / 1e3 / (iters * world), 3)}
+                                            for k in others for n, wl, _, _ in [sums[k]] if n}
         except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
             rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
         rec["wall_s"] = round(time.monotonic() - t_start, 2)

@@ -9,9 +9,21 @@ communication and scheduling differ. Pure Python: parsing and calibration, no pr
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Iterable, Sequence
 
 PACE_KINDS = ("F", "B", "I", "W")
+
+
+def note_action(stats: dict[str, int], kind: str, t0: float, c0: float | None = None) -> None:
+    """Count one action of a paced run in `stats`, per kind: ``paced_n_K`` actions, ``paced_wall_us_K`` µs of wall
+    time since `t0` and, for compute (`c0`: its ``time.thread_time()`` at the start), ``paced_cpu_us_K`` µs of CPU.
+    A compute action is noted before its padding: what the emulated device's budget had to cover."""
+    done = [("n", 1), ("wall_us", int((time.time() - t0) * 1e6))]
+    if c0 is not None:
+        done.append(("cpu_us", int((time.thread_time() - c0) * 1e6)))
+    for what, v in done:
+        stats[f"paced_{what}_{kind}"] = stats.get(f"paced_{what}_{kind}", 0) + v
 
 
 def needed_kinds(delay_wgrad: Iterable[bool]) -> tuple[str, ...]:

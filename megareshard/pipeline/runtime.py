@@ -61,6 +61,7 @@ from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import forward_only, generate, placement_of
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
+from .pacing import note_action
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
 from .stage import StageLayout
 from .validate import validate
@@ -402,11 +403,12 @@ class PipelineRuntime:
                         self._reduce_grads(a, st)
                     elif a.kind.is_compute:
                         self._poll_sends(st)
-                        t0, c0 = time.time(), time.thread_time()
+                        t0 = time.time()
+                        c0 = time.thread_time() if self.pace is not None else None
                         self._compute(model, a, st)
                         self._count_live(a, st)
                         if self.pace is not None:
-                            self._note_compute(a, t0, c0, st)
+                            note_action(st.stats, a.kind.value, t0, c0)
                             self._pad(a, t0, st)
                         if self.record_trace:
                             st.trace.append({"stage": self.stage, "vstage": a.stage, "kind": a.kind.value,
@@ -414,7 +416,7 @@ class PipelineRuntime:
                     else:
                         self._communicate(a, st)
                 if self.pace is not None and not a.kind.is_compute:  # where a paced step's time goes besides compute
-                    self._note(st, a.kind.value, ta)
+                    note_action(st.stats, a.kind.value, ta)
             ta = time.time()
             if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
@@ -422,7 +424,7 @@ class PipelineRuntime:
                 self._finish_send(s, st)
             st.sends.clear()
             if self.pace is not None:
-                self._note(st, "tail", ta)
+                note_action(st.stats, "tail", ta)
             ok = True
         finally:
             for r in st.reapers.values():
@@ -501,22 +503,6 @@ class PipelineRuntime:
             store.flush()
         else:  # pragma: no cover
             raise AssertionError(a)
-
-    @staticmethod
-    def _note_compute(a: Action, t0: float, c0: float, st: _Step) -> None:
-        """Per compute kind of a paced run: how many actions, their compute's wall and CPU time (µs, summed) before
-        the padding — what the emulated device's budgets have to cover."""
-        k = a.kind.value
-        for key, v in ((f"compute_n_{k}", 1), (f"compute_wall_us_{k}", int((time.time() - t0) * 1e6)),
-                       (f"compute_cpu_us_{k}", int((time.thread_time() - c0) * 1e6))):
-            st.stats[key] = st.stats.get(key, 0) + v
-
-    @staticmethod
-    def _note(st: _Step, what: str, t0: float) -> None:
-        """Per other action kind of a paced run (and ``tail``: the reduction and the sends after the last action):
-        how many, and their wall time (µs, summed)."""
-        st.stats[f"action_n_{what}"] = st.stats.get(f"action_n_{what}", 0) + 1
-        st.stats[f"action_wall_us_{what}"] = st.stats.get(f"action_wall_us_{what}", 0) + int((time.time() - t0) * 1e6)
 
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
         """Sleep until the action has taken its paced time; count actions that took longer."""
