@@ -69,7 +69,8 @@ def probe_step_cpu(per_host: int):
     (pp = world, 1f1b, delayed weight gradients, micro batch 1, global batch m; every action paced to `pace`
     seconds if given), runs one step to warm up and five timed, and returns the medians over them of (the
     machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process and the
-    kernel; collective: every rank gets them)."""
+    kernel; collective: every rank gets them). Given a dict `posts` (paced), it also fills in what a send and a
+    receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring)."""
     import io
 
     import torch
@@ -79,7 +80,7 @@ def probe_step_cpu(per_host: int):
     from megareshard.planner.calibration_shared import PROBE, busy_over
     from megareshard.training import Trainer, build_context
 
-    def step_cpu(m: int, pace: float | None = None) -> tuple[float, float]:
+    def step_cpu(m: int, pace: float | None = None, posts: dict[str, float] | None = None) -> tuple[float, float]:
         world = dist.get_world_size()
         argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(PROBE["hidden_size"]),
                 "--num-attention-heads", str(PROBE["num_attention_heads"]), "--seq-length", str(PROBE["seq_length"]),
@@ -95,6 +96,17 @@ def probe_step_cpu(per_host: int):
             trainer.pipeline.pace = {"F": pace, "B": 2 * pace, "I": pace, "W": pace}
         batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
         busy_wall = busy_over(lambda: trainer.train_step(batch), iters=5)
+        if posts is not None:  # the last step's sends and receives over every rank (paced runs count them)
+            st = trainer.pipeline.last_stats
+            sums = torch.tensor([float(st.get(f"paced_{w}_{k}_{d}", 0)) for k in ("SEND", "RECV") for d in "FB"
+                                 for w in ("n", "wall_us")], dtype=torch.float64)
+            dist.all_reduce(sums)
+            n_send, us_send, n_recv, us_recv = (float(sums[i] + sums[i + 2]) for i in (0, 1, 4, 5))
+            if n_send == 0 or n_recv == 0:
+                raise RuntimeError(f"the paced probe over {world} ranks counted {n_send:g} sends and {n_recv:g} "
+                                   f"receives (paced to {pace}): a pipeline of one layer per rank has both")
+            posts.update(send_s=us_send / n_send / 1e6, recv_s=us_recv / n_recv / 1e6, sends=int(n_send),
+                         recvs=int(n_recv))
         trainer.close()
         trainer.release_communicators()
         return busy_wall

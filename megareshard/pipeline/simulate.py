@@ -65,6 +65,8 @@ class Costs:
     RECV. `recv_nic`: a transfer also holds the receiving stage's NIC (default; False:
     only the sender's NIC is a bottleneck). `reduce`: how long an R action holds its mesh's
     program (default 0: the reduction is launched and overlaps; the DP all-reduce time: it does not).
+    `send_post` / `recv_post`: how long a SEND / RECV action holds its program before the message is posted
+    (the runtime's own work to start a transfer: default 0, free); the transfer is ready when it is posted.
     """
 
     f: PerStage = 1.0
@@ -75,6 +77,8 @@ class Costs:
     rendezvous: bool = False
     recv_nic: bool = True
     reduce: PerStage = 0.0
+    send_post: float = 0.0
+    recv_post: float = 0.0
 
     def compute(self, kind: ActionKind, stage: int) -> float:
         if kind == _K.F:
@@ -309,6 +313,12 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
                 push(end, 2, "run", s)
                 return
             key = a.key
+            post = (costs.send_post if a.kind in (_K.SEND_F, _K.SEND_B) else
+                    costs.recv_post if a.kind in (_K.RECV_F, _K.RECV_B) else 0.0)
+            if post > 0 and posting.get(s) != pc[s]:  # the program posts the message first
+                posting[s] = pc[s]
+                push(t + post, 2, "run", s)
+                return
             if a.kind in (_K.SEND_F, _K.SEND_B):
                 sent[key] = t
                 sender_of[key] = a
@@ -328,6 +338,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
 
     sender_of: dict[tuple, Action] = {}
     queued: set[tuple] = set()
+    posting: dict[int, int] = {}  # program -> the step whose message it is posting (send_post / recv_post)
     for s in range(P):
         push(0.0, 2, "run", s)
     while events:

@@ -457,10 +457,12 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
     measured an emulation paces compute (the sleep overshoot and the contention probe's budget depend on it).
-    `runtime_step_cpu(m, pace=None)`: the machine's busy and wall seconds of a real training step of m
-    microbatches through a pipeline of one `PROBE` layer per rank, every action paced to `pace` seconds if given
+    `runtime_step_cpu(m, pace=None, posts=None)`: the machine's busy and wall seconds of a real training step of
+    m microbatches through a pipeline of one `PROBE` layer per rank, every action paced to `pace` seconds if given
     (`calibration_shared.fit_runtime_cpu` unpaced, `fit_contention` paced; the caller builds it: the planner
-    imports no trainer), run where the hosts share their cores."""
+    imports no trainer), run where the hosts share their cores; given a dict `posts` (paced), it also fills in
+    the mean seconds a send and a receive held a rank's program (``send_s``, ``recv_s``: `ClusterSpec.send_post_s`
+    and `recv_post_s`) and how many of each it counted over the ranks (``sends``, ``recvs``)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -531,6 +533,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                 ring = measured["ring_allreduce"] = measure_ring_allreduce(
                     list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
     shared = None
+    post = (0.0, 0.0)  # free unless the paced probe measures it (below)
     if dist.is_initialized():  # one machine under every rank (an emulated cluster): the cores they share
         shared = measured["shared_cpu"] = measure_shared_cpu(devices_per_host, nic["Bps"] if nic else None,
                                                              intra["Bps"] if intra else None, target_s * 2 / 3,
@@ -553,9 +556,14 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         link, lat = (nic, nic_lat) if nic and nic_lat else (intra, intra_lat)
         edge = (lat["seconds"] if lat else 0.0) + (act / link["Bps"] if link else 0.0)
         overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
+        # what posting a send and a receive holds a rank's program, in the same pipeline paced
+        posts: dict[str, float] = {}
+        runtime_step_cpu(2 * world, pace=budget, posts=posts)
+        shared["posts"] = posts
+        post = (posts["send_s"], posts["recv_s"])
 
         def simulated(m: int) -> float:
-            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead)
+            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead, post)
 
         byte_rate = cpu_rates["cpu_s_per_nic_byte" if "nic" in shared else "cpu_s_per_intra_byte"]
         per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate
@@ -585,7 +593,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
-        action_overhead_s=action["seconds"], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
+        action_overhead_s=action["seconds"], send_post_s=post[0], recv_post_s=post[1], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
         ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency, **cpu_rates)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))

@@ -57,7 +57,8 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
             raise ValueError(f"cluster file {path}: wgrad_fraction = {share!r} is not a share in [0, 1]")
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "grad_pass_s_per_param", "intra_latency_s",
-                        "nic_latency_s", "collective_latency_s", "action_overhead_s", "layer_overhead_s",
+                        "nic_latency_s", "collective_latency_s", "action_overhead_s", "send_post_s", "recv_post_s",
+                        "layer_overhead_s",
                         "wgrad_fraction", "cpu_s_per_param", "cpu_s_per_nic_byte", "cpu_s_per_intra_byte",
                         "cpu_s_per_action", "cpu_s_per_step", "cpu_contention")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)

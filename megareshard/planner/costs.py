@@ -29,6 +29,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   ring steps at the slowest link's latency. Every compute action of the pipeline (F, B, I, W) also pays
   ``action_overhead_s``: the search adds it to the simulator's costs, not to `StageCosts` (whose F and B
   are the compute a validation run paces to).
+  Posting a stage-boundary send or receive holds the rank's program ``send_post_s`` / ``recv_post_s`` (0
+  unless calibrated: on an emulated cluster whose ranks share the cores, ~1 ms), also in the simulator.
 * the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
   seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline; and
   the other passes over the gradients (non-finite check, bucket packing, norm): the parameters a device holds
@@ -132,6 +134,12 @@ class ClusterSpec:
     (launch and synchronisation; calibrated from a small all-reduce over two ranks of one host)."""
     action_overhead_s: float = 1e-4
     """Fixed seconds of one compute action of the pipeline (F, B or W: Python, autograd, waits; calibrated)."""
+    send_post_s: float = 0.0
+    """Seconds a stage-boundary send holds its rank's program before the transfer starts (the runtime checks
+    the tensor, hands it to the communicator's thread and returns; on GPUs tens of µs, left out by default;
+    calibrated on the emulated cluster from a paced pipeline's sends, where ranks share the cores)."""
+    recv_post_s: float = 0.0
+    """The same for posting a receive (calibrated with `send_post_s`)."""
     layer_overhead_s: float = 0.0
     """Fixed seconds of one layer's forward that do not shrink with its FLOPs (kernel launches, Python; the
     backward pays `backward_factor` × it). Calibrated from the layer timed at two micro batch sizes; 0 treats

@@ -341,11 +341,13 @@ def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[flo
     return [(a + k * x) / 2**30 for (a, x), k in zip(_mesh_static(sh, placement), live)]
 
 
-def _estimate_parts(sh: _Shape, overhead: float = 0.0) -> tuple[float, float]:
-    """(one mesh's compute per microbatch at its slowest, with `overhead` per F and B action, its data-parallel
+def _estimate_parts(sh: _Shape, overhead: float = 0.0, post: float = 0.0) -> tuple[float, float]:
+    """(one mesh's compute per microbatch at its slowest, with `overhead` per F and B action and, pipelined,
+    `post` per stage (a send and a receive posted: what every mesh's stage posts at least), its data-parallel
     reduction and optimizer step at their slowest)."""
     groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
-    fb = max(sum(st.forward_s + st.backward_s + 2 * overhead for st in g) for g in groups)
+    post = post if sh.pp > 1 else 0.0
+    fb = max(sum(st.forward_s + st.backward_s + 2 * overhead + post for st in g) for g in groups)
     return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
 
 
@@ -365,16 +367,18 @@ def _lowered(name: str, P: int, m: int, dw: bool, v: int | None) -> Any:
 
 def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
               edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
-              v: int = 1, overhead: float = 0.0, w: tuple[float, ...] | None = None) -> tuple[float, Any]:
+              v: int = 1, overhead: float = 0.0, w: tuple[float, ...] | None = None,
+              post: tuple[float, float] = (0.0, 0.0)) -> tuple[float, Any]:
     """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m. Under
     delayed weight gradients a stage's B splits into W = `w` (default: half of B) and I = B − W. Every compute
-    action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds."""
+    action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds, and posting
+    a send or a receive `post` = (send, receive) seconds of its program."""
     w = w if w is not None else tuple(x / 2 for x in b)
-    key = (name, dw, P, m, f, b, edge, v, overhead, w)
+    key = (name, dw, P, m, f, b, edge, v, overhead, w, post)
     if key not in cache:
         costs = Costs(f=[x + overhead for x in f], b=[x + overhead for x in b],
                       i=[x - y + overhead for x, y in zip(b, w)], w=[y + overhead for y in w],
-                      comm=edge if isinstance(edge, float) else dict(edge))
+                      comm=edge if isinstance(edge, float) else dict(edge), send_post=post[0], recv_post=post[1])
         kind = REGISTRY[name]
 
         def run(n: int):
@@ -396,12 +400,14 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
 
 
 def pipeline_makespan(schedule: str, delay_wgrad: bool, P: int, m: int, forward_s: float, backward_s: float,
-                      wgrad_s: float, edge_s: float, overhead_s: float) -> float:
+                      wgrad_s: float, edge_s: float, overhead_s: float, post_s: tuple[float, float] = (0.0, 0.0)
+                      ) -> float:
     """Simulated seconds of m microbatches through P equal stages of one mesh each (what `_simulate` scores a
     candidate's pipeline with): F = `forward_s`, B = `backward_s` (I = B − W and W = `wgrad_s` under delayed
-    weight gradients), every action `overhead_s` more, every stage transfer `edge_s`."""
+    weight gradients), every action `overhead_s` more, every stage transfer `edge_s`, posting a send and a
+    receive `post_s` of the program."""
     return _pipeline(schedule, delay_wgrad, P, m, (forward_s,) * P, (backward_s,) * P, edge_s, {}, 1, overhead_s,
-                     (wgrad_s,) * P)[0]
+                     (wgrad_s,) * P, post_s)[0]
 
 
 def _edge_arg(edges: dict[str, float]) -> float | tuple[tuple[str, float], ...]:
@@ -437,7 +443,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     b = tuple(st.backward_s for st in sh.stages)
     w = tuple(st.wgrad_s for st in sh.stages)
     args = (c.schedule, c.delay_wgrad, P, m, f, b)
-    rest = (cache, sh.virtual, cluster.action_overhead_s, w)
+    rest = (cache, sh.virtual, cluster.action_overhead_s, w, (cluster.send_post_s, cluster.recv_post_s))
     if any(solo[k] < edges[k] for k in edges):  # replicas share a NIC: simulate one alone, then the sharing
         pipe1, tl1 = _pipeline(*args, _edge_arg(solo), *rest)
         edges, nic_bound = _shared_edges(edges, solo, tl1)
@@ -550,7 +556,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 shapes[key] = _virtualize(model, cluster, base, v, placement)
             sh = shapes[key]
             static = _mesh_static(sh, placement)
-            parts = _estimate_parts(sh, cluster.action_overhead_s)
+            parts = _estimate_parts(sh, cluster.action_overhead_s, cluster.send_post_s + cluster.recv_post_s)
             if sh.pp > 1:  # the tied embedding's all-reduce comes after the pipeline, before the step
                 parts = (parts[0], parts[1] + tied_embedding_s(model, cluster, sh, placement[0], placement[-1], bounds))
             parts = (parts[0], parts[1] + step_sync_s(cluster, sh))

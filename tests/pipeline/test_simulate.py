@@ -70,3 +70,27 @@ def test_plot_schedule_models_the_receiving_nic_unless_told_not_to():
     (send_only,) = plot_schedule.build_timelines(plot_schedule.parse_args(argv + ["--no-recv-nic"]))
     # stage 3 receives three activations per microbatch: they queue on its NIC only in the full model
     assert both.makespan > send_only.makespan
+
+
+def test_posting_a_send_or_a_receive_holds_the_program():
+    """gpipe, 2 stages, 1 microbatch (F = 1, B = 2, free wire): stage 0 posts its gradient receive, runs F and
+    posts the send; stage 1 posts its receive and waits. The two sends lie on the critical path (6 + 2 p); the
+    receives are posted at the start (stage 1's while it waits, stage 0's before its first compute, which is
+    where the makespan starts), so they cost nothing here."""
+    sched = generate("gpipe", 2, 1)
+    for p, r in ((0.0, 0.0), (0.5, 0.0), (0.0, 0.25), (0.5, 0.25)):
+        tl = simulate(sched, costs=Costs(f=1.0, b=2.0, comm=0.0, send_post=p, recv_post=r))
+        assert tl.makespan == pytest.approx(6 + 2 * p, abs=1e-12), (p, r)
+        assert [iv.start for iv in tl.compute[1]] == pytest.approx([1 + r + p, 2 + r + p]), (p, r)  # F, B
+        sends = sorted(c.start for c in tl.comm)
+        assert sends == pytest.approx([1 + r + p, 4 + r + 2 * p]), (p, r)  # each leaves once posted
+    # 1f1b, 4 stages: free posts are the simulator without them, bit for bit; each kind of post costs time
+    sched = generate("1f1b", 4, 16)
+    base = simulate(sched, costs=Costs(f=1.0, b=2.0, comm=0.1)).makespan
+    span = {(p, r): simulate(sched, costs=Costs(f=1.0, b=2.0, comm=0.1, send_post=p, recv_post=r)).makespan
+            for p, r in ((0.0, 0.0), (0.05, 0.0), (0.0, 0.05), (0.05, 0.05))}
+    assert span[0.0, 0.0] == base
+    assert base < span[0.05, 0.0] < span[0.05, 0.05] and base < span[0.0, 0.05] < span[0.05, 0.05]
+    # no program can do more than its compute and its posts back to back: a middle stage's 16 × (F + B) and
+    # its 4 posts per microbatch bound the step from below (stage 1 starts after stage 0's F and one transfer)
+    assert span[0.05, 0.05] >= 16 * 3.0 + 16 * 4 * 0.05

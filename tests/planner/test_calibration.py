@@ -158,3 +158,28 @@ def test_the_layer_line_is_fitted_to_every_micro_batch() -> None:
     # no growth (or less): the per-unit part is floored, the rest fixed
     fixed, per = fit_fixed_and_scaling([(1, 2.0), (2, 2.0), (4, 1.9)])
     assert per == pytest.approx(2e-3) and fixed == pytest.approx((2.0 + 2.0 + 1.9) / 3 - 2e-3 * 7 / 3)
+
+
+def _probe_posts(rank: int, world: int):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "calibrate_cluster.py")
+    spec = importlib.util.spec_from_file_location("calibrate_cluster", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    posts: dict[str, float] = {}
+    busy, wall = tool.probe_step_cpu(world)(4, pace=2e-3, posts=posts)
+    return busy, wall, posts
+
+
+def test_the_runtime_probe_measures_what_posting_a_send_and_a_receive_costs() -> None:
+    """`calibrate`'s paced probe (a pipeline of one layer per rank) also returns the mean time a SEND and a RECV
+    held a rank's program, counted over every rank: 2 stages × 4 microbatches post 4 activations and 4
+    gradients, each sent once and received once."""
+    results = run_ranks(_probe_posts, 2, timeout=120)
+    assert all(r[2] == results[0][2] for r in results)  # summed over the ranks: every rank has the same
+    busy, wall, posts = results[0]
+    assert posts["sends"] == posts["recvs"] == 8
+    # each a real wall time, below the step's (a step of 4 microbatches holds 8 paced actions of >= 2 ms per rank)
+    assert 0 < posts["send_s"] < wall / 8 and 0 < posts["recv_s"] < wall / 8 and wall >= 8 * 2e-3

@@ -207,7 +207,8 @@ def test_more_microbatches_pay_more_fixed_costs() -> None:
 
 
 def test_the_cluster_file_round_trips_the_latencies_and_old_files_keep_the_defaults(tmp_path) -> None:
-    c = ClusterSpec(2, 4, intra_latency_s=3e-5, nic_latency_s=4e-4, collective_latency_s=6e-4, action_overhead_s=7e-4)
+    c = ClusterSpec(2, 4, intra_latency_s=3e-5, nic_latency_s=4e-4, collective_latency_s=6e-4, action_overhead_s=7e-4,
+                    send_post_s=9e-4)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cluster_to_json(c)))
     assert load_cluster(str(path)) == c
@@ -275,3 +276,29 @@ def test_reductions_across_hosts_run_at_the_measured_share_of_the_nic() -> None:
     inside = stage_costs(SMALL, slow, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=False, **KW)
     assert inside.dp_seconds == stage_costs(SMALL, c, tp=1, dp=4, sequence_parallel=False, dp_crosses_hosts=False,
                                             **KW).dp_seconds  # a ring inside a host never touches a NIC
+
+
+def test_posting_sends_and_receives_costs_pipelined_layouts_only() -> None:
+    """`send_post_s` / `recv_post_s` reach the simulator as each SEND / RECV holding its program: the search's
+    pipeline is the simulator's with those posts, and a layout without a pipeline pays nothing."""
+    f, b, e = (1.0, 1.2), (2.0, 2.4), 0.1
+    got, _ = _pipeline("1f1b", False, 2, 6, f, b, e, {}, 1, 0.0, None, (0.3, 0.2))
+    want = simulate(generate("1f1b", 2, 6), costs=Costs(f=list(f), b=list(b), comm=e, send_post=0.3,
+                                                          recv_post=0.2)).makespan
+    assert got == pytest.approx(want, rel=1e-12) and got > _pipeline("1f1b", False, 2, 6, f, b, e, {})[0]
+    free = ClusterSpec(4, 2, nic_gbps=0.2, intra_gbps=10, **ZERO)
+    posting = dataclasses.replace(free, send_post_s=2e-3, recv_post_s=1e-3)
+    kw = dict(micro_batches=(1, 2), zero_stages=(0,), recompute_options=(False,), schedules=["1f1b"],
+              strategies=["sendrecv"], stage_meshes=False, top_shapes=50, keep=None)
+    step = {name: {(c.tp, c.pp, c.dp, c.micro_batch, c.delay_wgrad): c.step_s
+                   for c in plan_layouts(SMALL, cl, 8, **kw) if c.layers_per_stage is None and c.breakdown}
+            for name, cl in (("free", free), ("posting", posting))}
+    assert step["free"].keys() == step["posting"].keys()
+    piped = [k for k in step["free"] if k[1] > 1]
+    assert piped and all(step["posting"][k] > step["free"][k] for k in piped)
+    # in these 1f1b pipelines the posts are far from hidden: at least half of one mesh's (a send and a receive
+    # per microbatch)
+    for k in piped:
+        m = 8 // (k[2] * k[3])
+        assert step["posting"][k] - step["free"][k] >= m * (2e-3 + 1e-3) / 2 - 1e-12, k
+    assert all(step["posting"][k] == step["free"][k] for k in step["free"] if k[1] == 1)
