@@ -394,3 +394,24 @@ except KeyboardInterrupt:
     r = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=60,
                        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert r.stdout.strip() == "interrupted", r.stderr[-2000:]
+
+
+def test_a_rank_with_several_stages_paces_each_to_its_own_budget():
+    """`PipelineRuntime.pace` per kind, or per kind and virtual stage (a rank that holds stages of unequal cost,
+    as interleaved and V schedules place them): each action sleeps to its own stage's budget, and the budgets
+    granted are counted per kind."""
+    import time
+    from types import SimpleNamespace as NS
+
+    from megareshard.pipeline.runtime import PipelineRuntime
+
+    rt = NS(stage=0, pace={"F": {0: 0.02, 3: 0.04}, "B": 0.01})
+    st = NS(stats={})
+    for kind, stage, want in (("F", 0, 0.02), ("F", 3, 0.04), ("B", 3, 0.01)):
+        t0 = time.time()
+        PipelineRuntime._pad(rt, NS(kind=NS(value=kind), stage=stage), t0, st)
+        assert time.time() - t0 >= want, (kind, stage)
+    assert st.stats["paced_budget_us_F"] == 60000 and st.stats["paced_budget_us_B"] == 10000
+    assert "pace_overruns" not in st.stats
+    with pytest.raises(ValueError, match="no pacing budget for kind 'F'"):  # a stage the dict leaves out
+        PipelineRuntime._pad(rt, NS(kind=NS(value="F"), stage=1), time.time(), st)

@@ -174,13 +174,17 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             cfg = parse_args(argv, world_size=world)
             ctx, _ = build_context(cfg, world)
             trainer = Trainer(cfg, ctx, device, out=io.StringIO())
-            stage = ctx.pp_rank()
-            f, b, w = c["stage_f_s"][stage], c["stage_b_s"][stage], c["stage_w_s"][stage]
             paced = None
             slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
-            if trainer.pipeline is not None:
-                trainer.pipeline.pace = {"F": f + slack, "B": b + slack, "I": b - w + slack, "W": w + slack}
+            if trainer.pipeline is not None:  # each of this rank's (virtual) stages its own planned costs
+                mine = [s for s, mesh in enumerate(trainer.pipeline.placement) if mesh == ctx.pp_rank()]
+                fbw = {s: (c["stage_f_s"][s], c["stage_b_s"][s], c["stage_w_s"][s]) for s in mine}
+                trainer.pipeline.pace = {"F": {s: f + slack for s, (f, b, w) in fbw.items()},
+                                         "B": {s: b + slack for s, (f, b, w) in fbw.items()},
+                                         "I": {s: b - w + slack for s, (f, b, w) in fbw.items()},
+                                         "W": {s: w + slack for s, (f, b, w) in fbw.items()}}
             else:  # one stage: F and B of every microbatch
+                f, b = c["stage_f_s"][0], c["stage_b_s"][0]
                 paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
                 trainer.forward_backward_fn = paced
             batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
@@ -212,9 +216,9 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
                     if trainer.pipeline is not None:
                         overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
                         overrun_s += trainer.pipeline.last_stats.get("pace_overrun_us", 0) / 1e6
-                        st, pace = trainer.pipeline.last_stats, trainer.pipeline.pace
-                        paced_sums += torch.tensor([[st.get(f"paced_{w}_{k}", 0) for w in ("n", "wall_us", "cpu_us")]
-                                                    + [st.get(f"paced_n_{k}", 0) * pace.get(k, 0.0) * 1e6]
+                        st = trainer.pipeline.last_stats
+                        paced_sums += torch.tensor([[st.get(f"paced_{w}_{k}", 0)
+                                                     for w in ("n", "wall_us", "cpu_us", "budget_us")]
                                                     for k in kinds + others], dtype=torch.float64)
             if paced is not None:
                 overruns, overrun_s = paced.overruns, paced.overrun_s

@@ -267,10 +267,11 @@ class PipelineRuntime:
         self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
         # Benchmark-only emulation of a dedicated device (pacing.py, tools/bench_pipeline.py --pace): the least
-        # wall seconds per compute kind ("F", "B", "I", "W") on this stage; a faster action sleeps
+        # wall seconds per compute kind ("F", "B", "I", "W") on this rank, or per kind and virtual stage
+        # ({"F": {stage: s}}: a rank that holds several stages of unequal cost); a faster action sleeps
         # the rest. Ranks sharing a few CPU cores otherwise lend a waiting stage's core to the
         # others, which no GPU stage can do. None (training): no padding.
-        self.pace: dict[str, float] | None = None
+        self.pace: dict[str, float | dict[int, float]] | None = None
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
         self._programs: dict[tuple[int, bool], list[Action]] = {}
@@ -507,9 +508,13 @@ class PipelineRuntime:
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
         """Sleep until the action has taken its paced time; count actions that took longer."""
         budget = self.pace.get(a.kind.value) if self.pace else None
+        if isinstance(budget, dict):  # per virtual stage
+            budget = budget.get(a.stage)
         if budget is None:  # an unpaced action would run at CPU speed beside paced ones: refuse, don't guess
             raise ValueError(f"stage {self.stage}: action {a} has no pacing budget for kind {a.kind.value!r} "
                              f"(budgets given: {self.pace}); give every compute kind the schedule runs a budget")
+        key = f"paced_budget_us_{a.kind.value}"  # what the emulated device granted, per kind (validate_planner)
+        st.stats[key] = st.stats.get(key, 0) + int(budget * 1e6)
         left = budget - (time.time() - t0)
         if left > 0:
             time.sleep(left)
