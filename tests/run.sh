@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv, install megareshard with its test extra under the CPU
-# constraints, run the test suite. Extra arguments go to pytest.
+# constraints, run the test suite (two workers). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/ensure_venv.sh
@@ -10,4 +10,7 @@ trap 'rm -rf "$tmp"' EXIT
 export WANDB_MODE=offline WANDB_DIR="$tmp/wandb" WANDB_CACHE_DIR="$tmp/wandb-cache" \
        WANDB_CONFIG_DIR="$tmp/wandb-config" WANDB_DATA_DIR="$tmp/wandb-data" TORCH_EXTENSIONS_DIR="$tmp/torch-ext" \
        MPLCONFIGDIR="$tmp/mpl" TMPDIR="$tmp"
-"$VENV_PY" -m pytest "$@"
+# Two workers (pytest-xdist), each taking whole files (a file's module fixtures, an 8-rank launch, run once):
+# on 2 cores one worker alone leaves them idle while its tests start processes and wait on timeouts and
+# peers. MEGARESHARD_TEST_WORKERS=0 (or -n 0 among the arguments) runs it in one process.
+"$VENV_PY" -m pytest -n "${MEGARESHARD_TEST_WORKERS:-2}" --dist loadfile "$@"

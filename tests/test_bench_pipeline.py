@@ -100,6 +100,7 @@ def test_simulate_needs_no_processes(tmp_path):
     assert "1f1b+sendrecv" in r.stdout  # the table
 
 
+@pytest.mark.slow
 def test_torchrun_two_configs(tmp_path):
     """4 ranks = 2 'hosts' × (tp 2), pp 2, tiny shapes: JSON fields, traces, signal reported as a fraction."""
     out = tmp_path / "run.json"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_resharding.py"
 
@@ -44,6 +46,7 @@ def test_simulate_paper_suite(tmp_path):
     assert "case9" in r.stdout  # the per-case tables
 
 
+@pytest.mark.slow
 def test_torchrun_both_orders_with_calibration(tmp_path):
     """4 ranks = 2 'hosts' × 2 on this machine: checked runs under both orders, the JSON records,
     and a calibrated model (the goodput of one message host 0 -> host 1)."""

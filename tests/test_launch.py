@@ -73,6 +73,7 @@ def test_missing_rank_is_named_not_a_hang(tmp_path):
         assert "joined: " in err
 
 
+@pytest.mark.slow
 def test_missing_store_host_is_named(tmp_path):
     outs = _launch([1], 2, 3, tmp_path)
     code, _, err = outs[0]

@@ -23,6 +23,7 @@ def _args(data, *extra):
             "--device", "cpu", *extra]
 
 
+@pytest.mark.slow
 def test_torchrun_tp2_pp2_with_eval_metrics_and_wandb(data, tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", TMPDIR=str(tmp_path))
     metrics = tmp_path / "metrics.jsonl"

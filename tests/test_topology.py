@@ -81,26 +81,37 @@ def test_seed_001_table():
     assert got == expected
 
 
-def test_show_topology_table_and_errors():
-    tool = [sys.executable, str(ROOT / "tools" / "show_topology.py")]
-    out = subprocess.run(tool + ["--world-size", "16", "--nproc-per-node", "8", "--tp", "2", "--pp", "2"],
-                         check=True, capture_output=True, text=True).stdout
-    assert "order tp-dp-pp" in out and "tp_rank" in out and "hosts spanned" in out
-    bad = subprocess.run(tool + ["--world-size", "6", "--tp", "4"], capture_output=True, text=True)
+def _show_topology(argv, capsys):
+    """tools/show_topology.py's main in this process (a pure planning tool: no process group): exit code, out, err."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("show_topology", ROOT / "tools" / "show_topology.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    code = tool.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_show_topology_table_and_errors(capsys):
+    # as a script once: the exit code and the one-line error reach the shell
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "show_topology.py"), "--world-size", "6", "--tp", "4"],
+                         capture_output=True, text=True)
     assert bad.returncode == 2 and "world size 6 is not divisible by tp 4" in bad.stderr
-    recs = json.loads(subprocess.run(tool + ["--world-size", "4", "--tp", "2", "--json"], check=True,
-                                     capture_output=True, text=True).stdout)
-    assert set(recs[0]) == {"rank", "host", "local_rank", "tp_rank", "pp_rank", "dp_rank", "mp_rank"}
+    assert bad.stderr.count("\n") == 1 and not bad.stdout
+    code, out, _ = _show_topology(["--world-size", "16", "--nproc-per-node", "8", "--tp", "2", "--pp", "2"], capsys)
+    assert code == 0 and "order tp-dp-pp" in out and "tp_rank" in out and "hosts spanned" in out
+    code, out, _ = _show_topology(["--world-size", "4", "--tp", "2", "--json"], capsys)
+    recs = json.loads(out)
+    assert code == 0 and set(recs[0]) == {"rank", "host", "local_rank", "tp_rank", "pp_rank", "dp_rank", "mp_rank"}
 
 
-def test_show_topology_stage_layouts():
-    tool = [sys.executable, str(ROOT / "tools" / "show_topology.py")]
-    out = subprocess.run(tool + ["--world-size", "8", "--nproc-per-node", "4", "--stage-layouts", "tp1dp4,tp2dp2"],
-                         check=True, capture_output=True, text=True).stdout
-    assert "stage 0 tp1×dp4 ranks 0..3" in out and "stage 1 tp2×dp2 ranks 4..7" in out
-    bad = subprocess.run(tool + ["--world-size", "8", "--stage-layouts", "tp1dp4,tp2dp4"], capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and "error:" in bad.stderr
+def test_show_topology_stage_layouts(capsys):
+    code, out, _ = _show_topology(["--world-size", "8", "--nproc-per-node", "4", "--stage-layouts", "tp1dp4,tp2dp2"],
+                                  capsys)
+    assert code == 0 and "stage 0 tp1×dp4 ranks 0..3" in out and "stage 1 tp2×dp2 ranks 4..7" in out
+    code, _, err = _show_topology(["--world-size", "8", "--stage-layouts", "tp1dp4,tp2dp4"], capsys)
+    assert code == 2 and "error:" in err
 
 
 def test_default_order_follows_volume():

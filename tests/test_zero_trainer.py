@@ -1,6 +1,6 @@
 """ZeRO through the whole trainer with tensor and pipeline parallelism on (8 ranks, one launch).
 
-fp32: zero-stage 1 and 2 give the same losses and parameters as zero-stage 0 after 10 steps,
+fp32: zero-stage 1 and 2 give the same losses and parameters as zero-stage 0 after 6 steps,
 at tp 2 · pp 2 · dp 2 and tp 1 · pp 2 · dp 4 (delayed weight gradients in the pipeline), within
 tolerances derived from the arithmetic (tests/tolerances.py): the stages reduce gradients in
 other orders, so they agree to rounding, which differs between CPUs. bf16 + fp16 +
@@ -19,7 +19,7 @@ from megareshard.training import Trainer
 from tests.harness import run_ranks
 from tests.tolerances import U, element_error_bounds
 
-STEPS = 10
+STEPS = 6  # past the 2 warm-up iterations: Adam's moments built over several steps
 LR = 3e-3
 
 

@@ -85,6 +85,7 @@ def _check_untied(ref, per_stage: dict[int, tuple], label: str) -> None:
         assert err <= 1e-5 * max(scale, 1e-12), f"{label}: gradient of {name} differs by {err:.3g} (max {scale:.3g})"
 
 
+@pytest.mark.slow
 def test_gpt_with_per_stage_layouts_matches_single_process(reference, llama_reference):
     results = run_ranks(_worker, WORLD, CASES + LLAMA_CASES, timeout=400, nccl_check=True)
     for k, (layouts, kw, extra) in enumerate(CASES + LLAMA_CASES):

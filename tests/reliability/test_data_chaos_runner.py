@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_chaos_runner_table_and_json(tmp_path):
     out = tmp_path / "chaos.json"
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "chaos.py"), "--quick", "--trials", "1", "--only",
