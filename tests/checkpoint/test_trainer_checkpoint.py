@@ -22,8 +22,8 @@ MODEL = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-si
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 # (name, tp, pp, zero): targets of the tp 2 · pp 2 · dp 2 · ZeRO 1 source
-TARGETS = [("tp1_pp4_dp2_z0", 1, 4, 0), ("tp4_pp1_dp2_z2", 4, 1, 2), ("tp1_pp1_dp8_z0", 1, 1, 0),
-           ("tp1_pp1_dp8_z2", 1, 1, 2)]
+# (dp 8 at ZeRO 0 ran here too until session 15: dp 8 at ZeRO 2 re-slices the same data and more state)
+TARGETS = [("tp1_pp4_dp2_z0", 1, 4, 0), ("tp4_pp1_dp2_z2", 4, 1, 2), ("tp1_pp1_dp8_z2", 1, 1, 2)]
 
 
 def _trainer(argv, world):
