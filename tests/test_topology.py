@@ -83,12 +83,10 @@ def test_seed_001_table():
 
 def _show_topology(argv, capsys):
     """tools/show_topology.py's main in this process (a pure planning tool: no process group): exit code, out, err."""
-    import importlib.util
+    sys.path.insert(0, str(ROOT / "tools"))
+    import show_topology
 
-    spec = importlib.util.spec_from_file_location("show_topology", ROOT / "tools" / "show_topology.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    code = tool.main(argv)
+    code = show_topology.main(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -178,11 +178,9 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
             slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
             if trainer.pipeline is not None:  # each of this rank's (virtual) stages its own planned costs
                 mine = [s for s, mesh in enumerate(trainer.pipeline.placement) if mesh == ctx.pp_rank()]
-                fbw = {s: (c["stage_f_s"][s], c["stage_b_s"][s], c["stage_w_s"][s]) for s in mine}
-                trainer.pipeline.pace = {"F": {s: f + slack for s, (f, b, w) in fbw.items()},
-                                         "B": {s: b + slack for s, (f, b, w) in fbw.items()},
-                                         "I": {s: b - w + slack for s, (f, b, w) in fbw.items()},
-                                         "W": {s: w + slack for s, (f, b, w) in fbw.items()}}
+                per_stage = {s: dict(zip("FBIW", (f, b, b - w, w))) for s in mine
+                             for f, b, w in [(c["stage_f_s"][s], c["stage_b_s"][s], c["stage_w_s"][s])]}
+                trainer.pipeline.pace = {k: {s: t[k] + slack for s, t in per_stage.items()} for k in "FBIW"}
             else:  # one stage: F and B of every microbatch
                 f, b = c["stage_f_s"][0], c["stage_b_s"][0]
                 paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))

@@ -4,7 +4,8 @@ Ranks that time-share a few cores lend a stage's core to the other stages while 
 for the network, which hides communication under *any* schedule — no GPU stage can do
 that. With pacing, every compute action of a stage takes a fixed wall time (a faster one
 sleeps the rest, `PipelineRuntime.pace`), the same in every configuration, so only
-communication and scheduling differ. Pure Python: parsing and calibration, no processes.
+communication and scheduling differ. Pure Python: parsing, calibration, the padding and its counters; no
+processes.
 """
 from __future__ import annotations
 
@@ -24,6 +25,28 @@ def note_action(stats: dict[str, int], kind: str, t0: float, c0: float | None = 
         done.append(("cpu_us", int((time.thread_time() - c0) * 1e6)))
     for what, v in done:
         stats[f"paced_{what}_{kind}"] = stats.get(f"paced_{what}_{kind}", 0) + v
+
+
+def pad_action(pace: dict[str, Any] | None, stats: dict[str, int], kind: str, stage: int, t0: float,
+               where: str) -> None:
+    """Sleep until a compute action of `kind` on virtual `stage`, started at `t0`, has taken its budget: `pace`
+    gives one per kind, or per kind and stage ({"F": {stage: seconds}}). Counts in `stats` the budgets granted
+    (``paced_budget_us_K``) and the actions that took longer (``pace_overruns``, ``pace_overrun_us``). `where`
+    names the action in the error when it has no budget."""
+    budget = pace.get(kind) if pace else None
+    if isinstance(budget, dict):  # per virtual stage
+        budget = budget.get(stage)
+    if budget is None:  # an unpaced action would run at CPU speed beside paced ones: refuse, don't guess
+        raise ValueError(f"{where} has no pacing budget for kind {kind!r} (budgets given: {pace}); give every "
+                         "compute kind the schedule runs a budget")
+    key = f"paced_budget_us_{kind}"  # what the emulated device granted, per kind (validate_planner)
+    stats[key] = stats.get(key, 0) + int(budget * 1e6)
+    left = budget - (time.time() - t0)
+    if left > 0:
+        time.sleep(left)
+    else:  # how many, and by how much in total (µs): what the padding could not equalise
+        stats["pace_overruns"] = stats.get("pace_overruns", 0) + 1
+        stats["pace_overrun_us"] = stats.get("pace_overrun_us", 0) + int(-left * 1e6)
 
 
 def needed_kinds(delay_wgrad: Iterable[bool]) -> tuple[str, ...]:

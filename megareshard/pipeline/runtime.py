@@ -61,7 +61,7 @@ from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import forward_only, generate, placement_of
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
-from .pacing import note_action
+from .pacing import note_action, pad_action
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
 from .stage import StageLayout
 from .validate import validate
@@ -506,21 +506,8 @@ class PipelineRuntime:
             raise AssertionError(a)
 
     def _pad(self, a: Action, t0: float, st: _Step) -> None:
-        """Sleep until the action has taken its paced time; count actions that took longer."""
-        budget = self.pace.get(a.kind.value) if self.pace else None
-        if isinstance(budget, dict):  # per virtual stage
-            budget = budget.get(a.stage)
-        if budget is None:  # an unpaced action would run at CPU speed beside paced ones: refuse, don't guess
-            raise ValueError(f"stage {self.stage}: action {a} has no pacing budget for kind {a.kind.value!r} "
-                             f"(budgets given: {self.pace}); give every compute kind the schedule runs a budget")
-        key = f"paced_budget_us_{a.kind.value}"  # what the emulated device granted, per kind (validate_planner)
-        st.stats[key] = st.stats.get(key, 0) + int(budget * 1e6)
-        left = budget - (time.time() - t0)
-        if left > 0:
-            time.sleep(left)
-        else:  # how many, and by how much in total (µs): what the padding could not equalise
-            st.stats["pace_overruns"] = st.stats.get("pace_overruns", 0) + 1
-            st.stats["pace_overrun_us"] = st.stats.get("pace_overrun_us", 0) + int(-left * 1e6)
+        """Sleep until the action has taken its paced time (`pacing.pad_action`)."""
+        pad_action(self.pace, st.stats, a.kind.value, a.stage, t0, f"stage {self.stage}: action {a}")
 
     def _forward(self, model: torch.nn.Module, stage: int, mb: int, st: _Step) -> None:
         first, last = stage == 0, stage == self.num_stages - 1

@@ -556,19 +556,18 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         link, lat = (nic, nic_lat) if nic and nic_lat else (intra, intra_lat)
         edge = (lat["seconds"] if lat else 0.0) + (act / link["Bps"] if link else 0.0)
         overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
-        # what posting a send and a receive holds a rank's program, in the same pipeline paced
-        posts: dict[str, float] = {}
-        runtime_step_cpu(2 * world, pace=budget, posts=posts)
-        shared["posts"] = posts
-        post = (posts["send_s"], posts["recv_s"])
+        # what posting a send and a receive holds a rank's program: counted in the contention fit's paced steps
+        posts = shared["posts"] = {}
 
         def simulated(m: int) -> float:
-            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead, post)
+            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead,
+                                     (posts["send_s"], posts["recv_s"]))
 
         byte_rate = cpu_rates["cpu_s_per_nic_byte" if "nic" in shared else "cpu_s_per_intra_byte"]
         per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate
         contention = shared["contention"] = fit_contention(runtime_step_cpu, world, budget, simulated, per_mb,
-                                                           cpu_rates["shared_cores"])
+                                                           cpu_rates["shared_cores"], posts=posts)
+        post = (posts["send_s"], posts["recv_s"])
         cpu_rates |= dict(cpu_s_per_action=runtime["cpu_s_per_action"], cpu_s_per_step=runtime["cpu_s_per_step"],
                           cpu_contention=contention["cpu_contention"])
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
@@ -593,7 +592,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
-        action_overhead_s=action["seconds"], send_post_s=post[0], recv_post_s=post[1], layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
+        action_overhead_s=action["seconds"], send_post_s=post[0], recv_post_s=post[1],
+        layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
         ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency, **cpu_rates)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))

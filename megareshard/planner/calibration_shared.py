@@ -147,7 +147,8 @@ def fit_runtime_cpu(step_cpu: Callable[[int], tuple[float, float]], world: int, 
 
 
 def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, budget_s: float,
-                   simulated_s: Callable[[int], float], cpu_per_microbatch_s: float, cores: float) -> dict[str, Any]:
+                   simulated_s: Callable[[int], float], cpu_per_microbatch_s: float, cores: float,
+                   posts: dict[str, float] | None = None) -> dict[str, Any]:
     """``cpu_contention`` from `step_cpu(m, pace=budget_s)`: (the machine's busy CPU seconds, wall seconds) of a
     training step of m microbatches through the runtime probe's pipeline (one `PROBE` layer on each of the
     `world` ranks, 1f1b with delayed weight gradients) with every action paced to `budget_s`, at m = 2 and 6 ×
@@ -158,9 +159,11 @@ def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, bud
     `cpu_per_microbatch_s`: the CPU work a
     microbatch adds, as the planner counts it (`shared_cpu_s`'s terms); `cores`: `shared_cores`. The measured
     growth beyond the period is the waiting, taken per second of that CPU work over the cores. Every rank
-    calls it (`step_cpu` is collective)."""
+    calls it (`step_cpu` is collective). `posts` (a dict) is handed to the m = 2 × `world` step, which fills in
+    what posting a send and a receive cost (`calibrate`), before `simulated_s` is called."""
     m1, m2 = 2 * world, 6 * world
-    (b1, w1), (b2, w2) = step_cpu(m1, pace=budget_s), step_cpu(m2, pace=budget_s)
+    first = step_cpu(m1, pace=budget_s) if posts is None else step_cpu(m1, pace=budget_s, posts=posts)
+    (b1, w1), (b2, w2) = first, step_cpu(m2, pace=budget_s)
     growth = (w2 - w1) / (m2 - m1)
     period_s = (simulated_s(m2) - simulated_s(m1)) / (m2 - m1)
     per_core = cpu_per_microbatch_s / cores

@@ -161,15 +161,14 @@ def test_the_layer_line_is_fitted_to_every_micro_batch() -> None:
 
 
 def _probe_posts(rank: int, world: int):
-    import importlib.util
-    import os
+    import sys
+    from pathlib import Path
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "calibrate_cluster.py")
-    spec = importlib.util.spec_from_file_location("calibrate_cluster", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import calibrate_cluster
+
     posts: dict[str, float] = {}
-    busy, wall = tool.probe_step_cpu(world)(4, pace=2e-3, posts=posts)
+    busy, wall = calibrate_cluster.probe_step_cpu(world)(4, pace=2e-3, posts=posts)
     return busy, wall, posts
 
 
