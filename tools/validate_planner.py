@@ -25,8 +25,9 @@ first run). For every point:
    launch (one process group, one trainer per configuration in turn), every compute action paced to
    the planner's per-stage forward/backward time plus the slack (`PipelineRuntime.pace`; one stage: the
    whole forward-backward padded to m·(F + B + 2·slack)), so measured times are comparable to the model's;
-   each configuration's process groups are destroyed before the next one starts; step time
-   = median over `ITERS` timed iterations after `WARMUP`, barrier to optimizer step, max over ranks;
+   each configuration's process groups are destroyed before the next one starts; `PASSES` passes, the
+   second in reverse order (`pass_order`), each building the configuration afresh; step time = median over
+   every pass's `ITERS` timed iterations after `WARMUP`, barrier to optimizer step, max over ranks;
 4. **compare**: Spearman rank correlation of predicted and measured step times, and how much slower
    the planner's choice measured than the best measured (targets: >= 0.8, <= 10 %).
 
@@ -53,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megareshard.planner.validation import (ACTION_SLACK_S, GRIDS, ITERS, NIC_BURST, PACE_MARGIN,  # noqa: E402
-                                            SAMPLE, SEED, TOP_K, WARMUP, GridPoint, choose, estimate_wall_s,
+                                            PASSES, SAMPLE, SEED, TOP_K, WARMUP, GridPoint, choose,
+                                            estimate_wall_s, pass_order,
                                             grid_json, median_error, read_results, summarize)
 
 TOOLS = ROOT / "tools"
@@ -150,9 +152,46 @@ class _Timed:
 
 
 def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], procs_per_host: int,
-                warmup: int, iters: int, results_path: str | None, say=print) -> list[dict[str, Any]]:
-    """Run every configuration in turn on the initialised default process group; rank 0 appends one JSON line
-    per configuration to `results_path` as soon as it is done and returns the records (other ranks: [])."""
+                warmup: int, iters: int, results_path: str | None, say=print, passes: int = 1) -> list[dict[str, Any]]:
+    """Run every configuration on the initialised default process group, in `passes` passes (`pass_order`:
+    ranking order, then reversed, ...; each pass builds the configuration afresh and runs `warmup` untimed and
+    `iters` timed steps); rank 0 appends one JSON line per configuration to `results_path` after its last pass
+    (its time: the median over every pass's timed steps) and returns the records (other ranks: [])."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    raws: dict[int, list[dict[str, Any]]] = {k: [] for k in range(len(configs))}
+    last = {k: p for p, order in enumerate(pass_order(len(configs), passes)) for k in order}
+    records = []
+    for p, order in enumerate(pass_order(len(configs), passes)):
+        for k in order:
+            c = configs[k]
+            t_start = time.monotonic()
+            raws[k].append(_measure(c, model_argv, procs_per_host, warmup, iters))
+            raws[k][-1]["wall_s"] = time.monotonic() - t_start
+            if last[k] != p:
+                continue
+            rec = _record(c, raws[k], world, rank)
+            if rank == 0:
+                records.append(rec)
+                if results_path:
+                    with open(results_path, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                got = f"{rec['measured_s']:.3f} s measured" if rec["status"] == "ok" else rec["status"]
+                say(f"[validate_planner] {len(records)}/{len(configs)} #{c['rank']} {c['name']}: predicted "
+                    f"{c['predicted_s']:.3f} s, {got} ({rec['wall_s']:.0f} s, {len(raws[k])} passes)")
+    records.sort(key=lambda r: r["rank"])
+    return records
+
+
+_OTHERS = ("SEND_F", "RECV_F", "WAIT_F", "SEND_B", "RECV_B", "WAIT_B", "R", "tail")
+"""The parts of a paced pipeline step besides compute (the kinds `pacing.note_action` counts)."""
+
+
+def _measure(c: dict[str, Any], model_argv: Sequence[str], procs_per_host: int, warmup: int,
+             iters: int) -> dict[str, Any]:
+    """One pass of configuration `c`: build it, run `warmup` + `iters` steps paced to its planned costs, close it.
+    The raw numbers of its timed steps (every rank returns the same), or {"error": why}."""
     import torch
     import torch.distributed as dist
 
@@ -162,95 +201,100 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
     from megareshard.training import Trainer, build_context
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cpu")
-    records = []
-    for k, c in enumerate(configs):
-        rec: dict[str, Any] = {k2: c[k2] for k2 in ("rank", "why", "name", "flags", "predicted_s")}
-        t_start = time.monotonic()
-        try:
-            argv = ["--mock-data", *model_argv, "--train-iters", "1000000", "--lr", "1e-4", "--lr-warmup-iters", "1",
-                    "--device", "cpu", "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout",
-                    "0", "--nproc-per-node", str(procs_per_host), *c["flags"].split()]
-            cfg = parse_args(argv, world_size=world)
-            ctx, _ = build_context(cfg, world)
-            trainer = Trainer(cfg, ctx, device, out=io.StringIO())
-            paced = None
-            slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
-            if trainer.pipeline is not None:  # each of this rank's (virtual) stages its own planned costs
-                mine = [s for s, mesh in enumerate(trainer.pipeline.placement) if mesh == ctx.pp_rank()]
-                per_stage = {s: dict(zip("FBIW", (f, b, b - w, w))) for s in mine
-                             for f, b, w in [(c["stage_f_s"][s], c["stage_b_s"][s], c["stage_w_s"][s])]}
-                trainer.pipeline.pace = {k: {s: t[k] + slack for s, t in per_stage.items()} for k in "FBIW"}
-            else:  # one stage: F and B of every microbatch
-                f, b = c["stage_f_s"][0], c["stage_b_s"][0]
-                paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
-                trainer.forward_backward_fn = paced
-            batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
-            timed = _Timed(trainer.forward_backward_fn)
-            trainer.forward_backward_fn = timed
-            times, overruns, overrun_s, cpu, pipe = [], 0, 0.0, [], []
-            kinds = PACE_KINDS  # compute, then the rest of a paced step (the kinds pacing.note_action counts)
-            others = ("SEND_F", "RECV_F", "WAIT_F", "SEND_B", "RECV_B", "WAIT_B", "R", "tail")
-            # per kind, summed over the timed steps: actions, their wall and CPU µs, their budgets (compute only)
-            paced_sums = torch.zeros(len(kinds) + len(others), 4, dtype=torch.float64)
-            machine = []
-            for r in range(warmup + iters):
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                m0 = machine_busy_s() if rank == 0 else 0.0
-                trainer.train_step(batch)
-                # the step (max over ranks), its pipeline part (forward-backward returned; max) and the CPU seconds
-                # every thread of every rank spent in it (sum: 8 emulated hosts share this machine's cores)
-                mx = torch.tensor([time.perf_counter() - t0, timed.last_s], dtype=torch.float64)
-                sm = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-                dist.all_reduce(sm)
+    try:
+        argv = ["--mock-data", *model_argv, "--train-iters", "1000000", "--lr", "1e-4", "--lr-warmup-iters", "1",
+                "--device", "cpu", "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout",
+                "0", "--nproc-per-node", str(procs_per_host), *c["flags"].split()]
+        cfg = parse_args(argv, world_size=world)
+        ctx, _ = build_context(cfg, world)
+        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+        paced = None
+        slack = c.get("slack_s", 0.0)  # every action's share of the emulated device's per-action cost
+        if trainer.pipeline is not None:  # each of this rank's (virtual) stages its own planned costs
+            mine = [s for s, mesh in enumerate(trainer.pipeline.placement) if mesh == ctx.pp_rank()]
+            per_stage = {s: dict(zip("FBIW", (f, b, b - w, w))) for s in mine
+                         for f, b, w in [(c["stage_f_s"][s], c["stage_b_s"][s], c["stage_w_s"][s])]}
+            trainer.pipeline.pace = {k: {s: t[k] + slack for s, t in per_stage.items()} for k in "FBIW"}
+        else:  # one stage: F and B of every microbatch
+            f, b = c["stage_f_s"][0], c["stage_b_s"][0]
+            paced = _Paced(trainer.forward_backward_fn, c["num_microbatches"] * (f + b + 2 * slack))
+            trainer.forward_backward_fn = paced
+        batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
+        timed = _Timed(trainer.forward_backward_fn)
+        trainer.forward_backward_fn = timed
+        times, overruns, overrun_s, cpu, pipe, machine = [], 0, 0.0, [], [], []
+        # per kind, summed over the timed steps: actions, their wall and CPU µs, their budgets (compute only)
+        paced_sums = torch.zeros(len(PACE_KINDS) + len(_OTHERS), 4, dtype=torch.float64)
+        for r in range(warmup + iters):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            m0 = machine_busy_s() if rank == 0 else 0.0
+            trainer.train_step(batch)
+            # the step (max over ranks), its pipeline part (forward-backward returned; max) and the CPU seconds
+            # every thread of every rank spent in it (sum: 8 emulated hosts share this machine's cores)
+            mx = torch.tensor([time.perf_counter() - t0, timed.last_s], dtype=torch.float64)
+            sm = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sm)
+            if r >= warmup:
                 if rank == 0:  # the machine's cores, every process and the kernel (the emulated NICs' packets)
                     machine.append(machine_busy_s() - m0)
-                if r >= warmup:
-                    times.append(float(mx[0]))
-                    pipe.append(float(mx[1]))
-                    cpu.append(float(sm[0]))
-                    if trainer.pipeline is not None:
-                        overruns += trainer.pipeline.last_stats.get("pace_overruns", 0)
-                        overrun_s += trainer.pipeline.last_stats.get("pace_overrun_us", 0) / 1e6
-                        st = trainer.pipeline.last_stats
-                        paced_sums += torch.tensor([[st.get(f"paced_{w}_{k}", 0)
-                                                     for w in ("n", "wall_us", "cpu_us", "budget_us")]
-                                                    for k in kinds + others], dtype=torch.float64)
-            if paced is not None:
-                overruns, overrun_s = paced.overruns, paced.overrun_s
-            total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
-            dist.all_reduce(total)
-            dist.all_reduce(paced_sums)
-            trainer.close()
-            trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
-            rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
-                       pace_overruns=int(total[0]), pace_overrun_s=round(float(total[1]), 5),
-                       pipeline_s=round(statistics.median(pipe), 5), cpu_s=round(statistics.median(cpu), 5))
-            if rank == 0:
-                rec["machine_cpu_s"] = round(statistics.median(machine[warmup:]), 4)
-                # a paced pipeline's compute per action, every rank's timed steps: what its budget had to cover
-                sums = dict(zip(kinds + others, paced_sums.tolist()))
-                rec["compute_ms"] = {k: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
-                                         "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
-                                     for k in kinds for n, wl, cp, bd in [sums[k]] if n}
-                # and the rest of its step, per rank and step: the transfers, the reduction, the tail
-                rec["other_ms_per_step"] = {k: {"actions": round(n / (iters * world), 2),
-                                                "wall": round(wl / 1e3 / (iters * world), 3)}
-                                            for k in others for n, wl, _, _ in [sums[k]] if n}
-        except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
-            rec.update(status=f"failed: {str(e).splitlines()[0][:300]}")
-        rec["wall_s"] = round(time.monotonic() - t_start, 2)
-        if rank == 0:
-            records.append(rec)
-            if results_path:
-                with open(results_path, "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(rec) + "\n")
-            got = f"{rec['measured_s']:.3f} s measured" if rec["status"] == "ok" else rec["status"]
-            say(f"[validate_planner] {k + 1}/{len(configs)} #{c['rank']} {c['name']}: predicted "
-                f"{c['predicted_s']:.3f} s, {got} ({rec['wall_s']:.0f} s)")
-    return records
+                times.append(float(mx[0]))
+                pipe.append(float(mx[1]))
+                cpu.append(float(sm[0]))
+                if trainer.pipeline is not None:
+                    st = trainer.pipeline.last_stats
+                    overruns += st.get("pace_overruns", 0)
+                    overrun_s += st.get("pace_overrun_us", 0) / 1e6
+                    paced_sums += torch.tensor([[st.get(f"paced_{w}_{k}", 0)
+                                                 for w in ("n", "wall_us", "cpu_us", "budget_us")]
+                                                for k in PACE_KINDS + _OTHERS], dtype=torch.float64)
+        if paced is not None:
+            overruns, overrun_s = paced.overruns, paced.overrun_s
+        total = torch.tensor([overruns, overrun_s], dtype=torch.float64)
+        dist.all_reduce(total)
+        dist.all_reduce(paced_sums)
+        trainer.close()
+        trainer.release_communicators()  # or each configuration's gloo threads slow the later ones down
+        return {"times": times, "pipe": pipe, "cpu": cpu, "machine": machine, "overruns": int(total[0]),
+                "overrun_s": float(total[1]), "paced_sums": paced_sums.tolist(), "iters": iters}
+    except (ConfigError, ValueError, RuntimeError) as e:  # the same on every rank: they all go on
+        return {"error": f"failed: {str(e).splitlines()[0][:300]}"}
+
+
+def _record(c: dict[str, Any], raws: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+    """A configuration's JSON record from its passes' raw numbers (`_measure`): its time is the median over every
+    pass's timed steps; the first failed pass, if any, is its status."""
+    from megareshard.pipeline.pacing import PACE_KINDS
+
+    rec: dict[str, Any] = {k: c[k] for k in ("rank", "why", "name", "flags", "predicted_s")}
+    rec["wall_s"] = round(sum(r["wall_s"] for r in raws), 2)
+    bad = next((r["error"] for r in raws if "error" in r), None)
+    if bad:
+        rec["status"] = bad
+        return rec
+    times = [t for r in raws for t in r["times"]]
+    steps = sum(r["iters"] for r in raws)
+    rec.update(status="ok", measured_s=statistics.median(times), rounds_s=[round(t, 5) for t in times],
+               passes=len(raws), pass_s=[round(statistics.median(r["times"]), 5) for r in raws],
+               pace_overruns=sum(r["overruns"] for r in raws),
+               pace_overrun_s=round(sum(r["overrun_s"] for r in raws), 5),
+               pipeline_s=round(statistics.median([t for r in raws for t in r["pipe"]]), 5),
+               cpu_s=round(statistics.median([t for r in raws for t in r["cpu"]]), 5))
+    if rank == 0:
+        rec["machine_cpu_s"] = round(statistics.median([t for r in raws for t in r["machine"]]), 4)
+        sums = [[sum(r["paced_sums"][i][j] for r in raws) for j in range(4)]
+                for i in range(len(PACE_KINDS) + len(_OTHERS))]
+        sums_of = dict(zip(PACE_KINDS + _OTHERS, sums))
+        # a paced pipeline's compute per action, every rank's timed steps: what its budget had to cover
+        rec["compute_ms"] = {k: {"actions": int(n), "wall": round(wl / n / 1e3, 4),
+                                 "cpu": round(cp / n / 1e3, 4), "budget": round(bd / n / 1e3, 4)}
+                             for k in PACE_KINDS for n, wl, cp, bd in [sums_of[k]] if n}
+        # and the rest of its step, per rank and step: the transfers, the reduction, the tail
+        rec["other_ms_per_step"] = {k: {"actions": round(n / (steps * world), 2),
+                                        "wall": round(wl / 1e3 / (steps * world), 3)}
+                                    for k in _OTHERS for n, wl, _, _ in [sums_of[k]] if n}
+    return rec
 
 
 def _worker(spec_path: str) -> int:
@@ -263,7 +307,7 @@ def _worker(spec_path: str) -> int:
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
     run_configs(spec["configs"], spec["model_argv"], spec["procs_per_host"], spec["warmup"], spec["iters"],
-                spec["results"], say=lambda *x: print(*x, flush=True))
+                spec["results"], say=lambda *x: print(*x, flush=True), passes=spec.get("passes", 1))
     return 0
 
 
@@ -299,7 +343,7 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": a.pace_margin,
                                        "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
-                                       "warmup": WARMUP, "iters": ITERS, "grid": a.grid},
+                                       "warmup": WARMUP, "iters": ITERS, "passes": PASSES, "grid": a.grid},
                             "grid": grid_json(GRIDS[a.grid]), "points": []}
     tmp = tempfile.mkdtemp(prefix="mr-validate-")
     t_all = time.monotonic()
@@ -327,7 +371,8 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
             results = os.path.join(tmp, f"{point.key}-results.jsonl")
             with open(spec, "w", encoding="utf-8") as f:
                 json.dump({"configs": configs, "model_argv": point.model.argv(), "procs_per_host":
-                           point.procs_per_host, "warmup": WARMUP, "iters": ITERS, "results": results}, f)
+                           point.procs_per_host, "warmup": WARMUP, "iters": ITERS, "passes": PASSES,
+                           "results": results}, f)
             print(f"[validate_planner] {point.key}: {len(configs)} of {n_ranked} configurations to run "
                   f"(estimate {estimate_wall_s([c['predicted_s'] for c in configs]):.0f} s)", flush=True)
             left = max(60.0, min(a.point_timeout, share - (time.monotonic() - t0)))

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 __all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "FRESH", "BLIND", "GRIDS", "median_error", "TOP_K", "SAMPLE",
            "SEED", "NIC_BURST", "PACE_MARGIN", "ACTION_SLACK_S", "spearman", "choose", "choice_gap", "summarize",
-           "read_results", "estimate_wall_s"]
+           "read_results", "estimate_wall_s", "PASSES", "pass_order"]
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,26 @@ median, 1.7–2.2 ms at the 90th percentile: another rank had the cores when it 
 batch 2 or 4 0.1–0.3 ms, so the micro-batch-1 configurations measured slower than predicted and the planner
 chose them over their faster micro-batch-2 twins (runs 24–27). With the slack, most of that lateness ends
 inside the budget: the emulated device keeps the time the planner assumes for it. Since run 29."""
-WARMUP, ITERS = 1, 5
-"""Untimed and timed iterations per configuration; a configuration's time is the median of the timed ones. Runs
-1–70 timed 3: a configuration's rounds differed by up to 10 % on the emulated cluster (8 ranks on 2 cores), as
-much as the choice target allows (run 70's miss: 0.478–0.526 s). Since run 71."""
+WARMUP, ITERS, PASSES = 1, 3, 2
+"""Untimed and timed iterations per configuration and pass, and the passes (`pass_order`): a configuration's
+time is the median of its timed iterations over every pass. Runs 1–70 timed 3 in one pass: a configuration's
+rounds differed by up to 10 % on the emulated cluster (8 ranks on 2 cores), as much as the choice target allows
+(run 70's miss: 0.478–0.526 s); runs 71–87 timed 5 in one pass. Since run 88, two passes of 3: in one pass the
+planner's choice always ran first, right after the launch, and the first configuration's first two timed
+rounds were 3.4 % slower than its last two (median over runs 71–87's 48 points; 0.7 % for the others), up to
+19 % (run 87's gpt-mid 6 × 1, whose choice missed); and one configuration measured 0.55–0.70 s in four
+launches (run 87's, three in session 16) where its prediction stayed 0.525 s. A second pass in reverse order
+puts every configuration early in one pass and late in the other, so a drift of the machine over a launch
+(warm-up, a neighbour's load) weighs on all of them alike."""
+
+
+def pass_order(n: int, passes: int = PASSES) -> list[list[int]]:
+    """The order the validation runs `n` configurations (indices in ranking order) in each of `passes` passes:
+    ranking order, then reversed, alternately."""
+    if n < 0 or passes < 1:
+        raise ValueError(f"pass_order needs n >= 0 and passes >= 1 (got n={n}, passes={passes})")
+    forward = list(range(n))
+    return [forward if p % 2 == 0 else forward[::-1] for p in range(passes)]
 
 
 def _ranks(xs: Sequence[float]) -> list[float]:
@@ -206,10 +222,10 @@ def median_error(results: Sequence[dict[str, Any]]) -> float | None:
 
 
 def estimate_wall_s(predicted_steps: Sequence[float], warmup: int = WARMUP, iters: int = ITERS,
-                    launch_s: float = 25.0, build_s: float = 4.0, slack: float = 1.3) -> float:
-    """Wall seconds of one point: the calibration and run launches, and per configuration its build and
+                    launch_s: float = 25.0, build_s: float = 4.0, slack: float = 1.3, passes: int = PASSES) -> float:
+    """Wall seconds of one point: the calibration and run launches, and per configuration and pass its build and
     warm-up + timed iterations at the predicted step times (× `slack` for what the prediction leaves out)."""
-    return 2 * launch_s + sum(build_s + (warmup + iters) * s * slack for s in predicted_steps)
+    return 2 * launch_s + passes * sum(build_s + (warmup + iters) * s * slack for s in predicted_steps)
 
 
 def grid_json(grid: Sequence[GridPoint] = GRID) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ import pytest
 
 from megareshard.planner import ClusterSpec
 from megareshard.planner.validation import (ACTION_SLACK_S, BLIND, FRESH, GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint,
-                                            choice_gap, choose, estimate_wall_s, median_error, read_results, spearman,
-                                            summarize)
+                                            choice_gap, choose, estimate_wall_s, median_error, pass_order, read_results,
+                                            spearman, summarize)
 from tests.harness import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -65,7 +65,20 @@ def test_grid_is_fixed_and_fits_the_budget() -> None:
     assert not {(g.hosts, g.procs_per_host) for g in BLIND} & {(g.hosts, g.procs_per_host) for g in others}
     assert not {g.rate_mbit for g in BLIND} & {g.rate_mbit for g in others}
     assert all(g.hosts * g.procs_per_host == 4 for g in BLIND)
-    assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0) == 40 + 8 + 4 * 3
+    assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0, passes=1) == 40 + 8 + 4 * 3
+    assert estimate_wall_s([1.0, 2.0], warmup=1, iters=3, launch_s=20, build_s=4, slack=1.0, passes=2) == 40 + 2 * 20
+
+
+def test_pass_order_alternates_so_every_configuration_runs_early_once() -> None:
+    assert pass_order(3, 1) == [[0, 1, 2]]
+    assert pass_order(3, 2) == [[0, 1, 2], [2, 1, 0]]
+    assert pass_order(2, 3) == [[0, 1], [1, 0], [0, 1]]
+    assert pass_order(0, 2) == [[], []]
+    # two passes: the sum of a configuration's positions is the same for all (no one always runs first)
+    two = pass_order(5, 2)
+    assert len({two[0].index(k) + two[1].index(k) for k in range(5)}) == 1
+    with pytest.raises(ValueError, match="passes >= 1"):
+        pass_order(3, 0)
 
 
 def test_summary_and_reading_results(tmp_path) -> None:
@@ -133,7 +146,7 @@ SLOW = ClusterSpec(1, 2, device_memory_gib=1.0, device_tflops=2e-5, efficiency=1
 def _smoke(rank: int, world: int, configs, argv):
     import validate_planner
 
-    return validate_planner.run_configs(configs, argv, 2, 1, 2, None, say=lambda *x: None)
+    return validate_planner.run_configs(configs, argv, 2, 1, 2, None, say=lambda *x: None, passes=2)
 
 
 def test_worker_smoke_on_two_local_ranks() -> None:
@@ -148,17 +161,19 @@ def test_worker_smoke_on_two_local_ranks() -> None:
     assert len(configs) == 2
     recs = run_ranks(_smoke, 2, configs, TINY.model.argv(), timeout=120)[0]
     assert [r["status"] for r in recs] == ["ok", "ok"], recs
+    # two passes of 2 timed steps each: the median is over all 4, each pass's own median recorded
+    assert all(r["passes"] == 2 and len(r["rounds_s"]) == 4 and len(r["pass_s"]) == 2 for r in recs), recs
     for c, r in zip(configs, recs):
         busiest = max(f + b for f, b in zip(c["stage_f_s"], c["stage_b_s"])) + 2 * ACTION_SLACK_S
         # paced: a stage runs its m forwards and backwards one after another, each at least its budget
         assert r["measured_s"] >= 0.95 * c["num_microbatches"] * busiest, (c, r)
         assert r["measured_s"] < 20 * c["predicted_s"] + 1.0, (c, r)
-    # the pipeline's compute per action, every rank's 2 timed steps: each stage's m forwards, within its budget's
+    # the pipeline's compute per action, every rank's 2 × 2 timed steps: each stage's m forwards, within its budget's
     # order of magnitude; one thread's CPU time never exceeds its wall time (µs counters: 1 µs per action)
     one, pipe = recs
     assert one["compute_ms"] == {}
     fwd = pipe["compute_ms"]["F"]
-    assert fwd["actions"] == 2 * configs[1]["num_microbatches"] * configs[1]["pp"], pipe
+    assert fwd["actions"] == 2 * 2 * configs[1]["num_microbatches"] * configs[1]["pp"], pipe
     assert 0 < fwd["cpu"] <= fwd["wall"] + 1e-3, pipe
     # each stage paced to its own planned forward (+ the slack), whatever stage its rank runs: the mean over actions
     want = sum(configs[1]["stage_f_s"]) / configs[1]["pp"] + ACTION_SLACK_S
