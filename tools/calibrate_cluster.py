@@ -66,11 +66,12 @@ def model_of(a: argparse.Namespace) -> ModelShape:
 
 def probe_step_cpu(per_host: int):
     """`calibrate`'s runtime probe: fn(m, pace=None) builds the trainer for a GPT of one `PROBE` layer per rank
-    (pp = world, 1f1b, delayed weight gradients, micro batch 1, global batch m; every action paced to `pace`
-    seconds if given), runs one step to warm up and five timed, and returns the medians over them of (the
-    machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process and the
-    kernel; collective: every rank gets them). Given a dict `posts` (paced), it also fills in what a send and a
-    receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring)."""
+    (pp = world, 1f1b, delayed weight gradients, micro batch 1, m microbatches; every action paced to `pace`
+    seconds if given; `layer`, a dict of hidden_size, num_attention_heads, seq_length and micro_batch, replaces
+    the probe's layer, not its vocabulary), runs one step to warm up and five timed, and returns the medians over
+    them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process
+    and the kernel; collective: every rank gets them). Given a dict `posts` (paced), it also fills in what a send
+    and a receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring)."""
     import io
 
     import torch
@@ -80,11 +81,15 @@ def probe_step_cpu(per_host: int):
     from megareshard.planner.calibration_shared import PROBE, busy_over
     from megareshard.training import Trainer, build_context
 
-    def step_cpu(m: int, pace: float | None = None, posts: dict[str, float] | None = None) -> tuple[float, float]:
+    def step_cpu(m: int, pace: float | None = None, posts: dict[str, float] | None = None,
+                 layer: dict[str, int] | None = None) -> tuple[float, float]:
         world = dist.get_world_size()
-        argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(PROBE["hidden_size"]),
-                "--num-attention-heads", str(PROBE["num_attention_heads"]), "--seq-length", str(PROBE["seq_length"]),
-                "--vocab-size", str(PROBE["vocab_size"]), "--global-batch-size", str(m), "--micro-batch-size", "1",
+        shape = PROBE | (layer or {})  # the probe's vocabulary always: the pipeline's ends stay small
+        mb = shape.get("micro_batch", 1)
+        argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(shape["hidden_size"]),
+                "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
+                "--vocab-size", str(PROBE["vocab_size"]), "--global-batch-size", str(m * mb),
+                "--micro-batch-size", str(mb),
                 "--pipeline-model-parallel-size", str(world), "--pipeline-schedule", "1f1b",
                 "--delay-wgrad-compute", "--train-iters", "1000000", "--lr", "1e-4", "--device", "cpu",
                 "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -39,8 +39,9 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   host) at once → ``shared_cores``, ``cpu_s_per_nic_byte``, ``cpu_s_per_intra_byte``; with the optimizer's
   CPU time per parameter (``cpu_s_per_param``) and the layer's CPU share of its loaded time
   (``compute_cpu_share`` = 1 / load); a real pipeline of one small layer per rank, unpaced at two
-  microbatch counts (``cpu_s_per_action``, ``cpu_s_per_step``) and paced as the emulated device paces a
-  layer's forward (``cpu_contention``: its growth per microbatch beyond the simulated one).
+  microbatch counts (``cpu_s_per_action``, ``cpu_s_per_step``), and one of the model's own layers per rank
+  paced as the emulated device paces that layer's forward (``cpu_contention``: its growth per microbatch
+  beyond the simulated one; ``send_post_s``, ``recv_post_s``).
 
 Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
 ranks is kept.
@@ -51,6 +52,8 @@ a pair wait at a barrier. The JSON (`CLUSTER_FORMAT`) holds `ClusterSpec`'s fiel
 replacing the measured machine's.
 """
 from __future__ import annotations
+
+import functools
 
 import math
 import statistics
@@ -457,8 +460,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     """Run every measurement (a collective call: every rank of the default process group) and return the
     cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
     measured an emulation paces compute (the sleep overshoot and the contention probe's budget depend on it).
-    `runtime_step_cpu(m, pace=None, posts=None)`: the machine's busy and wall seconds of a real training step of
-    m microbatches through a pipeline of one `PROBE` layer per rank, every action paced to `pace` seconds if given
+    `runtime_step_cpu(m, pace=None, posts=None, layer=None)`: the machine's busy and wall seconds of a real training
+    step of m microbatches through a pipeline of one `PROBE` layer per rank (`layer`: the model's layer at
+    `micro_batch` instead), every action paced to `pace` seconds if given
     (`calibration_shared.fit_runtime_cpu` unpaced, `fit_contention` paced; the caller builds it: the planner
     imports no trainer), run where the hosts share their cores; given a dict `posts` (paced), it also fills in
     the mean seconds a send and a receive held a rank's program (``send_s``, ``recv_s``: `ClusterSpec.send_post_s`
@@ -551,8 +555,16 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         own = measure_layer(probe, 1, iters=3 * iters)
         own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
         runtime = shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
-        # the same pipeline paced as the emulated device paces a layer's forward (the sleep overshoot's chunk)
-        budget, act = measured["sleep_overshoot"]["chunk_s"], PROBE["seq_length"] * PROBE["hidden_size"] * 4
+        # a pipeline of one of the model's own layers per rank (the probe's vocabulary), paced as the emulated
+        # device paces that layer's forward (the sleep overshoot's chunk): its CPU work per action is what the
+        # runs' is, so the cores fill as they do in the runs (the probe's own small layer left them idle: a
+        # contention of 0 at points whose configurations then ran the cores 83-99 % busy and measured 1.1-1.4×
+        # their prediction, run 90's gpt-deep 8 × 1)
+        budget = measured["sleep_overshoot"]["chunk_s"]
+        act = model.seq_length * model.hidden_size * micro_batch * 4
+        paced_step = functools.partial(runtime_step_cpu, layer={
+            "hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
+            "seq_length": model.seq_length, "micro_batch": micro_batch})
         link, lat = (nic, nic_lat) if nic and nic_lat else (intra, intra_lat)
         edge = (lat["seconds"] if lat else 0.0) + (act / link["Bps"] if link else 0.0)
         overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
@@ -564,8 +576,11 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                                      (posts["send_s"], posts["recv_s"]))
 
         byte_rate = cpu_rates["cpu_s_per_nic_byte" if "nic" in shared else "cpu_s_per_intra_byte"]
-        per_mb = world * (3 * runtime["cpu_s_per_action"] + runtime["layer_cpu_s"]) + 2 * (world - 1) * act * byte_rate
-        contention = shared["contention"] = fit_contention(runtime_step_cpu, world, budget, simulated, per_mb,
+        # a microbatch's CPU work as the planner counts it: per rank three actions and the layer's compute (its
+        # device time × compute_cpu_share = its CPU time: the load cancels), and the boundary bytes
+        own_layer = layer["forward_cpu_s"] + layer["input_grad_cpu_s"] + layer["weight_grad_cpu_s"]
+        per_mb = world * (3 * runtime["cpu_s_per_action"] + own_layer) + 2 * (world - 1) * act * byte_rate
+        contention = shared["contention"] = fit_contention(paced_step, world, budget, simulated, per_mb,
                                                            cpu_rates["shared_cores"], posts=posts)
         post = (posts["send_s"], posts["recv_s"])
         cpu_rates |= dict(cpu_s_per_action=runtime["cpu_s_per_action"], cpu_s_per_step=runtime["cpu_s_per_step"],

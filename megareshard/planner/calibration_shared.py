@@ -15,9 +15,10 @@ NICs' packets — around three patterns, each after a barrier and timed to the n
 
 And the pipeline runtime's own CPU work (`fit_runtime_cpu`): a real training step of a pipeline of one `PROBE`
 layer per rank at two microbatch counts (the caller runs it: the planner does not import the trainer) →
-``cpu_s_per_action`` and ``cpu_s_per_step``; then the same pipeline with every action paced as the emulated
-device paces a layer's forward (`fit_contention`) → ``cpu_contention``: how much longer each microbatch
-makes the step than the simulator says, per second of the CPU work it adds over the cores.
+``cpu_s_per_action`` and ``cpu_s_per_step``; then a pipeline of one of the model's own layers per rank with
+every action paced as the emulated device paces that layer's forward (`fit_contention`; the layer's CPU work
+fills the cores as the runs' does) → ``cpu_contention``: how much longer each microbatch makes the step than
+the simulator says, per second of the CPU work it adds over the cores.
 """
 from __future__ import annotations
 
@@ -150,8 +151,8 @@ def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, bud
                    simulated_s: Callable[[int], float], cpu_per_microbatch_s: float, cores: float,
                    posts: dict[str, float] | None = None) -> dict[str, Any]:
     """``cpu_contention`` from `step_cpu(m, pace=budget_s)`: (the machine's busy CPU seconds, wall seconds) of a
-    training step of m microbatches through the runtime probe's pipeline (one `PROBE` layer on each of the
-    `world` ranks, 1f1b with delayed weight gradients) with every action paced to `budget_s`, at m = 2 and 6 ×
+    training step of m microbatches through a pipeline of one layer on each of the `world` ranks (`calibrate`
+    gives the model's own; 1f1b with delayed weight gradients) with every action paced to `budget_s`, at m = 2 and 6 ×
     `world` (past the warm-up, so the pipeline's fill and the step's fixed work cancel in the difference; 4 ×
     `world` more microbatches, so that a step's few milliseconds of noise weigh little per microbatch).
     `simulated_s(m)`: the simulator's step of m microbatches (each action its budget plus the late wake-up and

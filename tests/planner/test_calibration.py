@@ -168,8 +168,13 @@ def _probe_posts(rank: int, world: int):
     import calibrate_cluster
 
     posts: dict[str, float] = {}
-    busy, wall = calibrate_cluster.probe_step_cpu(world)(4, pace=2e-3, posts=posts)
-    return busy, wall, posts
+    step = calibrate_cluster.probe_step_cpu(world)
+    busy, wall = step(4, pace=2e-3, posts=posts)
+    # the contention probe's form: one of the model's layers per rank at its micro batch, still 4 microbatches
+    layer_posts: dict[str, float] = {}
+    step(4, pace=2e-3, posts=layer_posts,
+         layer={"hidden_size": 24, "num_attention_heads": 3, "seq_length": 12, "micro_batch": 2})
+    return busy, wall, posts, layer_posts
 
 
 def test_the_runtime_probe_measures_what_posting_a_send_and_a_receive_costs() -> None:
@@ -178,7 +183,9 @@ def test_the_runtime_probe_measures_what_posting_a_send_and_a_receive_costs() ->
     gradients, each sent once and received once."""
     results = run_ranks(_probe_posts, 2, timeout=120)
     assert all(r[2] == results[0][2] for r in results)  # summed over the ranks: every rank has the same
-    busy, wall, posts = results[0]
+    busy, wall, posts, _ = results[0]
     assert posts["sends"] == posts["recvs"] == 8
     # each a real wall time, below the step's (a step of 4 microbatches holds 8 paced actions of >= 2 ms per rank)
     assert 0 < posts["send_s"] < wall / 8 and 0 < posts["recv_s"] < wall / 8 and wall >= 8 * 2e-3
+    # with the model's layer at micro batch 2: m counts microbatches (8 samples), the same sends and receives
+    assert results[0][3]["sends"] == results[0][3]["recvs"] == 8
