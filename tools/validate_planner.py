@@ -161,15 +161,15 @@ def run_configs(configs: Sequence[dict[str, Any]], model_argv: Sequence[str], pr
 
     world, rank = dist.get_world_size(), dist.get_rank()
     raws: dict[int, list[dict[str, Any]]] = {k: [] for k in range(len(configs))}
-    last = {k: p for p, order in enumerate(pass_order(len(configs), passes)) for k in order}
+    orders = pass_order(len(configs), passes)
     records = []
-    for p, order in enumerate(pass_order(len(configs), passes)):
+    for p, order in enumerate(orders):
         for k in order:
             c = configs[k]
             t_start = time.monotonic()
             raws[k].append(_measure(c, model_argv, procs_per_host, warmup, iters))
             raws[k][-1]["wall_s"] = time.monotonic() - t_start
-            if last[k] != p:
+            if p < len(orders) - 1:  # every pass runs every configuration: its record after the last
                 continue
             rec = _record(c, raws[k], world, rank)
             if rank == 0:

@@ -54,7 +54,6 @@ replacing the measured machine's.
 from __future__ import annotations
 
 import functools
-
 import math
 import statistics
 import time
