@@ -12,6 +12,16 @@ STDLIB_FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py",
                                           "glob.py", "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with a `slow` test first, each file's tests together, otherwise in collection order: with two
+    workers taking whole files (tests/run.sh: ``--dist loadfile --no-loadscope-reorder``) the long files start
+    at once and the short ones fill the end, instead of one long file running alone at the end (xdist's own
+    order, most tests first, started the one-test fine-tune example last). The order is the same on every
+    worker, as xdist requires."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: a file's tests stay together
+
+
 @pytest.fixture(scope="session")
 def stdlib_text(tmp_path_factory):
     """A small version of the quick start's data: an 800-piece BPE tokenizer and a tokenized dataset

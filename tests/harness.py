@@ -10,8 +10,8 @@
 
 Why it looks like this (measured on the 2-core development machines): importing torch in 8 fresh processes costs
 ~7 s on 2 cores, and a plain ``fork`` of a parent that already ran an OpenMP matmul
-hangs. So children come from a *forkserver* that imported torch once and never
-computes: every launch is a cheap fork of a clean process. Rendezvous goes through a
+hangs. So children come from a *forkserver* that imported torch and the trainer (with DCP: another
+~1.3 s per process) once and never computes: every launch is a cheap fork of a clean process. Rendezvous goes through a
 ``FileStore`` in a temp dir (no port races between concurrent test runs).
 
 On failure every rank's traceback is shown; ranks still running when another rank
@@ -39,7 +39,7 @@ def _context():
     global _CTX  # a cache of the forkserver context, not parallel state
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "megareshard"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megareshard", "megareshard.training"])
         _CTX = ctx
     return _CTX
 

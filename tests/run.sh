@@ -12,5 +12,6 @@ export WANDB_MODE=offline WANDB_DIR="$tmp/wandb" WANDB_CACHE_DIR="$tmp/wandb-cac
        MPLCONFIGDIR="$tmp/mpl" TMPDIR="$tmp"
 # Two workers (pytest-xdist), each taking whole files (a file's module fixtures, an 8-rank launch, run once):
 # on 2 cores one worker alone leaves them idle while its tests start processes and wait on timeouts and
-# peers. MEGARESHARD_TEST_WORKERS=0 (or -n 0 among the arguments) runs it in one process.
-"$VENV_PY" -m pytest -n "${MEGARESHARD_TEST_WORKERS:-2}" --dist loadfile "$@"
+# peers. Files with a slow test start first (tests/conftest.py orders them; xdist's own reordering, most tests
+# first, is off). MEGARESHARD_TEST_WORKERS=0 (or -n 0 among the arguments) runs it in one process.
+"$VENV_PY" -m pytest -n "${MEGARESHARD_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
