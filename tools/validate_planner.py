@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megareshard.planner.validation import (ACTION_SLACK_S, GRIDS, ITERS, NIC_BURST, PACE_MARGIN,  # noqa: E402
-                                            PASSES, SAMPLE, SEED, TOP_K, WARMUP, GridPoint, choose,
+                                            PASSES, POOLED_CPU_CONTENTION, SAMPLE, SEED, TOP_K, WARMUP,
+                                            GridPoint, choose,
                                             estimate_wall_s, pass_order,
                                             grid_json, median_error, read_results, summarize)
 
@@ -107,10 +108,15 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
 
 def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any], source: str):
     """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
-    by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up."""
+    by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up, with the run's
+    `cpu_contention` where its method names one (since run 96: `POOLED_CPU_CONTENTION`), else the calibration's."""
+    import dataclasses
+
     from megareshard.planner.cluster_file import cluster_from_json
 
     measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
+    if method.get("cpu_contention") is not None and measured.shared_cores:
+        measured = dataclasses.replace(measured, cpu_contention=float(method["cpu_contention"]))
     return slowed(measured, margin=method.get("pace_margin", PACE_MARGIN),
                   sleep_overshoot_s=calibration["measured"]["sleep_overshoot"]["seconds"],
                   slack_s=method.get("action_slack_s", 0.0))
@@ -343,7 +349,8 @@ def run_grid(a: argparse.Namespace, points: Sequence[GridPoint]) -> int:
     data: dict[str, Any] = {"method": {"top_k": TOP_K, "sample": SAMPLE, "seed": SEED, "pace_margin": a.pace_margin,
                                        "action_slack_s": ACTION_SLACK_S,
                                        "nic_burst": NIC_BURST,
-                                       "warmup": WARMUP, "iters": ITERS, "passes": PASSES, "grid": a.grid},
+                                       "warmup": WARMUP, "iters": ITERS, "passes": PASSES, "grid": a.grid,
+                                       "cpu_contention": a.cpu_contention},
                             "grid": grid_json(GRIDS[a.grid]), "points": []}
     tmp = tempfile.mkdtemp(prefix="mr-validate-")
     t_all = time.monotonic()
@@ -579,6 +586,19 @@ def draw(data: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _contention(text: str) -> float | None:
+    """--cpu-contention: a rate ≥ 0, or 'measured' (None: each calibration's own fit)."""
+    if text == "measured":
+        return None
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'measured'") from None
+    if not rate >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is below 0: waiting for a core cannot shorten a step")
+    return rate
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="validate_planner.py", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="print each point's commands and the wall estimate")
@@ -601,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pace-margin", type=float, default=PACE_MARGIN,
                    help=f"how much slower than measured the emulated device computes (default {PACE_MARGIN}, "
                         "validation.PACE_MARGIN; recorded in the JSON's method)")
+    p.add_argument("--cpu-contention", type=_contention, default=POOLED_CPU_CONTENTION, metavar="RATE|measured",
+                   help=f"the shared cores' contention the planner is told (default {POOLED_CPU_CONTENTION}, "
+                        "validation.POOLED_CPU_CONTENTION: pooled over 16 calibrations of the development machine); "
+                        "'measured': each point's own calibration fit, as runs 1-95 (recorded in the JSON's method)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 __all__ = ["ModelPoint", "GridPoint", "GRID", "HOLDOUT", "FRESH", "BLIND", "GRIDS", "median_error", "TOP_K", "SAMPLE",
            "SEED", "NIC_BURST", "PACE_MARGIN", "ACTION_SLACK_S", "spearman", "choose", "choice_gap", "summarize",
-           "read_results", "estimate_wall_s", "PASSES", "pass_order"]
+           "read_results", "estimate_wall_s", "PASSES", "pass_order", "POOLED_CPU_CONTENTION"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,15 @@ median, 1.7–2.2 ms at the 90th percentile: another rank had the cores when it 
 batch 2 or 4 0.1–0.3 ms, so the micro-batch-1 configurations measured slower than predicted and the planner
 chose them over their faster micro-batch-2 twins (runs 24–27). With the slack, most of that lateness ends
 inside the budget: the emulated device keeps the time the planner assumes for it. Since run 29."""
+POOLED_CPU_CONTENTION = 0.26
+"""The `ClusterSpec.cpu_contention` the validation plans with (`validate_planner.py --cpu-contention`, recorded in
+the JSON's method): the median of the 16 contention probes of runs 92–95 (0.2565), every one a calibration of the
+same two cores of the development machine. One probe's fit ranged 0–0.50 across those calibrations: it is the
+step's growth per microbatch beyond the simulated period, so how far the simulator's period of the probe is off
+moves it as much as the waiting does (at run 94's gpt-squat 2 × 2 the growth fell 9 % short of the period: a fit
+of 0). Replayed over the 28 points of runs 88–95 (their recorded calibrations and measured configurations), the
+probe's own fits met both targets at 26 points, the pooled value at 28, and every value from 0.2 to 0.5 at 28 (0:
+26, 0.1: 27, 0.7: 27). Since run 96; runs 1–95 planned with each calibration's own fit."""
 WARMUP, ITERS, PASSES = 1, 3, 2
 """Untimed and timed iterations per configuration and pass, and the passes (`pass_order`): a configuration's
 time is the median of its timed iterations over every pass. Runs 1–70 timed 3 in one pass: a configuration's

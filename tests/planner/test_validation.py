@@ -138,6 +138,34 @@ def test_the_newest_blind_run_reproduces_from_its_calibration(tmp_path) -> None:
     assert not exact and f"| {n - 1} of {n} |" in table, table
 
 
+def test_the_runs_contention_replaces_the_calibrations(capsys) -> None:
+    """Since run 96 a run plans with the contention its method names (`POOLED_CPU_CONTENTION`, or --cpu-contention)
+    in place of each calibration's own fit; 'measured' (None) keeps the fit, as runs 1-95 did."""
+    import dataclasses
+
+    import validate_planner
+
+    data = json.loads(Path(validate_planner.ROOT, "docs/results/planner_validation_run94_blind.json").read_text())
+    rec = data["points"][2]  # gpt-squat 2 x 2: its calibration's fit was 0
+    pj = rec["point"]
+    point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
+    own = validate_planner.recorded_device(point, rec["calibration"], data["method"], "run 94")
+    assert own.shared_cores and own.cpu_contention == rec["calibration"]["cpu_contention"] == 0.0
+    for rate in (None, 0.26):
+        got = validate_planner.recorded_device(point, rec["calibration"], data["method"] | {"cpu_contention": rate},
+                                               "run 94")
+        assert got == (own if rate is None else dataclasses.replace(own, cpu_contention=rate))
+    # the waiting is counted: the planner's step of the run's choice grows by 0.26 x its CPU work over the cores
+    ranked = {c.name: c for c in validate_planner.ranking(point, got)}
+    choice = next(c for c in rec["configs"] if c["rank"] == 1)
+    assert ranked[choice["name"]].step_s == pytest.approx(
+        choice["predicted_s"] + 0.26 * choice["shared_cpu_s"] / own.shared_cores, rel=1e-9)
+    for bad, why in (("-1", "-1 is below 0"), ("x", "'x' is neither a number nor 'measured'")):
+        with pytest.raises(SystemExit) as e:
+            validate_planner.main(["--cpu-contention", bad, "--dry-run"])
+        assert e.value.code == 2 and why in capsys.readouterr().err
+
+
 TINY = GridPoint(ModelPoint("tiny", 2, 32, 4, 16, 64, 4), 1, 2, 1000.0)
 # a slow device (20 MFLOP/s): a tiny layer's paced forward takes ~10 ms, far more than its real compute
 SLOW = ClusterSpec(1, 2, device_memory_gib=1.0, device_tflops=2e-5, efficiency=1.0, nic_gbps=1.0, intra_gbps=10.0)
