@@ -212,3 +212,27 @@ def test_worker_smoke_on_two_local_ranks() -> None:
     m = configs[1]["num_microbatches"]
     assert other["WAIT_F"]["actions"] + other["WAIT_B"]["actions"] == m and other["tail"]["actions"] == 1, pipe
     assert one["other_ms_per_step"] == {}
+
+
+def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_models(tmp_path) -> None:
+    """tools/replay_contention.py on run 96's gpt-tall 2 x 2 (the one point of runs 96-99 that missed): S and C
+    rebuild every recorded prediction (max(S + c C, C), c the run's), and the models are scored as the run was:
+    the run's own 0.26 misses the choice, a wait growing with the load (q 0.3) meets both targets."""
+    import validate_planner  # noqa: F401  (tools/ on the path)
+    from replay_contention import configurations, linear, load, report, score
+
+    data = json.loads(Path(validate_planner.ROOT, "docs/results/planner_validation_run96_blind.json").read_text())
+    data["points"] = [p for p in data["points"] if p["key"] == "gpt-tall-2x2-30mbit"]
+    one = tmp_path / "planner_validation_run96_blind.json"
+    one.write_text(json.dumps(data))
+    rows = configurations(str(one))
+    recorded = {r["name"]: r["predicted_s"] for r in data["points"][0]["results"] if r.get("status") == "ok"}
+    assert len(rows) == len(recorded) == 12
+    for r in rows:
+        assert r["contention"] == 0.26 and r["C"] == pytest.approx(sum(r["parts"].values()))
+        assert max(r["S"] + 0.26 * r["C"], r["C"]) == pytest.approx(recorded[r["name"]], rel=1e-9), r["name"]
+    points = {("run96_blind", "gpt-tall-2x2-30mbit"): rows}
+    assert score(linear(0.26), points)["met"] == 0 and score(load(0.3), points)["met"] == 1
+    rep = report(rows)
+    assert rep["own fit"]["misses"] == ["run96_blind gpt-tall-2x2-30mbit"] and rep["load"]["0.3"]["met"] == 1
+    assert rep["load, one run left out"] == []  # one run: nothing to choose a value on
