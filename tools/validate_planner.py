@@ -38,6 +38,7 @@ point; `--from-json` prints the Markdown tables and draws predicted against meas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -98,8 +99,6 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
     part alike, so that small micro batches, where the fixed part dominates, get slack too — (same network);
     every paced action takes `slack_s` more (`ACTION_SLACK_S`: the worker adds it to each budget) and ends when
     the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the calibration)."""
-    import dataclasses
-
     return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
                                layer_overhead_s=cluster.layer_overhead_s * margin,
                                compute_cpu_share=cluster.compute_cpu_share / margin,
@@ -110,8 +109,6 @@ def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[
     """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
     by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up, with the run's
     `cpu_contention` where its method names one (since run 96: `POOLED_CPU_CONTENTION`), else the calibration's."""
-    import dataclasses
-
     from megareshard.planner.cluster_file import cluster_from_json
 
     measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
