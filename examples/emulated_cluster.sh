@@ -4,6 +4,7 @@
 # pre-flight rank map (host → ranks), the placement (tp inside a host, then dp, then pp across
 # hosts) and the throughput over slow links — on one machine.
 #   HOSTS=4 PROCS_PER_HOST=2 NIC_RATE=1gbit TP=2 PP=2 TRAIN_ITERS=20 bash examples/emulated_cluster.sh
+# PREFIX names the namespaces (<PREFIX>h0, …, <PREFIX>sw; default mr<pid>).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tools/ensure_venv.sh
@@ -20,7 +21,7 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 echo "== $HOSTS hosts × $PROCS_PER_HOST ranks, NIC $NIC_RATE per host; tp $TP, pp $PP"
 # shellcheck disable=SC2086
 "$VENV_PY" tools/emulate_cluster.py --hosts "$HOSTS" --procs-per-host "$PROCS_PER_HOST" --nic-rate "$NIC_RATE" \
-    ${TIMEOUT:+--timeout "$TIMEOUT"} -- \
+    ${TIMEOUT:+--timeout "$TIMEOUT"} ${PREFIX:+--prefix "$PREFIX"} -- \
     pretrain_gpt.py --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     --num-layers "${LAYERS:-4}" --hidden-size "${HIDDEN:-128}" --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \

@@ -6,6 +6,7 @@ with the exact reason. The dry run needs neither.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,11 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _namespaces_of(prefix: str) -> list[str]:
+    """One cluster's namespaces (mr12 must not claim mr123's: the other xdist worker builds clusters too)."""
+    return [ns for ns in _namespaces() if re.fullmatch(rf"{re.escape(prefix)}(sw|h\d+)", ns)]
+
+
 def test_dry_run_prints_recipe() -> None:
     res = subprocess.run([sys.executable, str(TOOL), "--hosts", "3", "--procs-per-host", "2", "--nic-rate",
                           "200mbit", "--prefix", "mrdry", "--dry-run", "--", "job.py", "--flag"],
@@ -83,7 +89,7 @@ def test_two_host_allreduce_and_teardown(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     prefix = f"mr{proc.pid}"
-    leftover = [ns for ns in _namespaces() if ns.startswith(prefix)]
+    leftover = _namespaces_of(prefix)
     assert not leftover, f"namespaces left behind: {leftover}"
     assert proc.returncode == 0, out
     lines = [ln for ln in out.splitlines() if "RESULT" in ln]
@@ -104,5 +110,5 @@ def test_failing_job_reports_worst_exit_code_and_tears_down(tmp_path: Path) -> N
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, TMPDIR=str(tmp_path)))
     out, _ = proc.communicate(timeout=90)
-    assert not [ns for ns in _namespaces() if ns.startswith(f"mr{proc.pid}")]
+    assert not _namespaces_of(f"mr{proc.pid}")
     assert proc.returncode != 0, out
