@@ -71,7 +71,8 @@ def probe_step_cpu(per_host: int):
     the probe's layer, not its vocabulary), runs one step to warm up and five timed, and returns the medians over
     them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process
     and the kernel; collective: every rank gets them). Given a dict `posts` (paced), it also fills in what a send
-    and a receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring)."""
+    and a receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring), and
+    the mean CPU seconds of its compute actions by kind (``compute_cpu_s``: F, I, W; recorded, not planned with)."""
     import io
 
     import torch
@@ -112,6 +113,14 @@ def probe_step_cpu(per_host: int):
                                    f"receives (paced to {pace}): a pipeline of one layer per rank has both")
             posts.update(send_s=us_send / n_send / 1e6, recv_s=us_recv / n_recv / 1e6, sends=int(n_send),
                          recvs=int(n_recv))
+            # and what its compute actions took of their ranks' CPU (thread time), per kind: recorded beside the
+            # layer's own CPU times, which the plan counts (not used by the planner)
+            kinds = ("F", "I", "W")
+            comp = torch.tensor([float(st.get(f"paced_{w}_{k}", 0)) for k in kinds for w in ("n", "cpu_us")],
+                                dtype=torch.float64)
+            dist.all_reduce(comp)
+            posts["compute_cpu_s"] = {k: float(comp[2 * i + 1]) / float(comp[2 * i]) / 1e6
+                                      for i, k in enumerate(kinds) if comp[2 * i] > 0}
         trainer.close()
         trainer.release_communicators()
         return busy_wall

@@ -14,10 +14,14 @@ scored by the validation's two targets (Spearman >= 0.8, choice <= 10 % from the
 * ``linear k``: max(S + k C, C), one k for every point;
 * ``load q``: max(S + q C²/S, C), a wait whose rate grows with the load C / S;
 * one run left out: k (or q) chosen on the other runs (most points met, then the lower median error), tested
-  on the run left out, each run in turn.
+  on the run left out, each run in turn;
+* ``measured CPU k``: max(S + k M, M) with M the machine's measured CPU seconds per step over the cores in
+  place of C — not a prediction (M is known only after the run), but what the linear form gives with a
+  perfect count: it separates a wrong form from a wrong count.
 
 And the machine's measured CPU time per step (less what the idle machine keeps busy) regressed on C's parts: how
-far each planned rate is from what the machine spent. Not an independent check of anything: the measured
+far each planned rate is from what the machine spent; and, where the run recorded it, the CPU time its paced
+compute actions took (every rank's thread time inside F, B, I and W) over C's compute part. Not an independent check of anything: the measured
 configurations were chosen by the rankings of their day, and a model chosen here must run on the grids.
 """
 from __future__ import annotations
@@ -39,8 +43,9 @@ from megareshard.planner.validation import (GridPoint, ModelPoint, median_error,
 RATES = ("compute_cpu_share", "cpu_s_per_step", "cpu_s_per_action", "cpu_s_per_param", "cpu_s_per_intra_byte",
          "cpu_s_per_nic_byte")
 """The calibrated rates whose terms make up a step's planned CPU work (`planner.shared_cpu.shared_cpu_s`)."""
-LINEAR = (0.0, 0.1, 0.2, 0.26, 0.3, 0.35, 0.5, 0.7)
+LINEAR = (0.0, 0.1, 0.2, 0.225, 0.25, 0.26, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7)
 LOAD = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
+MEASURED = (0.1, 0.15, 0.2, 0.26, 0.3)
 
 
 def configurations(path: str) -> list[dict[str, Any]]:
@@ -72,11 +77,15 @@ def configurations(path: str) -> list[dict[str, Any]]:
                     parts[c.name][rate] = c.shared_cpu_s / cluster.shared_cores
         idle = rec["calibration"]["measured"].get("shared_cpu", {}).get("idle_busy_cores", 0.0)
         for name, r in ok.items():
+            # the paced compute actions' CPU time per step, every rank (compute_ms: per action, over the timed steps)
+            compute = (sum(v["actions"] * v["cpu"] for v in r["compute_ms"].values()) / 1e3 / len(r["rounds_s"])
+                       if r.get("compute_ms") and r.get("rounds_s") else None)
             out.append({"run": run, "point": rec["key"], "name": name, "S": alone[name],
                         "C": sum(parts[name].values()), "parts": parts[name], "cores": cluster.shared_cores,
                         "contention": cluster.cpu_contention, "measured_s": r["measured_s"],
                         "machine_cpu_s": (r["machine_cpu_s"] - idle * r["measured_s"]
-                                          if r.get("machine_cpu_s") is not None else None)})
+                                          if r.get("machine_cpu_s") is not None else None),
+                        "compute_cpu_s": compute})
     return out
 
 
@@ -109,6 +118,31 @@ def linear(k: float) -> Callable[[dict[str, Any]], float]:
 
 def load(q: float) -> Callable[[dict[str, Any]], float]:
     return lambda r: max(r["S"] + q * r["C"] ** 2 / r["S"], r["C"])
+
+
+def measured_cpu(k: float) -> Callable[[dict[str, Any]], float]:
+    """max(S + k M, M), M the machine's measured CPU per step over the cores (not a prediction: module docstring)."""
+    def f(r: dict[str, Any]) -> float:
+        m = r["machine_cpu_s"] / r["cores"]
+        return max(r["S"] + k * m, m)
+    return f
+
+
+def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The paced compute actions' measured CPU time over C's compute part (median and 10th/90th percentiles), for
+    the configurations without tensor parallelism (whose collectives run inside those actions) and with it."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    for label, want in (("without tp", False), ("with tp", True)):
+        x = [r["compute_cpu_s"] / (r["parts"]["compute_cpu_share"] * r["cores"]) for r in rows
+             if r.get("compute_cpu_s") is not None and r["parts"].get("compute_cpu_share", 0.0) > 0
+             and (r["name"].startswith(("tp2", "tp4", "tp8")) or "tp2dp" in r["name"] or "tp4dp" in r["name"]) == want]
+        if x:
+            q10, q50, q90 = np.percentile(x, [10, 50, 90])
+            out[label] = {"configurations": len(x), "median": round(float(q50), 2), "p10": round(float(q10), 2),
+                          "p90": round(float(q90), 2)}
+    return out or None
 
 
 def leave_one_run_out(points: dict[tuple[str, str], list[dict[str, Any]]], family: Callable[[float], Callable],
@@ -151,7 +185,10 @@ def report(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "load": {str(q): score(load(q), points) for q in LOAD},
             "linear, one run left out": leave_one_run_out(points, linear, LINEAR),
             "load, one run left out": leave_one_run_out(points, load, LOAD),
-            "machine CPU / planned, by rate": regression(rows)}
+            "measured CPU": ({str(k): score(measured_cpu(k), points) for k in MEASURED}
+                             if all(r["machine_cpu_s"] is not None for r in rows) else None),
+            "machine CPU / planned, by rate": regression(rows),
+            "compute actions' CPU / planned compute": compute_ratios(rows)}
 
 
 def table(rep: dict[str, Any]) -> str:
@@ -167,6 +204,8 @@ def table(rep: dict[str, Any]) -> str:
         row(f"linear: max(S + {k} C, C)", s)
     for q, s in rep["load"].items():
         row(f"load: max(S + {q} C²/S, C)", s)
+    for k, s in (rep.get("measured CPU") or {}).items():
+        row(f"measured CPU (not a prediction): max(S + {k} M, M)", s)
     out.append("")
     for family in ("linear", "load"):
         loro = rep[f"{family}, one run left out"]
@@ -177,6 +216,9 @@ def table(rep: dict[str, Any]) -> str:
     if rep["machine CPU / planned, by rate"]:
         out.append("machine CPU per step / planned, per rate (least squares): " + ", ".join(
             f"{k} ×{v}" for k, v in rep["machine CPU / planned, by rate"].items()))
+    for label, x in (rep.get("compute actions' CPU / planned compute") or {}).items():
+        out.append(f"paced compute actions' CPU / planned compute, {label}: median ×{x['median']} "
+                   f"(10th–90th percentile ×{x['p10']}–×{x['p90']}, {x['configurations']} configurations)")
     return "\n".join(out)
 
 

@@ -465,7 +465,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     (`calibration_shared.fit_runtime_cpu` unpaced, `fit_contention` paced; the caller builds it: the planner
     imports no trainer), run where the hosts share their cores; given a dict `posts` (paced), it also fills in
     the mean seconds a send and a receive held a rank's program (``send_s``, ``recv_s``: `ClusterSpec.send_post_s`
-    and `recv_post_s`) and how many of each it counted over the ranks (``sends``, ``recvs``)."""
+    and `recv_post_s`), how many of each it counted over the ranks (``sends``, ``recvs``) and, recorded but not
+    planned with, the mean thread CPU seconds of its compute actions by kind (``compute_cpu_s``)."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -113,15 +113,18 @@ median, 1.7–2.2 ms at the 90th percentile: another rank had the cores when it 
 batch 2 or 4 0.1–0.3 ms, so the micro-batch-1 configurations measured slower than predicted and the planner
 chose them over their faster micro-batch-2 twins (runs 24–27). With the slack, most of that lateness ends
 inside the budget: the emulated device keeps the time the planner assumes for it. Since run 29."""
-POOLED_CPU_CONTENTION = 0.26
+POOLED_CPU_CONTENTION = 0.35
 """The `ClusterSpec.cpu_contention` the validation plans with (`validate_planner.py --cpu-contention`, recorded in
-the JSON's method): the median of the 16 contention probes of runs 92–95 (0.2565), every one a calibration of the
-same two cores of the development machine. One probe's fit ranged 0–0.50 across those calibrations: it is the
-step's growth per microbatch beyond the simulated period, so how far the simulator's period of the probe is off
-moves it as much as the waiting does (at run 94's gpt-squat 2 × 2 the growth fell 9 % short of the period: a fit
-of 0). Replayed over the 28 points of runs 88–95 (their recorded calibrations and measured configurations), the
-probe's own fits met both targets at 26 points, the pooled value at 28, and every value from 0.2 to 0.5 at 28 (0:
-26, 0.1: 27, 0.7: 27). Since run 96; runs 1–95 planned with each calibration's own fit."""
+the JSON's method). Since run 101: the rate that `tools/replay_contention.py` chooses over the recorded runs
+88–100 (45 points, 540 measured configurations; `docs/results/planner_contention_replay_session18.json`): the
+lowest rate of its grid that meets both targets at every point (0.35–0.65 all do; 0.3 misses run 100's
+gpt-tall 2 × 2, 0.7 run 90's gpt-long 2 × 4), and the value chosen on eleven runs for the twelfth in eleven
+of twelve folds (44 of 45 points met out of fold). It
+agrees with the probes carried over to the runs' CPU count: the 16 probes of runs 92–95 had a median of 0.26
+per second of the probe's planned CPU, which the machine spent ×1.09 of (median over 45 probes), while the runs
+spent ×1.39 of theirs (median over 540 configurations; 1.25–1.54 per run): 0.26 × 1.39 / 1.09 = 0.33. A
+choice made on the validation's own replays, not a calibration: runs 96–100 planned with 0.26 (the probes'
+median), runs 1–95 with each calibration's fit (``measured``)."""
 WARMUP, ITERS, PASSES = 1, 3, 2
 """Untimed and timed iterations per configuration and pass, and the passes (`pass_order`): a configuration's
 time is the median of its timed iterations over every pass. Runs 1–70 timed 3 in one pass: a configuration's

@@ -180,7 +180,7 @@ def _probe_posts(rank: int, world: int):
 def test_the_runtime_probe_measures_what_posting_a_send_and_a_receive_costs() -> None:
     """`calibrate`'s paced probe (a pipeline of one layer per rank) also returns the mean time a SEND and a RECV
     held a rank's program, counted over every rank: 2 stages × 4 microbatches post 4 activations and 4
-    gradients, each sent once and received once."""
+    gradients, each sent once and received once; and its compute actions' mean CPU time per kind."""
     results = run_ranks(_probe_posts, 2, timeout=120)
     assert all(r[2] == results[0][2] for r in results)  # summed over the ranks: every rank has the same
     busy, wall, posts, _ = results[0]
@@ -189,3 +189,7 @@ def test_the_runtime_probe_measures_what_posting_a_send_and_a_receive_costs() ->
     assert 0 < posts["send_s"] < wall / 8 and 0 < posts["recv_s"] < wall / 8 and wall >= 8 * 2e-3
     # with the model's layer at micro batch 2: m counts microbatches (8 samples), the same sends and receives
     assert results[0][3]["sends"] == results[0][3]["recvs"] == 8
+    # and the CPU time of its compute actions, per kind (1f1b with delayed weight gradients: F, I and W), each a
+    # real thread time inside one step
+    for p in (posts, results[0][3]):
+        assert sorted(p["compute_cpu_s"]) == ["F", "I", "W"] and all(0 < v < wall for v in p["compute_cpu_s"].values())

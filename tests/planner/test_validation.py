@@ -217,9 +217,10 @@ def test_worker_smoke_on_two_local_ranks() -> None:
 def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_models(tmp_path) -> None:
     """tools/replay_contention.py on run 96's gpt-tall 2 x 2 (the one point of runs 96-99 that missed): S and C
     rebuild every recorded prediction (max(S + c C, C), c the run's), and the models are scored as the run was:
-    the run's own 0.26 misses the choice, a wait growing with the load (q 0.3) meets both targets."""
+    the run's own 0.26 misses the choice, a wait growing with the load (q 0.3) meets both targets, and so does the
+    run's own rate applied to the machine's measured CPU instead of the planned."""
     import validate_planner  # noqa: F401  (tools/ on the path)
-    from replay_contention import configurations, linear, load, report, score
+    from replay_contention import configurations, linear, load, measured_cpu, report, score
 
     data = json.loads(Path(validate_planner.ROOT, "docs/results/planner_validation_run96_blind.json").read_text())
     data["points"] = [p for p in data["points"] if p["key"] == "gpt-tall-2x2-30mbit"]
@@ -236,3 +237,7 @@ def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_mode
     rep = report(rows)
     assert rep["own fit"]["misses"] == ["run96_blind gpt-tall-2x2-30mbit"] and rep["load"]["0.3"]["met"] == 1
     assert rep["load, one run left out"] == []  # one run: nothing to choose a value on
+    # the same form with the machine's measured CPU in place of the planned count (not a prediction) meets both
+    # at the pooled rate: the count is what misses here; the paced compute actions took 1.6-1.9x the planned CPU
+    assert score(measured_cpu(0.26), points)["met"] == 1 and rep["measured CPU"]["0.26"]["met"] == 1
+    assert 1.5 < rep["compute actions' CPU / planned compute"]["without tp"]["p10"]
