@@ -108,7 +108,7 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
 def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any], source: str):
     """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
     by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up, with the run's
-    `cpu_contention` where its method names one (runs 96–100: 0.26; since run 101: `POOLED_CPU_CONTENTION`), else the calibration's."""
+    `cpu_contention` where its method names one (runs 96–100: 0.26, 101–104: 0.35; since run 105: `POOLED_CPU_CONTENTION`), else the calibration's."""
     from megareshard.planner.cluster_file import cluster_from_json
 
     measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
@@ -620,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                         "validation.PACE_MARGIN; recorded in the JSON's method)")
     p.add_argument("--cpu-contention", type=_contention, default=POOLED_CPU_CONTENTION, metavar="RATE|measured",
                    help=f"the shared cores' contention the planner is told (default {POOLED_CPU_CONTENTION}, "
-                        "validation.POOLED_CPU_CONTENTION: chosen on replays of runs 88-100; runs 96-100 used 0.26); "
+                        "validation.POOLED_CPU_CONTENTION: chosen on replays of runs 88-104; runs 96-100 used 0.26, "
+                        "101-104 0.35); "
                         "'measured': each point's own calibration fit, as runs 1-95 (recorded in the JSON's method)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
