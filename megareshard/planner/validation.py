@@ -117,7 +117,7 @@ POOLED_CPU_CONTENTION = 0.55
 """The `ClusterSpec.cpu_contention` the validation plans with (`validate_planner.py --cpu-contention`, recorded in
 the JSON's method). Since run 105: the middle of the rates that meet both targets at every point of runs 88–104
 when `tools/replay_contention.py` replays them (61 points, 732 measured configurations; 0.5–0.6 do, 0.45 misses
-run 101's gpt-tall 2 × 2 and 0.65 two points of run 102). Run 101–104's 0.35 was the lowest rate meeting all of
+run 101's gpt-tall 2 × 2 and 0.65 two points of run 102). Runs 101–104's 0.35 was the lowest rate meeting all of
 runs 88–100, at the edge of that range, and run 101 missed the point at that edge (+15 %); so this is the
 middle, not the edge. The count of CPU work it multiplies is low (the machine spent ×1.39 of it, median over
 runs 88–100; the contention probe ×1.09 of its own): replayed with the machine's measured CPU in place of the
