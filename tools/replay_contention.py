@@ -6,9 +6,10 @@
 
 For every measured configuration of every point, the current planner (from the run's recorded calibration and
 emulated device, `validate_planner.recorded_device`) gives S, the simulated step without the shared cores
-(its planned step less the waiting for the cores), and C, its planned CPU work over the cores, split by the calibrated rate it comes from
-(each rate alone, the others 0). Each model below predicts every configuration from S and C; per point it is
-scored by the validation's two targets (Spearman >= 0.8, choice <= 10 % from the best measured):
+(its planned step less the waiting for the cores), and C, its planned CPU work over the cores, split by the
+calibrated rate it comes from (each rate alone, the others 0). Each model below predicts every configuration
+from S and C; per point it is scored by the validation's two targets (Spearman >= 0.8, choice <= 10 % from the
+best measured):
 
 * ``own fit``: max(S + c C, C) with the contention c the run planned with (its calibration's or its method's);
 * ``linear k``: max(S + k C, C), one k for every point;
@@ -21,8 +22,9 @@ scored by the validation's two targets (Spearman >= 0.8, choice <= 10 % from the
 
 And the machine's measured CPU time per step (less what the idle machine keeps busy) regressed on C's parts: how
 far each planned rate is from what the machine spent; and, where the run recorded it, the CPU time its paced
-compute actions took (every rank's thread time inside F, B, I and W) over C's compute part. Not an independent check of anything: the measured
-configurations were chosen by the rankings of their day, and a model chosen here must run on the grids.
+compute actions took (every rank's thread time inside F, B, I and W) over C's compute part. Not an independent
+check of anything: the measured configurations were chosen by the rankings of their day, and a model chosen
+here must run on the grids.
 """
 from __future__ import annotations
 
