@@ -68,8 +68,8 @@ def configurations(path: str) -> list[dict[str, Any]]:
             continue
         ok = {r["name"]: r for r in rec["results"] if r.get("status") == "ok"}
         # the simulated step without the cores: the planned step less the waiting the search added to it
-        alone = {c.name: c.step_s - c.breakdown.get("waiting for the shared cores", 0.0)
-                 for c in vp.ranking(point, cluster) if c.name in ok}
+        ranked = {c.name: c for c in vp.ranking(point, cluster) if c.name in ok}
+        alone = {n: c.step_s - c.breakdown.get("waiting for the shared cores", 0.0) for n, c in ranked.items()}
         parts: dict[str, dict[str, float]] = {n: {} for n in ok}
         for rate in RATES:
             one = dataclasses.replace(cluster, cpu_contention=0.0,
@@ -87,7 +87,7 @@ def configurations(path: str) -> list[dict[str, Any]]:
                         "contention": cluster.cpu_contention, "measured_s": r["measured_s"],
                         "machine_cpu_s": (r["machine_cpu_s"] - idle * r["measured_s"]
                                           if r.get("machine_cpu_s") is not None else None),
-                        "compute_cpu_s": compute})
+                        "compute_cpu_s": compute, "tensor_parallel": ranked[name].tp_bytes > 0})
     return out
 
 
@@ -139,7 +139,7 @@ def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     for label, want in (("without tp", False), ("with tp", True)):
         x = [r["compute_cpu_s"] / (r["parts"]["compute_cpu_share"] * r["cores"]) for r in rows
              if r.get("compute_cpu_s") is not None and r["parts"].get("compute_cpu_share", 0.0) > 0
-             and (r["name"].startswith(("tp2", "tp4", "tp8")) or "tp2dp" in r["name"] or "tp4dp" in r["name"]) == want]
+             and r["tensor_parallel"] == want]
         if x:
             q10, q50, q90 = np.percentile(x, [10, 50, 90])
             out[label] = {"configurations": len(x), "median": round(float(q50), 2), "p10": round(float(q10), 2),
