@@ -132,7 +132,8 @@ def measured_cpu(k: float) -> Callable[[dict[str, Any]], float]:
 
 def compute_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The paced compute actions' measured CPU time over C's compute part (median and 10th/90th percentiles), for
-    the configurations without tensor parallelism (whose collectives run inside those actions) and with it."""
+    the configurations without tensor parallelism and for those with it (whose collectives run inside the
+    actions)."""
     import numpy as np
 
     out: dict[str, Any] = {}
