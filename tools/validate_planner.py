@@ -108,7 +108,8 @@ def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
 def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any], source: str):
     """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
     by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up, with the run's
-    `cpu_contention` where its method names one (runs 96–100: 0.26, 101–104: 0.35; since run 105: `POOLED_CPU_CONTENTION`), else the calibration's."""
+    `cpu_contention` where its method names one (runs 96–100: 0.26, 101–104: 0.35; since run 105:
+    `POOLED_CPU_CONTENTION`), else the calibration's."""
     from megareshard.planner.cluster_file import cluster_from_json
 
     measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
