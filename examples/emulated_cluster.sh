@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quick start's model on an emulated cluster: 4 hosts × 2 ranks, each host a network namespace
-# with one 1 Gbit/s NIC (tools/emulate_cluster.py; needs root). You see a multi-host run: the
+# with one 1 Gbit/s NIC (lab/cluster/emulate_cluster.py; needs root). You see a multi-host run: the
 # pre-flight rank map (host → ranks), the placement (tp inside a host, then dp, then pp across
 # hosts) and the throughput over slow links — on one machine.
 #   HOSTS=4 PROCS_PER_HOST=2 NIC_RATE=1gbit TP=2 PP=2 TRAIN_ITERS=20 bash examples/emulated_cluster.sh
@@ -20,7 +20,7 @@ mkdir -p "$RUN_DIR"; rm -f "$RUN_DIR/metrics.jsonl"
 export WANDB_MODE=${WANDB_MODE:-offline}
 echo "== $HOSTS hosts × $PROCS_PER_HOST ranks, NIC $NIC_RATE per host; tp $TP, pp $PP"
 # shellcheck disable=SC2086
-"$VENV_PY" tools/emulate_cluster.py --hosts "$HOSTS" --procs-per-host "$PROCS_PER_HOST" --nic-rate "$NIC_RATE" \
+"$VENV_PY" -m lab.cluster.emulate_cluster --hosts "$HOSTS" --procs-per-host "$PROCS_PER_HOST" --nic-rate "$NIC_RATE" \
     ${TIMEOUT:+--timeout "$TIMEOUT"} ${PREFIX:+--prefix "$PREFIX"} -- \
     pretrain_gpt.py --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     --num-layers "${LAYERS:-4}" --hidden-size "${HIDDEN:-128}" --num-attention-heads 4 --seq-length 128 \

@@ -11,11 +11,12 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from . import megatron_flags
+from . import megatron_flags, plugins
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .data.config import DataConfig
@@ -125,6 +126,10 @@ class LaunchConfig:
                                     "dumps every rank's activity and exits")
     distributed_timeout_minutes: float | None = _f(None, "Megatron's name for the collective timeout, in minutes "
                                                          "(sets --comm-timeout)")
+    custom_import: list[str] | None = _f(None, "import these modules before the flags are read: what they register "
+                                               "(a schedule, a resharding strategy, a model, a step hook) becomes "
+                                               "a valid choice (torchtitan's --experimental.custom_import)",
+                                         metavar="MODULE")
 
 
 @dataclass
@@ -222,9 +227,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         for f in dataclasses.fields(cls):
             kind = _base_type(f.type)
             dest = f"{section}.{f.name}"
+            choices = f.metadata.get("choices")
+            choices = choices() if callable(choices) else choices  # a registry's names, read when parsing
             if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
                 group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
-                                   + f" (default {f.default})", choices=f.metadata.get("choices"))
+                                   + f" (default {f.default})", choices=choices)
             elif kind is bool:  # a field defaulting to True is switched off by its --no-... flag
                 group.add_argument(_flag(f), dest=dest, action="store_false" if f.default else "store_true",
                                    default=f.default, help=f.metadata["help"])
@@ -233,7 +240,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                    metavar=f.metadata.get("metavar"))
             else:
                 group.add_argument(_flag(f), dest=dest, type=kind, default=f.default, help=f.metadata["help"],
-                                   choices=f.metadata.get("choices"), metavar=f.metadata.get("metavar"))
+                                   choices=choices, metavar=f.metadata.get("metavar"))
     for old, (new, _) in DEPRECATED.items():
         parser.add_argument(old, dest=f"deprecated{old}", default=None, help=f"deprecated: use {new}")
     megatron_flags.add_megatron_flags(parser)
@@ -281,6 +288,10 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
     return ns
 
 
+def _argv(argv: Sequence[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
+
+
 def _world_size(world_size: int | None) -> int:
     return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -290,6 +301,7 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
 
     Megatron-LM flags for features not built here, and unknown flags, end in one ConfigError naming
     every one of them (never argparse's "unrecognized arguments")."""
+    plugins.import_modules(plugins.custom_imports(_argv(argv)))  # before the parser lists registered choices
     cfg = config_from_namespace(_parse_flags(build_parser(), argv))
     validate(cfg, _world_size(world_size))
     return cfg
@@ -301,6 +313,7 @@ def parse_model_args(model: str | ModelSpec, argv: Sequence[str] | None = None,
     ``--u-*``), for the model registered as ``model`` (or that spec): the validated Config, with the
     fields the model derives from its shape set (``spec.apply_to``), and the spec its flags configure.
     What an entry point such as ``pretrain_utransformer.py`` hands to ``training.pretrain``."""
+    plugins.import_modules(plugins.custom_imports(_argv(argv)))  # before the parser lists registered choices
     spec = get_model_spec(model) if isinstance(model, str) else model
     parser = spec.add_arguments(build_parser(argparse.ArgumentParser(
         description=f"megareshard training of the {spec.name} model", allow_abbrev=False)))

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, TextIO
 import torch
 import torch.distributed as dist
 
+from . import plugins
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .data.blended import build_blend
@@ -34,7 +35,6 @@ from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import PeerFailure, RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
-from .launch.faults import faults_for, inject
 from .memory import ActivationMeter, MemoryReport, memory_report
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
@@ -225,7 +225,8 @@ class Trainer:
             self.pipeline = PipelineRuntime.for_model(spec, cfg, ctx, layouts, finalize_grads=self.finalize_grads,
                                                       record_trace=cfg.pipeline.pipeline_trace is not None,
                                                       dtype=self.params_dtype)
-            self.pipeline.watchdog = self.watchdog
+            if self.watchdog is not None:
+                self.pipeline.watch(self.watchdog)
             if mem.overlap_grad_reduce:  # R actions: each stage's dp reduction starts after its last backward
                 self.pipeline.grad_reduce_handler = self.start_stage_grad_reduce
             if self.forward_backward_fn is None:
@@ -254,7 +255,7 @@ class Trainer:
             self.iteration = self.loaded.iteration
         self._last_saved = self.iteration if ck.load and not ck.finetune else None
         self._sigterm = False
-        self._faults = faults_for(ctx.rank)  # MEGARESHARD_INJECT_FAULT (tests and tools/chaos_ranks.py only)
+        self.step_hooks = plugins.step_hooks()  # fn(trainer, iteration) at each iteration's start (--custom-import)
         self.save_failures = 0  # checkpoint saves that failed under --on-save-failure continue
         if ck.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -448,11 +449,8 @@ class Trainer:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         meter = ActivationMeter(exclude=self.model.parameters(), device=self.device) if self.memory is None else None
-        fault = self._faults.get(self.iteration + 1)
-        if fault is not None:  # the other ranks are inside this iteration's pipeline or reductions
-            print(f" rank {self.ctx.rank}: injecting fault '{fault}' in iteration {self.iteration + 1} "
-                  f"(MEGARESHARD_INJECT_FAULT)", file=self.out, flush=True)
-            inject(fault)
+        for hook in self.step_hooks:
+            hook(self, self.iteration + 1)
         with meter if meter is not None else contextlib.nullcontext():
             loss = self.forward_backward_fn(self.model, microbatches, self.device,
                                             scale_loss=self.optimizer.scale_loss)

@@ -23,7 +23,7 @@ def _losses(data, *extra, device="cpu"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_checks.py runs it on one)"))])
+    not torch.cuda.is_available(), reason="needs a CUDA device (lab/bench/gpu_checks.py runs it on one)"))])
 def test_bf16_loss_within_2_percent_of_fp32_after_50_iterations(stdlib_text, device):
     torch.set_num_threads(1)
     fp32 = _losses(stdlib_text, device=device)

@@ -6,7 +6,9 @@
   models' configuration (``models.config``) and the recomputation hook (``models.recompute``)
   aside; the models (``megareshard/models/*``) reach no pipeline module, nor the trainer or the
   command-line module (``arguments``); the seam itself (``megareshard/model_spec/*``) reaches none of them;
-* the schedule IR (``import megareshard.pipeline``) imports no torch.
+* the schedule IR (``import megareshard.pipeline``) imports no torch;
+* the wall: the product (``megareshard/``, the entry points, ``tools/``) never imports the lab (``lab/``:
+  what measures, emulates and breaks it), which imports the product.
 
 An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
 Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
@@ -197,6 +199,23 @@ def test_the_schedule_ir_imports_no_torch(graph):
     modules = [face, *reach(graph, face)]
     assert "megareshard.model_spec.graph" in modules
     assert [m for m in sorted(modules) if "torch" in _EXTERNAL.get(m, ())] == []
+
+
+def test_the_product_never_imports_the_lab(graph):
+    """The wall between product and lab: no module of the package, no entry point and no user tool imports
+    ``lab`` (at module level or inside a function); the wheel ships ``megareshard`` only."""
+    assert [m for m in sorted(_EXTERNAL) if "lab" in _EXTERNAL[m]] == []
+    scripts = sorted(ROOT.glob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
+    assert scripts
+    offenders = []
+    for path in scripts:
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            offenders += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] == "lab"]
+    assert offenders == []
+    lab_imports: dict[str, set[str]] = {}
+    import_graph(ROOT, "lab", lab_imports)  # and the lab does import the product
+    assert any("megareshard" in names for names in lab_imports.values())
 
 
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):

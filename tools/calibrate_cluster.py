@@ -5,7 +5,7 @@
     python tools/calibrate_cluster.py --nproc 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 \\
         --seq-length 256 --vocab-size 512 --micro-batch-size 2 --json cluster.json
     # the emulated cluster (root): 4 hosts × 2 ranks, 100 Mbit/s NICs
-    tools/emulate_cluster.py --hosts 4 --procs-per-host 2 --nic-rate 100mbit -- \\
+    python -m lab.cluster.emulate_cluster --hosts 4 --procs-per-host 2 --nic-rate 100mbit -- \\
         tools/calibrate_cluster.py --hidden-size 256 ... --json cluster.json
     # then
     python tools/plan_layout.py ... --cluster cluster.json
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory per device (default: the GPU's, on CPU the RAM per process)")
     p.add_argument("--iters", type=int, default=3, help="timed repetitions of every measurement (median)")
     p.add_argument("--pace-margin", type=float, default=1.0,
-                   help="an emulation paces compute this much slower than measured (tools/validate_planner.py): "
+                   help="an emulation paces compute this much slower than measured (lab/validation/validate_planner.py): "
                         "the sleep overshoot is measured at the CPU demand of such runs")
     p.add_argument("--json", default=None, help="write the cluster JSON here (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="plain launch: kill torchrun after this long")
@@ -79,7 +79,8 @@ def probe_step_cpu(per_host: int):
     import torch.distributed as dist
 
     from megareshard.arguments import parse_args
-    from megareshard.planner.calibration_shared import PROBE, busy_over
+    from lab.cluster.calibration_shared import PROBE, busy_over  # TEMPORARY
+    from lab.cluster.pacing import pacer  # TEMPORARY
     from megareshard.training import Trainer, build_context
 
     def step_cpu(m: int, pace: float | None = None, posts: dict[str, float] | None = None,
@@ -99,7 +100,7 @@ def probe_step_cpu(per_host: int):
         ctx, _ = build_context(cfg, world)
         trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
         if pace is not None:  # every action paced to `pace` seconds (a backward, unsplit, to two)
-            trainer.pipeline.pace = {"F": pace, "B": 2 * pace, "I": pace, "W": pace}
+            pacer(trainer.pipeline).budgets = {"F": pace, "B": 2 * pace, "I": pace, "W": pace}
         batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
         busy_wall = busy_over(lambda: trainer.train_step(batch), iters=5)
         if posts is not None:  # the last step's sends and receives over every rank (paced runs count them)

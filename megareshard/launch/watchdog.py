@@ -66,7 +66,7 @@ class Watchdog:
         self.timeout_s, self.rank = timeout_s, rank
         self.out = out or sys.stderr
         self.on_fire = on_fire
-        self._current: tuple[str, float, bool] | None = None  # (what, since, timed)
+        self._current: tuple[str | Callable[[], str], float, bool] | None = None  # (what, since, timed)
         self.failure: str | None = None  # the report of the first activity that ended in a communication error
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -77,23 +77,34 @@ class Watchdog:
     def activity(self, what: str, timed: bool = True) -> Iterator[None]:
         """Mark ``what`` (e.g. 'stage 1 WAIT_F mb 3 from stage 0') as running on this rank. ``timed=False``:
         no time limit (a checkpoint save may rightly outlast --comm-timeout), errors are still reported."""
+        token = self.begin(what, timed=timed)
+        try:
+            yield
+        except BaseException as e:
+            self.end(token, e)
+            raise
+        self.end(token)
+
+    def begin(self, what: str | Callable[[], str], timed: bool = True) -> tuple:
+        """Start an activity (the split form of `activity`, for a hot loop): ``what`` may be a callable that
+        names it, called only if a report is printed. Returns the token `end` takes."""
         start = time.monotonic()
         with self._lock:
             previous = self._current
             self._current = (what, start, timed)
-        try:
-            yield
-        except BaseException as e:
-            if self.failure is None and is_communication_error(e):  # innermost activity reports once
-                waited = time.monotonic() - start
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                self.failure = (f"rank {self.rank}: '{what}' failed after {waited:.1f}s: {type(e).__name__}: {first} "
-                                "(a peer rank died, stalled or lost its network)")
-                print(f"[watchdog] {self.failure}", file=self.out, flush=True)
-            raise
-        finally:
-            with self._lock:
-                self._current = previous
+        return previous, what, start
+
+    def end(self, token: tuple, error: BaseException | None = None) -> None:
+        """End the activity `begin` started; an `error` from a dead or unreachable peer is reported once."""
+        previous, what, start = token
+        if error is not None and self.failure is None and is_communication_error(error):
+            waited = time.monotonic() - start
+            first = (str(error).strip().splitlines() or [""])[0][:300]
+            self.failure = (f"rank {self.rank}: '{_name(what)}' failed after {waited:.1f}s: {type(error).__name__}: "
+                            f"{first} (a peer rank died, stalled or lost its network)")
+            print(f"[watchdog] {self.failure}", file=self.out, flush=True)
+        with self._lock:
+            self._current = previous
 
     def _watch(self) -> None:
         period = min(1.0, self.timeout_s / 4)
@@ -105,7 +116,7 @@ class Watchdog:
             what, since, timed = current
             waited = time.monotonic() - since
             if timed and waited > self.timeout_s:
-                print(f"[watchdog] rank {self.rank}: '{what}' has run for {waited:.1f}s, over --comm-timeout "
+                print(f"[watchdog] rank {self.rank}: '{_name(what)}' has run for {waited:.1f}s, over --comm-timeout "
                       f"{self.timeout_s:g}s; stacks follow, then exit", file=self.out, flush=True)
                 try:
                     faulthandler.dump_traceback(file=self.out, all_threads=True)
@@ -117,3 +128,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _name(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()

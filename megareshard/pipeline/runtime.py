@@ -44,7 +44,6 @@ stage tp0 dp0) holds it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import threading
@@ -61,7 +60,7 @@ from .comm import EdgeComm, EdgeTensor, build_edge_comms
 from .generators import forward_only, generate, placement_of
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
-from .pacing import note_action, pad_action
+from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
 from .stage import StageLayout
 from .validate import validate
@@ -200,11 +199,11 @@ class _Step:
     received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
     sends: list[_PendingSend] = field(default_factory=list)
     stores: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
-    trace: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
     reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
     freed: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose sent activation data was freed
     live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
+    send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each completed send
 
 
 class PipelineRuntime:
@@ -263,15 +262,13 @@ class PipelineRuntime:
         self.grad_reduce_handler: Callable[[int], None] | None = None
         # --pipeline-schedule-file: the validated schedule to run instead of generating one (schedule_io.py)
         self.schedule_file = schedule_file
-        self.record_trace = record_trace
-        self.watchdog = None  # set by the trainer: a launch.Watchdog naming the action that hangs
         self.lookahead = lookahead
-        # Benchmark-only emulation of a dedicated device (pacing.py, tools/bench_pipeline.py --pace): the least
-        # wall seconds per compute kind ("F", "B", "I", "W") on this rank, or per kind and virtual stage
-        # ({"F": {stage: s}}: a rank that holds several stages of unequal cost); a faster action sleeps
-        # the rest. Ranks sharing a few CPU cores otherwise lend a waiting stage's core to the
-        # others, which no GPU stage can do. None (training): no padding.
-        self.pace: dict[str, float | dict[int, float]] | None = None
+        # what watches or shapes the actions from outside the loop (hooks.py): the trainer's watchdog, the
+        # trace, a benchmark's paced compute; set before a step (resolved once per step)
+        self.hooks: list[ActionHook] = []
+        self._trace: TraceHook | None = None
+        if record_trace:
+            self.enable_trace()
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
         self._programs: dict[tuple[int, bool], list[Action]] = {}
@@ -395,37 +392,40 @@ class PipelineRuntime:
         st = _Step(list(microbatches), train, torch.zeros((), dtype=torch.float32, device=device), device,
                    autocast_dtype, scale_loss=scale_loss)
         prog = self.program(len(st.microbatches), train)
+        hooks = HookSet(self.hooks)
+        stats = st.stats
+        st.send_done = hooks.send_done
+        for h in hooks.start_step:
+            h(stats, train)
         ok = False
         try:
             for a in prog:
-                ta = time.time()
-                with self._activity(a):
-                    if a.kind.is_reduce:
-                        self._reduce_grads(a, st)
-                    elif a.kind.is_compute:
-                        self._poll_sends(st)
-                        t0 = time.time()
-                        c0 = time.thread_time() if self.pace is not None else None
+                kind = a.kind
+                if kind.is_compute:
+                    self._poll_sends(st)
+                for h in hooks.before:
+                    h(a, stats)
+                try:
+                    if kind.is_compute:
                         self._compute(model, a, st)
                         self._count_live(a, st)
-                        if self.pace is not None:
-                            note_action(st.stats, a.kind.value, t0, c0)
-                            self._pad(a, t0, st)
-                        if self.record_trace:
-                            st.trace.append({"stage": self.stage, "vstage": a.stage, "kind": a.kind.value,
-                                             "mb": a.mb, "start": t0, "end": time.time()})
+                    elif kind.is_reduce:
+                        self._reduce_grads(a)
                     else:
                         self._communicate(a, st)
-                if self.pace is not None and not a.kind.is_compute:  # where a paced step's time goes besides compute
-                    note_action(st.stats, a.kind.value, ta)
-            ta = time.time()
+                except BaseException as e:
+                    for h in hooks.after:
+                        h(a, stats, e)
+                    raise
+                for h in hooks.after:
+                    h(a, stats, None)
             if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
             for s in st.sends:
                 self._finish_send(s, st)
             st.sends.clear()
-            if self.pace is not None:
-                note_action(st.stats, "tail", ta)
+            for h in hooks.end_step:
+                h(stats)
             ok = True
         finally:
             for r in st.reapers.values():
@@ -446,28 +446,35 @@ class PipelineRuntime:
         elif self.num_meshes > 1:
             dist.all_reduce(loss, group=self.ctx.pp_group)  # only the last stage holds a non-zero loss
         if train:  # evaluation steps do not overwrite what the last training step recorded
-            self.last_trace, self.last_stats = st.trace, st.stats
+            self.last_stats = stats
+            if self._trace is not None:
+                self.last_trace = self._trace.records
         return loss.detach()
 
-    def _activity(self, a: Action):
-        """What the hang watchdog reports if this action outlasts --comm-timeout (e.g. 'WF3<-0': waiting
-        for microbatch 3's activation from stage 0)."""
-        if self.watchdog is None:
-            return contextlib.nullcontext()
+    def enable_trace(self) -> None:
+        """Record the timeline of each training step from now on (``last_trace``; a `TraceHook`)."""
+        if self._trace is None:
+            self._trace = TraceHook(self.stage)
+            self.hooks.append(self._trace)
+
+    def watch(self, watchdog: Any) -> None:
+        """Name every action to the hang watchdog (`launch.Watchdog`) while it runs (a `WatchdogHook`)."""
+        self.hooks.append(WatchdogHook(watchdog, self.describe_action))
+
+    def describe_action(self, a: Action) -> str:
+        """What the hang watchdog reports if this action outlasts --comm-timeout (e.g. 'stage 1 action WF3<-0
+        (microbatch 3, peer stage 0 on ranks [0, 1])': waiting for microbatch 3's activation from stage 0)."""
         where = f"stage {self.stage}" if self.virtual_stages == 1 else f"mesh {self.stage} stage {a.stage}"
         peer = a.peer
         with_peer = "" if peer is None else \
             f", peer stage {peer} on ranks {list(self.layouts[peer].mesh.flat_ranks)}"
-        return self.watchdog.activity(f"{where} action {a} (microbatch {a.mb}{with_peer})")
+        return f"{where} action {a} (microbatch {a.mb}{with_peer})"
 
-    def _reduce_grads(self, a: Action, st: _Step) -> None:
+    def _reduce_grads(self, a: Action) -> None:
         """R: the trainer's handler starts stage ``a.stage``'s data-parallel gradient reduction (not waited here)."""
         if self.grad_reduce_handler is None:  # pragma: no cover - training_schedule() refuses this program
             raise RuntimeError(f"stage {a.stage}: R without a grad_reduce_handler")
-        t0 = time.time()
         self.grad_reduce_handler(a.stage)
-        if self.record_trace:
-            st.trace.append({"stage": self.stage, "kind": "R", "mb": 0, "start": t0, "end": time.time()})
 
     @staticmethod
     def _count_live(a: Action, st: _Step) -> None:
@@ -504,10 +511,6 @@ class PipelineRuntime:
             store.flush()
         else:  # pragma: no cover
             raise AssertionError(a)
-
-    def _pad(self, a: Action, t0: float, st: _Step) -> None:
-        """Sleep until the action has taken its paced time (`pacing.pad_action`)."""
-        pad_action(self.pace, st.stats, a.kind.value, a.stage, t0, f"stage {self.stage}: action {a}")
 
     def _forward(self, model: torch.nn.Module, stage: int, mb: int, st: _Step) -> None:
         first, last = stage == 0, stage == self.num_stages - 1
@@ -653,11 +656,12 @@ class PipelineRuntime:
             s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)
             st.stats["outputs_freed"] += 1
             st.freed.add((s.edge.src, s.mb))
-        if self.record_trace:
-            st.trace.append({"stage": self.stage, "vstage": s.edge.src if s.direction == "F" else s.edge.dst,
-                             "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": s.end,
-                             "edge": str(s.edge),
-                             "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]})
+        if st.send_done:
+            record = {"stage": self.stage, "vstage": s.edge.src if s.direction == "F" else s.edge.dst,
+                      "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": s.end, "edge": str(s.edge),
+                      "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]}
+            for h in st.send_done:
+                h(record)
 
 
 # ---- traces -------------------------------------------------------------------------------------

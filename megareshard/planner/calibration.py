@@ -59,7 +59,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .calibration_shared import PROBE, fit_contention, fit_runtime_cpu, measure_shared_cpu
+from lab.cluster.calibration_shared import PROBE, fit_contention, fit_runtime_cpu, measure_shared_cpu  # TEMPORARY
 from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
 from .search import pipeline_makespan
@@ -399,7 +399,7 @@ def measure_sleep_overshoot(chunk_s: float, cpu_s: float, reps: int = 40) -> dic
     is the runs' (world × cpu_s / chunk_s cores): at a higher one, every waking rank queues behind the
     others and the lateness is several times what the runs see. Kept: the mean over every sleep of every
     rank (what a chain of actions adds up), and the median. Not a `ClusterSpec` term: a device has no such
-    sleep; an emulation that paces compute with sleeps (tools/validate_planner.py) adds it to each action's
+    sleep; an emulation that paces compute with sleeps (lab/validation/validate_planner.py) adds it to each action's
     overhead. Every rank calls it."""
     import torch
     import torch.distributed as dist

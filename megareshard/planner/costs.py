@@ -109,7 +109,7 @@ class ClusterSpec:
     device_tflops: float = 989.0
     """Peak dense bf16 TFLOP/s per device (H100 SXM: 989)."""
     efficiency: float = 0.45
-    """Fraction of the peak a layer's GEMMs achieve (measure it with tools/bench_train.py)."""
+    """Fraction of the peak a layer's GEMMs achieve (measure it with lab/bench/bench_train.py)."""
     nic_gbps: float = 400.0
     """NIC bandwidth per host and direction, Gbit/s."""
     intra_gbps: float = 3600.0

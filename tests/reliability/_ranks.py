@@ -1,10 +1,9 @@
-"""tools/chaos_ranks.py as a module: the reliability tests run its trials at the quick size and check
+"""lab/chaos/chaos_ranks.py as a module: the reliability tests run its trials at the quick size and check
 the details each trial returns (beyond the runner's seven fields). Clean jobs (the uninterrupted
 reference, the job after a preemption) run on tests.harness.run_ranks: forked from a process that already
 imported torch, the same gloo operations in the same order as separate processes, so bitwise comparable."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -35,11 +34,8 @@ def _run_job(argv: list[str], world: int, workdir: str, tag: str) -> list[int | 
 
 
 def chaos_ranks():
-    name = "chaos_ranks"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "chaos_ranks.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up by name
-        spec.loader.exec_module(mod)
-        mod.run_job = _run_job
-    return sys.modules[name]
+    """lab.chaos.chaos_ranks, its clean jobs run on tests.harness.run_ranks."""
+    from lab.chaos import chaos_ranks as mod
+
+    mod.run_job = _run_job
+    return mod

@@ -2,15 +2,12 @@
 rank at once with the iteration, the rank and the parameter, before the optimizer step; fp16 overflows
 with a dynamic loss scaler keep skipping the step and lowering the scale instead."""
 import math
-import sys
-from pathlib import Path
 
 import torch
 
 from tests.harness import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from chaos_data import Inject, build_trainer, params_snapshot  # noqa: E402
+from lab.chaos.chaos_data import Inject, build_trainer, params_snapshot
 
 PARAM = "layers.1.mlp.fc1.weight"
 

@@ -1,12 +1,12 @@
 """A rank killed (SIGKILL) or stopped (SIGSTOP) mid-iteration, with no launcher to clean up: every
 surviving rank exits non-zero within --comm-timeout (plus a loaded machine's slack) with the watchdog's
 per-rank report — stage, action, microbatch, peer — and no hang; `latest` still names the last complete
-checkpoint. The NIC-down case runs only in tools/chaos.py (the emulated cluster takes too long for CI)."""
+checkpoint. The NIC-down case runs only in lab/chaos/chaos.py (the emulated cluster takes too long for CI)."""
 import re
 
 import pytest
 
-from megareshard.launch.faults import parse_faults
+from lab.chaos.faults import parse_faults
 
 from ._ranks import chaos_ranks
 

@@ -18,7 +18,7 @@ def test_missing_node_is_named_by_the_launch_script(tmp_path, rdzv):
     cr = chaos_ranks()
     r = cr._node_missing(str(tmp_path), True, rdzv)
     log = r["log"]
-    row = cr._pick(r)  # what tools/chaos.py receives from FAULTS: exactly its seven fields
+    row = cr._pick(r)  # what lab/chaos/chaos.py receives from FAULTS: exactly its seven fields
     assert tuple(row) == cr.KEYS and row["detected"] is True and isinstance(row["detect_s"], float)
     assert f"node-missing-{rdzv}" in [name for name, _ in cr.FAULTS] and row["fault"] == f"node-missing-{rdzv}"
     assert r["exit_code"] == 1, log[-2000:]

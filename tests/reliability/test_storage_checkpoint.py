@@ -2,9 +2,7 @@
 mismatched checkpoints and a missing ``latest``. Every rank gets the same one-line error before any rank
 changed state; the previous checkpoint stays the latest and loads."""
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ import torch.distributed as dist
 
 from tests.harness import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from chaos_data import NoTmpfs, build_trainer, fill_disk, params_snapshot, tmpfs  # noqa: E402
+from lab.chaos.chaos_data import NoTmpfs, build_trainer, fill_disk, params_snapshot, tmpfs
 
 BASE = ["--mock-data", "--vocab-size", "64", "--global-batch-size", "8", "--use-distributed-optimizer"]
 

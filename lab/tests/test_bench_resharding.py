@@ -1,0 +1,89 @@
+"""lab/bench/bench_resharding.py: the model-only mode and one tiny torchrun launch (hosts as labels)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import ROOT, module_command  # noqa: F401
+TOOL = module_command("lab.bench.bench_resharding")
+
+# the record fields the issue names (benchmarks and external tools read them)
+FIELDS = {"case", "strategy", "scheduler", "seconds", "nic_bytes", "lower_bound_s", "ratio_to_bound",
+          "speedup_vs_sendrecv", "predicted_s"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_simulate_paper_suite(tmp_path):
+    out = tmp_path / "sim.json"
+    r = subprocess.run([*TOOL, "--simulate", "--suite", "paper", "--scale", "0.001",
+                        "--devices-per-host", "2", "--nic-gbps", "1", "--strategy", "sendrecv,broadcast",
+                        "--scheduler", "naive,auto", "--json", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert len(recs) == 9 * 2 * 2 and all(FIELDS <= set(x) for x in recs)
+    assert {x["case"] for x in recs} == {f"case{n}" for n in range(1, 10)}
+    for x in recs:
+        assert x["simulated"] and x["seconds"] == x["predicted_s"]
+        assert x["predicted_s"] >= x["lower_bound_s"] * (1 - 1e-9) > 0, x  # a bound is a bound
+    by = {(x["case"], x["strategy"], x["scheduler"]): x for x in recs}
+    for n in range(1, 10):
+        snd, bc = by[(f"case{n}", "sendrecv", "auto")], by[(f"case{n}", "broadcast", "auto")]
+        assert snd["speedup_vs_sendrecv"] == 1.0
+        assert bc["nic_bytes"] <= snd["nic_bytes"]  # broadcast never moves more over NICs
+    assert "case9" in r.stdout  # the per-case tables
+
+
+@pytest.mark.slow
+def test_torchrun_both_orders_with_calibration(tmp_path):
+    """4 ranks = 2 'hosts' × 2 on this machine: checked runs under both orders, the JSON records,
+    and a calibrated model (the goodput of one message host 0 -> host 1)."""
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "lab.bench.bench_resharding",
+           "--shape", "8,6,4", "--src-mesh", "1x2", "--src-spec", "S0,R,R", "--dst-mesh", "1x2", "--dst-spec",
+           "R,S0,R", "--procs-per-host", "2", "--strategy", "sendrecv,broadcast", "--scheduler", "auto",
+           "--order", "plan,concurrent", "--repeat", "2", "--calibrate-mb", "1", "--json", str(out)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert {(x["strategy"], x["order"]) for x in recs} == {(s, o) for s in ("sendrecv", "broadcast")
+                                                           for o in ("plan", "concurrent")}
+    m = re.search(r"calibrated: one 1 MiB message host 0 -> host 1 at (\d+) Mbit/s", r.stdout)
+    assert m, r.stdout[-3000:]
+    goodput_mbit = int(m.group(1))
+    for x in recs:
+        assert FIELDS <= set(x) and not x["simulated"]
+        assert x["seconds"] > 0 and len(x["repeats"]) == 2
+        # predicted with the measured goodput (printed rounded to 1 Mbit/s), not the nominal rate
+        assert abs(x["model_nic_gbps"] * 1e3 - goodput_mbit) <= 0.5, (x["model_nic_gbps"], goodput_mbit)
+
+
+def test_simulate_prints_the_chunk_count_per_case(tmp_path):
+    """One sender to 1..4 hosts: every broadcast task's K is the model's choice, printed; the
+    many-host cases pipeline (K > 1) and stay within 1.15x the NIC lower bound."""
+    out = tmp_path / "sim.json"
+    r = subprocess.run([*TOOL, "--simulate", "--suite", "one-to-many", "--scale", "0.015625",
+                        "--strategy", "broadcast,sendrecv", "--scheduler", "auto", "--json", str(out)],
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    multi = [x for x in recs if x["strategy"] == "broadcast" and x["case"].startswith("inter:")]
+    assert len(multi) == 4
+    for x in multi:
+        (k,) = x["chunks"]
+        assert (k == 1) == x["case"].startswith("inter:1->1x"), x  # one receiving host: nothing to pipeline
+        assert x["ratio_to_bound"] <= 1.15, x
+        assert f"K={k}:" in r.stdout
+    assert all(x["chunks"] == [1] for x in recs if x["strategy"] == "sendrecv")
