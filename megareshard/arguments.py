@@ -23,6 +23,7 @@ from .data.config import DataConfig
 from .parallel.config import ParallelConfig
 from .pipeline.config import PipelineConfig
 from .parallel.topology import TopologyError, parse_order
+from .resharding.strategies import get_strategy, strategy_names
 from .model_spec.protocol import ModelSpec, get_model_spec
 
 
@@ -360,10 +361,11 @@ def validate(cfg: Config, world_size: int) -> Config:
     if p.sequence_parallel and tp == 1 and not p.stage_layouts:
         warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
                       "it has no effect", stacklevel=2)
-    if pp > 1 and pl.reshard_strategy == "signal" and t.check_for_nan_in_loss_and_grad:
-        raise ConfigError("--reshard-strategy signal moves one byte per task, so stage inputs are undefined and the "
-                          "loss may be NaN, which --check-for-nan-in-loss-and-grad (on by default) stops on; it is a "
-                          "benchmark's upper bound, not training: add --no-check-for-nan-in-loss-and-grad")
+    if pp > 1 and t.check_for_nan_in_loss_and_grad and pl.reshard_strategy in strategy_names() \
+            and not get_strategy(pl.reshard_strategy).carries_data:
+        raise ConfigError(f"--reshard-strategy {pl.reshard_strategy} carries no data, so stage inputs are undefined "
+                          "and the loss may be NaN, which --check-for-nan-in-loss-and-grad (on by default) stops on; "
+                          "it is a benchmark's bound, not training: add --no-check-for-nan-in-loss-and-grad")
     if p.rank_order is not None:
         try:
             parse_order(p.rank_order)

@@ -99,7 +99,7 @@ def test_no_abbreviations():
 
 def test_signal_strategy_needs_the_nan_check_off():
     # signal's stage inputs are undefined: a NaN loss would stop the run, so the flag must say it is a benchmark
-    argv = BASE + ["--pipeline-model-parallel-size", "2", "--reshard-strategy", "signal"]
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--custom-import", "lab.signal", "--reshard-strategy", "signal"]
     with pytest.raises(ConfigError, match="add --no-check-for-nan-in-loss-and-grad"):
         parse_args(argv, world_size=2)
     cfg = parse_args(argv + ["--no-check-for-nan-in-loss-and-grad"], world_size=2)

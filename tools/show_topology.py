@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--communicators", action="store_true",
                    help="also count the communicators a GPT's stage boundaries create (one per distinct "
                         "sender and receiver set, the NCCL rule) for --reshard-strategy")
-    p.add_argument("--reshard-strategy", default="broadcast", choices=("sendrecv", "allgather", "broadcast"))
+    p.add_argument("--reshard-strategy", default="broadcast", choices=planned_strategies())
     p.add_argument("--sequence-parallel", action="store_true", help="hidden states sharded over tp (S1,S0,R)")
     a = p.parse_args(argv)
     if a.stage_layouts:

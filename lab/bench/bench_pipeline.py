@@ -87,6 +87,7 @@ from typing import Any, Sequence
 
 from lab import env_with_root, module_command
 from lab.bench import pipeline_grid  # the grid's tables and picture
+import lab.signal  # noqa: F401 (registers the `signal` bound these benchmarks run)
 from lab.cluster.pacing import calibrate_pace, needed_kinds, pacer, parse_pace  # no torch import
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b")

@@ -49,6 +49,7 @@ from typing import Sequence
 import torch  # noqa: E402
 
 from megareshard.resharding import Mesh, NetworkModel, ShardingSpec, local_slices, plan_resharding  # noqa: E402
+import lab.signal  # noqa: F401 (registers the `signal` bound these benchmarks run)
 from megareshard.resharding.cases import PAPER_CASE_IDS, NamedCase, one_to_many_cases, paper_case  # noqa: E402
 
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config_fields import config_field as _f
+from ..resharding.strategies import strategy_names
 from .generators import SCHEDULES
 
 
@@ -23,8 +24,8 @@ class PipelineConfig:
                                                                 "pipeline rank (Megatron-LM's older name)")
     num_virtual_stages_per_pipeline_rank: int | None = _f(None, "virtual pipeline stages (model chunks) per pipeline "
                                                                 "rank (Megatron-LM's current name of the above)")
-    reshard_strategy: str = _f("broadcast", "how tensors cross stages",
-                               choices=("sendrecv", "allgather", "broadcast", "signal"))
+    reshard_strategy: str = _f("broadcast", "how tensors cross stages (the registered resharding strategies)",
+                               choices=strategy_names)
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
                                 choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
     reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "

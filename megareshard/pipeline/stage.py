@@ -15,6 +15,7 @@ from ..config_fields import ConfigError
 from ..parallel import ParallelContext, Topology
 from ..model_spec.placement import StageLayout, hidden_spec, split_layers, stage_mesh, stage_tp_dp
 from ..model_spec.placement import stage_layouts as _layouts_on
+from ..resharding.strategies import get_strategy, strategy_names
 from .generators import REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, placement_of
 
 if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module
@@ -22,8 +23,6 @@ if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the comma
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
            "check_pipeline_config", "reduce_tied_grad_across_layouts", "virtual_stages", "stage_placement"]
-
-_EXECUTABLE_STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 
 
 def virtual_stages(cfg: Config) -> int:
@@ -66,9 +65,9 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
     if pl.pipeline_schedule not in RUNTIME_SCHEDULES:
         raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule} is not run by the runtime (tools/plot_schedule.py "
                           f"and the simulator draw it); runnable: {', '.join(RUNTIME_SCHEDULES)}")
-    if pl.reshard_strategy not in _EXECUTABLE_STRATEGIES:
+    if pl.reshard_strategy not in strategy_names():
         raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
-                          f"{', '.join(_EXECUTABLE_STRATEGIES)}")
+                          f"{', '.join(strategy_names())}")
     if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
     v = virtual_stages(cfg)
@@ -89,10 +88,9 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         warnings.warn(f"{m} microbatch(es) for {pp} pipeline stages: the bubble is at least "
                       f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
                       f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
-    if pp > 1 and pl.reshard_strategy == "signal":
-        warnings.warn("--reshard-strategy signal moves one byte per task: stage inputs are undefined, "
-                      "so the loss is meaningless (it is the communication upper bound for benchmarks)",
-                      stacklevel=2)
+    if pp > 1 and not get_strategy(pl.reshard_strategy).carries_data:
+        warnings.warn(f"--reshard-strategy {pl.reshard_strategy} carries no data: stage inputs are undefined, "
+                      "so the loss is meaningless (a communication bound for benchmarks)", stacklevel=2)
 
 
 def reduce_tied_grad_across_layouts(weight: torch.Tensor, ctx: ParallelContext, vocab_size: int) -> None:

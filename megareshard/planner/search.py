@@ -40,7 +40,7 @@ from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
 from ..pipeline.lowering import lower
 from ..pipeline.meshes import stage_mesh
 from ..pipeline.simulate import Costs, simulate
-from ..resharding import ShardingSpec, plan_resharding
+from ..resharding import ShardingSpec, get_strategy, plan_resharding, strategy_names
 from ..resharding.messages import build_messages
 from .candidate import Candidate
 from .costs import ClusterSpec, ModelShape, StageCosts, mesh_dp_seconds, stage_costs
@@ -48,10 +48,12 @@ from lab.cluster.shared_cpu import on_shared_cores, shared_cpu_bound_s, shared_c
 from .step_collectives import step_sync_s, tied_embedding_s
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
-__all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES", "pipeline_makespan"]  # Candidate: from candidate.py
+__all__ = ["Candidate", "PlanError", "plan_layouts", "planned_strategies", "pipeline_makespan"]  # Candidate: from candidate.py
 
-STRATEGIES = ("allgather", "broadcast", "sendrecv")
-"""Resharding strategies the planner considers (``signal`` is a benchmark bound, not a strategy)."""
+def planned_strategies() -> tuple[str, ...]:
+    """The resharding strategies the planner considers: every registered one it may choose (a benchmark's bound
+    such as the lab's ``signal`` is not a choice), in name order."""
+    return tuple(sorted(strategy_names(planned=True)))
 
 
 class PlanError(ValueError):
@@ -305,7 +307,7 @@ def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: s
     its own copy under sendrecv without sequence parallelism), the sending hosts share the total."""
     if sh.pp == 1:
         return 0.0
-    copies = strategy == "sendrecv" and not sh.sp
+    copies = get_strategy(strategy).copy_per_receiver and not sh.sp
     key = ("bound", sh.layouts or (sh.tp, sh.pp, sh.order), copies)
     if key not in cache:  # (share of the tensor through the busiest NIC, True if any NIC) of the worst boundary
         worst = (0.0, False)
@@ -510,7 +512,7 @@ def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tup
 
 def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                  micro_batches: Iterable[int] = (1, 2, 4, 8), schedules: Iterable[str] | None = None,
-                 strategies: Iterable[str] = STRATEGIES, zero_stages: Iterable[int] = (0, 1, 2),
+                 strategies: Iterable[str] | None = None, zero_stages: Iterable[int] = (0, 1, 2),
                  recompute_options: Iterable[bool] = (False, True), top_shapes: int = 6,
                  uneven_splits: bool = True, stage_meshes: bool = True, runtime_only: bool = False,
                  keep: int | None = 2000, stats: dict[str, int] | None = None) -> list[Candidate]:
@@ -536,7 +538,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
         names = [n for n in names if n in runnable]
         if not names:
             raise PlanError(f"none of the schedules asked for runs in the pipeline runtime ({', '.join(runnable)})")
-    strategies = list(strategies)
+    strategies = list(strategies if strategies is not None else planned_strategies())
     st = stats if stats is not None else {}
     st.update(enumerated=0, pruned_memory=0, simulated=0)
     bounds: dict[tuple, Any] = {}  # boundaries and their quick bounds, per placement

@@ -1,13 +1,15 @@
 """Cross-mesh resharding (paper §2.2-§3): pure planning here, execution in `executor`.
 
 Planning pipeline: `decompose` a (shape, src mesh/spec, dst mesh/spec) into unit tasks,
-cost each under a strategy (`network.task_cost`), and schedule sending hosts and order
+cost each under a registered strategy (`strategies/`, `network.task_cost`), and schedule sending hosts and order
 (`schedulers`); `NetworkModel` predicts the plan's time and its lower bound.
 """
 
 from .decompose import UnitTask, decompose
 from .mesh import Mesh
-from .network import STRATEGIES, NetworkModel, TaskCost, task_cost
+from .network import NetworkModel, task_cost
+from .strategies import Strategy, get_strategy, register_strategy, strategy_names
+from .wire import TaskCost
 from .plan import ReshardingPlan, plan_resharding
 from .schedulers import SCHEDULERS
 from .spec import ShardingSpec, local_slices, split_bounds
@@ -25,7 +27,10 @@ __all__ = [
     "NetworkModel",
     "TaskCost",
     "task_cost",
-    "STRATEGIES",
+    "Strategy",
+    "get_strategy",
+    "register_strategy",
+    "strategy_names",
     "SCHEDULERS",
     "paper_case",
     "one_to_many_cases",

@@ -31,16 +31,17 @@ operations in the same order; one thread drives a communicator.
   same sequence of runs (the pipeline's lowering guarantees that a receiver posts receives
   in its sender's order), and inside a run the same global message order, so every
   message pairs with the right one by issue order alone.
-* **Strategies** (paper §3.1): `sendrecv` (sender → every receiver), `allgather` (sender →
-  1/B of the slice to each of a host's B receivers, which then exchange pieces inside the
-  host), `broadcast` (on NCCL one ``dist.broadcast`` on the task's communicator, which NCCL
-  pipelines itself; on gloo the slice in K chunks along the chain sender → first receiver
-  of each other host in ascending host order, each hop forwarding chunk k as soon as it has
-  it and fanning out to the other receivers on its host), `signal` (one byte per receiver
-  per task: the end-to-end upper bound; **the returned tensor then has the right shape but
-  undefined values**). K comes from the plan (per task, chosen by the network model or
-  fixed by ``plan_resharding(..., broadcast_chunks=K)``): one source of truth.
-* Data lives on the device of its rank (signal bytes and receive buffers too). A destination
+* **Strategies** (paper §3.1) come from the registry (`strategies/`): each lays out a task's
+  messages (`sendrecv`: sender → every receiver; `allgather`: 1/B of the slice to each of a
+  host's B receivers, which then exchange pieces inside the host; `broadcast`: on NCCL one
+  ``dist.broadcast`` on the task's communicator, which NCCL pipelines itself, on gloo the
+  slice in K chunks along the chain sender → first receiver of each other host, each hop
+  forwarding chunk k as soon as it has it and fanning out inside its host). A strategy that
+  carries no data (a benchmark's 1-byte bound) sends one placeholder byte per message: **the
+  returned tensor then has the right shape but undefined values**. K comes from the plan (per
+  task, chosen by the strategy from the network model or fixed by
+  ``plan_resharding(..., broadcast_chunks=K)``): one source of truth.
+* Data lives on the device of its rank (placeholder bytes and receive buffers too). A destination
   rank that holds a slice in its own source shard copies it locally.
 
 **Execution order** (`order=`):
@@ -79,9 +80,10 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.nccl_check import set_label
-from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, STRATEGIES, _contains, _Msg, _RankTask,
+from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _contains, _Msg, _RankTask,
                        _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
 from .spec import local_slices
+from .strategies import get_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
@@ -263,13 +265,15 @@ class Resharder:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-        if plan.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {plan.strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
+        strat = get_strategy(plan.strategy)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         if not dist.is_initialized():
             raise RuntimeError("Resharder needs an initialised torch.distributed process group")
         self._nccl = dist.get_backend(group) == "nccl"
+        backend = dist.get_backend(group)
+        if backend not in strat.backends:
+            raise ValueError(f"strategy {strat.name!r} runs on {', '.join(sorted(strat.backends))}, not {backend}")
         if order == "plan" and self._nccl:
             raise ValueError("order='plan' is gloo-only: it gates each host NIC side on the CPU-side completion of "
                              "the previous transfer, which on NCCL happens on the GPU stream (a CUDA-event poll per "
@@ -277,6 +281,7 @@ class Resharder:
         self.plan = plan
         self.dtype = dtype
         self.strategy = plan.strategy
+        self._strat = strat
         self.group = group
         self.order = order
         self.trace = bool(trace)
@@ -311,7 +316,7 @@ class Resharder:
             remote = sorted(r for r in task.receivers if r not in held)
             numel = prod(_shape(region))
             k = int(task.chunks)  # chosen by the planner: plan and executor cannot disagree
-            msgs = [] if (self._nccl and self.strategy == "broadcast") else \
+            msgs = [] if (self._nccl and strat.nccl_broadcast) else \
                 build_messages(self.strategy, numel, sender, remote, host_of, k)
             members = (sender, *remote) if remote else ()
             self.programs.append(_TaskProgram(pos, index, region, _shape(region), numel, sender, local, msgs,
@@ -403,7 +408,7 @@ class Resharder:
         self._token_recvs.sort()
         self._token_sends.sort()
         self._device = self._pick_device()
-        self._signal_byte = torch.zeros(1, dtype=torch.uint8, device=self._device)
+        self._one_byte = torch.zeros(1, dtype=torch.uint8, device=self._device)
         # receive buffers for slices that are not contiguous inside the output (cached, pooled)
         self._pool: list[dict[int, torch.Tensor]] = [self._new_buffers()]
         self._lock = threading.Lock()
@@ -444,7 +449,7 @@ class Resharder:
             needs = rt.recvs or (rt.in_nccl_group and self.rank != rt.prog.sender)
             if not needs:
                 continue
-            if self.strategy == "signal":
+            if not self._strat.carries_data:  # placeholder messages of one byte
                 bufs[rt.prog.pos] = torch.empty(1, dtype=torch.uint8, device=self._device)
             elif not self._view_is_contiguous(rt):
                 bufs[rt.prog.pos] = torch.empty(rt.prog.numel, dtype=self.dtype, device=self._device)
@@ -498,7 +503,7 @@ class Resharder:
         self._runs += 1
         flats = {rt.prog.pos: self._flats(rt, local_src, out, bufs, copies, keep) for rt in self._mine}
         for rt in self._mine:  # local copies (overlapping meshes), on the caller's thread: no communication
-            if rt.copy_local and self.strategy != "signal":
+            if rt.copy_local and self._strat.carries_data:
                 out[rt.dst_view].copy_(local_src[rt.src_view])
         items: list[_Item] = []
         if self._plan_order:
@@ -525,14 +530,14 @@ class Resharder:
         if rt.recvs or (rt.in_nccl_group and self.rank != p.sender):
             if p.pos in bufs:
                 recv_flat = bufs[p.pos]
-                if self.strategy != "signal":
+                if self._strat.carries_data:
                     copies.append((out[rt.dst_view], recv_flat))
             else:
                 recv_flat = out[rt.dst_view].view(-1)
         send_flat = None
         if rt.sends or (rt.in_nccl_group and self.rank == p.sender):
-            if self.strategy == "signal":
-                send_flat = self._signal_byte
+            if not self._strat.carries_data:  # a bound: placeholder bytes (`wire_bytes` of them)
+                send_flat = self._one_byte
             else:
                 send_flat = local_src[rt.src_view].contiguous().view(-1)
             keep.append(send_flat)
@@ -650,7 +655,7 @@ class Resharder:
                     if run.failed.is_set():
                         raise RuntimeError("another stream of this run failed")
                 set_label(f"{self.name}#{n}/token/t{next_pos}/s{side}")
-                sent.append(dist.isend(self._signal_byte, dst=self._global(dst), group=g))
+                sent.append(dist.isend(self._one_byte, dst=self._global(dst), group=g))
             for w in sent:
                 w.wait()
         except BaseException:
@@ -750,7 +755,7 @@ class Resharder:
     # ------------------------------------------------------------------ introspection
     def describe(self) -> str:
         """Per-task message counts for this rank (for logs)."""
-        ks = sorted({p.chunks for p in self.programs}) if self.strategy == "broadcast" else []
+        ks = sorted({p.chunks for p in self.programs}) if self._strat.chunks is not None else []
         lines = [f"Resharder {self.name} rank {self.rank}: {self.strategy}, {len(self.programs)} tasks, "
                  f"{len(self._group_of)} communicators, order {self.order}"
                  + (f", broadcast chunks {ks}" if ks else "")]

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .spec import split_bounds
+from .strategies import get_strategy
+from .wire import Msg as _Msg
 
-STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
 ORDERS = ("plan", "concurrent")
 DEFAULT_ORDER = "concurrent"
 """The default execution order, chosen from the emulated-cluster runs (docs/benchmarks.md,
@@ -26,17 +26,6 @@ slower, while "concurrent" lets TCP share each NIC and lands within noise of the
 schedule. "concurrent" also needs no hand-over threads or tokens. Choose "plan" to study
 schedules, as the paper does (`NetworkModel.predict(plan, order)` models both orders)."""
 SEND_SIDE, RECV_SIDE = 0, 1  # a host NIC's two directions (as network.SEND / network.RECV)
-
-
-@dataclass(frozen=True)
-class _Msg:
-    """One point-to-point message: elements [start, stop) of a task's flattened slice."""
-
-    src: int
-    dst: int
-    start: int
-    stop: int
-    forward: bool  # src received this range itself (broadcast hop, fan-out, allgather exchange)
 
 
 @dataclass
@@ -93,7 +82,8 @@ def _shape(region: Sequence[slice]) -> tuple[int, ...]:
 
 def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int],
                    host_of: dict[int, int], chunks: int) -> list[_Msg]:
-    """The messages of one unit task in global posting order (pure: unit-testable).
+    """The messages of one unit task in global posting order (pure: unit-testable), as the registered
+    `strategy` lays them out (`strategies/`).
 
     `remote` are the receivers that need the data over the wire (sorted). Receivers on
     the sender's host are served by the sender itself (intra-host), other hosts as the
@@ -101,42 +91,7 @@ def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int]
     """
     if not remote:
         return []
-    if strategy == "signal":
-        return [_Msg(sender, r, 0, 1, False) for r in remote]
-    if strategy == "sendrecv":
-        return [_Msg(sender, r, 0, numel, False) for r in remote]
-    sender_host = host_of[sender]
-    by_host: dict[int, list[int]] = {}
-    for r in remote:
-        by_host.setdefault(host_of[r], []).append(r)
-    local = by_host.pop(sender_host, [])
-    hosts = sorted(by_host)
-    msgs: list[_Msg] = []
-    if strategy == "allgather":
-        for r in local:
-            msgs.append(_Msg(sender, r, 0, numel, False))
-        for h in hosts:
-            rs = by_host[h]
-            pieces = split_bounds(numel, len(rs))
-            for r, (a, b) in zip(rs, pieces):
-                msgs.append(_Msg(sender, r, a, b, False))
-            for r, (a, b) in zip(rs, pieces):  # intra-host exchange
-                if b > a:
-                    msgs.extend(_Msg(r, o, a, b, True) for o in rs if o != r)
-        return [m for m in msgs if m.stop > m.start]
-    if strategy == "broadcast":
-        heads = [by_host[h][0] for h in hosts]
-        for a, b in split_bounds(numel, max(1, min(chunks, numel))):
-            prev = sender
-            for r in local:  # the sender is the head of its own host
-                msgs.append(_Msg(sender, r, a, b, False))
-            for h, head in zip(hosts, heads):
-                msgs.append(_Msg(prev, head, a, b, prev != sender))
-                prev = head
-            for h, head in zip(hosts, heads):
-                msgs.extend(_Msg(head, r, a, b, True) for r in by_host[h][1:])
-        return msgs
-    raise ValueError(f"strategy {strategy!r} cannot be executed; allowed: {', '.join(STRATEGIES)}")
+    return get_strategy(strategy).messages(numel, sender, remote, host_of, chunks)
 
 
 def nic_side_chains(programs: Sequence[_TaskProgram], host_of: dict[int, int]

@@ -1,8 +1,8 @@
 """Host-level network model: one full-duplex NIC per host plus a fast intra-host link.
 
-`task_cost` is the single place that says what a unit task does to the NICs under each
-strategy (paper §3.1); the schedulers use it (in bytes) to balance load, and
-`NetworkModel` uses it (in seconds) to predict a plan's time and its lower bound.
+`task_cost` asks the task's registered strategy (`strategies/`, paper §3.1) what the task does to the NICs;
+the schedulers use it (in bytes) to balance load, and `NetworkModel` uses it (in seconds) to predict a
+plan's time and its lower bound.
 
 Model, kept deliberately simple so predictions can be compared with measurements:
 * a task occupies, for its whole duration, the send side of every host that sends for it
@@ -14,7 +14,6 @@ Model, kept deliberately simple so predictions can be compared with measurements
   - allgather: (remote receiving hosts)·t + t_intra if any host fans out to >1 device
   - broadcast: max(t·(1 + (A-1)/K), t_intra·(1 + (hops-1)/K)), pipelined in K chunks along
     the chain, hops = A (+1 when some host fans the slice out to more devices)
-  - signal:    1 byte to every receiver, sent like sendrecv;
   plus a fixed `latency_s` per task;
 * that is the executor's ``order="plan"``; for ``order="concurrent"`` (every task at once, TCP
   sharing each NIC side) `predict` takes the busiest NIC side's bytes instead (see there);
@@ -35,16 +34,15 @@ fill, not the overhead (`latency_s` covers fixed costs per task).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from itertools import combinations
 from typing import TYPE_CHECKING, Protocol
+
+from .strategies import get_strategy
+from .wire import INTRA, RECV, SEND, TaskCost
 
 if TYPE_CHECKING:  # pragma: no cover
     from .decompose import UnitTask
 
-STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
-
-SEND, RECV, INTRA = 0, 1, 2  # NIC directions / resources of a host
 
 DEFAULT_NIC_GBPS = 1.0  # the planner's NIC rate when none is given (that of the emulated cluster)
 # Per-message cost of a point-to-point send (post, match, TCP round of gloo; kernel launch and
@@ -54,38 +52,9 @@ MAX_BROADCAST_CHUNKS = 64  # bounds the messages of one broadcast chain per pair
 
 
 def check_strategy(strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    """`strategy` if it is registered (`strategies/`), else a ValueError with the registered names."""
+    get_strategy(strategy)
     return strategy
-
-
-@dataclass(frozen=True)
-class TaskCost:
-    """What one unit task does to the hosts, for a given sending host and strategy.
-
-    `nic_bytes` is the task's NIC duration expressed in bytes (divide by bandwidth for
-    seconds); `intra_bytes` the intra-host work on its critical path; `pipelined` tells
-    whether the two overlap (broadcast) or add up (sendrecv, allgather).
-    """
-
-    nic_bytes: float
-    intra_bytes: float
-    pipelined: bool
-    out_bytes: Mapping[int, int] = field(default_factory=dict)  # host -> bytes out of its NIC
-    in_bytes: Mapping[int, int] = field(default_factory=dict)  # host -> bytes into its NIC
-    chain: tuple[int, ...] = ()  # sender host then receiving hosts (broadcast/signal order)
-
-    def resources(self, sender_host: int) -> tuple[tuple[int, int], ...]:
-        """(host, SEND/RECV/INTRA) sides this task occupies."""
-        res = [(h, SEND) for h in sorted(self.out_bytes)] + [(h, RECV) for h in sorted(self.in_bytes)]
-        if not res:
-            res = [(sender_host, INTRA)]
-        return tuple(res)
-
-    def seconds(self, nic_Bps: float, intra_Bps: float, latency_s: float = 0.0) -> float:
-        nic = self.nic_bytes / nic_Bps
-        intra = self.intra_bytes / intra_Bps
-        return (max(nic, intra) if self.pipelined else nic + intra) + latency_s
 
 
 def task_cost(
@@ -95,50 +64,14 @@ def task_cost(
     receivers_per_host: Mapping[int, int],
     chunks: int = 16,
 ) -> TaskCost:
-    """Cost of sending one slice of `nbytes` from `sender_host` to the receivers.
+    """Cost of sending one slice of `nbytes` from `sender_host` to the receivers, as the registered `strategy`
+    costs it (`strategies/`).
 
     `receivers_per_host` maps each host to its number of receiving ranks that need the
     data moved (not those already holding it); receivers on the sender's host are
-    served by intra-host copies. Signal sends 1 byte to each receiver (as sendrecv).
+    served by intra-host copies.
     """
-    check_strategy(strategy)
-    remote = {h: c for h, c in sorted(receivers_per_host.items()) if h != sender_host and c > 0}
-    local = receivers_per_host.get(sender_host, 0)
-    fanout = local > 0 or any(c > 1 for c in remote.values())
-    b = 1 if strategy == "signal" else nbytes
-    if strategy in ("sendrecv", "signal"):
-        n = sum(remote.values())
-        return TaskCost(
-            nic_bytes=float(b * n),
-            intra_bytes=float(b * local),
-            pipelined=False,
-            out_bytes={sender_host: b * n} if n else {},
-            in_bytes={h: b * c for h, c in remote.items()},
-            chain=(sender_host, *remote),
-        )
-    if strategy == "allgather":
-        a = len(remote)
-        return TaskCost(
-            nic_bytes=float(b * a),
-            intra_bytes=float(b) if fanout else 0.0,
-            pipelined=False,
-            out_bytes={sender_host: b * a} if a else {},
-            in_bytes={h: b for h in remote},
-            chain=(sender_host, *remote),
-        )
-    # broadcast: a pipelined chain sender host -> remote hosts (ascending id)
-    chain = (sender_host, *remote)
-    a = len(remote)
-    out = {h: b for h in chain[:-1]} if a else {}
-    hops = a + (1 if fanout else 0)
-    return TaskCost(
-        nic_bytes=float(b * (1 + (a - 1) / chunks)) if a else 0.0,
-        intra_bytes=float(b) * ((1 + (hops - 1) / chunks) if a else 1.0) if fanout else 0.0,
-        pipelined=True,
-        out_bytes=out,
-        in_bytes={h: b for h in remote},
-        chain=chain,
-    )
+    return get_strategy(strategy).cost(nbytes, sender_host, receivers_per_host, chunks)
 
 
 class PlanView(Protocol):
@@ -267,8 +200,9 @@ class NetworkModel:
         """
         bytes_in: dict[int, int] = {}
         forced: dict[frozenset[int], int] = {}
+        wire = get_strategy(plan.strategy).wire_bytes or (lambda n: n)
         for task in plan.tasks:
-            b = 1 if plan.strategy == "signal" else task.nbytes
+            b = wire(task.nbytes)
             src_hosts = frozenset(plan.host_of(r) for r in task.senders)
             needy = {plan.host_of(r) for r in task.receivers} - src_hosts
             for h in needy:

@@ -12,7 +12,9 @@ from typing import Sequence
 
 from .decompose import UnitTask, decompose
 from .mesh import Mesh
-from .network import INTRA, RECV, SEND, NetworkModel, TaskCost, check_strategy, task_cost
+from .network import NetworkModel, task_cost
+from .strategies import get_strategy
+from .wire import INTRA, RECV, SEND, TaskCost
 from .schedulers import Option, SchedTask, check_order, check_scheduler, run_scheduler, schedule_cost
 from .spec import ShardingSpec
 
@@ -37,7 +39,7 @@ class ReshardingPlan:
     src_spec: ShardingSpec
     dst_mesh: Mesh
     dst_spec: ShardingSpec
-    strategy: str  # "sendrecv" | "allgather" | "broadcast" | "signal"
+    strategy: str  # a registered strategy's name (`strategies/`)
     scheduler: str  # the scheduler actually used: naive, loadbalance, dfs, greedy
     itemsize: int
     tasks: list[UnitTask]  # in execution order, each with .sender set
@@ -148,15 +150,16 @@ def plan_resharding(
 
     `order` is the executor order the plan will run under ("concurrent", the executor's
     and the pipeline's default, or "plan"): `auto` minimises that order's cost. Each task's
-    broadcast chunk count (`UnitTask.chunks`, what the executor sends) is `broadcast_chunks`
-    when given (at most the slice's elements), else `network.broadcast_chunks` for the task's size and receiving hosts
-    (default network: `NetworkModel()`); under other strategies it is 1.
+    chunk count (`UnitTask.chunks`, what the executor sends) under a chunked strategy (broadcast) is
+    `broadcast_chunks` when given (at most the slice's elements), else the strategy's choice for the task's size
+    and receiving hosts (`network.broadcast_chunks` for broadcast; default network: `NetworkModel()`); under
+    other strategies it is 1.
 
     Scheduling is at host granularity, in bytes over one NIC (uniform NIC bandwidth is
     assumed, so bytes order schedules as time does); the concrete sender is the lowest
     sending rank on the chosen host.
     """
-    check_strategy(strategy)
+    strat = get_strategy(strategy)
     check_scheduler(scheduler)
     check_order(order)
     if itemsize < 1:
@@ -179,12 +182,12 @@ def plan_resharding(
         held = set(t.senders)
         counts = Counter(host(r) for r in t.receivers if r not in held)
         cand = sorted({src_mesh.host_of(r) for r in t.senders})
-        if strategy == "broadcast":
+        if strat.chunks is not None:  # a pipelined strategy: K chunks per task
             if broadcast_chunks is not None:
                 t.chunks = min(int(broadcast_chunks), max(1, t.numel))  # the executor sends no empty chunk
             else:  # receiving hosts: the same for every candidate sender unless one of them receives
                 hosts = max(sum(1 for x, c in counts.items() if x != h and c > 0) for h in cand)
-                t.chunks = net.broadcast_chunks(t.nbytes, hosts, t.numel)
+                t.chunks = strat.chunks(net, t.nbytes, hosts, t.numel)
         opts = []
         for h in cand:
             cost = task_cost(strategy, t.nbytes, h, counts, t.chunks)

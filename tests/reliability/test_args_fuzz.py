@@ -51,7 +51,7 @@ FLAGS = [
     _opt("--pipeline-schedule-file", ["/nonexistent/schedule.txt"]),
     _opt("--delay-wgrad-compute", [None]),
     _opt("--num-layers-per-stage", ["1,1", "2,1", "1,2,1", "a", "0,2"]),
-    _opt("--reshard-strategy", ["sendrecv", "allgather", "broadcast", "signal"]),
+    _opt("--reshard-strategy", ["sendrecv", "allgather", "broadcast"]),
     _opt("--reshard-scheduler", ["naive", "loadbalance", "dfs", "greedy", "auto"]),
     _opt("--reshard-chunks", [1, 2, 0]),
     _opt("--bf16", [None]),

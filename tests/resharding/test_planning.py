@@ -21,6 +21,7 @@ from megareshard.resharding import (
     plan_resharding,
     task_cost,
 )
+import lab.signal  # noqa: F401  (registers the 1-byte `signal` bound the tests exercise)
 from megareshard.resharding.cases import PAPER_CASE_IDS, one_to_many_cases, paper_case
 from megareshard.resharding.network import SEND, RECV
 from megareshard.resharding.schedulers import (
@@ -171,7 +172,7 @@ def test_wrong_number_of_entries_and_bad_shapes():
 
 def test_unknown_strategy_and_scheduler():
     args = ((4,), Mesh.grid(1, 2), ShardingSpec.parse("S1"), Mesh.grid(1, 2, 2, 1), ShardingSpec.parse("R"))
-    with pytest.raises(ValueError, match=r"unknown strategy 'ring'; allowed: sendrecv, allgather, broadcast, signal"):
+    with pytest.raises(ValueError, match=r"unknown resharding strategy 'ring'; registered: sendrecv, allgather, broadcast, signal"):
         plan_resharding(*args, strategy="ring")
     with pytest.raises(ValueError, match=r"unknown scheduler 'best'; allowed: auto, naive, loadbalance, dfs, greedy"):
         plan_resharding(*args, scheduler="best")
