@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
 
 from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
-from megareshard.parallel.stage_topology import StageTopology
+from megareshard.parallel.stage_topology import StageTopology  # noqa: E402
+from megareshard.resharding import strategy_names  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--communicators", action="store_true",
                    help="also count the communicators a GPT's stage boundaries create (one per distinct "
                         "sender and receiver set, the NCCL rule) for --reshard-strategy")
-    p.add_argument("--reshard-strategy", default="broadcast", choices=planned_strategies())
+    p.add_argument("--reshard-strategy", default="broadcast", choices=strategy_names(planned=True))
     p.add_argument("--sequence-parallel", action="store_true", help="hidden states sharded over tp (S1,S0,R)")
     a = p.parse_args(argv)
     if a.stage_layouts:
