@@ -503,12 +503,13 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
     Megatron-LM's meaning: ``--num-layers-per-virtual-pipeline-stage N`` gives ``layers / pp / N``
     chunks per rank, ``--num-virtual-stages-per-pipeline-rank`` (older: ``--virtual-pipeline-model-
     parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
-    interleaved schedule, so 1f1b and eager-1f1b run as interleaved-1f1b and eager-interleaved-1f1b.
-    zbv holds exactly 2 stages per rank. Sets only the schedule (the flags stay as given, so validating
-    twice gives the same answer; `pipeline.stage.virtual_stages` reads the count back); the microbatch count
-    must be a multiple of pp for the interleaved kinds.
+    interleaved schedule, so a one-stage-per-rank schedule runs as its interleaved twin
+    (`ScheduleKind.interleaved_twin`: 1f1b as interleaved-1f1b, eager-1f1b as eager-interleaved-1f1b).
+    A kind with its own count (zbv: 2) holds exactly that many stages per rank. Sets only the schedule (the
+    flags stay as given, so validating twice gives the same answer; `pipeline.stage.virtual_stages` reads the
+    count back); the microbatch count must be a multiple of pp where the kind says so (the interleaved ones).
     """
-    from .pipeline.generators import REGISTRY
+    from .pipeline.schedules import get_schedule, schedule_names
 
     pl, pp, m = cfg.pipeline, cfg.pp, cfg.model
     given = [(f, v) for f, v in (("--num-layers-per-virtual-pipeline-stage", pl.num_layers_per_virtual_pipeline_stage),
@@ -532,18 +533,19 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
         vpp = given[0][1]
     vpp = None if vpp == 1 else vpp
     name = pl.pipeline_schedule
-    kind = REGISTRY[name]
+    kind = get_schedule(name)
     if vpp is not None and kind.stages_per_mesh == 1:
-        if name in ("1f1b", "eager-1f1b"):
-            new = "interleaved-1f1b" if name == "1f1b" else "eager-interleaved-1f1b"
+        if kind.interleaved_twin is not None:
+            new = kind.interleaved_twin
             cfg.notes.append(f"{given[0][0]} {given[0][1]} ({vpp} virtual stages per rank) runs --pipeline-schedule "
                              f"{name} as {new} (Megatron-LM interleaves whenever there are virtual stages)")
             pl.pipeline_schedule = name = new
-            kind = REGISTRY[name]
+            kind = get_schedule(name)
         else:
+            several = [n for n in schedule_names() if get_schedule(n).stages_per_mesh != 1]
             raise ConfigError(f"--pipeline-schedule {name} holds one stage per rank but {given[0][0]} "
-                              f"{given[0][1]} asks for {vpp} virtual stages per rank; use interleaved-1f1b, "
-                              "eager-interleaved-1f1b or zbv")
+                              f"{given[0][1]} asks for {vpp} virtual stages per rank; use "
+                              f"{', '.join(several[:-1])} or {several[-1]}")
     if kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
         if vpp is not None and vpp != kind.stages_per_mesh:
             raise ConfigError(f"--pipeline-schedule {name} holds exactly {kind.stages_per_mesh} stages per rank (its "

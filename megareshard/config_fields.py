@@ -6,7 +6,7 @@ model's config without importing the argument parser (which imports it).
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["ConfigError", "config_field"]
 
@@ -15,12 +15,13 @@ class ConfigError(ValueError):
     """Invalid or inconsistent arguments; the message names the values and why."""
 
 
-def config_field(default: Any, help: str, *, flag: str | None = None, choices: Sequence[Any] | None = None,
-                 metavar: str | None = None) -> Any:
+def config_field(default: Any, help: str, *, flag: str | None = None,
+                 choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None, metavar: str | None = None) -> Any:
     """A dataclass field whose ``help`` is its one-line docstring and its ``--flag`` help at once.
 
     The flag is the field name with dashes unless ``flag`` names another; a bool field is a
     switch: ``store_true``, or ``store_false`` for one that defaults to True (its flag is then the
-    ``--no-...`` form, Megatron's spelling).
+    ``--no-...`` form, Megatron's spelling). ``choices`` may be a function, asked when the parser is built
+    (a registry's names: what registers after this module is imported is still a choice).
     """
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})

@@ -29,13 +29,13 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megareshard.pipeline import (  # noqa: E402
-    REGISTRY,
-    SCHEDULES,
     Costs,
     PipelineGraph,
     Schedule,
     Timeline,
     generate,
+    get_schedule,
+    schedule_names,
     simulate,
     validate,
 )
@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", nargs="+", default=["1f1b"],
-                   help=f"one of {', '.join(SCHEDULES)}, optionally with +dw; several with --compare")
+                   help=f"one of {', '.join(schedule_names())}, optionally with +dw; several with --compare")
     p.add_argument("--delay-wgrad", action="store_true", help="split B into I + delayed W")
     p.add_argument("--stages", "-P", type=int, default=4)
     p.add_argument("--microbatches", "-m", type=int, default=8)
@@ -87,7 +87,7 @@ def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     out = []
     for spec in names:
         name, dw = (spec[:-3], True) if spec.endswith("+dw") else (spec, args.delay_wgrad)
-        if REGISTRY[name].stages_per_mesh == 1:
+        if get_schedule(name).stages_per_mesh == 1:
             sched = generate(name, args.stages, args.microbatches, delay_wgrad=dw, graph=graph)
             out.append(simulate(sched, costs=costs))
             continue

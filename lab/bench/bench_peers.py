@@ -12,7 +12,7 @@
     # plain torchrun on this machine (a smoke run; no rate limit)
     python -m lab.bench.bench_peers --tp 1 --pp 4 --iters 2 --warmup 1
 
-Participants. megareshard: every schedule of ``REGISTRY`` the runtime executes (``runtime=True``): one
+Participants. megareshard: every registered schedule (``megareshard.pipeline.schedule_names()``): one
 stage per rank, or virtual stages (``interleaved-1f1b`` and ``eager-interleaved-1f1b`` with 2 chunks per
 rank, ``--num-virtual-stages-per-pipeline-rank 2``; ``zbv``, which always splits I/W: ``zbv+…+dw``), each
 with ``allgather`` (the Megatron-style baseline) and ``broadcast`` (its best strategy), the full method

@@ -26,19 +26,18 @@ INTERLEAVED_V = 2  # virtual stages per rank of the interleaved kinds (--num-vir
 
 def virtual_stages_of(schedule: str) -> int:
     """Stages per rank the bench runs ``schedule`` with: 1, the schedule's own (zbv: 2), or INTERLEAVED_V."""
-    from megareshard.pipeline import REGISTRY
+    from megareshard.pipeline import get_schedule
 
-    k = REGISTRY[schedule]
+    k = get_schedule(schedule)
     return k.stages_per_mesh if k.stages_per_mesh is not None else INTERLEAVED_V
 
 
 # ---- participants --------------------------------------------------------------------------------
 def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple[str, str]]]:
     """megareshard's configurations, and (name, reason) of registry schedules not run here."""
-    from megareshard.pipeline import REGISTRY
+    from megareshard.pipeline import get_schedule, schedule_names
 
-    names = [s.strip() for s in a.schedules.split(",")] if a.schedules else [
-        n for n, k in REGISTRY.items() if k.runtime]
+    names = [s.strip() for s in a.schedules.split(",")] if a.schedules else list(schedule_names())
     strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in bp.STRATEGY_NAMES or s == "signal"]
     if bad or not strategies:
@@ -46,12 +45,9 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
     out: list[bp.BenchConfig] = []
     skipped = []
     for n in names:
-        if n not in REGISTRY:
-            raise ValueError(f"--schedules: unknown {n!r}; registry: {', '.join(REGISTRY)}")
-        k = REGISTRY[n]
-        if not k.runtime:
-            skipped.append((n, "the runtime does not execute it (REGISTRY runtime=False)"))
-            continue
+        if n not in schedule_names():
+            raise ValueError(f"--schedules: unknown {n!r}; registry: {', '.join(schedule_names())}")
+        k = get_schedule(n)
         out += [bp.BenchConfig(n, s, k.zero_bubble) for s in strategies]
     if not a.no_method and "eager-1f1b" in names:
         out.append(bp.BenchConfig("eager-1f1b", "broadcast", True))
@@ -68,10 +64,10 @@ def our_configs(a: argparse.Namespace) -> tuple[list[bp.BenchConfig], list[tuple
 
 
 def _model_argv(a: argparse.Namespace, c: bp.BenchConfig, world: int) -> list[str]:
-    from megareshard.pipeline import REGISTRY
+    from megareshard.pipeline import get_schedule
 
     argv = bp.model_argv(a, c, world) + ["--untie-embeddings-and-output-weights", "--seed", "1234"]
-    if REGISTRY[c.schedule].stages_per_mesh is None:  # the interleaved kinds: Megatron-LM's flag gives V
+    if get_schedule(c.schedule).stages_per_mesh is None:  # the interleaved kinds: Megatron-LM's flag gives V
         argv += ["--num-virtual-stages-per-pipeline-rank", str(INTERLEAVED_V)]
     return argv
 

@@ -208,7 +208,7 @@ def test_grid_records_every_point_and_its_worker_arguments_parse(tmp_path, monke
     calls = []
 
     def fake_point(cmd, timeout_s):
-        worker = cmd[cmd.index("--") + 2:]
+        worker = cmd[cmd.index("--") + 3:]  # after "-- -m lab.bench.bench_peers"
         wa = bpe.build_parser().parse_args(worker)
         calls.append((wa.tp, wa.nic_gbps, wa.strategies, wa.iters, wa.pace))
         if wa.nic_gbps == 0.01:

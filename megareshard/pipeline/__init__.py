@@ -1,4 +1,4 @@
-"""Pipeline engine, pure half: schedule IR, generators, lowering, validator, simulator.
+"""Pipeline engine, pure half: schedule IR, the schedules (`schedules/`), lowering, validator, simulator.
 
     sched = generate("eager-1f1b", num_stages=4, num_microbatches=8, delay_wgrad=True,
                      graph=PipelineGraph(4, skip_edges=[(0, 3)]))
@@ -11,8 +11,7 @@
 No torch.distributed here; `runtime.py` executes lowered lists on real ranks.
 """
 
-from .generators import (REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, WARMUP_SCHEDULES, delay_weight_grads,
-                         forwards_before_first_backward, generate, placement_of)
+from .generators import delay_weight_grads, forwards_before_first_backward, generate, placement_of
 from .grad_reduce import insert_grad_reduce
 from .lowering import lower
 from .schedule import (
@@ -24,6 +23,7 @@ from .schedule import (
     ScheduleError,
     parse_action,
 )
+from .schedules import ScheduleKind, get_schedule, register_schedule, schedule_names
 from .simulate import CommInterval, Costs, Interval, Timeline, simulate
 from .validate import validate
 
@@ -35,10 +35,10 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "parse_action",
-    "SCHEDULES",
-    "REGISTRY",
-    "RUNTIME_SCHEDULES",
-    "WARMUP_SCHEDULES",
+    "ScheduleKind",
+    "register_schedule",
+    "get_schedule",
+    "schedule_names",
     "placement_of",
     "generate",
     "delay_weight_grads",

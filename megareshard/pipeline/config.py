@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..config_fields import config_field as _f
 from ..resharding.strategies import strategy_names
-from .generators import SCHEDULES
+from .schedules import schedule_names
 
 
 @dataclass
@@ -14,7 +14,7 @@ class PipelineConfig:
     """Pipeline schedule and the cross-mesh resharding of stage boundaries."""
 
     pipeline_schedule: str = _f("1f1b", "pipeline schedule (the registry's names; with virtual stages 1f1b and "
-                                        "eager-1f1b run as their interleaved kinds)", choices=SCHEDULES)
+                                        "eager-1f1b run as their interleaved kinds)", choices=schedule_names)
     delay_wgrad_compute: bool = _f(False, "split backward into input-grad now and weight-grad later (fills waits)")
     num_layers_per_stage: str | None = _f(None, "comma list of layers per pipeline stage, one per virtual stage "
                                                 "with virtual stages (default: even split)")

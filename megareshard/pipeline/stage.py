@@ -16,7 +16,8 @@ from ..parallel import ParallelContext, Topology
 from ..model_spec.placement import StageLayout, hidden_spec, split_layers, stage_mesh, stage_tp_dp
 from ..model_spec.placement import stage_layouts as _layouts_on
 from ..resharding.strategies import get_strategy, strategy_names
-from .generators import REGISTRY, RUNTIME_SCHEDULES, SCHEDULES, placement_of
+from .generators import placement_of
+from .schedules import get_schedule, schedule_names
 
 if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module
     from ..arguments import Config
@@ -29,11 +30,9 @@ def virtual_stages(cfg: Config) -> int:
     """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
     stages Megatron's flags give (1: none). Pure: what `arguments.resolve_virtual_stages` checked."""
     pl = cfg.pipeline
-    kind = REGISTRY.get(pl.pipeline_schedule)
-    if kind is not None and kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+    kind = get_schedule(pl.pipeline_schedule)
+    if kind.stages_per_mesh is not None:
         return kind.stages_per_mesh
-    if kind is not None and kind.stages_per_mesh == 1:
-        return 1
     if pl.num_layers_per_virtual_pipeline_stage:
         return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
     return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
@@ -59,12 +58,9 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
     on every rank instead of deadlocking later.
     """
     pp, pl, t = cfg.pp, cfg.pipeline, cfg.training
-    if pl.pipeline_schedule not in SCHEDULES:
+    if pl.pipeline_schedule not in schedule_names():
         raise ConfigError(f"unknown --pipeline-schedule {pl.pipeline_schedule!r}; available: "
-                          f"{', '.join(RUNTIME_SCHEDULES)}")
-    if pl.pipeline_schedule not in RUNTIME_SCHEDULES:
-        raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule} is not run by the runtime (tools/plot_schedule.py "
-                          f"and the simulator draw it); runnable: {', '.join(RUNTIME_SCHEDULES)}")
+                          f"{', '.join(schedule_names())}")
     if pl.reshard_strategy not in strategy_names():
         raise ConfigError(f"unknown --reshard-strategy {pl.reshard_strategy!r}; available: "
                           f"{', '.join(strategy_names())}")
@@ -80,7 +76,7 @@ def check_pipeline_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
                           f"{t.micro_batch_size} × dp {dp}")
     m = t.global_batch_size // (t.micro_batch_size * dp)
-    if REGISTRY[pl.pipeline_schedule].microbatch_multiple_of_pp and m % pp:
+    if get_schedule(pl.pipeline_schedule).microbatch_multiple_of_pp and m % pp:
         raise ConfigError(f"--pipeline-schedule {pl.pipeline_schedule}: {m} microbatches are not a multiple of "
                           f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the chunks "
                           "in groups of pp")

@@ -4,8 +4,8 @@ sequence parallelism, recomputation and ZeRO, before anything is validated or bu
 The model comes from the model flags, the cluster from the launch (world size, processes per
 host) and the device (its memory), plus the ``--auto-layout-*`` flags for what cannot be
 measured at start-up (FLOP/s, network), or ``--auto-layout-cluster FILE``: the cluster JSON that
-``tools/calibrate_cluster.py`` measured. Only schedules the pipeline runtime executes when it runs
-(``REGISTRY[name].runtime``) are applied; the start-up line names the others. Planning is pure and
+``tools/calibrate_cluster.py`` measured. Every registered schedule is a candidate (the runtime executes
+each); the start-up line names any the config cannot carry the virtual stages of. Planning is pure and
 deterministic, so every rank chooses the same layout without communicating. Degrees given by hand are
 refused next to ``--auto-layout`` rather than silently overridden.
 """
@@ -17,10 +17,9 @@ from typing import Any
 
 from ..config_fields import ConfigError
 from .costs import ClusterSpec, ModelShape
-from ..pipeline.generators import REGISTRY
+from ..pipeline.schedules import get_schedule, schedule_names
 from .cluster_file import load_cluster
 from .search import PlanError, plan_layouts
-from .variants import runtime_schedules
 
 __all__ = ["apply_auto_layout", "device_memory_gib"]
 
@@ -77,11 +76,11 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
         cluster = ClusterSpec(world_size // nproc, nproc, memory, p.auto_layout_device_tflops,
                               nic_gbps=p.auto_layout_nic_gbps, intra_gbps=p.auto_layout_intra_gbps)
         source = "--auto-layout-* flags"
-    # only what the runtime executes now; virtual-stage kinds also need the config to carry their V
+    # virtual-stage kinds need the config to carry their V
     holder = next(((o, f) for o in (pl, p) for f in ("num_layers_per_virtual_pipeline_stage",
                                                      "num_virtual_stages_per_pipeline_rank") if hasattr(o, f)), None)
-    names = [n for n in runtime_schedules() if REGISTRY[n].stages_per_mesh is not None or holder]
-    skipped = [n for n in REGISTRY if n not in names]
+    names = [n for n in schedule_names() if get_schedule(n).stages_per_mesh is not None or holder]
+    skipped = [n for n in schedule_names() if n not in names]
     stats: dict[str, int] = {}
     mbs = [b for b in (1, 2, 4, 8, 16) if t.global_batch_size % b == 0]
     try:
@@ -97,18 +96,18 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
     p.pipeline_model_parallel_size = best.pp
     p.sequence_parallel = best.sequence_parallel
     pl.num_layers_per_stage = ",".join(map(str, best.layers_per_stage)) if best.layers_per_stage else None
-    if best.virtual_stages > 1 and REGISTRY[best.schedule].stages_per_mesh is None and holder:
+    if best.virtual_stages > 1 and get_schedule(best.schedule).stages_per_mesh is None and holder:
         obj, name = holder  # Megatron's flag for V: layers per virtual stage, or virtual stages per rank
         setattr(obj, name, m.num_layers // (best.pp * best.virtual_stages) if name.startswith("num_layers")
                 else best.virtual_stages)
     t.micro_batch_size = best.micro_batch
     pl.pipeline_schedule, pl.reshard_strategy = best.schedule, best.strategy
-    pl.delay_wgrad_compute = best.delay_wgrad and not REGISTRY[best.schedule].zero_bubble
+    pl.delay_wgrad_compute = best.delay_wgrad and not get_schedule(best.schedule).zero_bubble
     mem.zero_stage = best.zero
     if best.recompute:
         mem.recompute_granularity = "full"
     return (f"auto layout: {best.name} — predicted {best.step_s:.3g} s/step on {cluster.hosts} host(s) × {nproc}, "
             f"{memory:.1f} GiB per device, from {source} ({stats['enumerated']} candidates, {stats['pruned_memory']} "
             f"pruned by memory, {stats['simulated']} pipelines simulated; schedules applied: {', '.join(names)}"
-            f"{'; not applied (the runtime does not execute them yet): ' + ', '.join(skipped) if skipped else ''})"
+            f"{'; not applied (no flag carries their virtual stages): ' + ', '.join(skipped) if skipped else ''})"
             f"; same as: {best.flags(m.num_layers)}")

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..pipeline.generators import REGISTRY
+from ..pipeline.schedules import get_schedule
 
 __all__ = ["Candidate"]
 
@@ -59,8 +59,8 @@ class Candidate:
     def name(self) -> str:
         mesh = f"[{self.stage_layouts}]" if self.stage_layouts else f"tp{self.tp} pp{self.pp} dp{self.dp}"
         split = f" L{','.join(map(str, self.layers_per_stage))}" if self.layers_per_stage else ""
-        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 and REGISTRY[self.schedule].stages_per_mesh is None \
-            else ""
+        v = f" v{self.virtual_stages}" if self.virtual_stages > 1 and \
+            get_schedule(self.schedule).stages_per_mesh is None else ""
         return (f"{mesh}{split} mb{self.micro_batch} {self.schedule}{v}"
                 f"{'+dw' if self.delay_wgrad else ''} {self.strategy}"
                 f"{' sp' if self.sequence_parallel else ''}{' recompute' if self.recompute else ''} zero{self.zero}")
@@ -75,9 +75,9 @@ class Candidate:
               f"--pipeline-schedule {self.schedule}", f"--reshard-strategy {self.strategy}"]
         if self.layers_per_stage:
             f.append(f"--num-layers-per-stage {','.join(map(str, self.layers_per_stage))}")
-        if self.virtual_stages > 1 and REGISTRY[self.schedule].stages_per_mesh is None and num_layers:
+        if self.virtual_stages > 1 and get_schedule(self.schedule).stages_per_mesh is None and num_layers:
             f.append(f"--num-layers-per-virtual-pipeline-stage {num_layers // (self.pp * self.virtual_stages)}")
-        if self.delay_wgrad and not REGISTRY[self.schedule].zero_bubble:
+        if self.delay_wgrad and not get_schedule(self.schedule).zero_bubble:
             f.append("--delay-wgrad-compute")
         if self.sequence_parallel:
             f.append("--sequence-parallel")

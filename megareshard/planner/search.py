@@ -36,9 +36,10 @@ from typing import Any, Iterable, Sequence
 
 from ..parallel import CommVolume, Topology
 from ..parallel.stage_topology import StageTopology
-from ..pipeline.generators import REGISTRY, SCHEDULES, generate, placement_of
+from ..pipeline.generators import generate, placement_of
 from ..pipeline.lowering import lower
 from ..pipeline.meshes import stage_mesh
+from ..pipeline.schedules import get_schedule, schedule_names
 from ..pipeline.simulate import Costs, simulate
 from ..resharding import ShardingSpec, get_strategy, plan_resharding, strategy_names
 from ..resharding.messages import build_messages
@@ -46,7 +47,7 @@ from .candidate import Candidate
 from .costs import ClusterSpec, ModelShape, StageCosts, mesh_dp_seconds, stage_costs
 from lab.cluster.shared_cpu import on_shared_cores, shared_cpu_bound_s, shared_cpu_s  # TEMPORARY: the cost-term seam removes it
 from .step_collectives import step_sync_s, tied_embedding_s
-from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
+from .variants import balanced_split, live_bound, stage_layout_variants, virtual_options
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "planned_strategies", "pipeline_makespan"]  # Candidate: from candidate.py
 
@@ -355,7 +356,7 @@ def _estimate_parts(sh: _Shape, overhead: float = 0.0, post: float = 0.0) -> tup
 
 def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
     fb, dp = parts
-    fill = (sh.pp - 1) * fb / (sh.virtual * (2 if REGISTRY[schedule].zero_bubble else 1))
+    fill = (sh.pp - 1) * fb / (sh.virtual * (2 if get_schedule(schedule).zero_bubble else 1))
     # every mesh sends (and receives) one activation and one gradient per microbatch for each of its stages
     # whose neighbour lies on another mesh: V of them under interleaving and in zbv's V
     return max(sh.m * fb, 2 * sh.m * sh.virtual * edge_s) + fill + dp
@@ -381,7 +382,7 @@ def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tupl
         costs = Costs(f=[x + overhead for x in f], b=[x + overhead for x in b],
                       i=[x - y + overhead for x, y in zip(b, w)], w=[y + overhead for y in w],
                       comm=edge if isinstance(edge, float) else dict(edge), send_post=post[0], recv_post=post[1])
-        kind = REGISTRY[name]
+        kind = get_schedule(name)
 
         def run(n: int):
             return simulate(_lowered(name, P, n, dw, v if kind.stages_per_mesh is None else None), costs=costs)
@@ -499,7 +500,7 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
 
 def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
     out = []
-    single = next((n for n in names if REGISTRY[n].stages_per_mesh == 1), None)
+    single = next((n for n in names if get_schedule(n).stages_per_mesh == 1), None)
     for name in names:
         if sh.pp == 1 and name != single:
             continue  # one stage: every one-stage-per-mesh schedule is the same run
@@ -519,8 +520,9 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
     """The layouts that fit, best first: the `top_shapes` best shapes scored by simulation (each with every
     schedule × delayed W × strategy), then the best `keep` others by their analytic estimate (None: all).
 
-    `schedules` defaults to every registered one; `runtime_only` keeps those the pipeline runtime executes
-    now (what `--auto-layout` applies). Every candidate says whether the runtime executes it (`runtime`).
+    `schedules` defaults to every registered one; a schedule without a live-activation bound is refused by
+    name. The pipeline runtime executes every registered schedule: every candidate's `runtime` is true and
+    `runtime_only` keeps them all.
     ``stats`` (a dict) receives counts: enumerated, pruned by memory, simulated.
     """
     if global_batch < 1 or model.num_layers < 1 or cluster.hosts < 1 or cluster.devices_per_host < 1:
@@ -529,11 +531,15 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                         f"{cluster.devices_per_host} devices)")
     if model.hidden_size % model.num_attention_heads:
         raise PlanError(f"hidden size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
-    names = list(schedules) if schedules is not None else list(SCHEDULES)
-    unknown = [s for s in names if s not in REGISTRY]
+    names = list(schedules) if schedules is not None else list(schedule_names())
+    unknown = [s for s in names if s not in schedule_names()]
     if unknown:
-        raise PlanError(f"unknown schedule(s) {unknown}: the registry has {', '.join(SCHEDULES)}")
-    runnable = set(runtime_schedules())
+        raise PlanError(f"unknown schedule(s) {unknown}: the registry has {', '.join(schedule_names())}")
+    unbounded = [s for s in names if get_schedule(s).live_bound is None]
+    if unbounded:
+        raise PlanError(f"schedule(s) {unbounded} give no live-activation bound (ScheduleKind.live_bound): the "
+                        "planner cannot size their memory; give one, or leave them out of the schedules planned")
+    runnable = set(schedule_names())  # the runtime executes every registered kind
     if runtime_only:
         names = [n for n in names if n in runnable]
         if not names:
@@ -563,8 +569,9 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 parts = (parts[0], parts[1] + tied_embedding_s(model, cluster, sh, placement[0], placement[-1], bounds))
             parts = (parts[0], parts[1] + step_sync_s(cluster, sh))
             strats = strategies if sh.pp > 1 else strategies[:1]
-            for dw in ((True,) if REGISTRY[name].zero_bubble else
-                       (False, True) if name != "gpipe" and sh.pp > 1 else (False,)):
+            kind = get_schedule(name)
+            for dw in ((True,) if kind.zero_bubble else
+                       (False, True) if kind.search_delay_wgrad and sh.pp > 1 else (False,)):
                 live = live_bound(name, dw, sh.pp, sh.m, v)
                 mem = [(a + k * x) / 2**30 for (a, x), k in zip(static, live)]
                 st["enumerated"] += len(strats)

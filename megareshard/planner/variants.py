@@ -10,25 +10,19 @@ schedules that put several stages on a mesh — their stage counts and activatio
   uniform layout's (halved, kept, doubled): the stages whose memory and time differ from the rest.
   The global microbatch is micro batch × the largest dp, so a stage of smaller dp gives each rank
   proportionally more samples; the tps of one layout must be multiples of the smallest.
-* **Virtual stages**: interleaved-1f1b and eager-interleaved-1f1b put V stages on each mesh (V a
-  divisor of layers / pp, Megatron's ``--num-layers-per-virtual-pipeline-stage`` = layers / (pp·V)),
-  zbv two (the V shape), zb-h1 one (the I/W split). `live_bound` is each mesh's largest number of
-  live (stage, microbatch) activations before the simulator measures it: the warm-up count of the
-  interleaved schedules (Megatron's rule, plus the eager extra), the list scheduler's limit for the
-  zero-bubble ones (P − p, and 2P chunk activations for zbv).
+* **Virtual stages and live activations**: the schedule's kind says which V it runs with
+  (`ScheduleKind.virtual_options`: interleaved-1f1b and eager-interleaved-1f1b every V dividing
+  layers / pp, Megatron's ``--num-layers-per-virtual-pipeline-stage`` = layers / (pp·V); zbv two;
+  the others one) and bounds each mesh's live (stage, microbatch) activations before the simulator
+  measures them (`ScheduleKind.live_bound`); a kind without a bound is refused, by name.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..pipeline.generators import REGISTRY, forwards_before_first_backward
+from ..pipeline.schedules import get_schedule
 
-__all__ = ["balanced_split", "stage_layout_variants", "virtual_options", "live_bound", "runtime_schedules"]
-
-
-def runtime_schedules() -> tuple[str, ...]:
-    """The schedules the pipeline runtime executes now (read from the registry at call time)."""
-    return tuple(n for n, k in REGISTRY.items() if k.runtime)
+__all__ = ["balanced_split", "stage_layout_variants", "virtual_options", "live_bound"]
 
 
 def balanced_split(num_layers: int, pp: int, per_layer: float, extra: Sequence[float]) -> tuple[int, ...]:
@@ -84,31 +78,13 @@ def stage_layout_variants(tp: int, pp: int, ranks_per_stage: int, allowed_tp: Se
 
 
 def virtual_options(name: str, pp: int, num_layers: int, microbatches: int, max_v: int = 4) -> list[int]:
-    """Stages per mesh V that `name` can run with: 1 for one-stage-per-mesh kinds (whatever the layers: a split
-    that pp does not divide is uneven), 2 for zbv when 2·pp divides the layers, every V in 2..max_v dividing
-    layers / pp for the interleaved kinds (which also need microbatches % pp == 0)."""
-    kind = REGISTRY[name]
-    if pp < 2 and kind.stages_per_mesh != 1:
-        return []
-    if kind.microbatch_multiple_of_pp and microbatches % pp:
-        return []
-    if kind.stages_per_mesh == 1:
-        return [1]
-    if kind.stages_per_mesh is not None:
-        v = kind.stages_per_mesh
-        return [v] if num_layers % (pp * v) == 0 else []
-    return [v for v in range(2, max_v + 1) if num_layers % (pp * v) == 0]
+    """Stages per mesh V that schedule `name` can run with (`ScheduleKind.virtual_options`)."""
+    return get_schedule(name).virtual_options(pp, num_layers, microbatches, max_v)
 
 
 def live_bound(name: str, delay_wgrad: bool, pp: int, microbatches: int, v: int) -> list[int]:
-    """Per mesh, an upper bound of the live (stage, microbatch) activations (chunk activations when v > 1)."""
-    P, m = pp, microbatches
-    kind = REGISTRY[name]
-    if name in ("gpipe", "1f1b", "eager-1f1b"):
-        return [min(m, forwards_before_first_backward(name, P, m, p)) + (1 if delay_wgrad else 0) for p in range(P)]
-    if kind.zero_bubble:
-        return [min(v * m, 2 * P) if v > 1 else min(m, P - p) for p in range(P)]
-    eager = name.startswith("eager")
-    n = m * v
-    return [n if m == P else min(n, 2 * (P - p - 1) + (v - 1) * P + 1 + (P - p - 1 if eager else 0))
-            + (1 if delay_wgrad else 0) for p in range(P)]
+    """Per mesh, an upper bound of the live (stage, microbatch) activations (chunk activations when v > 1): the
+    kind's own (`ScheduleKind.live_bound`); ValueError naming a kind that gives none, or a V it cannot hold."""
+    kind = get_schedule(name)
+    kind.stages(v)  # a V the kind holds
+    return kind.live(pp, microbatches, v, delay_wgrad)

@@ -32,6 +32,7 @@ import torch
 
 from megareshard.arguments import parse_args, parse_model_args
 from megareshard.parallel import ParallelContext, StageTopology, Topology
+from megareshard.pipeline import get_schedule
 from megareshard.pipeline.chunks import ModelChunks
 from megareshard.tensor_parallel import gather_full_state_dict
 from megareshard.training import Trainer
@@ -76,7 +77,7 @@ def _argv(model, layout=None, schedule=None, strategy="sendrecv", delay=False, p
         argv += ["--stage-layouts", STAGES]
     if schedule is not None:
         argv += ["--pipeline-schedule", schedule, "--reshard-strategy", strategy, "--reshard-chunks", "2"]
-        if schedule.startswith(("interleaved", "eager-interleaved")):
+        if get_schedule(schedule).stages_per_mesh is None:  # V is the user's
             argv += ["--num-virtual-stages-per-pipeline-rank", "2"]
     argv += ["--delay-wgrad-compute"] if delay else []
     argv += ["--sequence-parallel"] if sp else []  # on the tp-2 mesh of the per-stage layouts

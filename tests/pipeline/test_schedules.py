@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from megareshard.pipeline import (
-    WARMUP_SCHEDULES,
     Action,
     ActionKind,
     Costs,
@@ -23,11 +22,15 @@ from megareshard.pipeline import (
     ScheduleError,
     forwards_before_first_backward,
     generate,
+    get_schedule,
     lower,
     parse_action,
+    schedule_names,
     simulate,
     validate,
 )
+
+WARMUP_SCHEDULES = tuple(n for n in schedule_names() if get_schedule(n).warmup is not None)  # one stage per mesh
 from megareshard.pipeline.validate import dry_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.arguments import validate as validate_args
 from megareshard.parallel import Topology
-from megareshard.pipeline import REGISTRY, PipelineGraph, generate, lower, placement_of, validate
+from megareshard.pipeline import PipelineGraph, generate, get_schedule, lower, placement_of, schedule_names, validate
 from megareshard.pipeline.generators import forward_only
 from megareshard.pipeline.stage import check_pipeline_config, stage_layouts, virtual_stages
 from megareshard.pipeline.validate import dry_run
@@ -88,7 +88,7 @@ def test_check_pipeline_config_refuses_a_microbatch_count_off_the_groups():
 def _allowed(name: str):
     """(P, V, m) the arguments accept for schedule `name`: pp 2..4, m 1..3·pp (multiples of pp when
     interleaving), V 2..3 for the interleaved kinds."""
-    kind = REGISTRY[name]
+    kind = get_schedule(name)
     for P in (2, 3, 4):
         for V in ((2, 3) if kind.stages_per_mesh is None else (kind.stages_per_mesh,)):
             for m in range(1, 3 * P + 1):
@@ -98,7 +98,7 @@ def _allowed(name: str):
 
 def test_arguments_accept_exactly_the_enumerated_microbatch_counts():
     """`_allowed` is the arguments' rule, not a guess: check each schedule at pp 2 against parse_args."""
-    for name, kind in REGISTRY.items():
+    for name, kind in ((n, get_schedule(n)) for n in schedule_names()):
         flag = ["--num-virtual-stages-per-pipeline-rank", "2"] if kind.stages_per_mesh is None else []
         V = kind.stages_per_mesh or 2
         for m in (1, 2, 3, 4):
@@ -110,11 +110,11 @@ def test_arguments_accept_exactly_the_enumerated_microbatch_counts():
                     parse_args(argv, world_size=2)
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("name", schedule_names())
 def test_every_schedule_is_deadlock_free_for_every_allowed_microbatch_count(name):
     """Chain graphs with and without delayed W; a skip edge first stage -> last stage (the U-Transformer's
     longest) with delayed W at V <= 2 (more dependencies and channels; keeps the test's time down)."""
-    kind = REGISTRY[name]
+    kind = get_schedule(name)
     seen = set()
     for (P, V, m), delay, skip in itertools.product(_allowed(name), (False, True), (False, True)):
         if (kind.zero_bubble and delay) or (skip and (V > 2 or not (delay or kind.zero_bubble))):

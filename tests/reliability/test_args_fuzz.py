@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megareshard.arguments import ConfigError, parse_args
-from megareshard.pipeline.generators import SCHEDULES
+from megareshard.pipeline.schedules import schedule_names
 
 EXAMPLES = int(os.environ.get("MEGARESHARD_FUZZ_EXAMPLES", "100"))
 LONG_RUN = "MEGARESHARD_FUZZ_EXAMPLES" in os.environ
@@ -47,7 +47,7 @@ FLAGS = [
     _opt("--global-batch-size", [1, 2, 4, 6, 8, 16, 0]),
     _opt("--train-iters", [1, 3, 0]),
     _opt("--train-samples", [4, 16, 0]),
-    _opt("--pipeline-schedule", list(SCHEDULES)),
+    _opt("--pipeline-schedule", list(schedule_names())),
     _opt("--pipeline-schedule-file", ["/nonexistent/schedule.txt"]),
     _opt("--delay-wgrad-compute", [None]),
     _opt("--num-layers-per-stage", ["1,1", "2,1", "1,2,1", "a", "0,2"]),
