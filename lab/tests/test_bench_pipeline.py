@@ -288,7 +288,7 @@ def test_grid_flags_and_point_command():
             bp.parse_rates(bad)
     cmd = bp.point_command(p, a, "utransformer", 40.0, "out.json")
     assert cmd[cmd.index("--nic-rate") + 1] == "40000kbit" and cmd[cmd.index("--hosts") + 1] == "4"
-    worker = cmd[cmd.index("--") + 2:]
+    worker = cmd[cmd.index("--") + 3:]  # after "-- -m lab.bench.bench_pipeline"
     assert "--grid" not in worker and "--rates" not in worker and "--dry-run" not in worker
     assert worker[worker.index("--nic-gbps") + 1] == "0.04" and worker[worker.index("--model") + 1] == "utransformer"
     assert worker[worker.index("--pace-margin") + 1] == "1.5" and worker[worker.index("--pace") + 1] == "auto"
