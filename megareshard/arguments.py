@@ -23,7 +23,10 @@ from .data.config import DataConfig
 from .parallel.config import ParallelConfig
 from .pipeline.config import PipelineConfig
 from .parallel.topology import TopologyError, parse_order
+from .pipeline.schedules import schedule_names
 from .resharding.strategies import get_strategy, strategy_names
+from . import run_plan
+from .run_plan import RunPlan
 from .model_spec.protocol import ModelSpec, get_model_spec
 
 
@@ -168,6 +171,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     #: Megatron-LM flags given that change nothing here, and flags mapped to megareshard's own ('--flag (why)')
     notes: list[str] = field(default_factory=list)
+    #: what the validated flags resolve to on the run's world (`run_plan.resolve`, set by `validate`): every
+    #: derived number, computed once
+    plan: RunPlan | None = field(default=None, compare=False, repr=False)
 
     @property
     def tp(self) -> int:
@@ -190,7 +196,8 @@ class Config:
         return t.global_batch_size // (t.micro_batch_size * self.dp(world_size))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flags (what a run records of its configuration; the plan is derived from them)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "plan"}
 
 
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
@@ -328,11 +335,13 @@ def parse_model_args(model: str | ModelSpec, argv: Sequence[str] | None = None,
 
 
 def validate(cfg: Config, world_size: int) -> Config:
-    """Check every constraint before anything is built; fills derived defaults (global batch)."""
-    if cfg.parallel.auto_layout and not getattr(cfg.parallel, "auto_layout_note", None):
+    """Check every constraint before anything is built, once: fills Megatron's derived defaults (global batch,
+    --zero-stage from --use-distributed-optimizer, ...) and resolves the run plan (``cfg.plan``)."""
+    auto_layout = None if cfg.plan is None else cfg.plan.auto_layout
+    if cfg.parallel.auto_layout and cfg.plan is None:
         from .planner.auto import apply_auto_layout  # the planner chooses the layout flags first
 
-        cfg.parallel.auto_layout_note = apply_auto_layout(cfg, world_size)  # type: ignore[attr-defined]
+        auto_layout = apply_auto_layout(cfg, world_size)
     m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
     pl, mem = cfg.pipeline, cfg.memory
     positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
@@ -345,6 +354,10 @@ def validate(cfg: Config, world_size: int) -> Config:
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:  # every rank refuses, not just the reporter
         raise ConfigError(f"--wandb-project {lg.wandb_project} needs the wandb package, which is not installed: "
                           "pip install wandb, or drop --wandb-project")
+    for flag, name, names in (("--pipeline-schedule", pl.pipeline_schedule, schedule_names()),
+                              ("--reshard-strategy", pl.reshard_strategy, strategy_names())):
+        if name not in names:  # argparse checked a parsed flag; a config built or changed in code is checked here
+            raise ConfigError(f"unknown {flag} {name!r}; available: {', '.join(names)}")
     tp, pp = cfg.tp, cfg.pp
     if p.stage_layouts:
         _validate_stage_layouts(cfg, world_size)  # sets --pipeline-model-parallel-size from the entries
@@ -361,8 +374,10 @@ def validate(cfg: Config, world_size: int) -> Config:
     if p.sequence_parallel and tp == 1 and not p.stage_layouts:
         warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
                       "it has no effect", stacklevel=2)
-    if pp > 1 and t.check_for_nan_in_loss_and_grad and pl.reshard_strategy in strategy_names() \
-            and not get_strategy(pl.reshard_strategy).carries_data:
+    if pp > 1 and not get_strategy(pl.reshard_strategy).carries_data and not t.check_for_nan_in_loss_and_grad:
+        warnings.warn(f"--reshard-strategy {pl.reshard_strategy} carries no data: stage inputs are undefined, "
+                      "so the loss is meaningless (a communication bound for benchmarks)", stacklevel=2)
+    elif pp > 1 and not get_strategy(pl.reshard_strategy).carries_data:
         raise ConfigError(f"--reshard-strategy {pl.reshard_strategy} carries no data, so stage inputs are undefined "
                           "and the loss may be NaN, which --check-for-nan-in-loss-and-grad (on by default) stops on; "
                           "it is a benchmark's bound, not training: add --no-check-for-nan-in-loss-and-grad")
@@ -476,6 +491,12 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
                           "format, torch_dist (sharded, loadable into any layout)")
     _validate_checkpoint(cfg.checkpoint)
+    cfg.plan = run_plan.resolve(cfg, world_size, auto_layout)
+    m = cfg.plan.num_microbatches
+    if pp > 1 and m < pp:
+        warnings.warn(f"{m} microbatch(es) for {pp} pipeline stages: the bubble is at least "
+                      f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
+                      f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
     return cfg
 
 

@@ -22,13 +22,13 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
 
 from . import plugins
-from .arguments import Config, ConfigError
+from .arguments import Config, ConfigError, validate
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
@@ -45,7 +45,7 @@ from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl
 from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.chunks import build_chunks
-from .pipeline.stage import check_pipeline_config, reduce_tied_grad_across_layouts, stage_placement
+from .pipeline.stage import reduce_tied_grad_across_layouts
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
 
@@ -156,6 +156,22 @@ def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.
     return total
 
 
+def build_pipeline(spec: ModelSpec, cfg: Config, ctx: ParallelContext, layouts: Sequence[Any], *,
+                   finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
+                   dtype: torch.dtype = torch.float32) -> PipelineRuntime:
+    """The pipeline runtime of a model spec: its stage graph, its edges' declared tensors and its forward step
+    (the spec reads the model's config), everything else from the resolved plan (``cfg.plan.pipeline``).
+
+    Every edge carries the global microbatch (``PipelinePlan.edge_batch``), whatever the two stages' layouts:
+    each end shards it over its own dp. Collective over the default group: every rank calls it with the same
+    config. ``layouts`` has one entry per stage (``pp × V`` with virtual stages)."""
+    plan = cfg.plan.pipeline
+    return PipelineRuntime.from_edges(ctx, spec.graph(cfg, layouts), layouts,
+                                      spec.edge_tensors(cfg, layouts, batch=plan.edge_batch, dtype=dtype), plan,
+                                      forward_step=spec.forward_step, finalize_grads=finalize_grads,
+                                      record_trace=record_trace)
+
+
 @dataclass
 class Trainer:
     """Owns the model, optimizer, data and reporting of one run on one rank."""
@@ -175,6 +191,9 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
+        if cfg.plan is None or cfg.plan.world_size != ctx.world_size:  # a config built by hand, or for another world
+            validate(cfg, ctx.world_size)
+        self.plan = plan = cfg.plan  # every derived number (run_plan.py), resolved once by the validation
         self.world_size = ctx.world_size
         self.dp = ctx.dp_size
         # samples per microbatch on this rank: per-stage layouts shard one global microbatch of
@@ -186,8 +205,6 @@ class Trainer:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
         spec = self.model_spec
         spec.check(cfg)
-        if cfg.pp > 1:
-            check_pipeline_config(cfg, ctx.world_size)
         self._resolve_vocab()
         self._nonfinite_before_reduction: tuple[str, str] | None = None  # --check-for-nan-in-loss-and-grad
         torch.manual_seed(cfg.training.seed)
@@ -197,11 +214,12 @@ class Trainer:
         self.params_dtype = torch.bfloat16 if mem.bf16 else torch.float16 if mem.fp16 else torch.float32
         model_kwargs = dict(params_dtype=self.params_dtype, recompute_granularity=mem.recompute_granularity,
                             recompute_num_layers=mem.recompute_num_layers)
-        layouts = spec.stage_layouts(cfg, ctx.topology, stage_placement(cfg, cfg.pp)) if cfg.pp > 1 else None
+        placement = plan.pipeline.placement
+        layouts = spec.stage_layouts(cfg, ctx.topology, placement) if cfg.pp > 1 else None
         if layouts is not None and len(layouts) > cfg.pp:
             # virtual stages: this rank's model chunks (one part per stage on its mesh), one RNG stream set
             streams = RNGStreams.for_context(cfg.training.seed, ctx, self.device)
-            self.model = build_chunks(layouts, stage_placement(cfg, cfg.pp), ctx.pp_rank(),
+            self.model = build_chunks(layouts, placement, ctx.pp_rank(),
                                       lambda lay: spec.build_model(cfg, ctx, lay, num_stages=len(layouts),
                                                                    seed=cfg.training.seed, device=self.device,
                                                                    streams=streams, **model_kwargs))
@@ -222,9 +240,9 @@ class Trainer:
         self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
         if cfg.pp > 1:
             # collective over all ranks: every edge's resharders, built once
-            self.pipeline = PipelineRuntime.for_model(spec, cfg, ctx, layouts, finalize_grads=self.finalize_grads,
-                                                      record_trace=cfg.pipeline.pipeline_trace is not None,
-                                                      dtype=self.params_dtype)
+            self.pipeline = build_pipeline(spec, cfg, ctx, layouts, finalize_grads=self.finalize_grads,
+                                           record_trace=cfg.pipeline.pipeline_trace is not None,
+                                           dtype=self.params_dtype)
             if self.watchdog is not None:
                 self.pipeline.watch(self.watchdog)
             if mem.overlap_grad_reduce:  # R actions: each stage's dp reduction starts after its last backward
@@ -594,7 +612,7 @@ class Trainer:
         records: list[dict[str, Any]] = []
         if self.pipeline is not None and self.records and self.memory is not None:
             measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
-            simulated = memory_view.simulated_inflight(self.pipeline, self.cfg.num_microbatches(self.world_size))
+            simulated = memory_view.simulated_inflight(self.pipeline, self.plan.num_microbatches)
             nbytes = [m.activations for m in self.memory]
             if self.reporting:
                 print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
@@ -705,10 +723,10 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     ctx, placement = build_context(cfg, world)
     if ctx.rank == 0:
-        note = getattr(cfg.parallel, "auto_layout_note", None)
+        note = cfg.plan.auto_layout
         if note:
             print(f"megareshard: {note}", file=out, flush=True)
-        print(f"megareshard: {placement}; device {device}, {cfg.num_microbatches(world)} microbatch(es) "
+        print(f"megareshard: {placement}; device {device}, {cfg.plan.num_microbatches} microbatch(es) "
               f"per iteration", file=out, flush=True)
         if cfg.notes:
             print(f"megareshard: Megatron-LM flags without effect or mapped here: {'; '.join(cfg.notes)}", file=out,

@@ -415,9 +415,9 @@ def _worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from megareshard.pipeline.runtime import PipelineRuntime, gather_trace
+    from megareshard.pipeline.runtime import gather_trace
     from megareshard.pipeline.stage import stage_layouts
-    from megareshard.training import Trainer, build_context, init_distributed
+    from megareshard.training import Trainer, build_context, build_pipeline, init_distributed
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # garbage (signal) inputs must not hit the slow denormal path
@@ -441,9 +441,8 @@ def _worker(a: argparse.Namespace) -> int:
     hosts_of_stage = [list(lay.mesh.host_ids()) for lay in layouts]
     runtimes = [trainer.pipeline]
     for c, cfg in zip(configs[1:], cfgs[1:]):  # collective: every rank builds every edge, same order
-        rt = PipelineRuntime.for_model(trainer.model_spec, cfg, ctx, layouts, finalize_grads=trainer.finalize_grads,
-                                       record_trace=True, dtype=trainer.params_dtype)
-        rt.watchdog = getattr(trainer.pipeline, "watchdog", None)
+        rt = build_pipeline(trainer.model_spec, cfg, ctx, layouts, finalize_grads=trainer.finalize_grads,
+                            record_trace=True, dtype=trainer.params_dtype)
         runtimes.append(rt)
     runtimes[0].enable_trace()
     steps = [_Step(rt, trainer.optimizer) for rt in runtimes]

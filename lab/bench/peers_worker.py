@@ -204,9 +204,8 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from megareshard.pipeline.runtime import PipelineRuntime, gather_trace
-    from megareshard.pipeline.stage import stage_placement
-    from megareshard.training import Trainer, build_context, init_distributed
+    from megareshard.pipeline.runtime import gather_trace
+    from megareshard.training import Trainer, build_context, build_pipeline, init_distributed
     from lab.bench.peers_torch import LifetimeMeter, compute_order
 
     torch.set_num_threads(1)
@@ -246,7 +245,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     trainers: dict[tuple[int, ...], Any] = {}
     parts: list[Any] = []
     for c, cfg in zip(configs, cfgs):  # collective: every rank builds every trainer and edge, same order
-        key = stage_placement(cfg, cfg.pp)
+        key = cfg.plan.pipeline.placement
         if key not in trainers:
             trainers[key] = tr = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
             rt = tr.pipeline
@@ -254,8 +253,8 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
         else:
             tr = trainers[key]
             layouts = tr.model_spec.stage_layouts(cfg, ctx.topology, key)
-            rt = PipelineRuntime.for_model(tr.model_spec, cfg, ctx, layouts, finalize_grads=tr.finalize_grads,
-                                           record_trace=True)
+            rt = build_pipeline(tr.model_spec, cfg, ctx, layouts, finalize_grads=tr.finalize_grads,
+                                record_trace=True)
         parts.append(_Ours(c, rt, tr))
     trainer = parts[0].trainer  # the baseline's: the batch, and the stage model the single-chunk peers share
     batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from .comm import EdgeComm, EdgeTensor, build_edge_comms
-from .generators import forward_only, generate, placement_of
+from .generators import forward_only, generate
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
 from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
@@ -66,7 +66,7 @@ from .stage import StageLayout
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
-    from ..model_spec.protocol import ModelSpec
+    from ..run_plan import PipelinePlan
 
 __all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
 
@@ -276,55 +276,36 @@ class PipelineRuntime:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def for_model(cls, spec: "ModelSpec", cfg, ctx: ParallelContext, layouts: Sequence[StageLayout], *,
-                  finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                  dtype: torch.dtype = torch.float32) -> "PipelineRuntime":
-        """The runtime of a model spec: its stage graph, its edges' declared tensors, its forward step.
-
-        Every edge carries the global microbatch (micro batch × dp; with per-stage layouts × the
-        largest dp), whatever the two stages' layouts: each end shards it over its own dp.
-        Collective over the default group: every rank calls it with the same config. ``layouts``
-        has one entry per stage (``pp × V`` with virtual stages).
-        """
-        batch = cfg.training.micro_batch_size * cfg.dp(ctx.world_size)
-        return cls.from_edges(cfg, ctx, spec.graph(cfg, layouts), layouts,
-                              spec.edge_tensors(cfg, layouts, batch=batch, dtype=dtype),
-                              forward_step=spec.forward_step, finalize_grads=finalize_grads,
-                              record_trace=record_trace)
-
-    @classmethod
-    def from_edges(cls, cfg, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                   edges: Sequence[EdgeTensor], *, forward_step: Callable[..., Any],
+    def from_edges(cls, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
+                   edges: Sequence[EdgeTensor], plan: PipelinePlan, *, forward_step: Callable[..., Any],
                    finalize_grads: Callable[[], None] | None = None,
                    record_trace: bool = False) -> "PipelineRuntime":
         """Any stage graph (chain and skip edges): each edge's declared tensor (global shape, dtype, both
         ends' mesh and spec), its own forward and backward resharders; ``forward_step`` runs a stage on
-        a microbatch (``ModelSpec.forward_step``). Collective over the world.
-        With virtual stages (``len(layouts) > pp``) the stages sit on the schedule's placement; edges
+        a microbatch (``ModelSpec.forward_step``); everything else from the resolved `plan`. Collective over
+        the world. With virtual stages (``len(layouts) > pp``) the stages sit on the plan's placement; edges
         between two stages of one mesh and layout are local hand-offs and get no resharders.
         """
-        pl = cfg.pipeline
         schedule_file = None
-        if pl.pipeline_schedule_file is not None:  # checked against the model's graph before any collective
+        if plan.schedule_file is not None:  # checked against the model's graph before any collective
             from .schedule_io import load_schedule_file
 
-            schedule_file = load_schedule_file(pl.pipeline_schedule_file, num_meshes=ctx.pp_size,
-                                               num_microbatches=cfg.num_microbatches(ctx.world_size), graph=graph,
-                                               overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
-        P = ctx.pp_size
-        if len(layouts) % P:
-            raise ValueError(f"{len(layouts)} stage layouts do not split evenly over pp {P}")
-        V = len(layouts) // P
-        placement = tuple(range(P)) if V == 1 else placement_of(pl.pipeline_schedule, P, V)
+            schedule_file = load_schedule_file(plan.schedule_file, num_meshes=ctx.pp_size,
+                                               num_microbatches=plan.num_microbatches, graph=graph,
+                                               overlap_grad_reduce=plan.overlap_grad_reduce)
+        placement = plan.placement
+        if len(layouts) != len(placement) or plan.num_meshes != ctx.pp_size:
+            raise ValueError(f"{len(layouts)} stage layouts on pp {ctx.pp_size}, but the plan places "
+                             f"{len(placement)} stages on {plan.num_meshes} meshes")
         local = frozenset(e for e in graph.edges if placement[e.src] == placement[e.dst])
         for e in local:
             a, b = layouts[e.src], layouts[e.dst]
             if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
                 raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
-        comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=pl.reshard_strategy,
-                                 scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks, skip=local)
-        return cls(ctx, graph, layouts, comms, schedule=pl.pipeline_schedule, forward_step=forward_step,
-                   delay_wgrad=pl.delay_wgrad_compute, finalize_grads=finalize_grads, record_trace=record_trace,
+        comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=plan.strategy,
+                                 scheduler=plan.scheduler, chunks=plan.chunks, skip=local)
+        return cls(ctx, graph, layouts, comms, schedule=plan.schedule, forward_step=forward_step,
+                   delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
                    schedule_file=schedule_file, placement=placement)
 
     def training_schedule(self, num_microbatches: int) -> Schedule:

@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megareshard.arguments import ConfigError, parse_args
+from megareshard.arguments import ConfigError, parse_args, validate
 from megareshard.parallel import ParallelContext, Topology
 from megareshard.pipeline import Edge, Timeline
 from megareshard.pipeline.comm import EdgeShapeError
-from megareshard.pipeline.stage import check_pipeline_config, split_layers, stage_layouts
+from megareshard.pipeline.stage import split_layers, stage_layouts
 from megareshard.tensor_parallel import gather_full_state_dict
 from megareshard.training import Trainer
 from tests.harness import run_ranks
@@ -218,15 +218,15 @@ def test_unknown_schedule_and_strategy_are_refused():
     cfg = parse_args(_argv(pp=2), world_size=2)
     cfg.pipeline.pipeline_schedule = "interleaved"
     with pytest.raises(ConfigError, match="unknown --pipeline-schedule 'interleaved'; available: gpipe, 1f1b"):
-        check_pipeline_config(cfg, 2)
+        validate(cfg, 2)
     cfg.pipeline.pipeline_schedule, cfg.pipeline.reshard_strategy = "1f1b", "pigeon"
     with pytest.raises(ConfigError, match="unknown --reshard-strategy 'pigeon'"):
-        check_pipeline_config(cfg, 2)
+        validate(cfg, 2)
 
 
 def test_fewer_microbatches_than_stages_warns_with_the_bubble():
     cfg = parse_args(_argv(pp=4) + ["--global-batch-size", "2"], world_size=4)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        check_pipeline_config(cfg, 4)
+        validate(cfg, 4)
     assert any("2 microbatch(es) for 4 pipeline stages" in str(x.message) for x in w)

@@ -12,7 +12,8 @@ from megareshard.arguments import validate as validate_args
 from megareshard.parallel import Topology
 from megareshard.pipeline import PipelineGraph, generate, get_schedule, lower, placement_of, schedule_names, validate
 from megareshard.pipeline.generators import forward_only
-from megareshard.pipeline.stage import check_pipeline_config, stage_layouts, virtual_stages
+from megareshard.pipeline.stage import stage_layouts
+from megareshard.run_plan import virtual_stages
 from megareshard.pipeline.validate import dry_run
 
 
@@ -78,11 +79,11 @@ def test_interleaving_with_one_pipeline_rank_is_refused():
         parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "2", pp=1), world_size=1)
 
 
-def test_check_pipeline_config_refuses_a_microbatch_count_off_the_groups():
+def test_validation_refuses_a_microbatch_count_off_the_groups():
     cfg = parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "2", pp=2, gbs=8), world_size=2)
     cfg.training.global_batch_size = 5  # changed after the arguments were validated (e.g. by a tool)
-    with pytest.raises(ConfigError, match="5 microbatches are not a multiple of --pipeline-model-parallel-size 2"):
-        check_pipeline_config(cfg, 2)
+    with pytest.raises(ConfigError, match=r"5 microbatches \(global batch 5 .*\) are not a multiple of --pipeline-model-parallel-size 2"):
+        validate_args(cfg, 2)
 
 
 def _allowed(name: str):

@@ -22,7 +22,7 @@ CLUSTER = ["--auto-layout", "--nproc-per-node", "2", "--auto-layout-device-tflop
 
 def test_flags_come_from_the_planner_and_hand_degrees_are_refused() -> None:
     cfg = parse_args(MODEL + CLUSTER, world_size=4)
-    note = cfg.parallel.auto_layout_note
+    note = cfg.plan.auto_layout
     assert note.startswith("auto layout: tp") and "same as: --tensor-model-parallel-size" in note
     flags = note.split("same as: ")[1].split()
     assert flags[flags.index("--tensor-model-parallel-size") + 1] == str(cfg.tp)

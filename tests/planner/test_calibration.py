@@ -102,7 +102,7 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
             "4", "--seq-length", "32", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-3",
             "--auto-layout", "--nproc-per-node", "2", "--auto-layout-cluster", str(path)]
     cfg = parse_args(argv, world_size=4)
-    assert f"from measured cluster {path}" in cfg.parallel.auto_layout_note
+    assert f"from measured cluster {path}" in cfg.plan.auto_layout
     with pytest.raises(ConfigError, match="drop --auto-layout-nic-gbps"):
         parse_args(argv + ["--auto-layout-nic-gbps", "1"], world_size=4)
 

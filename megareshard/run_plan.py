@@ -1,0 +1,106 @@
+"""The resolved run plan: every number a validated configuration implies, computed once and passed down.
+
+`arguments.validate` checks the flags (once, with the numbers in every message) and sets ``cfg.plan`` to
+`resolve(cfg, world_size)`. What the trainer, the model specs and the pipeline runtime need beyond the
+flags — dp, the microbatch count, virtual stages and where every stage sits, the samples an edge carries —
+is read from the plan, never worked out again; the pipeline runtime is built from a `PipelinePlan` alone
+(no command-line config reaches it). Pure: no torch, no processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .pipeline.schedules import get_schedule
+
+if TYPE_CHECKING:  # annotations only: the plan is what the command-line module resolves to
+    from .arguments import Config
+
+__all__ = ["PipelinePlan", "RunPlan", "resolve", "virtual_stages"]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What the pipeline runtime is built from (resolved numbers and names, no flags)."""
+
+    schedule: str
+    """The registered schedule (`pipeline.schedules`), after the interleaved-twin rule."""
+    delay_wgrad: bool
+    """Weight gradients split from the backward (I then W)."""
+    strategy: str
+    """The registered resharding strategy of every stage boundary (`resharding.strategies`)."""
+    scheduler: str
+    """How a boundary's resharding tasks are assigned to sender hosts and ordered."""
+    chunks: int | None
+    """Chunks per pipelined broadcast task (None: chosen per task by the network model)."""
+    num_microbatches: int
+    """Microbatches per iteration."""
+    edge_batch: int
+    """Samples of one global microbatch, what every stage boundary carries (micro batch × dp; × the largest dp
+    with per-stage layouts): each end shards it over its own dp."""
+    placement: tuple[int, ...]
+    """The mesh (pp rank) of every stage, in model order."""
+    schedule_file: str | None
+    """A schedule file to run instead of the generated schedule (checked against the model's graph when the
+    runtime is built)."""
+    overlap_grad_reduce: bool
+    """Each stage's data-parallel reduction started by an R action after its last backward."""
+
+    @property
+    def num_meshes(self) -> int:
+        return max(self.placement) + 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return len(self.placement) // self.num_meshes
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A validated configuration on `world_size` ranks, resolved."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    """The data-parallel degree (with per-stage layouts the largest stage's)."""
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    virtual_stages: int
+    """Stages per pipeline rank (1: none)."""
+    pipeline: PipelinePlan
+    auto_layout: str | None = None
+    """What `--auto-layout` chose and why (None: the layout flags were given)."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+def virtual_stages(cfg: Config) -> int:
+    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
+    stages Megatron's flags give (1: none) — what `arguments.resolve_virtual_stages` checked."""
+    pl = cfg.pipeline
+    kind = get_schedule(pl.pipeline_schedule)
+    if kind.stages_per_mesh is not None:
+        return kind.stages_per_mesh
+    if pl.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // (cfg.pp * pl.num_layers_per_virtual_pipeline_stage))
+    return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
+
+
+def resolve(cfg: Config, world_size: int, auto_layout: str | None = None) -> RunPlan:
+    """The plan of a validated `cfg` on `world_size` ranks (called by `arguments.validate`)."""
+    pl, t = cfg.pipeline, cfg.training
+    pp, dp = cfg.pp, cfg.dp(world_size)
+    v = virtual_stages(cfg)
+    placement = tuple(range(pp)) if v == 1 else get_schedule(pl.pipeline_schedule).placement(pp, v)
+    m = t.global_batch_size // (t.micro_batch_size * dp)
+    pipe = PipelinePlan(schedule=pl.pipeline_schedule, delay_wgrad=pl.delay_wgrad_compute,
+                        strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks,
+                        num_microbatches=m, edge_batch=t.micro_batch_size * dp, placement=placement,
+                        schedule_file=pl.pipeline_schedule_file, overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+    return RunPlan(world_size=world_size, tp=cfg.tp, pp=pp, dp=dp, micro_batch_size=t.micro_batch_size,
+                   global_batch_size=t.global_batch_size, num_microbatches=m, virtual_stages=v, pipeline=pipe,
+                   auto_layout=auto_layout)
