@@ -18,7 +18,6 @@ import pytest
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.pipeline import generate, lower, register_schedule, schedule_names, simulate, validate
 from megareshard.pipeline.schedules import registry
-from megareshard.pipeline.stage import check_pipeline_config, stage_placement, virtual_stages
 from megareshard.planner import ClusterSpec, ModelShape, PlanError, plan_layouts
 from megareshard.planner.variants import live_bound
 
@@ -70,9 +69,8 @@ def test_a_schedule_registered_from_outside_is_everywhere(fresh_registry) -> Non
 
     # the command line and the arguments' checks
     cfg = parse_args(flags, world_size=2)
-    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg), stage_placement(cfg, 2)) == ("looped-bfs", 2,
-                                                                                            (0, 1, 0, 1))
-    check_pipeline_config(cfg, 2)
+    assert (cfg.pipeline.pipeline_schedule, cfg.plan.virtual_stages, cfg.plan.pipeline.placement) == (
+        "looped-bfs", 2, (0, 1, 0, 1))
     with pytest.raises(ConfigError, match="looped-bfs interleaves virtual stages: give"):
         parse_args(_argv("--pipeline-schedule", "looped-bfs"), world_size=2)
 
@@ -103,3 +101,65 @@ def test_a_kind_without_a_live_bound_is_refused_by_the_planner_by_name(fresh_reg
     for schedules in (["no-bound"], None):  # asked for, or among every registered schedule: never a default formula
         with pytest.raises(PlanError, match=r"schedule\(s\) \['no-bound'\] give no live-activation bound"):
             plan_layouts(SMALL, cluster, 4, schedules=schedules, **PLAN)
+
+
+# ---- a new resharding strategy -----------------------------------------------------------------------
+@pytest.fixture
+def fresh_strategies(monkeypatch):
+    """A copy of the strategy registry for one test: what it registers goes with it."""
+    from megareshard.resharding.strategies import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+
+def test_a_strategy_registered_from_outside_is_everywhere(fresh_strategies) -> None:
+    from megareshard.resharding import Mesh, NetworkModel, ShardingSpec, plan_resharding, register_strategy
+    from megareshard.resharding.messages import build_messages
+
+    star = _example("star").STAR
+    with pytest.raises(SystemExit):  # not yet a choice of the command line
+        parse_args(_argv("--reshard-strategy", "star"), world_size=2)
+    register_strategy(star)
+    assert parse_args(_argv("--reshard-strategy", "star"), world_size=2).plan.pipeline.strategy == "star"
+    # its messages: one copy per other host, forwarded inside it
+    host_of = {r: r // 2 for r in range(6)}
+    msgs = build_messages("star", 10, 0, [1, 2, 3, 4, 5], host_of, chunks=1)
+    assert [(m.src, m.dst, m.forward) for m in msgs] == [(0, 1, False), (0, 2, False), (2, 3, True),
+                                                         (0, 4, False), (4, 5, True)]
+    # its cost in the network model: the sender's NIC carries the slice once per receiving host
+    shape, one, six = (64, 64), Mesh.grid(1, 1), Mesh([[0, 1], [2, 3], [4, 5]], host_of)
+    plan = plan_resharding(shape, one, ShardingSpec.parse("R,R"), six, ShardingSpec.parse("R,R"), strategy="star")
+    net = NetworkModel(nic_gbps=1.0)
+    assert net.host_bytes(plan)[0] == (2 * 64 * 64 * 4, 0)
+    assert net.lower_bound(plan) <= net.predict(plan, "concurrent")
+    # the planner considers it beside the built-in strategies
+    ranked = plan_layouts(SMALL, ClusterSpec(hosts=2, devices_per_host=2), 4, schedules=["1f1b"], keep=None,
+                          **PLAN)
+    assert "star" in {c.strategy for c in ranked}
+
+
+def _star_on_ranks(rank: int, world: int, path: str) -> bool:
+    """Rank 0's tensor replicated on a 2 × 2 mesh of 2 hosts by the star, under NCCL's rules (checking mode)."""
+    import importlib.util
+
+    import torch
+
+    from megareshard.resharding import Mesh, ShardingSpec, local_slices, plan_resharding, register_strategy
+    from megareshard.resharding.executor import Resharder
+
+    spec = importlib.util.spec_from_file_location("extending_star", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    register_strategy(module.STAR)
+    src, dst = Mesh.grid(1, 1), Mesh.grid(2, 2)
+    shape = (6, 5)
+    full = torch.arange(30, dtype=torch.float32).reshape(shape)
+    plan = plan_resharding(shape, src, ShardingSpec.parse("R,R"), dst, ShardingSpec.parse("R,R"), strategy="star")
+    out = Resharder(plan, torch.float32).run(full.clone() if local_slices(shape, src, plan.src_spec, rank) else None)
+    return bool(torch.equal(out, full))
+
+
+def test_the_strategy_example_moves_the_data_under_nccl_rules() -> None:
+    from tests.harness import run_ranks
+
+    assert run_ranks(_star_on_ranks, 4, str(EXAMPLES / "star.py"), nccl_check=True) == [True] * 4
