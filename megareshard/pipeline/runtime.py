@@ -536,7 +536,11 @@ class PipelineRuntime:
         store = None
         if delay:
             store = st.stores[(stage, mb)] = WeightGradStore()
-        model.set_wgrad_store(store)
+        if delay:  # the module queues its weight-gradient GEMMs in the store (tensor_parallel.WeightGradStore)
+            if not hasattr(model, "set_wgrad_store"):
+                raise TypeError(f"stage {stage}: delayed weight gradients need a stage module with set_wgrad_store "
+                                f"(tensor_parallel's linear layers); {type(model).__name__} has none")
+            model.set_wgrad_store(store)
         # mb's activation was consumed downstream (its gradient is here), so its send has
         # completed: retire it now at the latest (this only waits for the reaper's flag)
         for s in [s for s in st.sends if s.direction == "F" and s.mb == mb and s.edge.src == stage]:
@@ -556,7 +560,8 @@ class PipelineRuntime:
                                    f"{', '.join(map(str, edges))} arrived") from None
             grads = [g * self._grad_scale[e] if e in self._grad_scale else g for e, g in zip(edges, grads)]
             _run_backward_many([outs[e] for e in edges], grads)
-        model.set_wgrad_store(None)
+        if delay:
+            model.set_wgrad_store(None)
         grads = {}
         for e, x in st.inputs.pop((stage, mb), {}).items():
             if x.grad is None:
