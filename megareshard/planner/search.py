@@ -51,8 +51,7 @@ from .step_collectives import step_sync_s, tied_embedding_s
 from .terms import CostTerm, TermInput
 from .variants import balanced_split, live_bound, runtime_schedules, stage_layout_variants, virtual_options
 
-__all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES", "pipeline_makespan", "CostTerm", "TermInput"]
-# Candidate: from candidate.py; CostTerm, TermInput: from terms.py
+__all__ = ["Candidate", "PlanError", "plan_layouts", "STRATEGIES", "pipeline_makespan"]  # Candidate: from candidate.py
 
 STRATEGIES = ("allgather", "broadcast", "sendrecv")
 """Resharding strategies the planner considers (``signal`` is a benchmark bound, not a strategy)."""
