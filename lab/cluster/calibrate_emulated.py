@@ -43,7 +43,7 @@ from lab.cluster.calibration_shared import (PROBE, busy_over, fit_contention, fi
                                             measure_sleep_overshoot)
 from lab.cluster.shared_cpu import EmulatedCluster, SharedCores, write_cluster
 from megareshard.planner.calibration import calibrate, measure_layer, rank_median
-from megareshard.planner.costs import ModelShape
+from megareshard.planner.costs import ClusterSpec, ModelShape
 from megareshard.planner.search import pipeline_makespan
 
 ENV_ARGV = "MR_CALIBRATE_EMULATED_ARGV"
@@ -53,17 +53,28 @@ def calibrate_emulated(model: ModelShape, micro_batch: int, devices_per_host: in
                        iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
                        runtime_step_cpu: Callable[..., tuple[float, float]] | None = None
                        ) -> tuple[EmulatedCluster, dict[str, Any]]:
-    """The product's `calibrate`, then the emulation's own measurements (module docstring); a collective call.
-    `runtime_step_cpu(m, pace=None, posts=None, layer=None)` (`probe_step_cpu`): the machine's busy and wall seconds
-    of a real training step of m microbatches through a pipeline of one `PROBE` layer per rank (`layer`: the
-    model's layer at `micro_batch` instead), every action paced to `pace` seconds if given; given a dict `posts`,
-    it also fills in the mean seconds a send and a receive held a rank's program (``send_s``, ``recv_s``), how many
-    of each it counted over the ranks and the mean thread CPU seconds of its compute actions by kind. Without it
-    the runtime's and the contention's rates stay 0."""
-    import torch.distributed as dist
-
+    """The product's `calibrate`, then the emulation's own measurements (`measure_emulation`); a collective call."""
     cluster, measured = calibrate(model, micro_batch, devices_per_host, device_memory_gib, iters=iters,
                                   target_s=target_s)
+    return measure_emulation(model, micro_batch, cluster, measured, iters=iters, target_s=target_s,
+                             pace_margin=pace_margin, runtime_step_cpu=runtime_step_cpu)
+
+
+def measure_emulation(model: ModelShape, micro_batch: int, cluster: ClusterSpec, measured: dict[str, Any],
+                      iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
+                      runtime_step_cpu: Callable[..., tuple[float, float]] | None = None
+                      ) -> tuple[EmulatedCluster, dict[str, Any]]:
+    """What the emulation adds to the product's calibration (`cluster`, `measured`: `calibrate`'s; the module
+    docstring's steps 2 and 3), with `measured` updated; a collective call. `runtime_step_cpu(m, pace=None,
+    posts=None, layer=None)` (`probe_step_cpu`): the machine's busy and wall seconds of a real training step of m
+    microbatches through a pipeline of one `PROBE` layer per rank (`layer`: the model's layer at `micro_batch`
+    instead), every action paced to `pace` seconds if given; given a dict `posts`, it also fills in the mean
+    seconds a send and a receive held a rank's program (``send_s``, ``recv_s``), how many of each it counted over
+    the ranks and the mean thread CPU seconds of its compute actions by kind. Without it the runtime's and the
+    contention's rates stay 0."""
+    import torch.distributed as dist
+
+    devices_per_host = cluster.devices_per_host
     layer, action = measured["layer"], measured["action_overhead"]
     # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function), at
     # the CPU demand of runs paced `pace_margin` times slower than measured
