@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Replay recorded planner-validation runs under other models of the shared cores' waiting (no runs, no processes).
 
-    python -m lab.validation.replay_contention RUN.json ...        # recorded runs by path (planner_validation_run*.json)
+    python -m lab.validation.replay_contention RUN.json ...   # recorded runs by path (planner_validation_run*.json)
     python -m lab.validation.replay_contention --json out.json RUN.json ...
 
 For every measured configuration of every point, the current planner (from the run's recorded calibration and

@@ -70,8 +70,10 @@ def test_two_local_ranks_measure_sane_numbers_the_planner_accepts(tmp_path) -> N
     assert 0 <= loaded["fixed_s"] <= loaded["seconds"] and loaded["with_allreduce_s"] > 0 and loaded["alone_s"] > 0
     assert cluster.collective_latency_s == max(loaded["fixed_s"], max(0.0, measured["small_allreduce"]["seconds"]
                                                                       - 2 * cluster.intra_latency_s))
-    # a real cluster's terms only: what the lab measures on its emulated cluster is not here
+    # a real cluster's terms only: what the lab measures on its emulated cluster is not here (it reads the
+    # optimizer's CPU time per parameter, recorded raw)
     assert "sleep_overshoot" not in measured and "shared_cpu" not in measured
+    assert 1e-12 < opt["cpu_s_per_param"] < 1e-5
     assert (cluster.send_post_s, cluster.recv_post_s) == (0.0, 0.0)
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(cluster_to_json(cluster, measured)))
