@@ -80,7 +80,7 @@ _OLD_NAMES = {"shared_cores": "cores"} | {k: k for k in _FIELDS if k != "cores"}
 
 
 def _mesh_hosts(sh: Any, cache: dict[tuple, Any]) -> list[frozenset[int]]:
-    key = ("mesh hosts", sh.layouts or (sh.tp, sh.pp, sh.order))
+    key = (SHARED_CPU, "mesh hosts", sh.layouts or (sh.tp, sh.pp, sh.order))
     if key not in cache:
         out = []
         for i in range(sh.pp):

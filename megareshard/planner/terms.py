@@ -18,9 +18,9 @@ term; the planner applies the terms it is given, in order, and none by default. 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-from .costs import ClusterSpec, ModelShape, StageCosts
+from .costs import ClusterSpec, ModelShape
 
 __all__ = ["TermInput", "TermStep", "CostTerm"]
 
@@ -43,17 +43,13 @@ class TermInput:
     cache: dict[tuple, Any]
     """A dict shared by one `plan_layouts` call, for what a term works out once per plan (key it by the term)."""
 
-    @property
-    def stages(self) -> Sequence[StageCosts]:
-        return self.shape.stages
-
 
 @dataclass(frozen=True)
 class TermStep:
     """A step with a term applied."""
 
     step_s: float
-    """The step's seconds with the term (never less than without it)."""
+    """The step's seconds with the term."""
     breakdown: dict[str, float] = field(default_factory=dict)
     """Entries the term adds to the candidate's breakdown (what it added, by cause)."""
     bottleneck: str | None = None
