@@ -4,7 +4,6 @@ smoke run of its worker on 2 local gloo ranks (no emulated cluster)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

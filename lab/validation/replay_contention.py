@@ -35,7 +35,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lab import ROOT  # noqa: F401 (tests read recorded runs relative to it)
 from lab.cluster.shared_cpu import SHARED_CPU, WAITING, EmulatedCluster
 from lab.validation import validate_planner as vp
 from lab.validation.validation import (GridPoint, ModelPoint, median_error, read_results,

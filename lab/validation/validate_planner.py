@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from lab import ROOT, env_with_root, module_command  # noqa: F401 (ROOT: tools and tests find files by it)
+from lab import env_with_root, module_command
 from lab.cluster.shared_cpu import SHARED_CPU, EmulatedCluster, read_cluster
 from lab.validation.validation import (ACTION_SLACK_S, GRIDS, ITERS, NIC_BURST, PACE_MARGIN,
                                             PASSES, POOLED_CPU_CONTENTION, SAMPLE, SEED, TOP_K, WARMUP,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
-
 from megareshard.planner import ClusterSpec, CostTerm, ModelShape, TermInput, TermStep, plan_layouts
 
 MODEL = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
@@ -44,7 +42,8 @@ def test_terms_apply_to_the_simulated_steps_in_order() -> None:
     plain = {c.name: c for c in plan_layouts(MODEL, CLUSTER, 8, top_shapes=3, **KW)}
     assert all(c.terms == {} for c in plain.values())
     small, big = PerAction(1e-4), PerAction(1.0, name="slow")
-    ranked = plan_layouts(MODEL, CLUSTER, 8, top_shapes=3, terms=[small, big], **KW)
+    terms: list[CostTerm] = [small, big]
+    ranked = plan_layouts(MODEL, CLUSTER, 8, top_shapes=3, terms=terms, **KW)
     assert small.seen == big.seen  # both measured, in the order given
     simulated = [c for c in ranked if c.breakdown]
     assert len(simulated) > 1
