@@ -4,18 +4,16 @@
     # this machine, 2 local gloo ranks (torchrun started here)
     python tools/calibrate_cluster.py --nproc 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 \\
         --seq-length 256 --vocab-size 512 --micro-batch-size 2 --json cluster.json
-    # the emulated cluster (root): 4 hosts × 2 ranks, 100 Mbit/s NICs
-    python -m lab.cluster.emulate_cluster --hosts 4 --procs-per-host 2 --nic-rate 100mbit -- \\
-        tools/calibrate_cluster.py --hidden-size 256 ... --json cluster.json
+    # several hosts: under your launcher, one process per device (torchrun --nnodes ... tools/calibrate_cluster.py ...)
     # then
     python tools/plan_layout.py ... --cluster cluster.json
     torchrun ... pretrain_gpt.py ... --auto-layout --auto-layout-cluster cluster.json
 
 Measures (megareshard/planner/calibration.py): matmul FLOP/s at the model's sizes, one layer's
 forward and backward at its shape, send/recv bandwidth inside a host (ranks 0 and 1) and across
-hosts (rank 0 of hosts 0 and 1). Model flags keep Megatron-LM's names. Inside torchrun (RANK set)
-this script is the worker; otherwise it starts ``torchrun --standalone --nproc-per-node N`` on itself.
-Rank 0 prints the cluster and writes ``--json``.
+hosts (rank 0 of hosts 0 and 1), latencies, the optimizer. Model flags keep Megatron-LM's names.
+Inside torchrun (RANK set) this script is the worker; otherwise it starts ``torchrun --standalone
+--nproc-per-node N`` on itself. Rank 0 prints the cluster and writes ``--json``.
 """
 from __future__ import annotations
 
@@ -51,9 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="memory per device (default: the GPU's, on CPU the RAM per process)")
     p.add_argument("--iters", type=int, default=3, help="timed repetitions of every measurement (median)")
-    p.add_argument("--pace-margin", type=float, default=1.0,
-                   help="an emulation paces compute this much slower than measured (lab/validation/validate_planner.py): "
-                        "the sleep overshoot is measured at the CPU demand of such runs")
     p.add_argument("--json", default=None, help="write the cluster JSON here (rank 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="plain launch: kill torchrun after this long")
     return p
@@ -62,71 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
 def model_of(a: argparse.Namespace) -> ModelShape:
     return ModelShape(a.num_layers, a.hidden_size, a.num_attention_heads, a.seq_length, a.vocab_size,
                       ffn_hidden_size=a.ffn_hidden_size)
-
-
-def probe_step_cpu(per_host: int):
-    """`calibrate`'s runtime probe: fn(m, pace=None) builds the trainer for a GPT of one `PROBE` layer per rank
-    (pp = world, 1f1b, delayed weight gradients, micro batch 1, m microbatches; every action paced to `pace`
-    seconds if given; `layer`, a dict of hidden_size, num_attention_heads, seq_length and micro_batch, replaces
-    the probe's layer, not its vocabulary), runs one step to warm up and five timed, and returns the medians over
-    them of (the machine's busy CPU seconds, wall seconds) of a step, as rank 0 read them around it (every process
-    and the kernel; collective: every rank gets them). Given a dict `posts` (paced), it also fills in what a send
-    and a receive held a rank's program on average in the last step, over every rank (`calibrate`'s docstring), and
-    the mean CPU seconds of its compute actions by kind (``compute_cpu_s``: F, I, W; recorded, not planned with)."""
-    import io
-
-    import torch
-    import torch.distributed as dist
-
-    from megareshard.arguments import parse_args
-    from lab.cluster.calibration_shared import PROBE, busy_over  # TEMPORARY
-    from lab.cluster.pacing import pacer  # TEMPORARY
-    from megareshard.training import Trainer, build_context
-
-    def step_cpu(m: int, pace: float | None = None, posts: dict[str, float] | None = None,
-                 layer: dict[str, int] | None = None) -> tuple[float, float]:
-        world = dist.get_world_size()
-        shape = PROBE | (layer or {})  # the probe's vocabulary always: the pipeline's ends stay small
-        mb = shape.get("micro_batch", 1)
-        argv = ["--mock-data", "--num-layers", str(world), "--hidden-size", str(shape["hidden_size"]),
-                "--num-attention-heads", str(shape["num_attention_heads"]), "--seq-length", str(shape["seq_length"]),
-                "--vocab-size", str(PROBE["vocab_size"]), "--global-batch-size", str(m * mb),
-                "--micro-batch-size", str(mb),
-                "--pipeline-model-parallel-size", str(world), "--pipeline-schedule", "1f1b",
-                "--delay-wgrad-compute", "--train-iters", "1000000", "--lr", "1e-4", "--device", "cpu",
-                "--log-interval", "1000000", "--hidden-dropout", "0", "--attention-dropout", "0",
-                "--nproc-per-node", str(per_host)]
-        cfg = parse_args(argv, world_size=world)
-        ctx, _ = build_context(cfg, world)
-        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
-        if pace is not None:  # every action paced to `pace` seconds (a backward, unsplit, to two)
-            pacer(trainer.pipeline).budgets = {"F": pace, "B": 2 * pace, "I": pace, "W": pace}
-        batch = trainer._microbatches(trainer.train_data, next(trainer._train_iter))
-        busy_wall = busy_over(lambda: trainer.train_step(batch), iters=5)
-        if posts is not None:  # the last step's sends and receives over every rank (paced runs count them)
-            st = trainer.pipeline.last_stats
-            sums = torch.tensor([float(st.get(f"paced_{w}_{k}_{d}", 0)) for k in ("SEND", "RECV") for d in "FB"
-                                 for w in ("n", "wall_us")], dtype=torch.float64)
-            dist.all_reduce(sums)
-            n_send, us_send, n_recv, us_recv = (float(sums[i] + sums[i + 2]) for i in (0, 1, 4, 5))
-            if n_send == 0 or n_recv == 0:
-                raise RuntimeError(f"the paced probe over {world} ranks counted {n_send:g} sends and {n_recv:g} "
-                                   f"receives (paced to {pace}): a pipeline of one layer per rank has both")
-            posts.update(send_s=us_send / n_send / 1e6, recv_s=us_recv / n_recv / 1e6, sends=int(n_send),
-                         recvs=int(n_recv))
-            # and what its compute actions took of their ranks' CPU (thread time), per kind: recorded beside the
-            # layer's own CPU times, which the plan counts (not used by the planner)
-            kinds = ("F", "I", "W")
-            comp = torch.tensor([float(st.get(f"paced_{w}_{k}", 0)) for k in kinds for w in ("n", "cpu_us")],
-                                dtype=torch.float64)
-            dist.all_reduce(comp)
-            posts["compute_cpu_s"] = {k: float(comp[2 * i + 1]) / float(comp[2 * i]) / 1e6
-                                      for i, k in enumerate(kinds) if comp[2 * i] > 0}
-        trainer.close()
-        trainer.release_communicators()
-        return busy_wall
-
-    return step_cpu
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -140,8 +70,7 @@ def worker(a: argparse.Namespace) -> int:
     rank = dist.get_rank()
     per_host = a.procs_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     memory = a.device_memory_gib or device_memory_gib(per_host)
-    cluster, measured = calibrate(model_of(a), a.micro_batch_size, per_host, memory, iters=a.iters,
-                                  pace_margin=a.pace_margin, runtime_step_cpu=probe_step_cpu(per_host))
+    cluster, measured = calibrate(model_of(a), a.micro_batch_size, per_host, memory, iters=a.iters)
     if rank == 0:
         print(f"[calibrate_cluster] {cluster.hosts} host(s) × {cluster.devices_per_host}: matmul "
               f"{cluster.device_tflops * 1e3:.1f} GFLOP/s, layer efficiency {cluster.efficiency:.2f}, backward "
@@ -175,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # the arguments travel in the environment: torchrun's own parser would claim --nproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            str(Path(__file__).resolve())]
-    # torchrun's torchelastic_* dirs and torch's compile cache (created when the runtime probe's trainer imports
-    # torch._dynamo) land in a private temp dir, removed at the end
+    # torchrun's torchelastic_* dirs land in a private temp dir, removed at the end
     tmp = tempfile.mkdtemp(prefix="mr-calibrate-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp, **{ENV_ARGV: json.dumps(argv)})
     try:

@@ -1,12 +1,14 @@
-"""Calibration of the cores an emulated cluster's hosts share (`ClusterSpec.shared_cores` and its CPU rates).
+"""Calibration of what an emulated cluster adds to a real one: the cores its hosts share (`SharedCores`) and how
+late a paced action's sleep ends (`measure_sleep_overshoot`); `calibrate_emulated.py` runs them after the
+product's calibration.
 
 Collective calls: every rank of the default process group calls them in the same order. Where the ranks
 run on more than one kernel (a real cluster: the hosts' boot ids differ) nothing is measured and the
-cluster keeps `shared_cores` None. Otherwise (network namespaces on one machine, or one host) the
+cluster has no shared cores. Otherwise (network namespaces on one machine, or one host) the
 machine's busy time is read from ``/proc/stat`` — every process and the kernel, which moves the emulated
 NICs' packets — around three patterns, each after a barrier and timed to the next one:
 
-* every rank idle (a sleep): what the machine keeps busy anyway, taken off its cores (``shared_cores``) and
+* every rank idle (a sleep): what the machine keeps busy anyway, taken off its cores (``cores``) and
   off the two patterns below;
 * every rank in a two-rank all-reduce across a NIC at once (ranks of host 2k with those of host 2k + 1),
   what the end of a step does on a data-parallel layout → ``cpu_s_per_nic_byte`` per byte a rank sends;
@@ -14,7 +16,7 @@ NICs' packets — around three patterns, each after a barrier and timed to the n
   ``cpu_s_per_intra_byte``.
 
 And the pipeline runtime's own CPU work (`fit_runtime_cpu`): a real training step of a pipeline of one `PROBE`
-layer per rank at two microbatch counts (the caller runs it: the planner does not import the trainer) →
+layer per rank at two microbatch counts (the caller builds it: this module does not import the trainer) →
 ``cpu_s_per_action`` and ``cpu_s_per_step``; then a pipeline of one of the model's own layers per rank with
 every action paced as the emulated device paces that layer's forward (`fit_contention`; the layer's CPU work
 fills the cores as the runs' does) → ``cpu_contention``: how much longer each microbatch makes the step than
@@ -27,8 +29,10 @@ import statistics
 import time
 from typing import Any, Callable
 
+from megareshard.planner.calibration import rank_median
+
 __all__ = ["machine_busy_s", "boot_id", "busy_over", "measure_shared_cpu", "PROBE", "fit_runtime_cpu",
-           "fit_contention"]
+           "fit_contention", "measure_sleep_overshoot"]
 
 PROBE = {"hidden_size": 16, "num_attention_heads": 2, "seq_length": 8, "vocab_size": 64}
 """The GPT of the runtime probe (`fit_runtime_cpu`): one layer per rank, so small that what a step costs is
@@ -158,7 +162,7 @@ def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, bud
     `simulated_s(m)`: the simulator's step of m microbatches (each action its budget plus the late wake-up and
     the runtime's overhead, the planner's emulated device), whose growth per microbatch is the period;
     `cpu_per_microbatch_s`: the CPU work a
-    microbatch adds, as the planner counts it (`shared_cpu_s`'s terms); `cores`: `shared_cores`. The measured
+    microbatch adds, as the planner counts it (`shared_cpu_s`'s terms); `cores`: `SharedCores.cores`. The measured
     growth beyond the period is the waiting, taken per second of that CPU work over the cores. Every rank
     calls it (`step_cpu` is collective). `posts` (a dict) is handed to the m = 2 × `world` step, which fills in
     what posting a send and a receive cost (`calibrate`), before `simulated_s` is called."""
@@ -171,3 +175,59 @@ def fit_contention(step_cpu: Callable[..., tuple[float, float]], world: int, bud
     return {"microbatches": [m1, m2], "budget_s": budget_s, "step_busy_s": [b1, b2], "step_wall_s": [w1, w2],
             "growth_s": growth, "period_s": period_s, "cpu_per_microbatch_s": cpu_per_microbatch_s,
             "cpu_contention": max(0.0, (growth - period_s) / per_core) if per_core > 0 else 0.0}
+
+
+def measure_sleep_overshoot(chunk_s: float, cpu_s: float, reps: int = 40) -> dict[str, float]:
+    """How late a sleep ends under the load of paced runs: every rank alternates `cpu_s` of CPU time (a
+    paced action's compute: a layer's forward) with a sleep to the chunk's end (`chunk_s`: the action's
+    budget) and records how far past the end it wakes. The ranks start out of phase (rank r waits r/world of
+    a chunk first), as the stages of a pipeline are, not all sleeping and waking together. The CPU demand
+    is the runs' (world × cpu_s / chunk_s cores): at a higher one, every waking rank queues behind the
+    others and the lateness is several times what the runs see. Kept: the mean over every sleep of every
+    rank (what a chain of actions adds up), and the median. Not a `ClusterSpec` term: a device has no such
+    sleep; an emulation that paces compute with sleeps (`lab.validation.validate_planner`) adds it to each action's
+    overhead. Every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    a, w = torch.randn(64, 64), torch.randn(64, 64)
+    late = []
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(chunk_s * dist.get_rank() / dist.get_world_size())
+    for _ in range(reps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        while time.thread_time() - c0 < cpu_s and time.perf_counter() - t0 < chunk_s:
+            a @ w
+        left = chunk_s - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+            late.append(time.perf_counter() - t0 - chunk_s)
+    mean = statistics.mean(late) if late else 0.0
+    return {"chunk_s": chunk_s, "cpu_s": cpu_s, "reps": reps, "sleeps": _rank_sum(len(late)),
+            "seconds": _rank_sum(mean * len(late)) / max(1, _rank_sum(len(late))),
+            "median_s": rank_median(statistics.median(late) if late else 0.0)}
+
+
+def _rank_sum(value: float) -> float:
+    """The sum over every rank (every rank calls it); without a process group: the value."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(box)
+    return float(box.item())
+
+
+def _rank_sum(value: float) -> float:
+    """The sum over every rank (every rank calls it); without a process group: the value."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(box)
+    return float(box.item())

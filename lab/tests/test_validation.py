@@ -1,19 +1,24 @@
-"""The planner validation's pure parts (Spearman, the choice of configurations, the grid, reading results)
-and a smoke run of its worker on 2 local gloo ranks (no emulated cluster)."""
+"""The planner validation's pure parts (Spearman, the choice of configurations, the grid, reading results), the
+replays of recorded runs (lab/tests/data: three blind-grid runs, each cut to the one point a test replays) and a
+smoke run of its worker on 2 local gloo ranks (no emulated cluster)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from lab.cluster.shared_cpu import SHARED_CPU, EmulatedCluster
 from megareshard.planner import ClusterSpec
 from lab.validation.validation import (ACTION_SLACK_S, BLIND, FRESH, GRID, GRIDS, HOLDOUT, GridPoint, ModelPoint,
                                             choice_gap, choose, estimate_wall_s, median_error, pass_order, read_results,
                                             spearman, summarize)
 from tests.harness import run_ranks
 
+DATA = Path(__file__).resolve().parent / "data"
+"""Recorded validation runs (docs/results/planner_validation_run*.json until they left the tree), each cut to the
+point its test replays: run 94's gpt-squat 2 × 2, run 96's gpt-tall 2 × 2, run 105's (the newest blind run's)
+cheapest point. They record their calibrations in the older cluster-file layout (the shared cores at the top)."""
 
 
 def test_spearman() -> None:
@@ -114,18 +119,14 @@ def test_summary_and_reading_results(tmp_path) -> None:
 
 
 def test_the_newest_blind_run_reproduces_from_its_calibration(tmp_path) -> None:
-    """The committed predictions come from the committed code: the newest blind-grid run's cheapest point,
-    planned again from its recorded calibration, gives every measured configuration's prediction bit for bit
-    (after a change to the cost model, run the grids again: docs/benchmarks.md). A changed prediction is
-    reported."""
-    import re
-
+    """The recorded predictions come from the current code: the newest blind-grid run's cheapest point (run 105),
+    planned again from its recorded calibration with the shared cores' cost term, gives every measured
+    configuration's prediction bit for bit (after a change to the cost model, run the grids again). A changed
+    prediction is reported."""
     from lab.validation import validate_planner
 
-    runs = sorted(Path(validate_planner.ROOT, "docs/results").glob("planner_validation_run*_blind.json"),
-                  key=lambda p: int(re.search(r"run(\d+)", p.name).group(1)))
-    data = json.loads(runs[-1].read_text())
-    data["points"] = [min(data["points"], key=lambda p: p["ranked"])]
+    data = json.loads((DATA / "planner_validation_run105_blind.json").read_text())
+    assert [p["key"] for p in data["points"]] == ["gpt-tall-4x1-150mbit"] and data["points"][0]["ranked"] == 91
     one = tmp_path / "one.json"
     one.write_text(json.dumps(data))
     table, exact = validate_planner.replay([str(one)])
@@ -144,21 +145,24 @@ def test_the_runs_contention_replaces_the_calibrations(capsys) -> None:
 
     from lab.validation import validate_planner
 
-    data = json.loads(Path(validate_planner.ROOT, "docs/results/planner_validation_run94_blind.json").read_text())
-    rec = data["points"][2]  # gpt-squat 2 x 2: its calibration's fit was 0
+    data = json.loads((DATA / "planner_validation_run94_blind.json").read_text())
+    (rec,) = data["points"]  # gpt-squat 2 x 2: its calibration's fit was 0
+    assert rec["key"] == "gpt-squat-2x2-30mbit"
     pj = rec["point"]
     point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
     own = validate_planner.recorded_device(point, rec["calibration"], data["method"], "run 94")
-    assert own.shared_cores and own.cpu_contention == rec["calibration"]["cpu_contention"] == 0.0
+    assert own.shared.cores and own.shared.cpu_contention == rec["calibration"]["cpu_contention"] == 0.0
     for rate in (None, 0.26):
         got = validate_planner.recorded_device(point, rec["calibration"], data["method"] | {"cpu_contention": rate},
                                                "run 94")
-        assert got == (own if rate is None else dataclasses.replace(own, cpu_contention=rate))
+        assert got == (own if rate is None else
+                       EmulatedCluster(own.cluster, dataclasses.replace(own.shared, cpu_contention=rate)))
     # the waiting is counted: the planner's step of the run's choice grows by 0.26 x its CPU work over the cores
     ranked = {c.name: c for c in validate_planner.ranking(point, got)}
     choice = next(c for c in rec["configs"] if c["rank"] == 1)
+    assert ranked[choice["name"]].terms[SHARED_CPU] == choice["shared_cpu_s"]
     assert ranked[choice["name"]].step_s == pytest.approx(
-        choice["predicted_s"] + 0.26 * choice["shared_cpu_s"] / own.shared_cores, rel=1e-9)
+        choice["predicted_s"] + 0.26 * choice["shared_cpu_s"] / own.shared.cores, rel=1e-9)
     for bad, why in (("-1", "-1 is below 0"), ("x", "'x' is neither a number nor 'measured'")):
         with pytest.raises(SystemExit) as e:
             validate_planner.main(["--cpu-contention", bad, "--dry-run"])
@@ -180,8 +184,10 @@ def test_worker_smoke_on_two_local_ranks() -> None:
     from lab.validation import validate_planner
 
     # the emulated device's per-action slack is in the planner's device and in every paced budget
-    assert validate_planner.slowed(SLOW, margin=1.0).action_overhead_s == SLOW.action_overhead_s + ACTION_SLACK_S
-    configs, n = validate_planner.plan_point(TINY, SLOW)
+    device = EmulatedCluster(SLOW)  # one host, its own cores: no extra cost term
+    assert validate_planner.slowed(device, margin=1.0).cluster.action_overhead_s == \
+        SLOW.action_overhead_s + ACTION_SLACK_S
+    configs, n = validate_planner.plan_point(TINY, device)
     assert n >= len(configs) >= 2 and configs[0]["why"] == "top"
     assert all(c["slack_s"] == ACTION_SLACK_S for c in configs)
     configs = configs[:1] + [c for c in configs if c["pp"] > 1][:1]  # one stage, and a pipeline
@@ -213,7 +219,7 @@ def test_worker_smoke_on_two_local_ranks() -> None:
     assert one["other_ms_per_step"] == {}
 
 
-def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_models(tmp_path) -> None:
+def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_models() -> None:
     """lab/validation/replay_contention.py on run 96's gpt-tall 2 x 2 (the one point of runs 96-99 that missed): S and C
     rebuild every recorded prediction (max(S + c C, C), c the run's), and the models are scored as the run was:
     the run's own 0.26 misses the choice, a wait growing with the load (q 0.3) meets both targets, and so does the
@@ -221,10 +227,9 @@ def test_replay_contention_rebuilds_the_recorded_predictions_and_scores_the_mode
     from lab.validation import validate_planner
     from lab.validation.replay_contention import configurations, linear, load, measured_cpu, report, score
 
-    data = json.loads(Path(validate_planner.ROOT, "docs/results/planner_validation_run96_blind.json").read_text())
-    data["points"] = [p for p in data["points"] if p["key"] == "gpt-tall-2x2-30mbit"]
-    one = tmp_path / "planner_validation_run96_blind.json"
-    one.write_text(json.dumps(data))
+    one = DATA / "planner_validation_run96_blind.json"
+    data = json.loads(one.read_text())
+    assert [p["key"] for p in data["points"]] == ["gpt-tall-2x2-30mbit"]
     rows = configurations(str(one))
     recorded = {r["name"]: r["predicted_s"] for r in data["points"][0]["results"] if r.get("status") == "ok"}
     assert len(rows) == len(recorded) == 12

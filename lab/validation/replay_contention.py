@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Replay recorded planner-validation runs under other models of the shared cores' waiting (no runs, no processes).
 
-    python -m lab.validation.replay_contention docs/results/planner_validation_run{88,90,91,92,93,94,95,96,97,98,99}_*.json
-    python -m lab.validation.replay_contention --json out.json docs/results/planner_validation_run9[6-9]_*.json
+    python -m lab.validation.replay_contention RUN.json ...   # recorded runs by path (planner_validation_run*.json)
+    python -m lab.validation.replay_contention --json out.json RUN.json ...
 
 For every measured configuration of every point, the current planner (from the run's recorded calibration and
 emulated device, `validate_planner.recorded_device`) gives S, the simulated step without the shared cores
@@ -35,14 +35,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from lab import ROOT  # noqa: F401 (tests read recorded runs relative to it)
+from lab.cluster.shared_cpu import SHARED_CPU, WAITING, EmulatedCluster
 from lab.validation import validate_planner as vp
 from lab.validation.validation import (GridPoint, ModelPoint, median_error, read_results,
                                             summarize)
 
 RATES = ("compute_cpu_share", "cpu_s_per_step", "cpu_s_per_action", "cpu_s_per_param", "cpu_s_per_intra_byte",
          "cpu_s_per_nic_byte")
-"""The calibrated rates whose terms make up a step's planned CPU work (`planner.shared_cpu.shared_cpu_s`)."""
+"""The calibrated rates whose terms make up a step's planned CPU work (`lab.cluster.shared_cpu.shared_cpu_s`)."""
 LINEAR = (0.0, 0.1, 0.2, 0.225, 0.25, 0.26, 0.275, 0.3, 0.325, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7)
 LOAD = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 MEASURED = (0.1, 0.15, 0.2, 0.26, 0.3)
@@ -59,28 +59,29 @@ def configurations(path: str) -> list[dict[str, Any]]:
             continue
         pj = rec["point"]
         point = GridPoint(ModelPoint(**pj["model"]), pj["hosts"], pj["procs_per_host"], pj["rate_mbit"])
-        cluster = vp.recorded_device(point, rec["calibration"], data.get("method", {}), f"{path} ({rec['key']})")
-        if not cluster.shared_cores:
+        device = vp.recorded_device(point, rec["calibration"], data.get("method", {}), f"{path} ({rec['key']})")
+        shared = device.shared
+        if not shared:
             continue
         ok = {r["name"]: r for r in rec["results"] if r.get("status") == "ok"}
         # the simulated step without the cores: the planned step less the waiting the search added to it
-        ranked = {c.name: c for c in vp.ranking(point, cluster) if c.name in ok}
-        alone = {n: c.step_s - c.breakdown.get("waiting for the shared cores", 0.0) for n, c in ranked.items()}
+        ranked = {c.name: c for c in vp.ranking(point, device) if c.name in ok}
+        alone = {n: c.step_s - c.breakdown.get(WAITING, 0.0) for n, c in ranked.items()}
         parts: dict[str, dict[str, float]] = {n: {} for n in ok}
         for rate in RATES:
-            one = dataclasses.replace(cluster, cpu_contention=0.0,
-                                      **{r: (getattr(cluster, r) if r == rate else 0.0) for r in RATES})
-            for c in vp.ranking(point, one):
+            one = dataclasses.replace(shared, cpu_contention=0.0,
+                                      **{r: (getattr(shared, r) if r == rate else 0.0) for r in RATES})
+            for c in vp.ranking(point, EmulatedCluster(device.cluster, one)):
                 if c.name in ok:
-                    parts[c.name][rate] = c.shared_cpu_s / cluster.shared_cores
+                    parts[c.name][rate] = c.terms[SHARED_CPU] / shared.cores
         idle = rec["calibration"]["measured"].get("shared_cpu", {}).get("idle_busy_cores", 0.0)
         for name, r in ok.items():
             # the paced compute actions' CPU time per step, every rank (compute_ms: per action, over the timed steps)
             compute = (sum(v["actions"] * v["cpu"] for v in r["compute_ms"].values()) / 1e3 / len(r["rounds_s"])
                        if r.get("compute_ms") and r.get("rounds_s") else None)
             out.append({"run": run, "point": rec["key"], "name": name, "S": alone[name],
-                        "C": sum(parts[name].values()), "parts": parts[name], "cores": cluster.shared_cores,
-                        "contention": cluster.cpu_contention, "measured_s": r["measured_s"],
+                        "C": sum(parts[name].values()), "parts": parts[name], "cores": shared.cores,
+                        "contention": shared.cpu_contention, "measured_s": r["measured_s"],
                         "machine_cpu_s": (r["machine_cpu_s"] - idle * r["measured_s"]
                                           if r.get("machine_cpu_s") is not None else None),
                         "compute_cpu_s": compute, "tensor_parallel": ranked[name].tp_bytes > 0})
@@ -223,7 +224,7 @@ def table(rep: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="replay_contention.py", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="RUN_JSON", help="docs/results/planner_validation_run*.json")
+    p.add_argument("runs", nargs="+", metavar="RUN_JSON", help="recorded runs (planner_validation_run*.json)")
     p.add_argument("--json", default=None, help="also write the report here")
     a = p.parse_args(argv)
     try:

@@ -3,11 +3,14 @@
 
     python -m lab.validation.validate_planner --dry-run            # every point's commands and the wall-time estimate; runs nothing
     sudo python -m lab.validation.validate_planner                 # the main grid (root: network namespaces), ~6 min
-    python -m lab.validation.validate_planner --from-json docs/results/planner_validation.json   # redraw the table and picture
-    python -m lab.validation.validate_planner --history docs/results/planner_validation_run*.json  # every run side by side
-    python -m lab.validation.validate_planner --replay docs/results/planner_validation_run42_blind.json  # its predictions, again
+    python -m lab.validation.validate_planner --from-json RUN.json   # redraw a run's table and picture
+    python -m lab.validation.validate_planner --history RUN*.json    # every run side by side
+    python -m lab.validation.validate_planner --replay RUN.json      # its predictions, again
 
-The grids are fixed in megareshard/planner/validation.py before anything runs: `--grid main`, two GPT
+Recorded runs are read from a path (they are kept in git history, not in the tree: e.g. ``git show
+1f2c7ba:docs/results/planner_validation_run105_blind.json``; lab/tests/data holds the few the tests replay).
+
+The grids are fixed in lab/validation/validation.py before anything runs: `--grid main`, two GPT
 shapes on 4 hosts × 2 ranks at 40 and 200 Mbit/s per NIC direction (the grid the cost model was developed
 on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s and 8 hosts × 1 rank at
 300 Mbit/s (fixed later, before its first run); `--grid fresh`, two more on 6 ranks, 3 hosts × 2 at
@@ -15,12 +18,14 @@ on); `--grid holdout`, two other GPT shapes on 2 hosts × 4 ranks at 60 Mbit/s a
 more on 4 ranks, 2 hosts × 2 at 30 Mbit/s and 4 hosts × 1 at 150 Mbit/s (fixed in session 8, before its
 first run). For every point:
 
-1. **calibrate** the emulated cluster (`tools/calibrate_cluster.py` under `lab/cluster/emulate_cluster.py`:
-   matmul FLOP/s and one layer's forward/backward measured on every rank at once — the load the run
-   will see —, intra-host and NIC bandwidth); the emulated device is `PACE_MARGIN` slower than that
-   and takes `ACTION_SLACK_S` more per action;
-2. **plan** with that cluster (schedules the runtime executes, ZeRO 0, no recomputation: both change
-   memory, not the paced time), every shape scored by the simulator;
+1. **calibrate** the emulated cluster (`lab.cluster.calibrate_emulated` under `lab.cluster.emulate_cluster`:
+   the product's calibration — matmul FLOP/s and one layer's forward/backward measured on every rank at
+   once, the load the run will see; intra-host and NIC bandwidth; latencies — and the cores the hosts
+   share, the sleep overshoot); the emulated device is `PACE_MARGIN` slower than that and takes
+   `ACTION_SLACK_S` more per action;
+2. **plan** with that cluster and the shared cores' cost term (`lab.cluster.shared_cpu`; schedules the
+   runtime executes, ZeRO 0, no recomputation: both change memory, not the paced time), every shape scored
+   by the simulator;
 3. **run** the planner's `TOP_K` best configurations and a seeded sample of `SAMPLE` others in ONE
    launch (one process group, one trainer per configuration in turn), every compute action paced to
    the planner's per-stage forward/backward time plus the slack (`PipelineRuntime.pace`; one stage: the
@@ -51,32 +56,34 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from lab import ROOT, env_with_root, module_command
+from lab import env_with_root, module_command
+from lab.cluster.shared_cpu import SHARED_CPU, EmulatedCluster, read_cluster
 from lab.validation.validation import (ACTION_SLACK_S, GRIDS, ITERS, NIC_BURST, PACE_MARGIN,
                                             PASSES, POOLED_CPU_CONTENTION, SAMPLE, SEED, TOP_K, WARMUP,
                                             GridPoint, choose,
                                             estimate_wall_s, pass_order,
                                             grid_json, median_error, read_results, summarize)
 
-TOOLS = ROOT / "tools"  # the user tools the validation runs (calibrate_cluster.py)
 
 
 # ---- planning (pure) -----------------------------------------------------------------------------
-def ranking(point: GridPoint, cluster) -> list:
-    """The planner's whole ranking at `point` (every candidate simulated) on the emulated device `cluster`."""
+def ranking(point: GridPoint, device: EmulatedCluster) -> list:
+    """The planner's whole ranking at `point` (every candidate simulated) on the emulated `device` (its cluster and
+    the shared cores' cost term)."""
     from megareshard.planner import ModelShape, plan_layouts
 
     m = point.model
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
                        dtype_bytes=4)  # the runs train in fp32
-    return plan_layouts(shape, cluster, m.global_batch_size, micro_batches=(1, 2, 4), zero_stages=(0,),
-                        recompute_options=(False,), runtime_only=True, top_shapes=10**6, keep=None)
+    return plan_layouts(shape, device.cluster, m.global_batch_size, micro_batches=(1, 2, 4), zero_stages=(0,),
+                        recompute_options=(False,), runtime_only=True, top_shapes=10**6, keep=None,
+                        terms=device.terms())
 
 
-def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
+def plan_point(point: GridPoint, device: EmulatedCluster) -> tuple[list[dict[str, Any]], int]:
     """The configurations to run at `point` (dicts the worker reads) and the size of the ranking they come from."""
     m = point.model
-    ranked = ranking(point, cluster)
+    ranked = ranking(point, device)
     picked = choose([c.step_s for c in ranked], TOP_K, SAMPLE, SEED)
     out = []
     for i, why in picked:
@@ -85,34 +92,39 @@ def plan_point(point: GridPoint, cluster) -> tuple[list[dict[str, Any]], int]:
                     "predicted_s": c.step_s, "pp": c.pp, "num_microbatches": c.num_microbatches,
                     "stage_f_s": c.stage_f_s, "stage_b_s": c.stage_b_s, "stage_w_s": c.stage_w_s,
                     "slack_s": ACTION_SLACK_S,
-                    "bottleneck": c.bottleneck, "shared_cpu_s": c.shared_cpu_s,
+                    "bottleneck": c.bottleneck, "shared_cpu_s": c.terms.get(SHARED_CPU, 0.0),
                     # what the worker's pipeline_s measures: the pipeline and the exposed dp reduction
                     "pipeline_s": c.step_s - sum(v for k, v in c.breakdown.items()
                                                  if k.startswith(("optimizer", "step-end")))})
     return out, len(ranked)
 
 
-def slowed(cluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0, slack_s: float = ACTION_SLACK_S):
+def slowed(device: EmulatedCluster, margin: float = PACE_MARGIN, sleep_overshoot_s: float = 0.0,
+           slack_s: float = ACTION_SLACK_S) -> EmulatedCluster:
     """The emulated device: `margin` times slower than the measured compute — its FLOP rate and a layer's fixed
-    part alike, so that small micro batches, where the fixed part dominates, get slack too — (same network);
-    every paced action takes `slack_s` more (`ACTION_SLACK_S`: the worker adds it to each budget) and ends when
-    the OS wakes its closing sleep, `sleep_overshoot_s` late (measured by the calibration)."""
-    return dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
-                               layer_overhead_s=cluster.layer_overhead_s * margin,
-                               compute_cpu_share=cluster.compute_cpu_share / margin,
-                               action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s + slack_s)
+    part alike, so that small micro batches, where the fixed part dominates, get slack too — (same network; on
+    shared cores a device second is `margin` times less CPU); every paced action takes `slack_s` more
+    (`ACTION_SLACK_S`: the worker adds it to each budget) and ends when the OS wakes its closing sleep,
+    `sleep_overshoot_s` late (measured by the calibration)."""
+    cluster, shared = device.cluster, device.shared
+    cluster = dataclasses.replace(cluster, efficiency=cluster.efficiency / margin,
+                                  layer_overhead_s=cluster.layer_overhead_s * margin,
+                                  action_overhead_s=cluster.action_overhead_s + sleep_overshoot_s + slack_s)
+    if shared is not None:
+        shared = dataclasses.replace(shared, compute_cpu_share=shared.compute_cpu_share / margin)
+    return EmulatedCluster(cluster, shared)
 
 
-def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any], source: str):
-    """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks) `slowed`
-    by the run's pace margin, slack (0 before run 29 recorded one) and measured late wake-up, with the run's
-    `cpu_contention` where its method names one (runs 96–100: 0.26, 101–104: 0.35; since run 105:
-    `POOLED_CPU_CONTENTION`), else the calibration's."""
-    from megareshard.planner.cluster_file import cluster_from_json
-
-    measured = cluster_from_json(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
-    if method.get("cpu_contention") is not None and measured.shared_cores:
-        measured = dataclasses.replace(measured, cpu_contention=float(method["cpu_contention"]))
+def recorded_device(point: GridPoint, calibration: dict[str, Any], method: dict[str, Any],
+                    source: str) -> EmulatedCluster:
+    """The emulated device a point was planned for: its recorded calibration (the point's hosts × ranks; the lab's
+    `read_cluster`, which also reads the older runs' layout) `slowed` by the run's pace margin, slack (0 before
+    run 29 recorded one) and measured late wake-up, with the run's `cpu_contention` where its method names one
+    (runs 96–100: 0.26, 101–104: 0.35; since run 105: `POOLED_CPU_CONTENTION`), else the calibration's."""
+    measured = read_cluster(calibration, source, hosts=point.hosts, devices_per_host=point.procs_per_host)
+    if method.get("cpu_contention") is not None and measured.shared:
+        measured = EmulatedCluster(measured.cluster, dataclasses.replace(
+            measured.shared, cpu_contention=float(method["cpu_contention"])))
     return slowed(measured, margin=method.get("pace_margin", PACE_MARGIN),
                   sleep_overshoot_s=calibration["measured"]["sleep_overshoot"]["seconds"],
                   slack_s=method.get("action_slack_s", 0.0))
@@ -328,8 +340,9 @@ extrapolated to it, and the largest micro batch is measured, not extrapolated ei
 
 
 def calibration_cmd(point: GridPoint, out: str, pace_margin: float = PACE_MARGIN) -> list[str]:
+    """The calibration's command under torchrun (the lab's, around the product's: `lab.cluster.calibrate_emulated`)."""
     m = point.model
-    return [str(TOOLS / "calibrate_cluster.py"), "--num-layers", str(m.num_layers), "--hidden-size",
+    return ["-m", "lab.cluster.calibrate_emulated", "--num-layers", str(m.num_layers), "--hidden-size",
             str(m.hidden_size), "--num-attention-heads", str(m.num_attention_heads), "--seq-length",
             str(m.seq_length), "--vocab-size", str(m.vocab_size), "--micro-batch-size", str(CALIBRATION_MICRO_BATCH),
             "--iters", "5", "--pace-margin", str(pace_margin),
@@ -437,7 +450,7 @@ def dry_run(points: Sequence[GridPoint]) -> int:
                               backward_factor=layer["backward_s"] / layer["forward_s"],
                               optimizer_s_per_param=opt["seconds_per_param"] * share,
                               grad_pass_s_per_param=opt["grad_pass_s_per_param"] * share)
-        configs, n = plan_point(point, slowed(cluster))
+        configs, n = plan_point(point, slowed(EmulatedCluster(cluster)))
         est = estimate_wall_s([c["predicted_s"] for c in configs])
         total += est
         print(f"# {point.key}: {len(configs)} of {n} configurations, estimate {est:.0f} s")
@@ -600,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print each point's commands and the wall estimate")
     p.add_argument("--from-json", default=None, help="no run: print the tables (and --img) of a finished run")
     p.add_argument("--history", nargs="+", default=None, metavar="RUN_JSON",
-                   help="no run: the tables of several runs side by side (docs/results/planner_validation_run*.json)")
+                   help="no run: the tables of several runs side by side (planner_validation_run*.json)")
     p.add_argument("--replay", nargs="+", default=None, metavar="RUN_JSON",
                    help="no run: predict each run's measured configurations again with the current code from the "
                         "run's recorded calibration (exit code 1 unless every prediction reproduces bit for bit)")

@@ -32,16 +32,10 @@ What is measured (`tools/calibrate_cluster.py` runs it under torchrun, the emula
   intra-host rate, raises ``collective_latency_s`` when larger. On an oversubscribed machine (the
   emulated cluster: 8 ranks on 2 cores) it is the wait for the partner to be scheduled, which the
   idle two-rank all-reduce misses. With one rank per host the pairs are neighbouring hosts, across
-  the NIC (at its measured rate and latency);
+  the NIC (at its measured rate and latency).
 
-* **the cores the hosts share** (an emulated cluster, every rank on one kernel; `calibration_shared.py`):
-  the machine's busy time idle, and with every rank in a two-rank all-reduce across a NIC (and inside its
-  host) at once → ``shared_cores``, ``cpu_s_per_nic_byte``, ``cpu_s_per_intra_byte``; with the optimizer's
-  CPU time per parameter (``cpu_s_per_param``) and the layer's CPU share of its loaded time
-  (``compute_cpu_share`` = 1 / load); a real pipeline of one small layer per rank, unpaced at two
-  microbatch counts (``cpu_s_per_action``, ``cpu_s_per_step``), and one of the model's own layers per rank
-  paced as the emulated device paces that layer's forward (``cpu_contention``: its growth per microbatch
-  beyond the simulated one; ``send_post_s``, ``recv_post_s``).
+What a real cluster does not have is not measured here: the lab calibrates its emulated cluster (hosts that
+share one machine's cores, compute paced with sleeps) around `calibrate` (``lab/cluster/calibrate_emulated.py``).
 
 Compute times (matmul, layer, optimizer, action) are measured by every rank at once and the median over
 ranks is kept.
@@ -53,21 +47,18 @@ replacing the measured machine's.
 """
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
-from lab.cluster.calibration_shared import PROBE, fit_contention, fit_runtime_cpu, measure_shared_cpu  # TEMPORARY
 from .cluster_file import CLUSTER_FORMAT, cluster_to_json, load_cluster
 from .costs import ClusterSpec, ModelShape, layer_flops
-from .search import pipeline_makespan
 
 __all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_to_json", "measure_matmul", "measure_layer",
            "measure_optimizer", "measure_load", "measure_p2p", "measure_latency", "measure_small_allreduce",
-           "measure_action_overhead", "measure_ring_allreduce", "measure_loaded_collective", "measure_sleep_overshoot",
-           "calibrate"]
+           "measure_action_overhead", "measure_ring_allreduce", "measure_loaded_collective", "rank_median",
+           "fit_fixed_and_scaling", "calibrate"]
 
 def _median_time(fn, iters: int, warmup: int = 1, clock=time.perf_counter) -> float:
     """Median seconds of `fn` on `clock`: wall time, or ``time.thread_time`` for CPU time, which the scheduler's
@@ -330,7 +321,7 @@ def _timed_allreduce(buf, ranks: list[int], iters: int) -> float:
     return statistics.median(out)
 
 
-def _rank_median(value: float) -> float:
+def rank_median(value: float) -> float:
     """The median over every rank of a time each rank measured at once (rank 0's alone swings several-fold on an
     oversubscribed machine); every rank calls it. Without a process group: the value."""
     import torch
@@ -387,52 +378,8 @@ def measure_loaded_collective(model: ModelShape, micro_batch: int, devices_per_h
     alone = statistics.median(a for _, a in pairs_of_phases)
     extra = statistics.median(w - a for w, a in pairs_of_phases)
     return {"pairs": pairs, "bytes": act.numel() * 4, "chunk_s": inner * one, "rounds": rounds,
-            "with_allreduce_s": _rank_median(with_ar), "alone_s": _rank_median(alone),
-            "seconds": max(0.0, _rank_median(extra))}
-
-
-def measure_sleep_overshoot(chunk_s: float, cpu_s: float, reps: int = 40) -> dict[str, float]:
-    """How late a sleep ends under the load of paced runs: every rank alternates `cpu_s` of CPU time (a
-    paced action's compute: a layer's forward) with a sleep to the chunk's end (`chunk_s`: the action's
-    budget) and records how far past the end it wakes. The ranks start out of phase (rank r waits r/world of
-    a chunk first), as the stages of a pipeline are, not all sleeping and waking together. The CPU demand
-    is the runs' (world × cpu_s / chunk_s cores): at a higher one, every waking rank queues behind the
-    others and the lateness is several times what the runs see. Kept: the mean over every sleep of every
-    rank (what a chain of actions adds up), and the median. Not a `ClusterSpec` term: a device has no such
-    sleep; an emulation that paces compute with sleeps (lab/validation/validate_planner.py) adds it to each action's
-    overhead. Every rank calls it."""
-    import torch
-    import torch.distributed as dist
-
-    a, w = torch.randn(64, 64), torch.randn(64, 64)
-    late = []
-    if dist.is_initialized():
-        dist.barrier()
-        time.sleep(chunk_s * dist.get_rank() / dist.get_world_size())
-    for _ in range(reps):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        while time.thread_time() - c0 < cpu_s and time.perf_counter() - t0 < chunk_s:
-            a @ w
-        left = chunk_s - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)
-            late.append(time.perf_counter() - t0 - chunk_s)
-    mean = statistics.mean(late) if late else 0.0
-    return {"chunk_s": chunk_s, "cpu_s": cpu_s, "reps": reps, "sleeps": _rank_sum(len(late)),
-            "seconds": _rank_sum(mean * len(late)) / max(1, _rank_sum(len(late))),
-            "median_s": _rank_median(statistics.median(late) if late else 0.0)}
-
-
-def _rank_sum(value: float) -> float:
-    """The sum over every rank (every rank calls it); without a process group: the value."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(box)
-    return float(box.item())
+            "with_allreduce_s": rank_median(with_ar), "alone_s": rank_median(alone),
+            "seconds": max(0.0, rank_median(extra))}
 
 
 def fit_fixed_and_scaling(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -454,19 +401,9 @@ def fit_fixed_and_scaling(points: list[tuple[float, float]]) -> tuple[float, flo
 
 
 def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device_memory_gib: float,
-              iters: int = 3, target_s: float = 0.3, pace_margin: float = 1.0,
-              runtime_step_cpu: Callable[..., tuple[float, float]] | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
+              iters: int = 3, target_s: float = 0.3) -> tuple[ClusterSpec, dict[str, Any]]:
     """Run every measurement (a collective call: every rank of the default process group) and return the
-    cluster (this launch's hosts × devices) and the raw measurements. `pace_margin`: how much slower than
-    measured an emulation paces compute (the sleep overshoot and the contention probe's budget depend on it).
-    `runtime_step_cpu(m, pace=None, posts=None, layer=None)`: the machine's busy and wall seconds of a real training
-    step of m microbatches through a pipeline of one `PROBE` layer per rank (`layer`: the model's layer at
-    `micro_batch` instead), every action paced to `pace` seconds if given
-    (`calibration_shared.fit_runtime_cpu` unpaced, `fit_contention` paced; the caller builds it: the planner
-    imports no trainer), run where the hosts share their cores; given a dict `posts` (paced), it also fills in
-    the mean seconds a send and a receive held a rank's program (``send_s``, ``recv_s``: `ClusterSpec.send_post_s`
-    and `recv_post_s`), how many of each it counted over the ranks (``sends``, ``recvs``) and, recorded but not
-    planned with, the mean thread CPU seconds of its compute actions by kind (``compute_cpu_s``)."""
+    cluster (this launch's hosts × devices) and the raw measurements."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -474,19 +411,19 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     h, f, rows = model.hidden_size, model.ffn, model.seq_length * micro_batch
     # every rank measures at once (the load the runs will see); the median over ranks is kept
     mm = measure_matmul(rows, h, f, iters=iters)
-    mm["cpu_seconds"] = _rank_median(mm["cpu_seconds"])
+    mm["cpu_seconds"] = rank_median(mm["cpu_seconds"])
     loaded = measure_load(rows, h, f)
-    loaded["load"] = _rank_median(loaded["load"])
+    loaded["load"] = rank_median(loaded["load"])
     # the matmul's time when every rank computes at once: its CPU time stretched by the measured load
-    mm["idle_seconds"], mm["seconds"] = _rank_median(mm["seconds"]), mm["cpu_seconds"] * loaded["load"]
+    mm["idle_seconds"], mm["seconds"] = rank_median(mm["seconds"]), mm["cpu_seconds"] * loaded["load"]
     mm["flops"] = 2.0 * rows * h * f / mm["seconds"]
     keys = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")
     layer = measure_layer(model, micro_batch, iters=3 * iters)
-    layer = layer | {k: _rank_median(layer[k]) for k in keys}
+    layer = layer | {k: rank_median(layer[k]) for k in keys}
     double = measure_layer(model, 2 * micro_batch, iters=3 * iters)  # twice the samples: what scales, what not
-    double = {k: _rank_median(double[k]) for k in keys}
+    double = {k: rank_median(double[k]) for k in keys}
     quadruple = measure_layer(model, 4 * micro_batch, iters=3 * iters)  # the largest micro batch the search tries
-    quadruple = {k: _rank_median(quadruple[k]) for k in keys}
+    quadruple = {k: rank_median(quadruple[k]) for k in keys}
     # forward CPU time = fixed + per-sample part, fitted to the three micro batches (a difference of two small
     # timings swung the per-sample part 1.0-2.1× between calibrations of one model, and four times the micro
     # batch extrapolated from it measured 0.85× its prediction: run 57)
@@ -500,7 +437,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     load = loaded["load"]
     layer["under_load_forward_s"] = layer["forward_cpu_s"] * load
     optim = measure_optimizer(model.hidden_size, iters=iters)
-    optim = optim | {k: _rank_median(optim[k]) for k in ("seconds", "seconds_per_param", "grad_pass_s",
+    optim = optim | {k: rank_median(optim[k]) for k in ("seconds", "seconds_per_param", "grad_pass_s",
                                                          "grad_pass_s_per_param", "cpu_s", "cpu_s_per_param")}
     flops = layer_flops(model, micro_batch)
     achieved = flops / (layer["scaling_forward_cpu_s"] * load)  # the FLOP rate of the part that scales
@@ -509,12 +446,8 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
                                 "optimizer": optim,
                                 "world": world, "devices_per_host": devices_per_host}
     action = measure_action_overhead()
-    action = action | {k: _rank_median(action[k]) for k in ("forward_backward_s", "seconds")}
+    action = action | {k: rank_median(action[k]) for k in ("forward_backward_s", "seconds")}
     measured["action_overhead"] = action
-    # a paced action of about a layer's forward: how late its closing sleep ends (raw, see the function), at
-    # the CPU demand of runs paced `pace_margin` times slower than measured
-    measured["sleep_overshoot"] = measure_sleep_overshoot(max(1e-3, layer["under_load_forward_s"] * pace_margin),
-                                                          layer["forward_cpu_s"])
     intra = nic = intra_lat = nic_lat = allreduce = loaded = ring = None
     if dist.is_initialized():
         if devices_per_host > 1:
@@ -536,55 +469,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
             if hosts > 2 and nic:  # a dp ring over every host: how much of the NIC rate its steps keep
                 ring = measured["ring_allreduce"] = measure_ring_allreduce(
                     list(range(0, world, devices_per_host)), nic["Bps"], target_s, iters=iters)
-    shared = None
-    post = (0.0, 0.0)  # free unless the paced probe measures it (below)
-    if dist.is_initialized():  # one machine under every rank (an emulated cluster): the cores they share
-        shared = measured["shared_cpu"] = measure_shared_cpu(devices_per_host, nic["Bps"] if nic else None,
-                                                             intra["Bps"] if intra else None, target_s * 2 / 3,
-                                                             iters=iters)
     defaults = ClusterSpec(1, 1)
-    cpu_rates: dict[str, Any] = {}
-    if shared:  # compute: a device second is CPU time stretched by the load
-        cpu_rates = dict(shared_cores=max(0.5, shared["cores"] - shared["idle_busy_cores"]),
-                         compute_cpu_share=min(1.0, 1.0 / load), cpu_s_per_param=optim["cpu_s_per_param"],
-                         cpu_s_per_nic_byte=shared["nic"]["cpu_s_per_byte"] if "nic" in shared else 0.0,
-                         cpu_s_per_intra_byte=shared["intra"]["cpu_s_per_byte"] if "intra" in shared else 0.0)
-    if shared and runtime_step_cpu is not None:
-        probe = ModelShape(world, PROBE["hidden_size"], PROBE["num_attention_heads"], PROBE["seq_length"],
-                           PROBE["vocab_size"])
-        own = measure_layer(probe, 1, iters=3 * iters)
-        own = {k: _rank_median(own[k]) for k in ("forward_cpu_s", "input_grad_cpu_s", "weight_grad_cpu_s")}
-        runtime = shared["runtime"] = fit_runtime_cpu(runtime_step_cpu, world, own, shared["idle_busy_cores"])
-        # a pipeline of one of the model's own layers per rank (the probe's vocabulary), paced as the emulated
-        # device paces that layer's forward (the sleep overshoot's chunk): its CPU work per action is what the
-        # runs' is, so the cores fill as they do in the runs (the probe's own small layer left them idle: a
-        # contention of 0 at points whose configurations then ran the cores 83-99 % busy and measured 1.1-1.4×
-        # their prediction, run 90's gpt-deep 8 × 1)
-        budget = measured["sleep_overshoot"]["chunk_s"]
-        act = model.seq_length * model.hidden_size * micro_batch * 4
-        paced_step = functools.partial(runtime_step_cpu, layer={
-            "hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
-            "seq_length": model.seq_length, "micro_batch": micro_batch})
-        link, lat = (nic, nic_lat) if nic and nic_lat else (intra, intra_lat)
-        edge = (lat["seconds"] if lat else 0.0) + (act / link["Bps"] if link else 0.0)
-        overhead = action["seconds"] + measured["sleep_overshoot"]["seconds"]
-        # what posting a send and a receive holds a rank's program: counted in the contention fit's paced steps
-        posts = shared["posts"] = {}
-
-        def simulated(m: int) -> float:
-            return pipeline_makespan("1f1b", True, world, m, budget, 2 * budget, budget, edge, overhead,
-                                     (posts["send_s"], posts["recv_s"]))
-
-        byte_rate = cpu_rates["cpu_s_per_nic_byte" if "nic" in shared else "cpu_s_per_intra_byte"]
-        # a microbatch's CPU work as the planner counts it: per rank three actions and the layer's compute (its
-        # device time × compute_cpu_share = its CPU time: the load cancels), and the boundary bytes
-        own_layer = layer["forward_cpu_s"] + layer["input_grad_cpu_s"] + layer["weight_grad_cpu_s"]
-        per_mb = world * (3 * runtime["cpu_s_per_action"] + own_layer) + 2 * (world - 1) * act * byte_rate
-        contention = shared["contention"] = fit_contention(paced_step, world, budget, simulated, per_mb,
-                                                           cpu_rates["shared_cores"], posts=posts)
-        post = (posts["send_s"], posts["recv_s"])
-        cpu_rates |= dict(cpu_s_per_action=runtime["cpu_s_per_action"], cpu_s_per_step=runtime["cpu_s_per_step"],
-                          cpu_contention=contention["cpu_contention"])
     intra_alpha = intra_lat["seconds"] if intra_lat else defaults.intra_latency_s
     collective = defaults.collective_latency_s
     # the pairs of those all-reduces sit inside a host, or (one rank per host) across a NIC
@@ -607,9 +492,9 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
         intra_latency_s=intra_alpha,
         nic_latency_s=nic_lat["seconds"] if nic_lat else defaults.nic_latency_s,
         collective_latency_s=collective,
-        action_overhead_s=action["seconds"], send_post_s=post[0], recv_post_s=post[1],
+        action_overhead_s=action["seconds"],
         layer_overhead_s=layer["fixed_forward_cpu_s"] * load,
-        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency, **cpu_rates)
+        ring_efficiency=ring["efficiency"] if ring else defaults.ring_efficiency)
     measured["not_measured"] = [k for k, v in (("nic_gbps", nic), ("intra_gbps", intra), ("nic_latency_s", nic_lat),
                                                ("intra_latency_s", intra_lat), ("collective_latency_s", allreduce))
                                 if v is None]

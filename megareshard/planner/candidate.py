@@ -52,8 +52,9 @@ class Candidate:
     bottleneck: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
-    shared_cpu_s: float = 0.0
-    """CPU seconds one step asks of the cores every host shares (`ClusterSpec.shared_cores`; else 0)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """The quantity of every extra cost term the caller gave (`terms.py`), by the term's name (simulated
+    candidates only; none on a real cluster)."""
 
     @property
     def name(self) -> str:
@@ -92,5 +93,5 @@ class Candidate:
                 "sequence_parallel", "recompute", "zero", "order", "layers_per_stage", "stage_layouts",
                 "virtual_stages", "runtime", "step_s", "estimate_s", "bubble", "memory_gib", "live_microbatches",
                 "edge_s", "stage_f_s", "stage_b_s", "stage_w_s", "tp_bytes", "pp_nic_bytes", "dp_nic_bytes",
-                "bottleneck", "breakdown", "tokens_per_s", "shared_cpu_s")
+                "bottleneck", "breakdown", "tokens_per_s", "terms")
         return {k: getattr(self, k) for k in keys} | {"name": self.name, "flags": self.flags()}

@@ -24,6 +24,10 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
     """The `ClusterSpec` of a cluster JSON; `hosts` / `devices_per_host` (the launch's) replace the file's;
     fields the file lacks (older files: the latency terms) keep `ClusterSpec`'s defaults.
 
+    Keys other than `ClusterSpec`'s are left alone: ``measured`` (the raw timings) and what others keep beside the
+    cluster — the lab's ``lab`` section (its emulated cluster's shared cores, which older files held at the top
+    level: ``shared_cores``, ``cpu_s_per_*``, ...). The product plans a real cluster: it reads none of them.
+
     Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
     is not a positive number."""
     try:
@@ -47,8 +51,6 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
         kw["hosts"] = hosts
     if devices_per_host is not None:
         kw["devices_per_host"] = devices_per_host
-    if kw.get("shared_cores", 0) is None:
-        del kw["shared_cores"]  # the hosts have cores of their own
     if "wgrad_fraction" in kw:
         share = kw["wgrad_fraction"]
         if share is None:
@@ -58,9 +60,7 @@ def cluster_from_json(data: Any, path: str, hosts: int | None = None,
     for k, v in kw.items():
         zero_ok = k in ("memory_reserve", "optimizer_s_per_param", "grad_pass_s_per_param", "intra_latency_s",
                         "nic_latency_s", "collective_latency_s", "action_overhead_s", "send_post_s", "recv_post_s",
-                        "layer_overhead_s",
-                        "wgrad_fraction", "cpu_s_per_param", "cpu_s_per_nic_byte", "cpu_s_per_intra_byte",
-                        "cpu_s_per_action", "cpu_s_per_step", "cpu_contention")
+                        "layer_overhead_s", "wgrad_fraction")
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
         if not ok:
             raise ValueError(f"cluster file {path}: {k} = {v!r} is not a positive number")

@@ -30,7 +30,8 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   ``action_overhead_s``: the search adds it to the simulator's costs, not to `StageCosts` (whose F and B
   are the compute a validation run paces to).
   Posting a stage-boundary send or receive holds the rank's program ``send_post_s`` / ``recv_post_s`` (0
-  unless calibrated: on an emulated cluster whose ranks share the cores, ~1 ms), also in the simulator.
+  unless given: the lab measures ~1 ms on its emulated cluster, whose ranks share the cores), also in the
+  simulator.
 * the optimizer step: the parameters a device updates (divided by dp under ZeRO >= 1) × the measured
   seconds per parameter (`ClusterSpec.optimizer_s_per_param`, 0 unless calibrated), after the pipeline; and
   the other passes over the gradients (non-finite check, bucket packing, norm): the parameters a device holds
@@ -137,7 +138,8 @@ class ClusterSpec:
     send_post_s: float = 0.0
     """Seconds a stage-boundary send holds its rank's program before the transfer starts (the runtime checks
     the tensor, hands it to the communicator's thread and returns; on GPUs tens of µs, left out by default;
-    calibrated on the emulated cluster from a paced pipeline's sends, where ranks share the cores)."""
+    the lab's calibration of its emulated cluster measures it from a paced pipeline's sends, where ranks share
+    the cores)."""
     recv_post_s: float = 0.0
     """The same for posting a receive (calibrated with `send_post_s`)."""
     layer_overhead_s: float = 0.0
@@ -150,38 +152,6 @@ class ClusterSpec:
     gloo measured 0.66–0.91 over 8 emulated hosts, and two-rank exchanges beside each other ran at 0.88 and
     below; NCCL's rings come close to 1). Calibrated from an all-reduce over one rank per host, on clusters
     of more than two hosts (two hosts keep the default)."""
-    shared_cores: float | None = None
-    """Cores that every host of this cluster shares — an emulated cluster, network namespaces on one machine —
-    for all the CPU work of its ranks: the compute, the passes over the gradients, and the network's packets,
-    which the kernel moves on those cores too. A step cannot take less than that work over these cores (8
-    emulated hosts on 2 cores: the data-parallel configurations' steps measured 1.1–1.3× their simulated time,
-    the configurations without data parallelism at it). None: every host has cores of its own (no bound).
-    Calibrated where every rank reports one kernel (boot id): the machine's cores less what it keeps busy
-    while the ranks idle."""
-    compute_cpu_share: float = 1.0
-    """CPU seconds per second of device compute, with `shared_cores`: on the emulated cluster a device second
-    is CPU time stretched by the ranks' load (and the emulation's pace margin), so less than 1."""
-    cpu_s_per_param: float = 0.0
-    """CPU seconds per parameter a device holds, each step, with `shared_cores`: the passes over the gradients and
-    the optimizer step (calibrated on the trainer's own `ZeroOptimizer`, CPU time, not wall)."""
-    cpu_s_per_action: float = 0.0
-    """CPU seconds of the pipeline runtime's own work per compute action (dispatch, the sends and receives it
-    posts, autograd's bookkeeping past the layer), with `shared_cores`; calibrated from a real pipeline of
-    one small layer per rank at two microbatch counts, less that layer's own CPU time."""
-    cpu_s_per_step: float = 0.0
-    """CPU seconds of each rank's fixed work per training step (the step's closing collectives, the optimizer's
-    bookkeeping), with `shared_cores`; calibrated with `cpu_s_per_action`."""
-    cpu_s_per_nic_byte: float = 0.0
-    """CPU seconds of the shared cores per byte a rank sends across a NIC in a reduction (sender, kernel and
-    receiver together), with `shared_cores`; calibrated with every host in a two-host all-reduce at once."""
-    cpu_s_per_intra_byte: float = 0.0
-    """The same per byte a rank sends to another of its host (loopback), with `shared_cores`."""
-    cpu_contention: float = 0.0
-    """Seconds a step waits per second of its CPU work over `shared_cores`, below saturation, with
-    `shared_cores`: a rank woken by a message or by its pacing sleep finds the cores busy with the other
-    ranks' work more often the more of it there is (the step is max(simulated + this × CPU / cores,
-    CPU / cores)). Calibrated with a pipeline of one small layer per rank paced as the emulated device paces:
-    its step's growth per microbatch beyond the simulated one, over the CPU each microbatch adds per core."""
     wgrad_fraction: float | None = None
     """Share of a backward's compute that is weight gradients (W under delayed weight gradients; the input
     gradient I does the rest and every collective). None: the FLOP share of the weight-gradient GEMMs; the
@@ -261,8 +231,8 @@ class StageCosts:
     wgrad_s: float = 0.0
     """The weight-gradient part (W) of `backward_s`: compute only, no collective."""
     compute_s: float = 0.0
-    """Device seconds of compute (no collectives) in one microbatch's F and B: what `ClusterSpec.compute_cpu_share`
-    turns into CPU time on shared cores."""
+    """Device seconds of compute (no collectives) in one microbatch's F and B (extra cost terms read it: the lab's
+    shared cores turn it into CPU time)."""
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20

@@ -26,6 +26,9 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
    starts after its last backward; what does not fit
    before the step's end is added, then the optimizer step and the one-element all-reduces every step
    ends with (`step_sync_s`: loss, gradient norm, non-finite check, dp mean).
+
+Extra cost terms (`terms.py`: none unless the caller gives some, as the lab does for its emulated cluster's
+shared cores) apply to both the pre-rank's estimate and the simulated step.
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ from ..resharding import ShardingSpec, get_strategy, plan_resharding, strategy_n
 from ..resharding.messages import build_messages
 from .candidate import Candidate
 from .costs import ClusterSpec, ModelShape, StageCosts, mesh_dp_seconds, stage_costs
-from lab.cluster.shared_cpu import on_shared_cores, shared_cpu_bound_s, shared_cpu_s  # TEMPORARY: the cost-term seam removes it
 from .step_collectives import step_sync_s, tied_embedding_s
+from .terms import CostTerm, TermInput
 from .variants import balanced_split, live_bound, stage_layout_variants, virtual_options
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "planned_strategies", "pipeline_makespan"]  # Candidate: from candidate.py
@@ -439,8 +442,10 @@ def _shared_edges(edges: dict[str, float], solo: dict[str, float], tl: Any) -> t
 
 
 def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, float], solo: dict[str, float],
-              cache: dict[tuple, Any], model: ModelShape) -> None:
-    """Score `c` with the schedule simulator (extrapolated in m), fill its metrics."""
+              cache: dict[tuple, Any], model: ModelShape, terms: Sequence[CostTerm] = (),
+              term_cache: dict[tuple, Any] | None = None) -> None:
+    """Score `c` with the schedule simulator (extrapolated in m), fill its metrics; then apply the extra cost
+    `terms` in order (`terms.py`; `term_cache`: their `TermInput.cache`)."""
     P, m = sh.pp, sh.m
     f = tuple(st.forward_s for st in sh.stages)
     b = tuple(st.backward_s for st in sh.stages)
@@ -470,9 +475,6 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     optimizer = max(sum(st.optimizer_s for st in g) for g in groups)  # after the step's last reduction
     sync = step_sync_s(cluster, sh)
     c.step_s = pipe + exposed + optimizer + sync
-    # 0 unless cores are shared
-    c.shared_cpu_s = shared_cpu_s(model, cluster, sh, placement, c.delay_wgrad, cache) if cluster.shared_cores else 0.0
-    cpu = c.shared_cpu_s / cluster.shared_cores if cluster.shared_cores else 0.0  # `shared_cpu_bound_s`
     o = cluster.action_overhead_s * (3 if c.delay_wgrad else 2)  # F and B, or F, I and W
     busy = [m * sum(st.forward_s + st.backward_s + o for st in g) for g in groups]
     c.bubble = max(0.0, 1 - sum(busy) / (P * pipe)) if pipe > 0 else 0.0
@@ -490,12 +492,14 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
     c.bottleneck = max(c.breakdown, key=c.breakdown.get)
     if c.edge_s and 2 * m * c.edge_s > max(busy):
         c.bottleneck = "stage transfers (NIC)"
-    shared = on_shared_cores(c.step_s, cpu, cluster)
-    if shared > c.step_s:  # the ranks wait for the cores every host shares (a real cluster: never)
-        c.breakdown["waiting for the shared cores"] = shared - c.step_s
-        if cpu >= shared:  # the step's CPU work does not fit on them in the simulated time
-            c.bottleneck = "the cores every host shares (CPU)"
-        c.step_s = shared
+    if terms:
+        at = TermInput(model, cluster, sh, placement, c.delay_wgrad, {} if term_cache is None else term_cache)
+        for term in terms:
+            quantity = c.terms[term.name] = term.measure(at)
+            out = term.apply(c.step_s, quantity, at)
+            c.breakdown.update(out.breakdown)
+            c.bottleneck = out.bottleneck or c.bottleneck
+            c.step_s = out.step_s
 
 
 def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
@@ -516,14 +520,16 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                  strategies: Iterable[str] | None = None, zero_stages: Iterable[int] = (0, 1, 2),
                  recompute_options: Iterable[bool] = (False, True), top_shapes: int = 6,
                  uneven_splits: bool = True, stage_meshes: bool = True, runtime_only: bool = False,
-                 keep: int | None = 2000, stats: dict[str, int] | None = None) -> list[Candidate]:
+                 keep: int | None = 2000, stats: dict[str, int] | None = None,
+                 terms: Sequence[CostTerm] = ()) -> list[Candidate]:
     """The layouts that fit, best first: the `top_shapes` best shapes scored by simulation (each with every
     schedule × delayed W × strategy), then the best `keep` others by their analytic estimate (None: all).
 
     `schedules` defaults to every registered one; a schedule without a live-activation bound is refused by
     name. The pipeline runtime executes every registered schedule: every candidate's `runtime` is true and
     `runtime_only` keeps them all.
-    ``stats`` (a dict) receives counts: enumerated, pruned by memory, simulated.
+    ``stats`` (a dict) receives counts: enumerated, pruned by memory, simulated. `terms`: extra cost terms
+    (`terms.py`), applied in order to every estimate and simulated step; none by default (a real cluster).
     """
     if global_batch < 1 or model.num_layers < 1 or cluster.hosts < 1 or cluster.devices_per_host < 1:
         raise PlanError(f"need a positive global batch, layers, hosts and devices per host (got global batch "
@@ -545,6 +551,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
         if not names:
             raise PlanError(f"none of the schedules asked for runs in the pipeline runtime ({', '.join(runnable)})")
     strategies = list(strategies if strategies is not None else planned_strategies())
+    terms = tuple(terms)
     st = stats if stats is not None else {}
     st.update(enumerated=0, pruned_memory=0, simulated=0)
     bounds: dict[tuple, Any] = {}  # boundaries and their quick bounds, per placement
@@ -578,10 +585,12 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                 if max(mem) > limit:
                     st["pruned_memory"] += len(strats)
                     continue
-                cpu = shared_cpu_bound_s(model, cluster, sh, placement, dw, bounds)
+                at = TermInput(model, cluster, sh, placement, dw, bounds) if terms else None
+                measured = [(term, term.measure(at)) for term in terms]
                 for strategy in strats:
-                    est = on_shared_cores(_estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds),
-                                                    name), cpu, cluster)
+                    est = _estimate(sh, parts, _edge_bound(model, cluster, sh, strategy, bounds), name)
+                    for term, quantity in measured:
+                        est = term.apply(est, quantity, at).step_s
                     by_shape.setdefault(key, []).append((est, name, dw, strategy, live, mem))
         for key, rows in by_shape.items():
             groups.append((min(r[0] for r in rows), shapes[key], rows))
@@ -621,7 +630,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
             est, name, dw, strategy, live, mem = row
             edges, solo, busiest = _edge_seconds(model, cluster, sh, strategy, edge_cache)
             c = _candidate(model, sh, row, runnable, max(edges.values()), busiest)
-            _simulate(c, sh, cluster, edges, solo, sims, model)
+            _simulate(c, sh, cluster, edges, solo, sims, model, terms, bounds)
             if max(c.memory_gib) > limit:  # the simulated live set is larger than the bound used
                 st["pruned_memory"] += 1
                 continue
