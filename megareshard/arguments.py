@@ -11,11 +11,13 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import megatron_flags
+from .flag_checks import parse_known_strictly, refuse_repeated_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .data.config import DataConfig
@@ -266,7 +268,9 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; Megatron-LM flags for features not built here, and unknown flags, end in one
     ConfigError naming every one of them (never argparse's "unrecognized arguments")."""
-    ns, unknown = parser.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    refuse_repeated_flags(parser, argv)
+    ns, unknown = parse_known_strictly(parser, argv)
     refused, strange = megatron_flags.refusals(ns, unknown)
     if refused or strange:
         parts = []
