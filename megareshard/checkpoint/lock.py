@@ -100,10 +100,9 @@ def try_lock_dir(root: str) -> tuple[DirLock | None, str | None]:
 
 def busy_message(root: str, holder: str, *, training: bool = True) -> str:
     """The one line for a held lock: who holds it, and what to do (a training run, or a tool writing there)."""
-    return (f"{'--save ' if training else ''}{root} is in use by another job: {holder} holds "
-            f"{os.path.join(root, LOCK_FILE)}; two writers in one checkpoint directory overwrite each other's "
-            "checkpoints: wait for that job to end or stop it" + (", or give this run another --save" if training
-                                                                   else " (nothing was written)"))
+    return (f"{'--save ' if training else ''}{root} is in use by another job: {holder} holds its lock ({LOCK_FILE}); "
+            "two writers would overwrite each other's checkpoints: wait for it to end or stop it"
+            + (", or give this run another --save" if training else " (nothing was written)"))
 
 
 def lock_save_dir(root: str, out: TextIO | None = None) -> DirLock | None:
