@@ -87,13 +87,13 @@ if [ "$DRY_RUN" = 1 ]; then
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
-mkdir -p "${RUN_DIR:-runs/gpt}"
 # a MASTER_PORT someone else listens on: one line now, not torchrun's EADDRINUSE traceback (static) or a
 # silent wait (c10d); checked on the node that hosts the rendezvous, before any node starts torchrun
 if [ "${PORT_CHECK:-1}" = 1 ]; then
     "$PY" megareshard/launch/port_check.py --master-addr "$MASTER_ADDR" --rdzv "$RDZV" --node-rank "$NODE_RANK" \
         --port "$MASTER_PORT" || exit $?
 fi
+mkdir -p "${RUN_DIR:-runs/gpt}"
 if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then
     # (the store's C++ client logs every connection retry while it waits for node 0: keep it quiet)
     TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-FATAL} "${PREFLIGHT_CMD[@]}" || exit $?

@@ -268,8 +268,9 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; Megatron-LM flags for features not built here, and unknown flags, end in one
     ConfigError naming every one of them (never argparse's "unrecognized arguments")."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    refuse_repeated_flags(parser, argv)
+    if argv is None:  # the process's command line: a flag typed twice is refused (code may append overrides)
+        argv = sys.argv[1:]
+        refuse_repeated_flags(parser, argv)
     ns, unknown = parse_known_strictly(parser, argv)
     refused, strange = megatron_flags.refusals(ns, unknown)
     if refused or strange:

@@ -1,7 +1,9 @@
 """Command-line checks argparse does not make, shared by every parser of the training entry points.
 
 * ``refuse_repeated_flags``: argparse keeps the last of two values of one flag without a word; a
-  flag given twice with different values is refused naming both.
+  flag given twice with different values on the command line (what a person or a launch script typed)
+  is refused naming both. Code that builds an argument list for ``parse_args`` keeps argparse's rule, the
+  last value wins: tests and tools compose a base list with overrides appended.
 * ``parse_known_strictly``: argparse answers a bad value or an invalid choice with its whole usage
   block (170 lines here) and ``exit(2)``; here it is one ``ConfigError`` line that names the valid
   choices, like every other bad input.
@@ -56,11 +58,22 @@ def refuse_repeated_flags(parser: argparse.ArgumentParser, argv: list[str]) -> N
                 i += 1
             value = " ".join(argv[start:i])
         first = seen.setdefault(action.dest, (name, value))
-        if first[1] != value:
+        if first[1] != value and _typed(action, first[1]) != _typed(action, value):  # '0.0' and '0' agree
             if first[0] == name:
                 raise ConfigError(f"{name} is given twice ({first[1]}, then {value}): give it once (the last one "
                                   "would win silently)")
             raise ConfigError(f"{first[0]} {first[1]} and {name} {value} set the same option: give one of them")
+
+
+def _typed(action: argparse.Action, value: str) -> object:
+    """``value`` as the flag's type makes it (a list flag's words one by one); the text itself when it does not
+    convert (argparse will say why)."""
+    if not callable(action.type):
+        return value
+    try:
+        return tuple(action.type(v) for v in value.split()) if action.nargs not in (None, 1) else action.type(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _is_number(token: str) -> bool:

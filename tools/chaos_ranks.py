@@ -603,12 +603,13 @@ def _wait_workers(job: Job, n: int, timeout: float) -> dict[int, int]:
     return pids
 
 
-def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool = True) -> dict[str, Any]:
+def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool = True,
+                  resume: bool = True) -> dict[str, Any]:
     """Job A (torchrun, 2 ranks, ``--save D --load D``) trains; once it saved, job B starts on the same ``--save``
     and must stop at start-up with one line naming A's rank 0 (host, pid, start time) while A's checkpoints stay
     intact (``second``); then A's torchrun is SIGKILLed and every A worker must be gone within --comm-timeout,
-    each node saying why, after which job C on the same directory takes the lock and resumes from A's latest
-    (``kill``)."""
+    each node saying why (``kill``); the lock died with A: this process takes it at once, and (``resume``) job C
+    on the same directory resumes from A's latest."""
     timeout = comm_timeout(quick)
     ck = os.path.join(workdir, "ck")
     base = model_args(quick) + ["--comm-timeout", str(timeout), "--save", ck, "--load", ck]
@@ -642,13 +643,18 @@ def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool 
                         gone[r] = round(time.monotonic() - t_kill, 2)
                 if len(gone) < len(pids):
                     a.wait(0.05)            # a bounded pause between looks at /proc (the pipe closes last)
-            a.wait(30)
+            a.wait(30)                      # its output pipe closes with the last worker
             text = a.text()
             latest, verdict = latest_state(ck)
+            from megareshard.checkpoint.lock import try_lock_dir
+
+            probe, holder = try_lock_dir(ck)
+            if probe is not None:
+                probe.release()
             out["kill"] = {"gone_s": gone, "survivors": sorted(set(pids) - set(gone)), "limit_s": timeout,
                            "lines": [line for line in text.splitlines() if "launcher" in line and "is gone" in line],
-                           "latest": latest, "latest_verdict": verdict}
-            if latest is not None:  # one process is enough to show the lock is free (it loads A's dp 2 into dp 1)
+                           "latest": latest, "latest_verdict": verdict, "lock_holder_after": holder}
+            if latest is not None and resume:  # one process is enough to show the lock is free (it loads A's dp 2 into dp 1)
                 c = launch_ranks(base + ["--train-iters", str(latest + 1)], 1, workdir, "job-c")[0]
                 out["kill"]["next_code"] = c.wait(600)
                 c.kill()
@@ -680,7 +686,7 @@ def trial_second_writer(workdir: str, quick: bool) -> dict[str, Any]:
 def trial_launcher_killed(workdir: str, quick: bool) -> dict[str, Any]:
     r = writers_trial(workdir, quick, second=False)
     k = r.get("kill") or {}
-    ok = bool(k) and not k["survivors"] and len(k["lines"]) >= 1
+    ok = bool(k) and not k["survivors"] and len(k["lines"]) >= 1 and k["lock_holder_after"] is None
     resumed = k.get("next_code") == 0 and k.get("next_resumed_from") == k.get("latest")
     return {"fault": "launcher-killed", "detected": ok,
             "how": (f"SIGKILL of torchrun mid-run: every worker gone after {max(k['gone_s'].values(), default=None)}s "

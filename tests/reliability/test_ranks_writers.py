@@ -1,8 +1,8 @@
 """One writer per checkpoint directory, and workers that end with their launcher — in one run of real torchrun
 jobs (tools/chaos_ranks.writers_trial): job A trains with --save D; job B on the same D stops at start-up with ONE
 line (two ranks raise it, the first to report prints it) naming A's rank 0, and A's checkpoints stay intact;
-`kill -9` of A's torchrun ends every A worker within --comm-timeout, saying why; job C on D then takes the lock
-(it died with A) and resumes from A's last save."""
+`kill -9` of A's torchrun ends every A worker within --comm-timeout, saying why, and the lock died with A (taken
+here at once; that the next job then resumes from the last save is test_ranks_resume's)."""
 import re
 import socket
 
@@ -13,7 +13,7 @@ from ._ranks import chaos_ranks
 
 @pytest.mark.slow
 def test_second_job_is_refused_and_workers_die_with_their_launcher(tmp_path):
-    r = chaos_ranks().writers_trial(str(tmp_path), True)
+    r = chaos_ranks().writers_trial(str(tmp_path), True, resume=False)
     assert r["a_started"], r["log"][-3000:]
 
     s = r["second"]
@@ -29,5 +29,4 @@ def test_second_job_is_refused_and_workers_die_with_their_launcher(tmp_path):
     assert not k["survivors"] and all(t <= k["limit_s"] for t in k["gone_s"].values()), k
     assert len(k["lines"]) == 1 and "the launcher (torchrun agent, pid " in k["lines"][0], r["log"][-3000:]
     assert k["latest_verdict"] == "complete" and k["latest"] >= 5, k
-    assert k["next_code"] == 0 and k["next_resumed_from"] == k["latest"], k["next_log"][-3000:]
-    assert k["next_latest"] == k["latest"] + 1
+    assert k["lock_holder_after"] is None, k                   # no stale lock: free the moment A's rank 0 died

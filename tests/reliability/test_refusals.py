@@ -211,19 +211,23 @@ def test_import_hf_of_a_bad_directory_is_one_line(tmp_path, capsys):
     (["--pipeline-schedule", "foo"], "invalid choice: 'foo' (choose from 'gpipe', '1f1b', 'eager-1f1b'"),
     (["--hidden-size", "wide"], "argument --hidden-size: invalid int value: 'wide'"),
 ])
-def test_repeated_flag_and_invalid_choice_are_one_line(argv, says, capsys):
+def test_repeated_flag_and_invalid_choice_are_one_line(argv, says, capsys, monkeypatch):
     sys.path.insert(0, str(ROOT))
     try:
         from pretrain_gpt import main
     finally:
         sys.path.remove(str(ROOT))
-    assert main(["--mock-data", "--vocab-size", "64"] + argv) == 2
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--mock-data", "--vocab-size", "64"] + argv)
+    assert main() == 2                                                     # the command line, as typed
     assert says in _one_line(capsys.readouterr().err)
 
 
-def test_the_same_value_twice_is_harmless():
+def test_the_same_value_twice_is_harmless_and_code_may_override(monkeypatch):
     from megareshard.arguments import parse_args
 
-    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--hidden-size", "64", "--hidden-size=64", "--bf16", "--bf16"],
-                     world_size=1)
+    monkeypatch.setattr(sys, "argv", ["x", "--mock-data", "--vocab-size", "64", "--hidden-size", "64",
+                                      "--hidden-size=64", "--bf16", "--bf16"])
+    cfg = parse_args(world_size=1)
     assert cfg.model.hidden_size == 64 and cfg.memory.bf16
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--hidden-size", "64"], world_size=1)
+    assert cfg.model.hidden_size == 64                                     # a list built in code: the last wins
