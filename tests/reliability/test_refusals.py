@@ -231,3 +231,21 @@ def test_the_same_value_twice_is_harmless_and_code_may_override(monkeypatch):
     assert cfg.model.hidden_size == 64 and cfg.memory.bf16
     cfg = parse_args(["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--hidden-size", "64"], world_size=1)
     assert cfg.model.hidden_size == 64                                     # a list built in code: the last wins
+
+
+# ---- one line per job, not per rank ------------------------------------------------------------------------
+def _report_twice(rank, world):
+    from megareshard.entry import _first_to_report
+
+    return [_first_to_report("pretrain_gpt.py: error: the same agreed error"),
+            _first_to_report(f"pretrain_gpt.py: error: rank {rank}: its own error")]
+
+
+def test_an_error_several_ranks_raise_is_printed_by_one_of_them():
+    from megareshard.launch import exit_with_launcher
+    from tests.harness import run_ranks
+
+    firsts = run_ranks(_report_twice, 2, timeout=120)
+    assert sorted(f[0] for f in firsts) == [False, True]                  # the agreed line: once
+    assert all(f[1] for f in firsts)                                      # each rank's own line: by that rank
+    assert exit_with_launcher(env={}) is None                             # not torchrun's worker: no launcher watch
