@@ -699,20 +699,20 @@ class Trainer:
 
 
 def _agreed(ctx: ParallelContext, decide: Callable[[], Any]) -> Any:
-    """``decide()`` on rank 0, its result (or its CheckpointError, raised) on every rank: one verdict even
-    where the ranks' views of a file system could differ."""
-    verdict: tuple[Any, str | None] = (None, None)
+    """``decide()`` on rank 0, its result (or its ConfigError / CheckpointError, raised) on every rank: one
+    verdict even where the ranks' views of a file system could differ."""
+    verdict: tuple[Any, Any] = (None, None)
     if ctx.rank == 0:
         try:
             verdict = (decide(), None)
-        except CheckpointError as e:
-            verdict = (None, str(e))
+        except (ConfigError, CheckpointError) as e:
+            verdict = (None, (type(e) is ConfigError, str(e)))
     if dist.is_initialized() and ctx.world_size > 1:
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         verdict = box[0]
     if verdict[1] is not None:
-        raise CheckpointError(verdict[1])
+        raise (ConfigError if verdict[1][0] else CheckpointError)(verdict[1][1])
     return verdict[0]
 
 

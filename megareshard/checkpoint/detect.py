@@ -20,6 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..config_fields import ConfigError
 from .format import CHECKPOINT_JSON, LATEST_FILE, TMP_PREFIX, CheckpointError
 
 __all__ = ["PathContents", "describe_path", "load_decision", "check_destination", "same_directory",
@@ -125,7 +126,7 @@ def same_directory(a: str | None, b: str | None) -> bool:
 def load_decision(load: str, save: str | None) -> PathContents:
     """What ``--load`` finds. Returns it when the run may go on: ``KIND_CHECKPOINT`` or ``KIND_ROOT`` (load
     it; the loader checks the rest), ``KIND_EMPTY`` or ``KIND_ABSENT`` only when ``load`` is ``save``
-    (start from scratch). Raises ``CheckpointError`` with one line for everything else."""
+    (start from scratch). Raises ``ConfigError`` (a bad --load: exit status 2) with one line for everything else."""
     found = describe_path(load)
     own = same_directory(load, save)
     if found.kind in (KIND_CHECKPOINT, KIND_ROOT):
@@ -136,18 +137,18 @@ def load_decision(load: str, save: str | None) -> PathContents:
     if found.kind == KIND_MEGATRON_ITERATION:
         parent = os.path.dirname(os.path.abspath(load.rstrip(os.sep)))
         root = parent if os.path.exists(os.path.join(parent, MEGATRON_TRACKER)) else None
-        raise CheckpointError(f"{where}: pass its root" + (f", --load {root}" if root else f" (the directory with "
+        raise ConfigError(f"{where}: pass its root" + (f", --load {root}" if root else f" (the directory with "
                                                            f"{MEGATRON_TRACKER})") + ", not one of its iterations")
     if found.kind == KIND_MEGATRON_ROOT:
-        raise CheckpointError(f"{where}: loading Megatron-LM checkpoints is not built here (megareshard loads "
+        raise ConfigError(f"{where}: loading Megatron-LM checkpoints is not built here (megareshard loads "
                               f"ROOT/{LATEST_FILE} and ROOT/iter_N/{CHECKPOINT_JSON})")
     if found.kind == KIND_ABSENT:
-        raise CheckpointError(f"{where}: is the path mistyped? (only --load equal to --save may name a directory "
+        raise ConfigError(f"{where}: is the path mistyped? (only --load equal to --save may name a directory "
                               "that holds no checkpoint yet: the first run of an auto-resuming job)")
     if found.kind == KIND_EMPTY:
-        raise CheckpointError(f"{where}: nothing to load (an empty --load starts from scratch only when it is "
+        raise ConfigError(f"{where}: nothing to load (an empty --load starts from scratch only when it is "
                               "also --save, the first run of an auto-resuming job)")
-    raise CheckpointError(f"{where}: not a checkpoint")
+    raise ConfigError(f"{where}: not a checkpoint")
 
 
 def check_destination(path: str, *, force: bool, flag: str = "--force") -> None:

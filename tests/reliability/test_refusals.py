@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megareshard.checkpoint import CheckpointError
+from megareshard.arguments import ConfigError
 from megareshard.checkpoint.detect import KIND_ABSENT, KIND_EMPTY, KIND_ROOT, LOCK_FILE, load_decision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def test_load_decision_refuses_anything_that_is_not_a_checkpoint(tmp_path):
         "a file": (rand / "notes.txt", None, "is a file of 1 bytes"),
     }
     for name, (load, save, says) in cases.items():
-        with pytest.raises(CheckpointError) as e:
+        with pytest.raises(ConfigError) as e:
             load_decision(str(load), str(save) if save else None)
         line = _one_line(str(e.value), tmp_path)
         assert line.startswith(f"--load {load} ") and says in line, (name, line)
@@ -103,7 +103,7 @@ def test_pretrain_stops_on_a_load_that_is_not_a_checkpoint(tmp_path, capsys):
     tiny = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads",
             "2", "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "1", "--train-iters",
             "1", "--device", "cpu", "--eval-interval", "0"]
-    assert main(tiny + ["--load", str(tmp_path / "junk"), "--save", str(tmp_path / "ck")]) == 1
+    assert main(tiny + ["--load", str(tmp_path / "junk"), "--save", str(tmp_path / "ck")]) == 2   # a bad input
     err = capsys.readouterr().err
     assert "not a checkpoint" in _one_line(err, tmp_path)
     assert sorted(os.listdir(tmp_path / "ck")) == [LOCK_FILE]          # nothing saved; the lock is released
