@@ -654,7 +654,7 @@ def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool 
             out["kill"] = {"gone_s": gone, "survivors": sorted(set(pids) - set(gone)), "limit_s": timeout,
                            "lines": [line for line in text.splitlines() if "launcher" in line and "is gone" in line],
                            "latest": latest, "latest_verdict": verdict, "lock_holder_after": holder}
-            if latest is not None and resume:  # one process is enough to show the lock is free (it loads A's dp 2 into dp 1)
+            if latest is not None and resume:  # one process shows the lock is free (it loads A's dp 2 into dp 1)
                 c = launch_ranks(base + ["--train-iters", str(latest + 1)], 1, workdir, "job-c")[0]
                 out["kill"]["next_code"] = c.wait(600)
                 c.kill()

@@ -138,16 +138,16 @@ def load_decision(load: str, save: str | None) -> PathContents:
         parent = os.path.dirname(os.path.abspath(load.rstrip(os.sep)))
         root = parent if os.path.exists(os.path.join(parent, MEGATRON_TRACKER)) else None
         raise ConfigError(f"{where}: pass its root" + (f", --load {root}" if root else f" (the directory with "
-                                                           f"{MEGATRON_TRACKER})") + ", not one of its iterations")
+                                                       f"{MEGATRON_TRACKER})") + ", not one of its iterations")
     if found.kind == KIND_MEGATRON_ROOT:
         raise ConfigError(f"{where}: loading Megatron-LM checkpoints is not built here (megareshard loads "
-                              f"ROOT/{LATEST_FILE} and ROOT/iter_N/{CHECKPOINT_JSON})")
+                          f"ROOT/{LATEST_FILE} and ROOT/iter_N/{CHECKPOINT_JSON})")
     if found.kind == KIND_ABSENT:
         raise ConfigError(f"{where}: is the path mistyped? (only --load equal to --save may name a directory "
-                              "that holds no checkpoint yet: the first run of an auto-resuming job)")
+                          "that holds no checkpoint yet: the first run of an auto-resuming job)")
     if found.kind == KIND_EMPTY:
         raise ConfigError(f"{where}: nothing to load (an empty --load starts from scratch only when it is "
-                              "also --save, the first run of an auto-resuming job)")
+                          "also --save, the first run of an auto-resuming job)")
     raise ConfigError(f"{where}: not a checkpoint")
 
 

@@ -158,8 +158,9 @@ def test_writing_tools_refuse_a_non_empty_destination_and_change_nothing(tmp_pat
     capsys.readouterr()
 
     # a root whose lock a live process holds: refused even with --force; SIGKILL frees it (no stale lock)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from megareshard.checkpoint.lock import try_lock_dir; "
-                               f"lock, _ = try_lock_dir({str(root)!r}); print('held', flush=True); sys.stdin.read()"],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from megareshard.checkpoint.lock import "
+                               f"try_lock_dir; lock, _ = try_lock_dir({str(root)!r}); print('held', flush=True); "
+                               "sys.stdin.read()"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
                                   "PYTHONPATH")]))})
