@@ -675,9 +675,9 @@ def trial_second_writer(workdir: str, quick: bool) -> dict[str, Any]:
           in s["lines"][0] and s.get("latest_verdict") == "complete" and not s.get("started_training"))
     return {"fault": "second-writer", "detected": ok,
             "how": (f"a second job on the same --save while the first trains: exit {s.get('code')} at start-up: "
-                    + (s["lines"][0].split("error: ", 1)[-1][:150] if s.get("lines") else "NO LINE")
-                    if s else "the first job never saved"),
-            "detect_s": s.get("wall_s"), "recovered": False, "steps_lost": 0,
+                    + (s["lines"][0].split("error: ", 1)[-1].replace(workdir, "W")[:150] if s.get("lines")
+                       else "NO LINE") if s else "the first job never saved"),
+            "detect_s": s.get("wall_s"), "recovered": None, "steps_lost": 0,  # the first job never stopped
             "data_lost": (f"none: the first job's checkpoints intact (latest = iteration {s.get('latest')}, "
                           f"{s.get('latest_verdict')})" if s.get("latest_verdict") == "complete"
                           else f"latest: {s.get('latest')} ({s.get('latest_verdict')})"), **r}
