@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -158,22 +157,30 @@ def test_writing_tools_refuse_a_non_empty_destination_and_change_nothing(tmp_pat
     capsys.readouterr()
 
     # a root whose lock a live process holds: refused even with --force; SIGKILL frees it (no stale lock)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from megareshard.checkpoint.lock import "
-                               f"try_lock_dir; lock, _ = try_lock_dir({str(root)!r}); print('held', flush=True); "
-                               "sys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
-                                  "PYTHONPATH")]))})
+    ready_r, ready_w = os.pipe()
+    wait_r, wait_w = os.pipe()
+    holder = os.fork()        # a child of this process (torch already imported): it only takes the lock and waits
+    if holder == 0:
+        try:
+            from megareshard.checkpoint.lock import try_lock_dir
+
+            lock, _ = try_lock_dir(str(root))
+            os.write(ready_w, b"held")
+            os.read(wait_r, 1)                                            # blocks until killed
+        finally:
+            os._exit(0)
     try:
-        assert holder.stdout.readline().strip() == "held"               # blocks until the lock is taken
+        assert os.read(ready_r, 4) == b"held"                             # blocks until the lock is taken
         before = _tree(root)
         assert tool.main(["import", str(pt), str(root), "--force"]) == 2
         line = _one_line(capsys.readouterr().err, tmp_path)
-        assert f"is in use by another job: pid {holder.pid} on host " in line and "nothing was written" in line, line
+        assert f"is in use by another job: pid {holder} on host " in line and "nothing was written" in line, line
         assert _tree(root) == before
     finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(60)
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+        for fd in (ready_r, ready_w, wait_r, wait_w):
+            os.close(fd)
     assert tool.main(["import", str(pt), str(root), "--iteration", "8", "--force"]) == 0
     assert (root / "latest").read_text().strip() == "iter_0000008"
 
