@@ -26,7 +26,7 @@ echo "== $HOSTS hosts × $PROCS_PER_HOST ranks, NIC $NIC_RATE per host; tp $TP, 
     --num-layers "${LAYERS:-4}" --hidden-size "${HIDDEN:-128}" --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
     --lr-warmup-iters 2 --device cpu --hidden-dropout 0 --attention-dropout 0 --data-path "$DATA_DIR/stdlib_text_document" \
-    --tokenizer-model "$DATA_DIR/tokenizer.model" --split 98,2,0 --log-interval 5 \
+    --tokenizer-model "$DATA_DIR/tokenizer.model" --split 98,2,0 --log-interval "${LOG_INTERVAL:-5}" \
     --metrics-file "$RUN_DIR/metrics.jsonl" ${EXTRA_ARGS:-}
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, statistics, sys

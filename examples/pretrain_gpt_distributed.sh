@@ -13,6 +13,9 @@
 # * Before torchrun, every node runs a node pre-flight (megareshard.launch.node_preflight, on port
 #   MASTER_PORT+1 or PREFLIGHT_PORT): a node that never starts is named (node rank, and the hosts that did
 #   join) within PREFLIGHT_TIMEOUT seconds, where torchrun's own rendezvous would block silently. PREFLIGHT=0 skips it.
+# * A MASTER_PORT already in use on the node that hosts the rendezvous is named in one line before torchrun
+#   starts (megareshard/launch/port_check.py; PORT_CHECK=0 skips it: needed only to run several nodes of one
+#   job on one machine with PREFLIGHT=0).
 # * Auto-resume: --save and --load both name CHECKPOINT_PATH (default $RUN_DIR/checkpoints): a run starts
 #   fresh when it holds no checkpoint and resumes from its newest complete one otherwise; torchrun restarts
 #   the workers up to MAX_RESTARTS (default 3) times after a rank dies, and each restart resumes the same way.
@@ -83,6 +86,12 @@ if [ "$DRY_RUN" = 1 ]; then
     if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then printf '%q ' "${PREFLIGHT_CMD[@]}"; echo; fi
     printf '%q ' "${CMD[@]}"; echo
     exit 0
+fi
+# a MASTER_PORT someone else listens on: one line now, not torchrun's EADDRINUSE traceback (static) or a
+# silent wait (c10d); checked on the node that hosts the rendezvous, before any node starts torchrun
+if [ "${PORT_CHECK:-1}" = 1 ]; then
+    "$PY" megareshard/launch/port_check.py --master-addr "$MASTER_ADDR" --rdzv "$RDZV" --node-rank "$NODE_RANK" \
+        --port "$MASTER_PORT" || exit $?
 fi
 mkdir -p "${RUN_DIR:-runs/gpt}"
 if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import megatron_flags, plugins
+from .flag_checks import parse_known_strictly, refuse_repeated_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .data.config import DataConfig
@@ -281,7 +282,10 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; Megatron-LM flags for features not built here, and unknown flags, end in one
     ConfigError naming every one of them (never argparse's "unrecognized arguments")."""
-    ns, unknown = parser.parse_known_args(argv)
+    if argv is None:  # the process's command line: a flag typed twice is refused (code may append overrides)
+        argv = sys.argv[1:]
+        refuse_repeated_flags(parser, argv)
+    ns, unknown = parse_known_strictly(parser, argv)
     refused, strange = megatron_flags.refusals(ns, unknown)
     if refused or strange:
         parts = []

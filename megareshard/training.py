@@ -30,11 +30,14 @@ import torch.distributed as dist
 from . import plugins
 from .arguments import Config, ConfigError, validate
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
+from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
+from .checkpoint.lock import lock_save_dir
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
-from .launch import PeerFailure, RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
+from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
+                     tp_placement_warnings)
 from .memory import ActivationMeter, MemoryReport, memory_report
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
@@ -261,7 +264,9 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
-        if ck.load and _nothing_to_load(ck.load):  # Megatron-LM scripts pass --load = --save on the first run too
+        # what --load holds, decided by rank 0 for all: from scratch only when it is --save and holds no
+        # checkpoint yet (Megatron-LM scripts pass --load = --save on the first run too); else a checkpoint
+        if ck.load and _agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
             if ctx.rank == 0:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
@@ -709,18 +714,40 @@ class Trainer:
         self.tensorboard.finish()
 
 
-def _nothing_to_load(path: str) -> bool:
-    """True when ``path`` is absent or an empty checkpoint root (a fresh run's --load = --save directory)."""
-    if not os.path.isdir(path):
-        return not os.path.exists(path)
-    return not any(n == "latest" or n == "checkpoint.json" or n.startswith("iter_") for n in os.listdir(path))
+def _agreed(ctx: ParallelContext, decide: Callable[[], Any]) -> Any:
+    """``decide()`` on rank 0, its result (or its ConfigError / CheckpointError, raised) on every rank: one
+    verdict even where the ranks' views of a file system could differ."""
+    verdict: tuple[Any, Any] = (None, None)
+    if ctx.rank == 0:
+        try:
+            verdict = (decide(), None)
+        except (ConfigError, CheckpointError) as e:
+            verdict = (None, (type(e) is ConfigError, str(e)))
+    if dist.is_initialized() and ctx.world_size > 1:
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+    if verdict[1] is not None:
+        raise (ConfigError if verdict[1][0] else CheckpointError)(verdict[1][1])
+    return verdict[0]
 
 
 def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
     """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` and tests: trains the model of
     ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC)."""
     device = pick_device(cfg.training.device)
+    exit_with_launcher()  # a torchrun worker stops when its agent is gone (kill -9 of torchrun)
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
+    save_lock = lock_save_dir(cfg.checkpoint.save, out) if cfg.checkpoint.save else None  # one job per --save
+    try:
+        return _pretrain(cfg, out, model_spec, device, world, infos)
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+
+
+def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: torch.device, world: int,
+              infos: list[RankInfo]) -> list[dict[str, Any]]:
     ctx, placement = build_context(cfg, world)
     if ctx.rank == 0:
         note = cfg.plan.auto_layout

@@ -65,3 +65,27 @@ def test_sbatch_takes_master_from_allocation(tmp_path):
     for node, line in enumerate(lines):
         assert f"--nnodes 2 --node-rank {node} --nproc-per-node 8 --master-addr gpu-a17 --master-port 24242" in line
     assert "rendezvous gpu-a17:24242" in p.stdout
+
+
+def test_busy_master_port_is_one_line_before_torchrun_on_both_rendezvous_kinds(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as held:            # someone else's server on the rendezvous port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for rdzv in ("static", "c10d"):
+            t0 = time.monotonic()
+            p = _run("examples/pretrain_gpt_distributed.sh", {"NNODES": "1", "RDZV": rdzv, "MASTER_PORT": str(port),
+                                                              "DEVICE": "cpu", "GPUS_PER_NODE": "2",
+                                                              "RUN_DIR": str(tmp_path / "run")})
+            assert p.returncode == 1, (rdzv, p.stdout, p.stderr)
+            lines = p.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"error: MASTER_PORT {port} is already in use on "), lines
+            assert f"(pid {os.getpid()}: " in lines[0] and len(lines[0]) < 400, lines[0]   # who holds it
+            assert not (tmp_path / "run").exists() and time.monotonic() - t0 < 30   # nothing started
+    from megareshard.launch.port_check import hosts_store
+
+    assert hosts_store("static", 0, "10.255.1.2") and not hosts_store("static", 1, "127.0.0.1")
+    assert hosts_store("c10d", 3, "localhost") and not hosts_store("c10d", 0, "10.255.1.2")   # only MASTER_ADDR's node

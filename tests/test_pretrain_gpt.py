@@ -17,10 +17,17 @@ def data(stdlib_text):
 
 
 def _args(data, *extra):
-    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+    """The base flags, those that ``extra`` gives replaced by it (the command line refuses a flag given twice)."""
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "1",
             "--data-path", str(data / "text"), "--tokenizer-model", str(data / "tok.model"), "--split", "80,20,0",
-            "--device", "cpu", *extra]
+            "--device", "cpu"]
+    given, kept, drop = {a for a in extra if a.startswith("--")}, [], False
+    for a in base:
+        drop = a in given if a.startswith("--") else drop
+        if not drop:
+            kept.append(a)
+    return kept + list(extra)
 
 
 @pytest.mark.slow

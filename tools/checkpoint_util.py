@@ -9,6 +9,12 @@
     python tools/checkpoint_util.py import-hf HF_DIR OUTDIR     # Llama / GPT-2: config.json + safetensors
     python tools/checkpoint_util.py export-hf CKPT HF_DIR
 
+Every writing command refuses a destination that exists and is not empty — another model's files, a
+training root whose ``latest`` the import would move — saying what is there and writing nothing,
+unless ``--force`` is given (``writable_destination``, the one check they all call). Writing into a
+checkpoint root also takes its lock (``megareshard/checkpoint/lock.py``): a running job's ``--save``
+directory is refused even with ``--force``.
+
 ``export`` writes ONE consolidated state dict, usable outside the framework with
 ``torch.load(OUT.pt, weights_only=True)``::
 
@@ -46,6 +52,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa:
 from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, check_files, metadata_summary,  # noqa: E402
                                     read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
                                     write_checkpoint)
+from megareshard.checkpoint.detect import check_destination  # noqa: E402
+from megareshard.checkpoint.lock import busy_message, try_lock_dir  # noqa: E402
 from megareshard.checkpoint.manager import describe_layout  # noqa: E402
 from megareshard.models import hf as hf_map  # noqa: E402
 from megareshard.models.config import ModelConfig  # noqa: E402
@@ -111,8 +119,15 @@ def inspect(path: str, as_json: bool = False, out=sys.stdout, list_keys: bool = 
     return report
 
 
-def export(path: str, out_path: str, weights_only: bool = False) -> dict:
+def writable_destination(dest: str, force: bool) -> None:
+    """The guard every writing command calls first: ``dest`` must be new or an empty directory, unless ``force``;
+    otherwise one ``CheckpointError`` line saying what is there (nothing written)."""
+    check_destination(dest, force=force)
+
+
+def export(path: str, out_path: str, weights_only: bool = False, force: bool = False) -> dict:
     """One consolidated state dict of full, unpadded tensors (see the module docstring)."""
+    writable_destination(out_path, force)
     ckpt = resolve_checkpoint_dir(path)
     info = read_info(ckpt)
     md = read_metadata(ckpt)
@@ -143,8 +158,10 @@ def export(path: str, out_path: str, weights_only: bool = False) -> dict:
     return result
 
 
-def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_only: bool = False) -> str:
+def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_only: bool = False,
+            force: bool = False) -> str:
     """A fresh checkpoint (``out_dir/iter_N``, ``out_dir/latest``) from an exported or plain state dict."""
+    writable_destination(out_dir, force)
     try:
         data = torch.load(in_path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -181,9 +198,15 @@ def _write_imported(model: dict, optim: dict | None, common: dict, model_cfg: di
     info = {"layout": {"imported_from": os.path.abspath(source), "rank_coords": []}, "model_config": model_cfg,
             "args": common.get("args"), "has_optimizer": bool(optim), "has_rng": False,
             "consumed_samples": common.get("consumed_samples"), "wandb_run_id": common.get("wandb_run_id")}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return write_checkpoint(out_dir, it, pieces, {"common": common}, info)
+    lock, holder = try_lock_dir(out_dir)          # a running job's --save is refused, --force or not
+    if holder is not None:
+        raise CheckpointError(busy_message(out_dir, holder, training=False))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return write_checkpoint(out_dir, it, pieces, {"common": common}, info)
+    finally:
+        lock.release()
 
 
 def _safetensors():
@@ -203,8 +226,9 @@ def _model_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-def import_hf(hf_dir: str, out_dir: str) -> tuple[str, ModelConfig]:
+def import_hf(hf_dir: str, out_dir: str, force: bool = False) -> tuple[str, ModelConfig]:
     """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama or GPT-2 directory."""
+    writable_destination(out_dir, force)
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
         with open(cfg_path) as f:
@@ -212,10 +236,17 @@ def import_hf(hf_dir: str, out_dir: str) -> tuple[str, ModelConfig]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {cfg_path}: {e}") from None
     st = _safetensors()
+    try:
+        cfg = hf_map.model_config_from_hf(hf_cfg)      # the config first: a bad one names its key, not a tensor
+    except hf_map.HFInteropError as e:
+        raise CheckpointError(f"{hf_dir}: {e}") from None
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"cannot read {index}: {type(e).__name__}: {e} (expected a weight_map)") from None
     else:
         files = ["model.safetensors"]
     hf_sd = {}
@@ -223,9 +254,13 @@ def import_hf(hf_dir: str, out_dir: str) -> tuple[str, ModelConfig]:
         path = os.path.join(hf_dir, name)
         if not os.path.exists(path):
             raise CheckpointError(f"{path} is missing (only safetensors checkpoints are read)")
-        hf_sd.update(st.load_file(path))
+        try:
+            hf_sd.update(st.load_file(path))
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error type for a bad file)
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            raise CheckpointError(f"{path} ({os.path.getsize(path)} bytes) is not a readable safetensors file: "
+                                  f"{first} (truncated or corrupt?)") from None
     try:
-        cfg = hf_map.model_config_from_hf(hf_cfg)
         model = hf_map.state_dict_from_hf(hf_sd, cfg)
     except hf_map.HFInteropError as e:
         raise CheckpointError(f"{hf_dir}: {e}") from None
@@ -233,8 +268,9 @@ def import_hf(hf_dir: str, out_dir: str) -> tuple[str, ModelConfig]:
     return _write_imported(model, None, common, dataclasses.asdict(cfg), 0, hf_dir, out_dir), cfg
 
 
-def export_hf(path: str, hf_dir: str) -> dict:
+def export_hf(path: str, hf_dir: str, force: bool = False) -> dict:
     """``config.json`` + ``model.safetensors`` (Llama or GPT-2) of a checkpoint's weights; returns the config."""
+    writable_destination(hf_dir, force)
     st = _safetensors()
     ckpt = resolve_checkpoint_dir(path)
     saved = read_info(ckpt).get("model_config")
@@ -271,36 +307,42 @@ def main(argv=None) -> int:
     b.add_argument("ckpt")
     b.add_argument("out")
     b.add_argument("--weights-only", action="store_true", help="model weights only (no optimizer state)")
+    b.add_argument("--force", action="store_true", help="overwrite an existing OUT")
     c = sub.add_parser("import", help="a fresh checkpoint from an exported or plain state dict")
     c.add_argument("input")
     c.add_argument("out_dir")
     c.add_argument("--iteration", type=int, default=None, help="iteration to record (default: the file's, or 0)")
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state from the input")
+    c.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (a root's latest moves to "
+                                                        "the imported iteration)")
     d = sub.add_parser("import-hf", help="a fresh checkpoint from a Hugging Face Llama or GPT-2 directory")
     d.add_argument("hf_dir")
     d.add_argument("out_dir")
+    d.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (a root's latest moves to "
+                                                        "the imported iteration)")
     e = sub.add_parser("export-hf", help="a checkpoint's weights as a Hugging Face Llama or GPT-2 directory")
     e.add_argument("ckpt")
     e.add_argument("hf_dir")
+    e.add_argument("--force", action="store_true", help="overwrite the files of a non-empty HF_DIR")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
             inspect(args.ckpt, args.json, list_keys=not args.summary)
         elif args.cmd == "export":
-            res = export(args.ckpt, args.out, args.weights_only)
+            res = export(args.ckpt, args.out, args.weights_only, args.force)
             n = sum(t.numel() for t in res["model"].values())
             print(f"exported iteration {res['iteration']}: {len(res['model'])} weights ({n:,} parameters)"
                   + (f", optimizer state of {len(res['optimizer'])} parameters" if "optimizer" in res else "")
                   + f" -> {args.out}")
         elif args.cmd == "import-hf":
-            path, cfg = import_hf(args.hf_dir, args.out_dir)
+            path, cfg = import_hf(args.hf_dir, args.out_dir, args.force)
             print(f"imported {args.hf_dir} -> {path}; train it with --load {args.out_dir} --finetune "
                   + " ".join(hf_map.megatron_flags(cfg)))
         elif args.cmd == "export-hf":
-            hf_cfg = export_hf(args.ckpt, args.hf_dir)
+            hf_cfg = export_hf(args.ckpt, args.hf_dir, args.force)
             print(f"exported {args.ckpt} -> {args.hf_dir} ({hf_cfg['architectures'][0]}: config.json, model.safetensors)")
         else:
-            path = import_(args.input, args.out_dir, args.iteration, args.weights_only)
+            path = import_(args.input, args.out_dir, args.iteration, args.weights_only, args.force)
             print(f"imported {args.input} -> {path} (load it with --load {args.out_dir})")
     except CheckpointError as e:
         print(f"checkpoint_util.py: error: {e}", file=sys.stderr)

@@ -25,6 +25,10 @@ multi-process training (gloo, CPU) in ``workdir`` and returns exactly::
   continues and ends bitwise equal to an uninterrupted run.
 * ``node-missing-static`` / ``node-missing-c10d``: the launch script with ``NNODES=2`` where node 1
   never starts: the node pre-flight names node rank 1 and the host that joined within its timeout.
+* ``second-writer``: a second job with the same ``--save`` while the first one trains: it stops at start-up
+  with one line naming the first job's rank 0 (host, pid, start time); the first job's checkpoints stay intact.
+* ``launcher-killed``: ``kill -9`` of torchrun mid-run: every worker ends within ``--comm-timeout`` (it watches
+  its launcher), and the next job on the directory takes its lock and resumes from the last save.
 * ``nic-down`` (root only: the emulated cluster of ``lab/cluster/emulate_cluster.py``): 2 hosts; host 1's
   NIC goes down mid-run (``ip netns exec <host> ip link set eth0 down``): every rank exits non-zero
   with its report within ``--comm-timeout``. Without root it returns ``how="skipped: needs root"``.
@@ -565,6 +569,137 @@ def trial_nic_down(workdir: str, quick: bool) -> dict[str, Any]:
                          else f"latest: {latest} ({verdict})", "reports": reports, "log": text}
 
 
+def _pids_of(job: Job, script: str = "pretrain_gpt.py") -> dict[int, int]:
+    """{global rank: pid} of the workers a torchrun job started (its children running ``script``)."""
+    out = {}
+    for pid in _descendants(job.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if script.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            out[int(env[b"RANK"])] = pid
+        except (OSError, KeyError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped yet counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_workers(job: Job, n: int, timeout: float) -> dict[int, int]:
+    """The ``n`` workers of a torchrun job once all have started (or what there is at the deadline)."""
+    deadline = time.monotonic() + timeout
+    pids = _pids_of(job)
+    while len(pids) < n and time.monotonic() < deadline and job.proc.poll() is None:
+        job.wait(0.2)                       # returns at once if torchrun ends; else a bounded pause between looks
+        pids = _pids_of(job)
+    return pids
+
+
+def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool = True,
+                  resume: bool = True) -> dict[str, Any]:
+    """Job A (torchrun, 2 ranks, ``--save D --load D``) trains; once it saved, job B starts on the same ``--save``
+    and must stop at start-up with one line naming A's rank 0 (host, pid, start time) while A's checkpoints stay
+    intact (``second``); then A's torchrun is SIGKILLed and every A worker must be gone within --comm-timeout,
+    each node saying why (``kill``); the lock died with A: this process takes it at once, and (``resume``) job C
+    on the same directory resumes from A's latest."""
+    timeout = comm_timeout(quick)
+    ck = os.path.join(workdir, "ck")
+    base = model_args(quick) + ["--comm-timeout", str(timeout), "--save", ck, "--load", ck]
+    a = torchrun(base + ["--train-iters", "100000", "--save-interval", "5"], 2, workdir, "job-a")
+    out: dict[str, Any] = {}
+    try:
+        t_saved = a.wait_line(r"saved iteration 5 ", 600)
+        pids = _wait_workers(a, 2, 60)
+        out["a_started"] = t_saved is not None and len(pids) == 2
+        if second and out["a_started"]:
+            before = sorted(n for n in os.listdir(ck) if n.startswith("iter_"))
+            b = torchrun(base + ["--train-iters", "4"], 2, workdir, "job-b")
+            code = b.wait(600)
+            b.kill()
+            text = b.text()
+            busy = [line for line in text.splitlines() if "is in use by another job" in line]
+            latest, verdict = latest_state(ck)
+            after = sorted(n for n in os.listdir(ck) if n.startswith("iter_"))
+            out["second"] = {"code": code, "lines": busy, "wall_s": round(b.exit_t - b.t0, 2) if b.exit_t else None,
+                             "a_rank0_pid": pids.get(0), "iterations_before": before, "iterations_after": after,
+                             "latest": latest, "latest_verdict": verdict, "started_training": "iteration " in text
+                             and re.search(r"iteration\s+\d+/", text) is not None, "log": text}
+        if kill and out["a_started"]:
+            t_kill = time.monotonic()
+            os.kill(a.proc.pid, signal.SIGKILL)
+            deadline = t_kill + timeout
+            gone: dict[int, float] = {}
+            while len(gone) < len(pids) and time.monotonic() < deadline:
+                for r, pid in pids.items():
+                    if r not in gone and not _alive(pid):
+                        gone[r] = round(time.monotonic() - t_kill, 2)
+                if len(gone) < len(pids):
+                    a.wait(0.05)            # a bounded pause between looks at /proc (the pipe closes last)
+            a.wait(30)                      # its output pipe closes with the last worker
+            text = a.text()
+            latest, verdict = latest_state(ck)
+            from megareshard.checkpoint.lock import try_lock_dir
+
+            probe, holder = try_lock_dir(ck)
+            if probe is not None:
+                probe.release()
+            out["kill"] = {"gone_s": gone, "survivors": sorted(set(pids) - set(gone)), "limit_s": timeout,
+                           "lines": [line for line in text.splitlines() if "launcher" in line and "is gone" in line],
+                           "latest": latest, "latest_verdict": verdict, "lock_holder_after": holder}
+            if latest is not None and resume:  # one process shows the lock is free (it loads A's dp 2 into dp 1)
+                c = launch_ranks(base + ["--train-iters", str(latest + 1)], 1, workdir, "job-c")[0]
+                out["kill"]["next_code"] = c.wait(600)
+                c.kill()
+                m = re.search(r"checkpoint: loaded \S+ \(iteration (\d+)", c.text())
+                out["kill"]["next_resumed_from"] = int(m[1]) if m else None
+                out["kill"]["next_latest"] = latest_state(ck)[0]
+                out["kill"]["next_log"] = c.text()
+    finally:
+        a.kill()
+    out["log"] = a.text()
+    return out
+
+
+def trial_second_writer(workdir: str, quick: bool) -> dict[str, Any]:
+    r = writers_trial(workdir, quick, kill=False)
+    s = r.get("second") or {}
+    ok = (s.get("code") not in (0, None) and len(s.get("lines", [])) == 1 and f"pid {s.get('a_rank0_pid')} "
+          in s["lines"][0] and s.get("latest_verdict") == "complete" and not s.get("started_training"))
+    return {"fault": "second-writer", "detected": ok,
+            "how": (f"a second job on the same --save while the first trains: exit {s.get('code')} at start-up: "
+                    + (s["lines"][0].split("error: ", 1)[-1].replace(workdir, "W")[:150] if s.get("lines")
+                       else "NO LINE") if s else "the first job never saved"),
+            "detect_s": s.get("wall_s"), "recovered": None, "steps_lost": 0,  # the first job never stopped
+            "data_lost": (f"none: the first job's checkpoints intact (latest = iteration {s.get('latest')}, "
+                          f"{s.get('latest_verdict')})" if s.get("latest_verdict") == "complete"
+                          else f"latest: {s.get('latest')} ({s.get('latest_verdict')})"), **r}
+
+
+def trial_launcher_killed(workdir: str, quick: bool) -> dict[str, Any]:
+    r = writers_trial(workdir, quick, second=False)
+    k = r.get("kill") or {}
+    ok = bool(k) and not k["survivors"] and len(k["lines"]) >= 1 and k["lock_holder_after"] is None
+    resumed = k.get("next_code") == 0 and k.get("next_resumed_from") == k.get("latest")
+    return {"fault": "launcher-killed", "detected": ok,
+            "how": (f"SIGKILL of torchrun mid-run: every worker gone after {max(k['gone_s'].values(), default=None)}s "
+                    f"(--comm-timeout {k['limit_s']:g}s): " + (k["lines"][0].split("error: ", 1)[-1][:120]
+                                                                if k["lines"] else "NO LINE")
+                    + f"; the next job took the lock and resumed from iteration {k.get('next_resumed_from')}"
+                    if k else "the job never started"),
+            "detect_s": max(k["gone_s"].values()) if k and k["gone_s"] else None, "recovered": resumed,
+            "steps_lost": None, "data_lost": (f"none: latest = iteration {k.get('latest')}, "
+                                              f"{k.get('latest_verdict')}" if k else "n/a"), **r}
+
+
 def _contract(trial: Callable[[str, bool], dict[str, Any]]) -> Callable[[str, bool], dict[str, Any]]:
     """The runner's view of a trial: exactly KEYS (the trial itself returns more, for the tests)."""
     def fn(workdir: str, quick: bool) -> dict[str, Any]:
@@ -587,6 +722,8 @@ TRIALS: list[tuple[str, Callable[[str, bool], dict[str, Any]]]] = [
     ("preempted", trial_preempted),
     ("node-missing-static", trial_node_missing_static),
     ("node-missing-c10d", trial_node_missing_c10d),
+    ("second-writer", trial_second_writer),
+    ("launcher-killed", trial_launcher_killed),
     ("nic-down", trial_nic_down),
 ]
 FAULTS: list[tuple[str, Callable[[str, bool], dict[str, Any]]]] = [(n, _contract(f)) for n, f in TRIALS]

@@ -35,7 +35,7 @@ def test_emulated_cluster_example_end_to_end(stdlib_text, tmp_path):
     prefix = f"mrex{os.getpid()}"  # the example's own names: tests on the other worker build clusters of their own
     env = dict(os.environ, HOSTS="2", PROCS_PER_HOST="2", TP="2", PP="2", TRAIN_ITERS="3", LAYERS="2",
                HIDDEN="32", DATA_DIR=str(data), RUN_DIR=str(tmp_path / "run"), TIMEOUT="240", WANDB_MODE="disabled",
-               EXTRA_ARGS="--log-interval 1", PREFIX=prefix)
+               LOG_INTERVAL="1", PREFIX=prefix)
     proc = subprocess.run(["bash", str(ROOT / "examples/emulated_cluster.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr

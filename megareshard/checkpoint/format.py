@@ -30,6 +30,7 @@ readable with plain ``dcp.load`` into full tensors in one process without a proc
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -229,7 +230,9 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
     boxes = {k: (p.global_shape, p.offset) for k, p in pieces.items()}
     state: dict[str, Any] = {k: p.tensor.detach() for k, p in pieces.items()}
     state.update(objects)
+    need = sum(p.tensor.numel() * p.tensor.element_size() for p in pieces.values())  # this rank's tensor bytes
     error: str | None = None
+    full: tuple[int, str] | None = None   # (rank, file) of a write that found the disk full
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # DCP's "single process" notice
@@ -239,6 +242,11 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
         raise
     except BaseException as e:   # CheckpointException (a BaseException) on every rank when any rank failed
         error = f"writing the shards failed: {_reason(e)}"
+        bad_rank, bad = _first_failure(e)
+        if _out_of_space(bad):
+            # DCP's writer names no file: rank r writes __r_0.distcp (one file per rank), rank 0 also .metadata
+            r = rank if bad_rank is None else bad_rank
+            full = (r, getattr(bad, "filename", None) or os.path.join(tmp, f"__{r}_0.distcp"))
     crcs: dict[str, int] = {}
     if error is None:            # every rank checksums a share of the files (they are all on disk now)
         try:
@@ -246,18 +254,26 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
                                   rank, world)
         except OSError as e:
             error = f"checksumming {tmp} failed on rank {rank}: {_reason(e)}"
+    needs = [need]
     if distributed:
         shares: list = [None] * world
-        dist.all_gather_object(shares, (crcs, error), group=process_group)
-        errors = [e for _, e in shares if e]
+        dist.all_gather_object(shares, (crcs, error, need), group=process_group)
+        errors = [e for _, e, _ in shares if e]
         error = errors[0] if errors else None
-        for c, _ in shares:
+        for c, _, _ in shares:
             crcs.update(c)
+        needs = [n for _, _, n in shares]
     if rank == 0 and error is None:
         try:
             _finish_checkpoint(root, tmp, final, name, iteration, info, crcs)
         except OSError as e:
             error = f"finishing {tmp} failed: {_reason(e)}"
+            if _out_of_space(e):
+                full = (0, e.filename or os.path.join(tmp, CHECKPOINT_JSON))
+    if rank == 0 and error is not None and full is not None:
+        _rmtree(tmp)             # the partial save's bytes count as free again
+        error = (f"rank {full[0]} ran out of space writing {full[1]}: No space left on device; the checkpoint needs "
+                 f"about {_human(sum(needs))}, {_human(_free_bytes(root))} free in {root} without it")
     if distributed:              # rank 0's steps, agreed on by every rank
         box = [error]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group is not None
@@ -308,17 +324,48 @@ def _finish_checkpoint(root: str, tmp: str, final: str, name: str, iteration: in
     _atomic_write_text(os.path.join(root, LATEST_FILE), name + "\n")
 
 
-def _reason(e: BaseException) -> str:
-    """One line for an I/O failure: DCP wraps the rank's exception, whose text is a traceback."""
+def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) of the first rank's failure inside DCP's ``CheckpointException`` (whose ``failures``
+    map a rank to ``(exception, stack summary)``), or (None, ``e``) for any other exception."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, inner = sorted(failures.items())[0]
-        inner = getattr(inner, "exc", inner)    # DCP's _WrappedException
+        inner = inner[0] if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException) else inner
+        inner = getattr(inner, "exc", inner)    # older torch: a _WrappedException
+        if isinstance(inner, BaseException):
+            return int(rank), _first_failure(inner)[1]
+    return None, e
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an I/O failure: DCP wraps the rank's exception with its stack, whose text is a traceback."""
+    rank, inner = _first_failure(e)
+    if rank is not None:
         return f"rank {rank}: {_reason(inner)}"
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror} (errno {e.errno}{', ' + e.filename if e.filename else ''})"
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
+    return f"{type(e).__name__}: {text[-1][:300] if text else ''}"
+
+
+def _out_of_space(e: BaseException | None) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _remove_quietly(path: str) -> None:

@@ -447,27 +447,20 @@ class CheckpointManager:
                     if piece is not None:
                         requests[key + "@" + e.own_name] = piece
             optim_targets.append((e, kinds))
-        local_errors = []
+        local_errors = []        # (key, checkpoint shape, this model's shape)
         for rkey, piece in requests.items():
             key = rkey.split("@", 1)[0]
             smd = saved_md.get(key)
             if isinstance(smd, TensorStorageMetadata) and tuple(smd.size) != tuple(piece.global_shape):
-                local_errors.append(f"{key}: checkpoint shape {tuple(smd.size)}, this model expects "
-                                    f"{tuple(piece.global_shape)}")
+                local_errors.append((key, tuple(smd.size), tuple(piece.global_shape)))
         needed = sorted({k.split("@", 1)[0] for k in requests})
         gathered = _all_gather_object({"needed": needed, "errors": local_errors})
         needed_all = set().union(*(g["needed"] for g in gathered))
-        for g in gathered:
-            errors.extend(e for e in g["errors"] if e not in errors)
+        shapes = sorted({e for g in gathered for e in g["errors"]})
         missing = sorted(needed_all - saved_tensors)
         relevant = {k for k in saved_tensors if k.startswith("model.") or (want_optim and k.startswith("optim."))}
         unexpected = sorted(relevant - needed_all)
-        if missing:
-            errors.append(f"{len(missing)} key(s) missing from the checkpoint: {', '.join(missing[:20])}"
-                          + (" …" if len(missing) > 20 else ""))
-        if unexpected:
-            errors.append(f"{len(unexpected)} unexpected key(s) in the checkpoint (not in this model): "
-                          f"{', '.join(unexpected[:20])}" + (" …" if len(unexpected) > 20 else ""))
+        errors.extend(_tensor_mismatches(shapes, missing, unexpected, named=not errors))
         if errors:
             raise CheckpointError(f"checkpoint {ckpt} does not fit this model (nothing was loaded): "
                                   + "; ".join(errors))
@@ -612,6 +605,25 @@ class CheckpointManager:
                           wandb_run_id=None if finetune else common.get("wandb_run_id"),
                           args=common.get("args"), saved_layout=sl, loaded_optimizer=want_optim,
                           loaded_rng=loaded_rng, finetune=finetune, messages=messages)
+
+
+def _tensor_mismatches(shapes: list, missing: list[str], unexpected: list[str], *, named: bool) -> list[str]:
+    """The tensors that do not fit, counted, for the one-line error: with the configuration fields that differ
+    already named (``named`` False) the counts say enough; without them (an imported checkpoint that records
+    no configuration) the first few are named."""
+    def first(keys: list[str]) -> str:
+        return f": {', '.join(keys[:3])}" + (" …" if len(keys) > 3 else "") if named else ""
+
+    out = []
+    if shapes:
+        k, saved, now = shapes[0]
+        out.append(f"{len(shapes)} tensor(s) of another shape" + (
+            f" (first {k}: checkpoint {saved}, this model {now})" if named else ""))
+    if missing:
+        out.append(f"{len(missing)} key(s) missing from the checkpoint{first(missing)}")
+    if unexpected:
+        out.append(f"{len(unexpected)} unexpected key(s) in the checkpoint (not in this model){first(unexpected)}")
+    return out
 
 
 def _agreed_precheck(root: str):

@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from .config import ModelConfig
+from ..config_fields import ConfigError
+from .config import ModelConfig, check_model_shape
 
 __all__ = ["HFInteropError", "model_config_from_hf", "hf_config_from_model_config", "state_dict_from_hf",
            "state_dict_to_hf", "megatron_flags", "hf_model_type"]
@@ -33,14 +34,59 @@ class HFInteropError(ValueError):
 
 # ---- configurations ---------------------------------------------------------------------------------
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face ``config.json`` (``model_type`` llama or gpt2)."""
-    kind = hf.get("model_type")
-    if kind == "llama":
-        return _llama_config(hf)
-    if kind == "gpt2":
-        return _gpt2_config(hf)
-    raise HFInteropError(f"model_type {kind!r} is not supported: only 'llama' (LlamaForCausalLM) and 'gpt2' "
-                         "(GPT2LMHeadModel)")
+    """The ``ModelConfig`` of a Hugging Face ``config.json`` (``model_type`` llama or gpt2). Every size is checked
+    first (a positive integer; heads dividing the hidden size, under the config's own key names): a bad config
+    is one ``HFInteropError`` line, never a reshape error in the weights."""
+    kind = hf.get("model_type") if isinstance(hf, dict) else None
+    if kind not in ("llama", "gpt2"):
+        raise HFInteropError(f"model_type {kind!r} is not supported: only 'llama' (LlamaForCausalLM) and 'gpt2' "
+                             "(GPT2LMHeadModel)")
+    _check_sizes(hf, kind)
+    try:
+        cfg = _llama_config(hf) if kind == "llama" else _gpt2_config(hf)
+    except HFInteropError:
+        raise
+    except (TypeError, ValueError) as e:  # a float field that is not a number, ...
+        raise HFInteropError(f"config.json: {e}") from None
+    try:
+        check_model_shape(cfg, 1, as_flags=False)
+    except ConfigError as e:
+        raise HFInteropError(f"config.json gives a model that cannot be built: {e}") from None
+    return cfg
+
+
+# (key, required): the sizes of each config.json kind
+_SIZES = {"gpt2": (("n_layer", True), ("n_embd", True), ("n_head", True), ("n_positions", True), ("vocab_size", True),
+                   ("n_inner", False)),
+          "llama": (("num_hidden_layers", True), ("hidden_size", True), ("num_attention_heads", True),
+                    ("intermediate_size", True), ("vocab_size", True), ("max_position_embeddings", False),
+                    ("num_key_value_heads", False), ("head_dim", False))}
+_NUMBERS = {"gpt2": ("resid_pdrop", "attn_pdrop", "initializer_range", "layer_norm_epsilon"),
+            "llama": ("rope_theta", "partial_rotary_factor", "attention_dropout", "initializer_range", "rms_norm_eps")}
+
+
+def _check_sizes(hf: dict, kind: str) -> None:
+    for key, required in _SIZES[kind]:
+        v = hf.get(key)
+        if v is None:
+            if required:
+                raise HFInteropError(f"config.json has no {key} (a {kind} config needs it)")
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise HFInteropError(f"config.json: {key} {v!r} must be a positive integer")
+    for key in _NUMBERS[kind]:
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise HFInteropError(f"config.json: {key} {v!r} must be a number")
+    h, heads = (hf["n_embd"], hf["n_head"]) if kind == "gpt2" else (hf["hidden_size"], hf["num_attention_heads"])
+    hk, nk = ("n_embd", "n_head") if kind == "gpt2" else ("hidden_size", "num_attention_heads")
+    if h % heads and not (kind == "llama" and hf.get("head_dim")):
+        raise HFInteropError(f"config.json: {hk} {h} is not divisible by {nk} {heads}: each of the {heads} attention "
+                             f"heads takes {hk} / {nk} channels")
+    kv = hf.get("num_key_value_heads") if kind == "llama" else None
+    if kv and heads % kv:
+        raise HFInteropError(f"config.json: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}: "
+                             "every key/value head serves the same number of query heads")
 
 
 def _llama_config(hf: dict) -> ModelConfig:
@@ -225,6 +271,35 @@ def _name_pairs(cfg: ModelConfig, kind: str) -> list[tuple[str, str, str]]:
     return pairs
 
 
+def _hf_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
+    """The shape of every Hugging Face tensor ``cfg`` has (its name -> shape), to check a state dict before
+    mapping it."""
+    h, v, f, d = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, cfg.head_dim
+    heads, groups = cfg.num_attention_heads, cfg.query_groups
+    ours: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (v, h), "output_layer.weight": (v, h),
+                                        "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h),
+                                        "final_layernorm.weight": (h,), "final_layernorm.bias": (h,)}
+    for i in range(cfg.num_layers):
+        o = f"layers.{i}."
+        ours.update({o + "input_layernorm.weight": (h,), o + "input_layernorm.bias": (h,),
+                     o + "post_attention_layernorm.weight": (h,), o + "post_attention_layernorm.bias": (h,),
+                     o + "attention.proj.weight": (h, heads * d), o + "attention.proj.bias": (h,),
+                     o + "mlp.fc2.weight": (h, f), o + "mlp.fc2.bias": (h,)})
+        for fc1 in ("mlp.fc1", "mlp.fc1_gate", "mlp.fc1_up"):
+            ours.update({o + fc1 + ".weight": (f, h), o + fc1 + ".bias": (f,)})
+    out = {theirs: (ours[o][::-1] if how == "t" else ours[o]) for o, theirs, how in _name_pairs(cfg, kind)}
+    for i in range(cfg.num_layers):
+        n = _qkv_names(cfg, kind, i)
+        if kind == "llama":
+            for part, rows in (("q", heads * d), ("k", groups * d), ("v", groups * d)):
+                out[n[part] + ".weight"] = (rows, h)
+                out[n[part] + ".bias"] = (rows,)
+        else:
+            out[n["c_attn"] + ".weight"] = (h, 3 * h)      # Conv1D: [in, out]
+            out[n["c_attn"] + ".bias"] = (3 * h,)
+    return out
+
+
 def _qkv_names(cfg: ModelConfig, kind: str, i: int) -> dict[str, str]:
     if kind == "llama":
         t = f"model.layers.{i}.self_attn."
@@ -238,6 +313,12 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     Every Hugging Face tensor must be used (a tied ``lm_head.weight`` must equal the embedding).
     """
     kind = hf_model_type(cfg)
+    wrong = [(name, tuple(hf_sd[name].shape), shape) for name, shape in _hf_shapes(cfg, kind).items()
+             if name in hf_sd and tuple(hf_sd[name].shape) != shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise HFInteropError(f"config.json does not match the weights: {len(wrong)} tensor(s) of another shape, first "
+                             f"{name} {got} where the config's sizes need {want}")
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:

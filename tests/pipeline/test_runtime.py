@@ -213,7 +213,7 @@ def test_layer_splits():
 
 
 def test_unknown_schedule_and_strategy_are_refused():
-    with pytest.raises(SystemExit):  # argparse's "invalid choice", exit status 2
+    with pytest.raises(ConfigError, match="invalid choice: 'zigzag'"):  # one line, not argparse's usage and exit
         parse_args(_argv(pp=2, schedule="zigzag"), world_size=2)
     cfg = parse_args(_argv(pp=2), world_size=2)
     cfg.pipeline.pipeline_schedule = "interleaved"

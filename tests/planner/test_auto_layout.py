@@ -39,7 +39,8 @@ def test_auto_layout_starts_and_trains(tmp_path) -> None:
     env = dict(os.environ, WANDB_MODE="disabled", TMPDIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "pretrain_gpt.py"), *MODEL, *CLUSTER, "--train-iters", "4", "--log-interval", "1",
+         str(ROOT / "pretrain_gpt.py"), *[a for a in MODEL if a not in ("--train-iters", "20")], *CLUSTER,
+         "--train-iters", "4", "--log-interval", "1",  # (a command line refuses a flag given twice)
          "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu"],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,6 +2,7 @@
 mismatched checkpoints and a missing ``latest``. Every rank gets the same one-line error before any rank
 changed state; the previous checkpoint stays the latest and loads."""
 import os
+import re
 import tempfile
 
 import pytest
@@ -70,6 +71,10 @@ def test_disk_full_during_save():
                 assert kind == "stopped" and at == 4, result
                 assert "saving iteration 4 to" in msg and "No space left on device" in msg, msg
                 assert msg.endswith("latest still names iter_0000002") and "\n" not in msg, msg
+                # which rank, which file, the space needed and free; short once its paths are aside
+                assert re.search(r"rank \d ran out of space writing \S+/\.tmp\.iter_0000004/__\d_0\.distcp: No space "
+                                 r"left on device; the checkpoint needs about [\d.]+ KiB, [\d.]+ KiB free in ", msg), msg
+                assert len(re.sub(r"/\S+", "P", msg)) < 300, msg
             else:
                 assert result[:2] == ("finished", 4) and result[2] >= 1, result
         assert results[0][mode][0] == results[1][mode][0]  # the same error on both ranks
@@ -136,9 +141,10 @@ def test_bad_checkpoints_fail_on_every_rank_before_loading():
     assert r["intact"] is None
     for name in ("corrupt", "truncated", "shape", "vocab", "no-latest"):
         msg, untouched = r[name]
-        assert untouched and "\n" not in msg, (name, msg)
+        assert untouched and "\n" not in msg and len(re.sub(r"/\S+", "P", msg)) < 300, (name, msg)
     assert "__0_0.distcp is corrupt: CRC-32" in r["corrupt"][0] and "seen by rank(s) 1" in r["corrupt"][0]
     assert "__0_0.distcp has" in r["truncated"][0] and "truncated" in r["truncated"][0]
     assert "model config hidden_size: checkpoint 32, this run 64" in r["shape"][0]
+    assert re.search(r"; \d+ tensor\(s\) of another shape$", r["shape"][0]), r["shape"][0]   # counted, not listed
     assert "model config vocab_size: checkpoint 64, this run 80" in r["vocab"][0]
     assert "latest missing" in r["no-latest"][0] and "iter_0000001" in r["no-latest"][0]
