@@ -13,7 +13,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from . import megatron_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
@@ -22,7 +22,9 @@ from .data.config import DataConfig
 from .parallel.config import ParallelConfig
 from .pipeline.config import PipelineConfig
 from .parallel.topology import TopologyError, parse_order
-from .model_spec.protocol import ModelSpec, get_model_spec
+
+if TYPE_CHECKING:
+    from .model_spec.protocol import ModelSpec
 
 
 @dataclass
@@ -125,6 +127,9 @@ class LaunchConfig:
                                     "dumps every rank's activity and exits")
     distributed_timeout_minutes: float | None = _f(None, "Megatron's name for the collective timeout, in minutes "
                                                          "(sets --comm-timeout)")
+    validate_only: bool = _f(False, "check the arguments for $WORLD_SIZE ranks, the tokenizer and the data files, "
+                                    "print one line and exit without training (the launch scripts run this once "
+                                    "before torchrun, so a bad argument is one line, not one per rank)")
 
 
 @dataclass
@@ -214,9 +219,20 @@ def _base_type(annotation: Any) -> type:
     raise TypeError(f"unsupported config field type {annotation!r}")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` placeholders that name the value: ``--num-layers N``, ``--lr LR``, ``--save SAVE`` (argparse's
+    default is the destination, ``MODEL.NUM_LAYERS``)."""
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        if action.type is int:
+            return "N"
+        return action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add every config field as a flag (grouped by section) plus the deprecated spellings."""
-    parser = parser or argparse.ArgumentParser(description="megareshard training", allow_abbrev=False)
+    parser = parser or argparse.ArgumentParser(description="megareshard training", allow_abbrev=False,
+                                               formatter_class=HelpFormatter)
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
@@ -260,7 +276,9 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
-    return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns))
+    notes = megatron_flags.no_effect_flags(ns)
+    megatron_flags.apply_mapped_flags(ns, kwargs["model"], notes)  # old spellings of flags we have
+    return Config(**kwargs, notes=notes)
 
 
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -273,12 +291,22 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
         if refused:
             parts.append(f"not supported by megareshard: {', '.join(refused)}")
         if strange:
-            parts.append(f"unknown flag(s) {' '.join(strange)}: neither megareshard's nor Megatron-LM's "
-                         "(see --help)")
+            named = " ".join(_with_nearest_flag(name, parser) for name in strange)
+            parts.append(f"unknown flag(s) {named}: neither megareshard's nor Megatron-LM's (see --help)")
         raise ConfigError("; ".join(parts))
     if unknown:
         raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")
     return ns
+
+
+def _with_nearest_flag(name: str, parser: argparse.ArgumentParser) -> str:
+    """``name``, followed by the known flag it most likely misspells: ``--tensor-model-paralel-size (did you mean
+    --tensor-model-parallel-size?)``."""
+    import difflib
+
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]  # no public list
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f"{name} (did you mean {near[0]}?)" if near else name
 
 
 def _world_size(world_size: int | None) -> int:
@@ -301,9 +329,12 @@ def parse_model_args(model: str | ModelSpec, argv: Sequence[str] | None = None,
     ``--u-*``), for the model registered as ``model`` (or that spec): the validated Config, with the
     fields the model derives from its shape set (``spec.apply_to``), and the spec its flags configure.
     What an entry point such as ``pretrain_utransformer.py`` hands to ``training.pretrain``."""
+    from .model_spec.protocol import get_model_spec
+
     spec = get_model_spec(model) if isinstance(model, str) else model
     parser = spec.add_arguments(build_parser(argparse.ArgumentParser(
-        description=f"megareshard training of the {spec.name} model", allow_abbrev=False)))
+        description=f"megareshard training of the {spec.name} model", allow_abbrev=False,
+        formatter_class=HelpFormatter)))
     ns = _parse_flags(parser, argv)
     cfg = config_from_namespace(ns)
     spec = spec.from_args(ns)
