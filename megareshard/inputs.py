@@ -72,5 +72,6 @@ def validate_only(cfg: Any, world_size: int | None = None) -> str:
               else f"tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp(world_size)}")
     data = ", ".join(found) if found else "mock data"
     vocab = f"tokenizer {tok!r}" if tok is not None else f"vocabulary {cfg.model.vocab_size}"
-    return (f"megareshard: arguments valid for {world_size} rank(s): {layout}, {cfg.num_microbatches(world_size)} "
-            f"microbatch(es) per iteration, {t.train_iters} iterations; {vocab}; data {data}")
+    return (f"megareshard: arguments valid for {world_size} rank(s): {layout}, global batch {t.global_batch_size} "
+            f"in {cfg.num_microbatches(world_size)} microbatch(es) of {t.micro_batch_size} per dp rank, --train-iters "
+            f"{t.train_iters}; {vocab}; data {data}")

@@ -634,8 +634,8 @@ class Trainer:
     def _memory_lines(self) -> str:
         """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
         mib = 2 ** 20
-        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; activations = "
-                 "peak saved for backward):"]
+        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; optimizer = separate "
+                 "fp32 masters and AdamW's moments; activations = peak saved for backward):"]
         for i, m in enumerate(self.memory):
             lines.append(f"   stage {i}: params {m.params / mib:.1f} | grads {m.grads / mib:.1f} | optimizer "
                          f"{m.optimizer / mib:.1f} | activations {m.activations / mib:.1f} | total {m.total / mib:.1f}")

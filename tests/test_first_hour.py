@@ -154,7 +154,7 @@ def test_validate_only_checks_tokenizer_and_data_without_training(stdlib_text, c
             "--global-batch-size", "8", "--validate-only", "--tensor-model-parallel-size", "2"]
     assert pretrain_gpt.main(data + TINY) == 0
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "arguments valid for 4 rank(s): tp 2 × pp 1 × dp 2, 2 microbatch(es)" in out
+    assert out.count("\n") == 1 and "arguments valid for 4 rank(s): tp 2 × pp 1 × dp 2, global batch 8 in 2 microbatch(es) of 2" in out
     assert "vocab_size=800" in out and "text (" in out
     assert pretrain_gpt.main(data + TINY + ["--vocab-size", "999"]) == 2
     assert "--vocab-size 999 differs from the vocabulary" in capsys.readouterr().err
