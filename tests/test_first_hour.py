@@ -70,6 +70,20 @@ def test_memory_table_bf16_zero1_counts_masters_and_moments():
     assert 6 * mem.params <= mem.optimizer < 6 * mem.params + 4 * 64
 
 
+def test_a_tensor_parallel_shard_holds_only_its_own_rows():
+    """The quick start's memory table showed params 3.3 MiB per rank where the shards hold 1.8: a dim-0 shard was a
+    view keeping the whole unsharded weight alive (on CPU; a copy to a GPU holds only the view)."""
+    from types import SimpleNamespace
+
+    from megareshard.tensor_parallel.layers import _shard_param
+
+    ctx = SimpleNamespace(tp_size=2, tp_rank=lambda: 1)
+    full = torch.arange(32, dtype=torch.float32).view(8, 4)
+    for dim in (0, 1):
+        shard = _shard_param(full, ctx, dim, torch.device("cpu"), torch.float32)
+        assert torch.equal(shard, full.chunk(2, dim)[1]) and shard.untyped_storage().nbytes() == 16 * 4
+
+
 def test_fp16_learning_rate_schedule_advances_only_with_applied_updates():
     # 2^24 overflows fp16 gradients at first; with hysteresis 1 the scale halves at every overflow until it fits
     trainer, log = _train(["--mock-data", "--vocab-size", "64", "--train-iters", "12", "--fp16",
