@@ -17,13 +17,27 @@ import sys
 
 from megareshard.arguments import parse_args
 from megareshard.entry import run_entry_point
-from megareshard.model_spec import get_model_spec
-from megareshard.training import pretrain
+
+
+def pretrain(cfg, **kwargs):
+    """``megareshard.training.pretrain``, imported once the arguments are parsed: ``--help`` and a bad flag
+    answer at once, without loading torch."""
+    from megareshard.training import pretrain as train
+
+    return train(cfg, **kwargs)
 
 
 def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
     def run() -> None:
-        pretrain(parse_args(argv), model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
+        cfg = parse_args(argv)
+        if cfg.launch.validate_only:  # the launch scripts' check before torchrun
+            from megareshard.inputs import validate_only
+
+            print(validate_only(cfg), flush=True)
+            return
+        from megareshard.model_spec import get_model_spec
+
+        pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
 
     return run_entry_point("pretrain_gpt.py", run, hard_exit_after_peer_failure=hard_exit_after_peer_failure)
 

@@ -25,6 +25,11 @@ from megareshard.training import pretrain
 def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
     def run() -> None:
         cfg, spec = parse_model_args("utransformer", argv)  # + the U's --u-* flags
+        if cfg.launch.validate_only:  # the launch scripts' check before torchrun
+            from megareshard.inputs import validate_only
+
+            print(validate_only(cfg), flush=True)
+            return
         pretrain(cfg, model_spec=spec)
 
     return run_entry_point("pretrain_utransformer.py", run, hard_exit_after_peer_failure=hard_exit_after_peer_failure)

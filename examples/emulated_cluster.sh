@@ -20,14 +20,17 @@ mkdir -p "$RUN_DIR"; rm -f "$RUN_DIR/metrics.jsonl"
 export WANDB_MODE=${WANDB_MODE:-offline}
 echo "== $HOSTS hosts × $PROCS_PER_HOST ranks, NIC $NIC_RATE per host; tp $TP, pp $PP"
 # shellcheck disable=SC2086
+TRAIN_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers "${LAYERS:-4}" --hidden-size "${HIDDEN:-128}" --num-attention-heads 4 --seq-length 128
+    --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95
+    --lr-warmup-iters 2 --device cpu --hidden-dropout 0 --attention-dropout 0 --data-path "$DATA_DIR/stdlib_text_document"
+    --tokenizer-model "$DATA_DIR/tokenizer.model" --split 98,2,0 --log-interval "${LOG_INTERVAL:-5}"
+    --metrics-file "$RUN_DIR/metrics.jsonl" ${EXTRA_ARGS:-})
+# the arguments checked once, in this process, before a torchrun per host starts: a mistake is one line
+WORLD_SIZE=$((HOSTS * PROCS_PER_HOST)) LOCAL_WORLD_SIZE=$PROCS_PER_HOST "$VENV_PY" pretrain_gpt.py --validate-only \
+    "${TRAIN_ARGS[@]}"
 "$VENV_PY" -m lab.cluster.emulate_cluster --hosts "$HOSTS" --procs-per-host "$PROCS_PER_HOST" --nic-rate "$NIC_RATE" \
-    ${TIMEOUT:+--timeout "$TIMEOUT"} ${PREFIX:+--prefix "$PREFIX"} -- \
-    pretrain_gpt.py --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --num-layers "${LAYERS:-4}" --hidden-size "${HIDDEN:-128}" --num-attention-heads 4 --seq-length 128 \
-    --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
-    --lr-warmup-iters 2 --device cpu --hidden-dropout 0 --attention-dropout 0 --data-path "$DATA_DIR/stdlib_text_document" \
-    --tokenizer-model "$DATA_DIR/tokenizer.model" --split 98,2,0 --log-interval "${LOG_INTERVAL:-5}" \
-    --metrics-file "$RUN_DIR/metrics.jsonl" ${EXTRA_ARGS:-}
+    ${TIMEOUT:+--timeout "$TIMEOUT"} ${PREFIX:+--prefix "$PREFIX"} -- pretrain_gpt.py "${TRAIN_ARGS[@]}"
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, statistics, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]

@@ -10,7 +10,7 @@
 #   bash examples/finetune_hf.sh                 # TRAIN_ITERS=30 NPROC=8 RUN_DIR=runs/finetune_hf
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/ensure_venv.sh
+MEGARESHARD_EXTRAS=${MEGARESHARD_EXTRAS:-hf} source tools/ensure_venv.sh   # transformers, safetensors
 
 NPROC=${NPROC:-8}
 TRAIN_ITERS=${TRAIN_ITERS:-30}
@@ -34,12 +34,17 @@ echo "$IMPORT"
 FLAGS=$(echo "$IMPORT" | sed -n 's/.*--finetune //p')
 echo "== 4. fine-tune $TRAIN_ITERS iterations: $LAYOUT on $NPROC processes"
 # shellcheck disable=SC2086
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py $FLAGS $LAYOUT \
-    --load "$RUN_DIR/imported" --finetune --save "$RUN_DIR/finetuned" \
-    --data-path "$RUN_DIR/data_text_document" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$RUN_DIR/hf_in" \
-    --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 \
-    --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 5 --hidden-dropout 0 --attention-dropout 0 \
-    --split 98,2,0 --device cpu 2>&1 | tee "$RUN_DIR/finetune.log" | grep -E "megareshard:|iteration +[0-9]+/|checkpoint"
+# shellcheck disable=SC2206
+TRAIN_ARGS=($FLAGS $LAYOUT
+    --load "$RUN_DIR/imported" --finetune --save "$RUN_DIR/finetuned"
+    --data-path "$RUN_DIR/data_text_document" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$RUN_DIR/hf_in"
+    --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4
+    --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 5 --hidden-dropout 0 --attention-dropout 0
+    --split 98,2,0 --device cpu)
+# the arguments checked once, in this process, before torchrun starts a process per rank
+WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only "${TRAIN_ARGS[@]}"
+"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${TRAIN_ARGS[@]}" 2>&1 \
+    | tee "$RUN_DIR/finetune.log" | grep -E "megareshard:|iteration +[0-9]+/|checkpoint"
 echo "== 5. export to Hugging Face, reload with transformers, generate with both"
 "$VENV_PY" tools/checkpoint_util.py export-hf "$RUN_DIR/finetuned" "$RUN_DIR/hf_out"
 cp "$RUN_DIR"/hf_in/tokenizer* "$RUN_DIR"/hf_in/special_tokens_map.json "$RUN_DIR/hf_out/" 2>/dev/null || true

@@ -29,6 +29,11 @@ rm -rf "$RUN_DIR"; mkdir -p "$RUN_DIR"
 export TMPDIR=$(mktemp -d -t megareshard-finetune.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
 run() { "$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "$@"; }
+# both layouts' arguments checked once, in this process, before torchrun starts a process per rank
+# shellcheck disable=SC2086
+for layout in "$SRC" "$DST"; do
+    WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only $COMMON $layout
+done
 
 echo "== 1. pretrain $PRETRAIN_ITERS iterations at layout: $SRC ($NPROC processes)"
 # shellcheck disable=SC2086

@@ -6,8 +6,14 @@
 #       bash examples/pretrain_gpt_distributed.sh
 #
 #   RDZV=c10d ...           use torchrun's c10d rendezvous (elastic, any node may host it)
-#   DRY_RUN=1 ...           print the pre-flight and torchrun commands and exit
+#   DRY_RUN=1 ...           print the argument check, pre-flight and torchrun commands and exit
+#   VALIDATE_ONLY=1 ...     check the arguments, tokenizer and data (pretrain_gpt.py --validate-only) and exit
+#   VALIDATE=0 ...          skip that check before torchrun (the Slurm script ran it once for every node)
 #   DEVICE=cpu ...          CPU processes over gloo (one "GPU" = one process)
+#
+# Before anything else the arguments are checked once, in one process, for all NNODES × GPUS_PER_NODE ranks
+# (pretrain_gpt.py --validate-only): a bad flag is one line and exit code 2, not a line per rank and
+# torchrun's traceback.
 #
 # Faults (docs/reliability.md, "Ranks, nodes and preemption"):
 # * Before torchrun, every node runs a node pre-flight (megareshard.launch.node_preflight, on port
@@ -74,8 +80,12 @@ else
     LAUNCH=(--max-restarts "${MAX_RESTARTS:-3}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-CMD=("$PY" -m torch.distributed.run "${LAUNCH[@]}" pretrain_gpt.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}"
-     "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-})
+# shellcheck disable=SC2206
+TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
+            "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-})
+CMD=("$PY" -m torch.distributed.run "${LAUNCH[@]}" pretrain_gpt.py "${TRAIN_ARGS[@]}")
+VALIDATE_CMD=(env WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) LOCAL_WORLD_SIZE="$GPUS_PER_NODE" "$PY" pretrain_gpt.py
+              --validate-only "${TRAIN_ARGS[@]}")
 PREFLIGHT_CMD=()
 if [ "$NNODES" -gt 1 ] && [ "${PREFLIGHT:-1}" = 1 ]; then
     PREFLIGHT_CMD=("$PY" -m megareshard.launch.node_preflight --nnodes "$NNODES" --node-rank "$NODE_RANK"
@@ -83,10 +93,16 @@ if [ "$NNODES" -gt 1 ] && [ "${PREFLIGHT:-1}" = 1 ]; then
                    --timeout "${PREFLIGHT_TIMEOUT:-300}" --rdzv "$RDZV")
 fi
 if [ "$DRY_RUN" = 1 ]; then
+    if [ "${VALIDATE:-1}" = 1 ] || [ "${VALIDATE_ONLY:-0}" = 1 ]; then printf '%q ' "${VALIDATE_CMD[@]}"; echo; fi
+    [ "${VALIDATE_ONLY:-0}" = 1 ] && exit 0
     if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then printf '%q ' "${PREFLIGHT_CMD[@]}"; echo; fi
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
+if [ "${VALIDATE:-1}" = 1 ] || [ "${VALIDATE_ONLY:-0}" = 1 ]; then
+    "${VALIDATE_CMD[@]}" || exit $?
+fi
+[ "${VALIDATE_ONLY:-0}" = 1 ] && exit 0
 # a MASTER_PORT someone else listens on: one line now, not torchrun's EADDRINUSE traceback (static) or a
 # silent wait (c10d); checked on the node that hosts the rendezvous, before any node starts torchrun
 if [ "${PORT_CHECK:-1}" = 1 ]; then

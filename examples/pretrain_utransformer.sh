@@ -47,16 +47,19 @@ rm -f "$RUN_DIR/metrics.jsonl" "$RUN_DIR/trace.json"
 export TMPDIR=$(mktemp -d -t megareshard-utransformer.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
 # shellcheck disable=SC2086
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_utransformer.py \
-    --stage-layouts "$STAGE_LAYOUTS" --num-layers-per-stage "$LAYERS_PER_STAGE" \
-    --u-levels "$LEVELS" --u-widths "$WIDTHS" --u-blocks-per-level "$BLOCKS" --u-shorten-factor "$SHORTEN" \
-    --u-skip-merge "$SKIP_MERGE" --num-attention-heads "$HEADS" --seq-length "$SEQ" \
-    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
-    --device cpu --hidden-dropout 0 --attention-dropout 0 \
-    --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
-    --split 98,2,0 --log-interval 5 --metrics-file "$RUN_DIR/metrics.jsonl" \
-    $PIPELINE_ARGS $EXTRA_ARGS
+# shellcheck disable=SC2206
+TRAIN_ARGS=(--stage-layouts "$STAGE_LAYOUTS" --num-layers-per-stage "$LAYERS_PER_STAGE"
+    --u-levels "$LEVELS" --u-widths "$WIDTHS" --u-blocks-per-level "$BLOCKS" --u-shorten-factor "$SHORTEN"
+    --u-skip-merge "$SKIP_MERGE" --num-attention-heads "$HEADS" --seq-length "$SEQ"
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 4 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95
+    --device cpu --hidden-dropout 0 --attention-dropout 0
+    --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model"
+    --split 98,2,0 --log-interval 5 --metrics-file "$RUN_DIR/metrics.jsonl"
+    $PIPELINE_ARGS $EXTRA_ARGS)
+# the arguments checked once, in this process, before torchrun starts a process per rank
+WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_utransformer.py --validate-only "${TRAIN_ARGS[@]}"
+"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_utransformer.py "${TRAIN_ARGS[@]}"
 
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys

@@ -3,15 +3,18 @@
 # (cached under data/), then pretrain a small GPT on 8 CPU processes with torchrun,
 # tp 2 · pp 2 · dp 2: two pipeline stages (each a 2x2 dp × tp mesh) under eager-1F1B with
 # delayed weight gradients, stage boundaries resharded by pipelined broadcast. Shows the
-# loss falling, the peak memory per stage, and draws the measured pipeline timeline of
-# the last iteration. Everything is overridable from the environment:
+# loss falling, the peak memory per stage, draws the measured pipeline timeline of the last
+# iteration, saves a checkpoint and ends with the command that samples from it. It installs
+# only what training needs (tools/ensure_venv.sh: megareshard with its `plots` extra), and
+# checks the arguments once before torchrun starts a process per rank. Everything is
+# overridable from the environment:
 #
 #   TRAIN_ITERS=200 NPROC=4 TP=2 PP=1 bash examples/quickstart.sh
 #   SCHEDULE=1f1b DELAY_WGRAD=0 RESHARD_STRATEGY=sendrecv bash examples/quickstart.sh
 #   EXTRA_ARGS="--sequence-parallel" bash examples/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/ensure_venv.sh
+source tools/ensure_venv.sh   # MEGARESHARD_EXTRAS (default plots): no test packages, no DeepSpeed
 
 NPROC=${NPROC:-8}
 TP=${TP:-2}
@@ -38,25 +41,28 @@ DATA_DIR=$DATA_DIR VOCAB=$VOCAB bash examples/prepare_data.sh
 
 PIPELINE_ARGS="--pipeline-schedule $SCHEDULE --reshard-strategy $RESHARD_STRATEGY --pipeline-trace $RUN_DIR/trace.json"
 if [ "$DELAY_WGRAD" = "1" ] && [ "$PP" -gt 1 ]; then PIPELINE_ARGS="$PIPELINE_ARGS --delay-wgrad-compute"; fi
+# shellcheck disable=SC2206
+TRAIN_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --seq-length "$SEQ"
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95
+    --device cpu --hidden-dropout 0 --attention-dropout 0
+    --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model"
+    --split 98,2,0 --eval-interval 20 --eval-iters 2 --log-interval 5
+    --metrics-file "$RUN_DIR/metrics.jsonl" --save "$RUN_DIR/checkpoints"
+    --wandb-project megareshard-quickstart --wandb-exp-name quickstart --wandb-save-dir "$RUN_DIR"
+    $PIPELINE_ARGS $EXTRA_ARGS)
+
+# the arguments, tokenizer and data checked once, in this process: a mistake is one line, not one per rank
+WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only "${TRAIN_ARGS[@]}"
 
 echo "== pretraining: $NPROC CPU processes, tp $TP, pp $PP ($SCHEDULE, delayed W $DELAY_WGRAD, $RESHARD_STRATEGY" \
      "resharding), $TRAIN_ITERS iterations (metrics: $RUN_DIR/metrics.jsonl)"
-rm -f "$RUN_DIR/metrics.jsonl" "$RUN_DIR/trace.json"
+rm -rf "$RUN_DIR/metrics.jsonl" "$RUN_DIR/trace.json" "$RUN_DIR/checkpoints"
 # torchrun's own scratch files go to a temp dir we remove
 export TMPDIR=$(mktemp -d -t megareshard-quickstart.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
-# shellcheck disable=SC2086
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-    --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --seq-length "$SEQ" \
-    --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS" \
-    --lr "$LR" --min-lr 1e-4 --lr-warmup-iters 5 --lr-decay-style cosine --weight-decay 0.1 --adam-beta2 0.95 \
-    --device cpu --hidden-dropout 0 --attention-dropout 0 \
-    --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model" \
-    --split 98,2,0 --eval-interval 20 --eval-iters 2 --log-interval 5 \
-    --metrics-file "$RUN_DIR/metrics.jsonl" \
-    --wandb-project megareshard-quickstart --wandb-exp-name quickstart --wandb-save-dir "$RUN_DIR" \
-    $PIPELINE_ARGS $EXTRA_ARGS
+"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${TRAIN_ARGS[@]}"
 
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys
@@ -72,3 +78,5 @@ if [ -f "$RUN_DIR/trace.json" ]; then
     "$VENV_PY" tools/plot_schedule.py --trace "$RUN_DIR/trace.json" -o "$RUN_DIR/timeline.png" \
         && echo "== measured pipeline timeline of the last iteration: $RUN_DIR/timeline.png"
 fi
+echo "== sample from the checkpoint it saved (its tokenizer is recorded in it):"
+echo "   $VENV_PY tools/generate.py --load $RUN_DIR/checkpoints --prompt 'def main(' --max-new-tokens 40"

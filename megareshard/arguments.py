@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from . import megatron_flags, plugins
 from .flag_checks import parse_known_strictly, refuse_repeated_flags
@@ -28,7 +28,9 @@ from .pipeline.schedules import schedule_names
 from .resharding.strategies import get_strategy, strategy_names
 from . import run_plan
 from .run_plan import RunPlan
-from .model_spec.protocol import ModelSpec, get_model_spec
+
+if TYPE_CHECKING:
+    from .model_spec.protocol import ModelSpec
 
 
 @dataclass
@@ -135,6 +137,9 @@ class LaunchConfig:
                                                "(a schedule, a resharding strategy, a model, a step hook) becomes "
                                                "a valid choice (torchtitan's --experimental.custom_import)",
                                          metavar="MODULE")
+    validate_only: bool = _f(False, "check the arguments for $WORLD_SIZE ranks, the tokenizer and the data files, "
+                                    "print one line and exit without training (the launch scripts run this once "
+                                    "before torchrun, so a bad argument is one line, not one per rank)")
 
 
 @dataclass
@@ -228,9 +233,20 @@ def _base_type(annotation: Any) -> type:
     raise TypeError(f"unsupported config field type {annotation!r}")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` placeholders that name the value: ``--num-layers N``, ``--lr LR``, ``--save SAVE`` (argparse's
+    default is the destination, ``MODEL.NUM_LAYERS``)."""
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        if action.type is int:
+            return "N"
+        return action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Add every config field as a flag (grouped by section) plus the deprecated spellings."""
-    parser = parser or argparse.ArgumentParser(description="megareshard training", allow_abbrev=False)
+    parser = parser or argparse.ArgumentParser(description="megareshard training", allow_abbrev=False,
+                                               formatter_class=HelpFormatter)
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
@@ -276,7 +292,9 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
-    return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns))
+    notes = megatron_flags.no_effect_flags(ns)
+    megatron_flags.apply_mapped_flags(ns, kwargs["model"], notes)  # old spellings of flags we have
+    return Config(**kwargs, notes=notes)
 
 
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -292,8 +310,8 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
         if refused:
             parts.append(f"not supported by megareshard: {', '.join(refused)}")
         if strange:
-            parts.append(f"unknown flag(s) {' '.join(strange)}: neither megareshard's nor Megatron-LM's "
-                         "(see --help)")
+            named = " ".join(_with_nearest_flag(name, parser) for name in strange)
+            parts.append(f"unknown flag(s) {named}: neither megareshard's nor Megatron-LM's (see --help)")
         raise ConfigError("; ".join(parts))
     if unknown:
         raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")
@@ -302,6 +320,14 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
 
 def _argv(argv: Sequence[str] | None) -> list[str]:
     return list(sys.argv[1:] if argv is None else argv)
+def _with_nearest_flag(name: str, parser: argparse.ArgumentParser) -> str:
+    """``name``, followed by the known flag it most likely misspells: ``--tensor-model-paralel-size (did you mean
+    --tensor-model-parallel-size?)``."""
+    import difflib
+
+    known = [flag for flag in parser._option_string_actions if flag.startswith("--")]  # no public list
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f"{name} (did you mean {near[0]}?)" if near else name
 
 
 def _world_size(world_size: int | None) -> int:
@@ -326,9 +352,12 @@ def parse_model_args(model: str | ModelSpec, argv: Sequence[str] | None = None,
     fields the model derives from its shape set (``spec.apply_to``), and the spec its flags configure.
     What an entry point such as ``pretrain_utransformer.py`` hands to ``training.pretrain``."""
     plugins.import_modules(plugins.custom_imports(_argv(argv)))  # before the parser lists registered choices
+    from .model_spec.protocol import get_model_spec
+
     spec = get_model_spec(model) if isinstance(model, str) else model
     parser = spec.add_arguments(build_parser(argparse.ArgumentParser(
-        description=f"megareshard training of the {spec.name} model", allow_abbrev=False)))
+        description=f"megareshard training of the {spec.name} model", allow_abbrev=False,
+        formatter_class=HelpFormatter)))
     ns = _parse_flags(parser, argv)
     cfg = config_from_namespace(ns)
     spec = spec.from_args(ns)

@@ -9,6 +9,8 @@ implements (``megareshard.arguments``):
   context parallelism, ...). A run that gives any of them stops with one message naming every one.
 * ``NOT_BUILT_IF``: flags whose neutral value is fine (``--context-parallel-size 1``) and any other
   value is a feature not built.
+* ``MAPPED``: Megatron-LM's old spellings of features megareshard has (``--use-rotary-position-embeddings``),
+  applied as Megatron-LM applies them; the run's first line names them.
 
 A flag already defined by megareshard's own parser is never shadowed by these tables.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any, Sequence
+
+from .config_fields import ConfigError
 
 # flag -> (argparse kwargs, why it changes nothing here)
 _FLAG = dict(action="store_true", default=None)
@@ -56,7 +60,8 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--distributed-backend": (dict(type=str, default=None, choices=("nccl", "gloo")),
                               "nccl on GPUs, gloo on CPUs, chosen by the device"),
     "--tiktoken-pattern": (_STR, "for TikTokenizer only"),
-    "--log-timers-to-tensorboard": (_FLAG, "timers are not written to TensorBoard"),
+    "--log-timers-to-tensorboard": (_FLAG, "iteration-time (seconds) is always written to TensorBoard; other "
+                                           "timers are not"),
     "--log-memory-to-tensorboard": (_FLAG, "memory is printed after the first iteration"),
     "--log-validation-ppl-to-tensorboard": (_FLAG, "validation perplexity is always logged"),
     "--log-num-zeros-in-grad": (_FLAG, "not logged"),
@@ -94,11 +99,9 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--num-query-groups": (_INT, "architecture: grouped-query attention"),
     "--kv-channels": (_INT, "architecture: a head size other than hidden / heads"),
     "--position-embedding-type": (_STR, "architecture: position embeddings other than learned"),
-    "--use-rotary-position-embeddings": (_FLAG, "architecture: rotary position embeddings"),
     "--rotary-base": (_INT, "architecture: rotary position embeddings"),
     "--rotary-percent": (dict(type=float, default=None), "architecture: rotary position embeddings"),
     "--rotary-seq-len-interpolation-factor": (_INT, "architecture: rotary position embeddings"),
-    "--no-position-embedding": (_FLAG, "architecture: no position embedding"),
     "--swiglu": (_FLAG, "architecture: SwiGLU MLP"),
     "--squared-relu": (_FLAG, "architecture: squared-ReLU MLP"),
     "--normalization": (_STR, "architecture: a normalization other than LayerNorm"),
@@ -109,6 +112,14 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--add-qkv-bias": (_FLAG, "architecture: query/key/value biases only"),
     "--qk-layernorm": (_FLAG, "architecture: query/key normalization"),
 }
+# Megatron-LM's old spellings of features megareshard has, mapped as Megatron-LM's validate_args maps them:
+# flag -> (argparse kwargs, what it means)
+MAPPED: dict[str, tuple[dict[str, Any], str]] = {
+    "--use-rotary-position-embeddings": (_FLAG, "deprecated in Megatron-LM: sets --position-embedding-type rope"),
+    "--no-position-embedding": (_FLAG, "deprecated in Megatron-LM: accepted with rotary embeddings only (which "
+                                       "have no position-embedding table)"),
+}
+
 # families refused by prefix, whatever the flag's exact name
 NOT_BUILT_PREFIXES = {"--moe-": "mixture of experts", "--fp8-": "fp8 / Transformer Engine",
                       "--fp4-": "fp4", "--mtp-": "multi-token prediction", "--retro-": "Retro",
@@ -131,11 +142,10 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     have = set(parser._option_string_actions)  # argparse keeps no public list of option strings
     group = parser.add_argument_group("Megatron-LM flags without effect or not built here",
                                       "accepted so Megatron-LM launch scripts run unchanged; see docs/megatron.md")
-    for table in (NO_EFFECT, NOT_BUILT):
+    for table, what in ((NO_EFFECT, "no effect"), (NOT_BUILT, "refused"), (MAPPED, "mapped")):
         for flag, (kwargs, why) in table.items():
             if flag not in have:
-                group.add_argument(flag, dest=_dest(flag), help=f"{'no effect' if table is NO_EFFECT else 'refused'}"
-                                                                f": {why}", **kwargs)
+                group.add_argument(flag, dest=_dest(flag), help=f"{what}: {why}", **kwargs)
     for flag, (kwargs, neutral, what) in NOT_BUILT_IF.items():
         if flag not in have:
             group.add_argument(flag, dest=_dest(flag), help=f"only {neutral} ({what} is not built)", **kwargs)
@@ -149,6 +159,25 @@ def given(ns: argparse.Namespace, flag: str) -> Any:
 def no_effect_flags(ns: argparse.Namespace) -> list[str]:
     """'--flag (why)' for every no-effect flag given."""
     return [f"{flag} ({why})" for flag, (_, why) in NO_EFFECT.items() if given(ns, flag) is not None]
+
+
+def apply_mapped_flags(ns: argparse.Namespace, model: Any, notes: list[str]) -> None:
+    """Megatron-LM's old position-embedding flags on ``model`` (a ModelConfig), as Megatron-LM's validate_args
+    applies them: ``--use-rotary-position-embeddings`` sets rope (whatever --position-embedding-type says), and
+    ``--no-position-embedding`` is refused unless the type is then rope. Appends a note per flag given."""
+    if given(ns, "--use-rotary-position-embeddings"):
+        if model.position_embedding_type != "rope":
+            notes.append(f"--use-rotary-position-embeddings (sets --position-embedding-type rope, replacing "
+                         f"{model.position_embedding_type}, as Megatron-LM does)")
+            model.position_embedding_type = "rope"
+        else:
+            notes.append("--use-rotary-position-embeddings (the same as --position-embedding-type rope)")
+    if given(ns, "--no-position-embedding"):
+        if model.position_embedding_type != "rope":
+            raise ConfigError(f"--no-position-embedding is deprecated and, as in Megatron-LM, only accepted with "
+                              f"rotary embeddings, not with --position-embedding-type "
+                              f"{model.position_embedding_type}: use --position-embedding-type none (or rope)")
+        notes.append("--no-position-embedding (rotary embeddings have no position-embedding table)")
 
 
 def refusals(ns: argparse.Namespace, unknown: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from .models import recompute as _recompute
 
-__all__ = ["MemoryReport", "tensor_bytes", "ActivationMeter", "memory_report", "max_over", "format_report"]
+__all__ = ["MemoryReport", "tensor_bytes", "ActivationMeter", "memory_report", "optimizer_state_bytes", "max_over",
+           "format_report"]
 
 MiB = 2 ** 20
 
@@ -134,21 +135,37 @@ def memory_report(model: torch.nn.Module, optimizer=None, activations: int = 0) 
     """Measure parameters, gradients and optimizer state of ``model`` / ``optimizer`` now.
 
     ``optimizer``: a ``ZeroOptimizer`` (its fp32 masters that are not views of parameters,
-    Adam moments, and its shard gradients count) or a ``torch.optim`` optimizer (its state).
+    Adam moments, and its shard gradients count) or a ``torch.optim`` optimizer (its state);
+    see ``optimizer_state_bytes`` for the moments of a step not taken yet.
     """
     params = list(model.parameters())
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     grads = [p.grad for p in params]
-    opt_tensors: list[torch.Tensor] = []
-    if optimizer is not None and hasattr(optimizer, "state_tensors"):
-        opt_tensors = optimizer.state_tensors()
+    if optimizer is not None and hasattr(optimizer, "grad_tensors"):
         grads += optimizer.grad_tensors()
-    elif optimizer is not None:
-        for st in optimizer.state.values():
-            opt_tensors.extend(v for v in st.values() if torch.is_tensor(v))
-    opt_tensors = [t for t in opt_tensors if t.untyped_storage().data_ptr() not in param_ptrs]
-    return MemoryReport(params=tensor_bytes(params), grads=tensor_bytes(grads), optimizer=tensor_bytes(opt_tensors),
+    return MemoryReport(params=tensor_bytes(params), grads=tensor_bytes(grads),
+                        optimizer=optimizer_state_bytes(optimizer, params) if optimizer is not None else 0,
                         activations=int(activations))
+
+
+def optimizer_state_bytes(optimizer, params: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of ``optimizer``'s state: a ``ZeroOptimizer``'s separate fp32 masters and its AdamW state, or a
+    ``torch.optim`` optimizer's state; storages shared with ``params`` (masters that are views of the model's
+    parameters) do not count again.
+
+    AdamW allocates its two moments (each the shape and dtype of the tensor it updates) in its first step.
+    For tensors it has not stepped yet (before the first step, or when fp16 loss scaling skipped it) they are
+    counted ahead, so the figure is what the process holds once training runs; the step counter's scalar
+    (4 bytes per tensor) is left out until it exists.
+    """
+    inner = getattr(optimizer, "inner", optimizer)  # a ZeroOptimizer wraps a torch.optim.AdamW
+    if hasattr(optimizer, "state_tensors"):
+        tensors = optimizer.state_tensors()
+    else:
+        tensors = [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+    shared = {p.untyped_storage().data_ptr() for p in params}
+    tensors = [t for t in tensors if t.untyped_storage().data_ptr() not in shared]
+    unstepped = [p for g in inner.param_groups for p in g["params"] if not inner.state.get(p)]
+    return tensor_bytes(tensors) + 2 * sum(p.numel() * p.element_size() for p in unstepped)
 
 
 def max_over(report: MemoryReport, group=None) -> MemoryReport:

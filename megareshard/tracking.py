@@ -12,20 +12,36 @@ import sys
 from typing import Any, TextIO
 
 
+def format_duration(seconds: float) -> str:
+    """``1:02:03`` (hours:minutes:seconds), ``2:03`` under an hour."""
+    total = int(round(max(seconds, 0.0)))
+    h, rest = divmod(total, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
 def format_log_line(rec: dict[str, Any], train_iters: int) -> str:
-    """A Megatron-like iteration line."""
+    """A Megatron-like iteration line (its fields, in its order, then throughput, elapsed time and ETA)."""
     parts = [f" iteration {rec['iteration']:8d}/{train_iters:8d}",
              f"consumed samples: {rec['consumed_samples']:10d}",
              f"elapsed time per iteration (ms): {rec['ms_per_iter']:.1f}",
-             f"learning rate: {rec['lr']:.6E}",
-             f"lm loss: {rec['loss']:.6E}",
-             f"grad norm: {rec['grad_norm']:.3f}",
-             f"tokens/s: {rec['tokens_per_s']:.1f}",
-             f"TFLOP/s per rank: {rec['tflops_per_rank']:.3f}"]
+             f"learning rate: {rec['lr']:.6E}"]
+    if "batch_size" in rec:
+        parts.append(f"global batch size: {rec['batch_size']:5d}")
+    parts += [f"lm loss: {rec['loss']:.6E}",
+              f"grad norm: {rec['grad_norm']:.3f}",
+              f"tokens/s: {rec['tokens_per_s']:.1f}",
+              f"TFLOP/s per rank: {rec['tflops_per_rank']:.3f}"]
     if rec.get("loss_scale", 1.0) != 1.0:  # fp16 only
         parts.append(f"loss scale: {rec['loss_scale']:.1f}")
     if rec.get("skipped"):
         parts.append("step skipped (gradient overflow)")
+    if "skipped_iterations" in rec:  # since the previous log line, as Megatron-LM counts them
+        parts.append(f"number of skipped iterations: {rec['skipped_iterations']:3d}")
+        parts.append(f"number of nan iterations: {rec['nan_iterations']:3d}")
+    if "elapsed_s" in rec:
+        parts.append(f"elapsed: {format_duration(rec['elapsed_s'])}")
+        parts.append(f"ETA: {format_duration(rec['eta_s'])}")
     return " | ".join(parts) + " |"
 
 
@@ -95,13 +111,18 @@ class WandbTracker:
 
 
 class TensorBoardWriter:
-    """TensorBoard event files (``torch.utils.tensorboard``) under ``--tensorboard-dir``, with
-    Megatron-LM's tags: ``lm loss``, ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``,
-    ``throughput`` (TFLOP/s per rank), ``iteration-time``, each also against consumed samples
-    (``... vs samples``), and ``lm loss validation`` / ``lm loss validation ppl``. A no-op without a directory."""
+    """TensorBoard event files (``torch.utils.tensorboard``) under ``--tensorboard-dir``, with Megatron-LM's tags
+    and units (its ``training_log``): ``lm loss``, ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``,
+    each also against consumed samples (``... vs samples``); ``iteration-time`` in seconds and, with
+    --log-throughput, ``throughput`` (TFLOP/s per rank), against the iteration only; ``lm loss validation`` and
+    ``lm loss validation ppl``, each also ``vs samples``. A no-op without a directory."""
 
-    TAGS = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
-            "batch_size": "batch-size", "tflops_per_rank": "throughput", "ms_per_iter": "iteration-time"}
+    #: record key -> (Megatron-LM's tag, factor from the record's unit to Megatron-LM's, also written vs samples)
+    TAGS = {"loss": ("lm loss", 1.0, True), "lr": ("learning-rate", 1.0, True),
+            "grad_norm": ("grad-norm", 1.0, True), "loss_scale": ("loss-scale", 1.0, True),
+            "batch_size": ("batch-size", 1.0, True), "tflops_per_rank": ("throughput", 1.0, False),
+            "ms_per_iter": ("iteration-time", 1e-3, False)}  # milliseconds in the record, seconds in Megatron-LM
+    VALIDATION = {"eval_loss": "lm loss validation", "eval_ppl": "lm loss validation ppl"}
 
     def __init__(self, log_dir: str | None, interval: int = 1) -> None:
         self.writer = None
@@ -116,14 +137,15 @@ class TensorBoardWriter:
             return
         samples = rec.get("consumed_samples", step)
         if step % self.interval == 0 or step == 1:
-            for key, tag in self.TAGS.items():
+            for key, (tag, factor, vs_samples) in self.TAGS.items():
                 if isinstance(rec.get(key), (int, float)):
-                    self.writer.add_scalar(tag, rec[key], step)
-                    self.writer.add_scalar(f"{tag} vs samples", rec[key], samples)
-        if "eval_loss" in rec:
-            self.writer.add_scalar("lm loss validation", rec["eval_loss"], step)
-            self.writer.add_scalar("lm loss validation vs samples", rec["eval_loss"], samples)
-            self.writer.add_scalar("lm loss validation ppl", rec["eval_ppl"], step)
+                    self.writer.add_scalar(tag, rec[key] * factor, step)
+                    if vs_samples:
+                        self.writer.add_scalar(f"{tag} vs samples", rec[key] * factor, samples)
+        for key, tag in self.VALIDATION.items():
+            if key in rec:
+                self.writer.add_scalar(tag, rec[key], step)
+                self.writer.add_scalar(f"{tag} vs samples", rec[key], samples)
         self.writer.flush()
 
     def finish(self) -> None:

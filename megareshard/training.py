@@ -38,7 +38,8 @@ from .data.mock import MockGPTDataset
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
                      tp_placement_warnings)
-from .memory import ActivationMeter, MemoryReport, memory_report
+from .inputs import resolve_vocab
+from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
 from .optim.grad_scaler import build_loss_scaler
@@ -50,7 +51,7 @@ from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.chunks import build_chunks
 from .pipeline.stage import reduce_tied_grad_across_layouts
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
-from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_line
+from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_duration, format_log_line
 
 
 #: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
@@ -208,7 +209,12 @@ class Trainer:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
         spec = self.model_spec
         spec.check(cfg)
+        self._phase_started: tuple[str, float] | None = None  # start-up phases, said by rank 0 as they begin
+        self._phase_times: list[tuple[str, float]] = []
         self._resolve_vocab()
+        m = cfg.model
+        self._phase("model", f"building the model ({m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
+                             f"{m.vocab_size}) and its optimizer")
         self._nonfinite_before_reduction: tuple[str, str] | None = None  # --check-for-nan-in-loss-and-grad
         torch.manual_seed(cfg.training.seed)
         self.pipeline: PipelineRuntime | None = None
@@ -242,6 +248,8 @@ class Trainer:
         self._grad_reduce_started = False  # an R action started this step's dp reductions (--overlap-grad-reduce)
         self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
         if cfg.pp > 1:
+            self._phase("resharding", f"planning the resharding between the {cfg.pp} pipeline stages "
+                                      f"(--reshard-strategy {cfg.pipeline.reshard_strategy}) and building its groups")
             # collective over all ranks: every edge's resharders, built once
             self.pipeline = build_pipeline(spec, cfg, ctx, layouts, finalize_grads=self.finalize_grads,
                                            record_trace=cfg.pipeline.pipeline_trace is not None,
@@ -256,6 +264,8 @@ class Trainer:
                 print(self.pipeline.describe(), file=self.out, flush=True)
         if self.forward_backward_fn is None:
             self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
+        self._phase("data", "building mock datasets" if cfg.data.mock_data else
+                    "checking the datasets and building their sample indices")
         self._validate_data()
         self._build_data()
         self.iteration = 0
@@ -264,6 +274,8 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
+        if ck.load:
+            self._phase("checkpoint", f"loading {ck.load}")
         # what --load holds, decided by rank 0 for all: from scratch only when it is --save and holds no
         # checkpoint yet (Megatron-LM scripts pass --load = --save on the first run too); else a checkpoint
         if ck.load and _agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
@@ -282,6 +294,8 @@ class Trainer:
         self.save_failures = 0  # checkpoint saves that failed under --on-save-failure continue
         if ck.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        if cfg.logging.wandb_project:
+            self._phase("W&B", "starting the W&B run")
         self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
         self.tracker = WandbTracker(cfg.logging.wandb_project, cfg.logging.wandb_exp_name,
                                     cfg.logging.wandb_save_dir,
@@ -290,25 +304,28 @@ class Trainer:
                                     run_id=self.loaded.wandb_run_id if self.loaded is not None else None)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir if self.reporting else None,
                                              cfg.logging.tensorboard_log_interval)
+        self._phase(None)
+
+    def _phase(self, label: str | None, what: str = "") -> None:
+        """Start-up phase ``label`` begins (rank 0 says ``what`` it does: the first minute is otherwise silent) and
+        the previous one ends; None ends the last and prints how long each took."""
+        now = time.monotonic()
+        if self._phase_started is not None:
+            self._phase_times.append((self._phase_started[0], now - self._phase_started[1]))
+        self._phase_started = (label, now) if label is not None else None
+        if self.ctx.rank != 0:
+            return
+        if label is not None:
+            print(f" > {what} ...", file=self.out, flush=True)
+        elif self._phase_times:
+            took = ", ".join(f"{name} {dt:.1f} s" for name, dt in self._phase_times)
+            print(f" > set-up done in {sum(dt for _, dt in self._phase_times):.1f} s ({took})", file=self.out,
+                  flush=True)
 
     # ---- set-up ---------------------------------------------------------------------
     def _resolve_vocab(self) -> None:
         """The vocabulary comes from the tokenizer (NullTokenizer: --vocab-size ids plus its eod)."""
-        m, d = self.cfg.model, self.cfg.data
-        if d.tokenizer_type is None and not (d.tokenizer_model or d.vocab_file or d.merge_file):
-            return
-        from .data.tokenizer import TokenizerError, build_tokenizer
-
-        try:
-            tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
-                                  merge_file=d.merge_file, vocab_size=m.vocab_size)
-        except TokenizerError as e:
-            raise ConfigError(str(e)) from None
-        if d.tokenizer_type != "NullTokenizer" and m.vocab_size is not None and m.vocab_size != tok.vocab_size:
-            raise ConfigError(f"--vocab-size {m.vocab_size} differs from the vocabulary of tokenizer "
-                              f"{tok!r} ({tok.vocab_size} ids); drop --vocab-size or use the tokenizer the data "
-                              "was made with")
-        m.vocab_size = tok.vocab_size
+        resolve_vocab(self.cfg)
 
     def _validate_data(self) -> None:
         """Start-up checks of every dataset file (data/validate.py), agreed by all ranks: each opens every
@@ -494,10 +511,14 @@ class Trainer:
                                     master_grads={e.name: e.master.grad for e in entries}, device=self.device,
                                     before_reduction=self._nonfinite_before_reduction)
                 self._nonfinite_before_reduction = None
-            if meter is not None:  # first iteration: gradients and optimizer state now exist
-                self.memory = memory_per_stage(self.ctx, memory_report(self.model, self.optimizer,
-                                                                       meter.peak_bytes), self.device)
+            # first iteration: params, gradients and activations now; the optimizer's state after its step
+            report = memory_report(self.model, self.optimizer, meter.peak_bytes) if meter is not None else None
             stepped = self.optimizer.step()  # every rank: it agrees on fp16 overflow over the world
+            if report is not None:  # AdamW allocates its moments in its first step (a skipped one: counted ahead)
+                report.optimizer = optimizer_state_bytes(self.optimizer, self.model.parameters())
+                self.memory = memory_per_stage(self.ctx, report, self.device)
+        if not stepped:  # Megatron-LM: the learning-rate schedule advances only with an applied update
+            self.scheduler.skipped()
         return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped)
 
     @torch.no_grad()
@@ -522,6 +543,12 @@ class Trainer:
         flops = self.model_spec.flops_per_iteration(cfg, t.global_batch_size)
         self.model.train()
         self._train_start = time.monotonic()
+        first_iteration = self.iteration
+        skipped = nans = 0  # since the previous log line, as Megatron-LM counts them
+        totals = {"skipped": 0, "nan": 0}
+        if self.reporting and self.iteration < t.train_iters:
+            print(f" training iterations {self.iteration + 1}-{t.train_iters}; the first one also pays one-time "
+                  "costs (allocations, communicator set-up)", file=self.out, flush=True)
         profiler = None
         while self.iteration < t.train_iters:
             if lg.profile and self.iteration == lg.profile_step_start:
@@ -540,6 +567,13 @@ class Trainer:
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
                    "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12,
                    "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped}
+            nan = not res.skipped and not math.isfinite(res.loss)
+            skipped, nans = skipped + res.skipped, nans + nan
+            totals["skipped"] += res.skipped
+            totals["nan"] += nan
+            run_s = time.monotonic() - self._train_start
+            rec.update(skipped_iterations=skipped, nan_iterations=nans, elapsed_s=run_s,
+                       eta_s=run_s / (self.iteration - first_iteration) * (t.train_iters - self.iteration))
             if self.iteration == 1:
                 rec["memory_per_stage"] = [m.to_dict() for m in self.memory]
                 if self.reporting:
@@ -557,8 +591,11 @@ class Trainer:
                 self.tracker.log(rec, step=self.iteration)
                 self.tensorboard.log(rec if lg.log_throughput else
                                      {k: v for k, v in rec.items() if k != "tflops_per_rank"}, step=self.iteration)
-                if self.iteration % lg.log_interval == 0 or self.iteration == 1:
+                # the first and the last iteration too: a run shorter than --log-interval (Megatron's 100) still
+                # shows its first loss, time per iteration and ETA, and where it ended
+                if self.iteration % lg.log_interval == 0 or self.iteration in (1, t.train_iters):
                     print(format_log_line(rec, t.train_iters), file=self.out, flush=True)
+                    skipped = nans = 0
                 if "eval_loss" in rec:
                     print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
                           f"lm loss PPL: {rec['eval_ppl']:.3f}", file=self.out, flush=True)
@@ -569,6 +606,8 @@ class Trainer:
                 self.save_checkpoint()
         if profiler is not None:
             self._stop_profiler(profiler)
+        if self.reporting and self.iteration > first_iteration:
+            self._print_summary(first_iteration, totals)
         if self.records and self.reporting:
             kind = "max allocated" if self.device.type == "cuda" else "max RSS"
             per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
@@ -576,6 +615,20 @@ class Trainer:
                   file=self.out, flush=True)
         self._show_activations()
         return self.records
+
+    def _print_summary(self, first_iteration: int, totals: dict[str, int]) -> None:
+        """The closing line: iterations, tokens, time, the final loss (and validation loss), skipped and NaN counts."""
+        t = self.cfg.training
+        ran = self.iteration - first_iteration
+        seconds = time.monotonic() - self._train_start
+        tokens = ran * t.global_batch_size * self.cfg.model.seq_length
+        last = self.records[-1]
+        evals = [r["eval_loss"] for r in self.records if "eval_loss" in r]
+        how = "done" if self.iteration >= t.train_iters else f"stopped at iteration {self.iteration} of {t.train_iters}"
+        print(f" training {how}: {ran} iterations ({first_iteration + 1}-{self.iteration}), {tokens:,} tokens in "
+              f"{format_duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s); final lm loss "
+              f"{last['loss']:.6E}" + (f", last validation lm loss {evals[-1]:.6E}" if evals else "")
+              + f"; {totals['skipped']} skipped and {totals['nan']} nan iterations", file=self.out, flush=True)
 
     def _start_profiler(self):
         """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""
@@ -602,8 +655,8 @@ class Trainer:
     def _memory_lines(self) -> str:
         """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
         mib = 2 ** 20
-        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; activations = "
-                 "peak saved for backward):"]
+        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; optimizer = separate "
+                 "fp32 masters and AdamW's moments; activations = peak saved for backward):"]
         for i, m in enumerate(self.memory):
             lines.append(f"   stage {i}: params {m.params / mib:.1f} | grads {m.grads / mib:.1f} | optimizer "
                          f"{m.optimizer / mib:.1f} | activations {m.activations / mib:.1f} | total {m.total / mib:.1f}")
@@ -737,6 +790,9 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None
     ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC)."""
     device = pick_device(cfg.training.device)
     exit_with_launcher()  # a torchrun worker stops when its agent is gone (kill -9 of torchrun)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") == "0":
+        print(f"megareshard: waiting for all {os.environ['WORLD_SIZE']} ranks to join (--preflight-timeout "
+              f"{cfg.launch.preflight_timeout:g} s)", file=out, flush=True)
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
     save_lock = lock_save_dir(cfg.checkpoint.save, out) if cfg.checkpoint.save else None  # one job per --save
     try:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv, install megareshard with its test extra under the CPU
+# Create (or reuse) .venv, install megareshard with its test extras under the CPU
 # constraints, run the test suite (two workers). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source tools/ensure_venv.sh
+# the test packages, deepspeed (the ZeRO peer), and what the examples the tests run need
+MEGARESHARD_EXTRAS=test,deepspeed,plots,hf source tools/ensure_venv.sh
 tmp=$(mktemp -d -t megareshard-tests.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 # nothing is written outside the tree but this temp dir

@@ -2,6 +2,7 @@
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,20 @@ def test_distributed_dry_run_c10d_and_cpu():
     assert "--device cpu" in joined and "--sequence-parallel" in joined and "--mock-data" in joined
 
 
+def test_bad_flag_through_the_launch_script_is_one_line(tmp_path):
+    """The script checks the arguments once, in one process, before torchrun starts a process per rank (each would
+    print the line, then torchrun its traceback): one line, exit code 2, nothing started."""
+    p = _run("examples/pretrain_gpt_distributed.sh", {"PYTHON": sys.executable, "DEVICE": "cpu", "GPUS_PER_NODE": "2",
+                                                      "TP": "2", "PP": "1", "RUN_DIR": str(tmp_path / "run"),
+                                                      "EXTRA_ARGS": "--tensor-model-paralel-size 2",
+                                                      "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout == "" and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("pretrain_gpt.py: error: unknown flag(s) --tensor-model-paralel-size (did you mean "
+                               "--tensor-model-parallel-size?)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_distributed_refuses_localhost_fallback():
     p = _run("examples/pretrain_gpt_distributed.sh", {"DRY_RUN": "1", "NNODES": "2"})
     assert p.returncode == 2 and "MASTER_ADDR must name node 0's address" in p.stderr
@@ -57,9 +72,11 @@ def test_sbatch_takes_master_from_allocation(tmp_path):
     for f in ("scontrol", "srun"):
         (tmp_path / f).chmod(0o755)
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_NNODES": "2",
-           "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "8"}
+           "SLURM_JOB_ID": "4242", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "8", "DRY_RUN": "1"}
     p = _run("examples/slurm/pretrain_gpt.sbatch", env)
     assert p.returncode == 0, p.stderr
+    checks = [line for line in p.stdout.splitlines() if "--validate-only" in line]
+    assert len(checks) == 1 and "WORLD_SIZE=16 LOCAL_WORLD_SIZE=8" in checks[0]  # once, before srun, for every node
     lines = [line for line in p.stdout.splitlines() if "torch.distributed.run" in line]
     assert len(lines) == 2
     for node, line in enumerate(lines):
@@ -89,3 +106,30 @@ def test_busy_master_port_is_one_line_before_torchrun_on_both_rendezvous_kinds(t
 
     assert hosts_store("static", 0, "10.255.1.2") and not hosts_store("static", 1, "127.0.0.1")
     assert hosts_store("c10d", 3, "localhost") and not hosts_store("c10d", 0, "10.255.1.2")   # only MASTER_ADDR's node
+def test_ensure_venv_installs_the_extras_asked_for_and_keeps_the_others(tmp_path):
+    """The quick start installs only what training needs (no test packages, no DeepSpeed); tests/run.sh asks for
+    its extras; a later, smaller request reuses what is there."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools/ensure_venv.sh").write_text((ROOT / "tools/ensure_venv.sh").read_text())
+    for name in ("pyproject.toml", "constraints-cpu.txt"):
+        (tmp_path / name).write_text("")
+    venv_bin = tmp_path / ".venv/bin"
+    venv_bin.mkdir(parents=True)
+    log = tmp_path / "pip.log"
+    (venv_bin / "python").write_text(f"#!/bin/bash\necho \"$*\" >> {log}\n")  # stands in for pip
+    (venv_bin / "python").chmod(0o755)
+    for f in ("tools/ensure_venv.sh", "pyproject.toml", "constraints-cpu.txt"):
+        os.utime(tmp_path / f, (1e9, 1e9))  # older than the stamp each install writes
+
+    def ensure(extras=None):
+        env = {k: v for k, v in os.environ.items() if k != "MEGARESHARD_EXTRAS"}
+        if extras is not None:
+            env["MEGARESHARD_EXTRAS"] = extras
+        subprocess.run(["bash", "-c", "source tools/ensure_venv.sh && echo $VENV_PY"], cwd=tmp_path, env=env,
+                       check=True, capture_output=True, text=True)
+        return log.read_text().splitlines() if log.exists() else []
+
+    assert ensure()[-1].endswith(f"-e {tmp_path}[plots]")  # the examples' default: training and its pictures
+    assert len(ensure("plots")) == 1  # nothing to do
+    assert ensure("test,deepspeed,plots,hf")[-1].endswith(f"-e {tmp_path}[plots,test,deepspeed,hf]")
+    assert "-c " in ensure()[-1] and len(ensure("hf")) == 2  # already there: no third install

@@ -86,6 +86,7 @@ def test_every_run_stopping_error_is_one_line_and_exit_1(entry, monkeypatch, cap
     instead of catching, on every Python)."""
     import importlib
 
+    from megareshard.arguments import Config
     from megareshard.checkpoint.format import CheckpointError
     from megareshard.launch import PeerFailure, PreflightError
     from megareshard.optim.numerics import NonFiniteError
@@ -101,9 +102,9 @@ def test_every_run_stopping_error_is_one_line_and_exit_1(entry, monkeypatch, cap
             raise _err
         monkeypatch.setattr(mod, "pretrain", boom)
         if hasattr(mod, "parse_args"):
-            monkeypatch.setattr(mod, "parse_args", lambda *a, **k: object())
+            monkeypatch.setattr(mod, "parse_args", lambda *a, **k: Config())
         else:
-            monkeypatch.setattr(mod, "parse_model_args", lambda *a, **k: (object(), object()))
+            monkeypatch.setattr(mod, "parse_model_args", lambda *a, **k: (Config(), object()))
         assert mod.main([]) == 1
         assert capsys.readouterr().err.strip() == f"{entry}.py: error: {err}"
         # as a script: a peer failure ends the process at once (a broken process group can abort in C++ at

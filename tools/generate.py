@@ -1,25 +1,64 @@
 #!/usr/bin/env python
 """Generate text from a checkpoint of any layout (one process): greedy, or top-p sampling.
 
-    python tools/generate.py --load runs/ft --tokenizer-type HuggingFaceTokenizer --tokenizer-model hf_dir \\
-        --prompt "def fibonacci(n):" --max-new-tokens 40
+    python tools/generate.py --load runs/quickstart/checkpoints --prompt "def fibonacci(n):" --max-new-tokens 40
     ... --top-p 0.9 --temperature 0.8 --seed 1      # sampling instead of greedy
 
-Tokenizer flags are Megatron-LM's (--tokenizer-type with --tokenizer-model, or --vocab-file and
---merge-file, or --vocab-size for NullTokenizer). Prints the prompt and the continuation; with
---ids also the token ids.
+The tokenizer is the one the checkpoint records (its type and files, saved by the run that trained it).
+Tokenizer flags, Megatron-LM's (--tokenizer-type with --tokenizer-model, or --vocab-file and
+--merge-file, or --vocab-size for NullTokenizer), replace it, e.g. for an imported checkpoint. Ids the
+tokenizer has beyond the model's vocabulary (special pieces Megatron-LM's SentencePieceTokenizer adds)
+are never generated; a prompt that encodes to one is refused. Prints the prompt and the continuation;
+with --ids also the token ids.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megareshard.checkpoint import CheckpointError  # noqa: E402
-from megareshard.data.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
+from megareshard.checkpoint import CheckpointError, read_info, resolve_checkpoint_dir  # noqa: E402
+from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,  # noqa: E402
+                                        tokenizer_record)
 from megareshard.generation import generate_ids, load_for_generation  # noqa: E402
+
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+
+
+def checkpoint_tokenizer(load: str) -> dict | None:
+    """The tokenizer a checkpoint records (type, absolute paths); for one saved before it recorded them, the
+    tokenizer flags of its arguments (paths as the run gave them); None when it has neither."""
+    info = read_info(resolve_checkpoint_dir(load))
+    if info.get("tokenizer"):
+        return info["tokenizer"]
+    data = (info.get("args") or {}).get("data")
+    if not data:
+        return None
+    return tokenizer_record(SimpleNamespace(**{k: data.get(k) for k in TOKENIZER_FLAGS[:4]}))
+
+
+def build(a: argparse.Namespace, model_vocab: int):
+    """The tokenizer of the flags given, else the checkpoint's; and a note when it is not the checkpoint's."""
+    recorded = checkpoint_tokenizer(a.load)
+    if any(getattr(a, k) is not None for k in TOKENIZER_FLAGS):
+        tok = build_tokenizer(a.tokenizer_type, tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
+                              merge_file=a.merge_file, vocab_size=a.vocab_size)
+        mine = tokenizer_record(SimpleNamespace(**{k: getattr(a, k) for k in TOKENIZER_FLAGS[:4]}))
+        note = None
+        if recorded is not None and mine is not None and mine["type"] != recorded["type"]:
+            note = f"the checkpoint was trained with a {recorded['type']} tokenizer; using {tok!r} as asked"
+        return tok, note
+    if recorded is None:
+        raise TokenizerError(f"{a.load} records no tokenizer (imported weights, or trained on mock data): give "
+                             "--tokenizer-type with --tokenizer-model (or --vocab-file and --merge-file)")
+    try:
+        return build_recorded_tokenizer(recorded, model_vocab), None
+    except TokenizerError as e:
+        raise TokenizerError(f"the tokenizer {a.load} records ({recorded['type']}) cannot be built: {e}; give "
+                             "--tokenizer-type and its files") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,21 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: greedy)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer-type", default=None)
-    p.add_argument("--tokenizer-model", default=None)
-    p.add_argument("--vocab-file", default=None)
-    p.add_argument("--merge-file", default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
+    g = p.add_argument_group("tokenizer (default: the one the checkpoint records)")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--ids", action="store_true", help="also print the token ids")
     a = p.parse_args(argv)
     try:
-        tok = build_tokenizer(a.tokenizer_type, tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
-                              merge_file=a.merge_file, vocab_size=a.vocab_size)
         model, cfg = load_for_generation(a.load, a.device)
-        if tok.vocab_size > cfg.vocab_size:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the checkpoint's model {cfg.vocab_size}")
+        tok, note = build(a, cfg.vocab_size)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         prompt = tok.encode(a.prompt)
+        outside = sorted({i for i in prompt if not 0 <= i < cfg.vocab_size})
+        if outside:
+            raise ValueError(f"the prompt encodes to id(s) {outside[:5]} outside the model's vocabulary of "
+                             f"{cfg.vocab_size} ids (tokenizer {tok!r}): the model has no embedding for them")
         ids = generate_ids(model, cfg, prompt, max_new_tokens=a.max_new_tokens, top_p=a.top_p,
                            temperature=a.temperature, seed=a.seed, eod=getattr(tok, "eod", None))
     except (TokenizerError, CheckpointError, ValueError) as e:

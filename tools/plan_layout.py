@@ -49,11 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "speeds replace the flags below; --hosts / --devices-per-host, when given, replace its counts)")
     c.add_argument("--hosts", type=int, default=None)
     c.add_argument("--devices-per-host", type=int, default=None)
-    c.add_argument("--device-memory-gib", type=float, default=80.0)
-    c.add_argument("--device-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per device")
-    c.add_argument("--efficiency", type=float, default=0.45, help="achieved fraction of the peak in a layer's GEMMs")
-    c.add_argument("--nic-gbps", type=float, default=400.0, help="per host and direction")
-    c.add_argument("--intra-gbps", type=float, default=3600.0, help="intra-host link per device")
+    c.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per device, GiB (default: "
+                   "%(default)g, an H100)")
+    c.add_argument("--device-tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s per device "
+                   "(default: %(default)g, an H100 SXM)")
+    c.add_argument("--efficiency", type=float, default=0.45, help="achieved fraction of the peak in a layer's GEMMs "
+                   "(default: %(default)g)")
+    c.add_argument("--nic-gbps", type=float, default=400.0, help="NIC Gbit/s per host and direction (default: "
+                   "%(default)g)")
+    c.add_argument("--intra-gbps", type=float, default=3600.0, help="intra-host link Gbit/s per device (default: "
+                   "%(default)g, NVLink 4)")
     s = p.add_argument_group("search")
     s.add_argument("--micro-batch-sizes", default="1,2,4,8")
     s.add_argument("--zero-stages", default="0,1,2")
@@ -71,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def describe_cluster(cluster: ClusterSpec, source: str) -> str:
+    """The cluster the plan assumes, in one line, and where its numbers came from."""
+    return (f"cluster ({source}): {cluster.hosts} hosts × {cluster.devices_per_host} devices; per device "
+            f"{cluster.device_memory_gib:g} GiB, {cluster.device_tflops:g} TFLOP/s peak ({cluster.efficiency:.0%} of it "
+            f"achieved in GEMMs), intra-host links {cluster.intra_gbps:g} Gbit/s; NIC {cluster.nic_gbps:g} Gbit/s per "
+            "host and direction")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
@@ -85,11 +98,16 @@ def main(argv: list[str] | None = None) -> int:
                            learned_positions=a.position_embedding_type == "learned_absolute")
         if a.cluster:
             cluster = load_cluster(a.cluster, hosts=a.hosts, devices_per_host=a.devices_per_host)
+            source = f"measured, {a.cluster}"
         elif a.hosts is None or a.devices_per_host is None:
             raise PlanError("give --hosts and --devices-per-host (or --cluster FILE)")
         else:
             cluster = ClusterSpec(a.hosts, a.devices_per_host, a.device_memory_gib, a.device_tflops, a.efficiency,
                                   a.nic_gbps, a.intra_gbps)
+            speeds = ("device_memory_gib", "device_tflops", "efficiency", "nic_gbps", "intra_gbps")
+            source = ("the flags' defaults, an H100 cluster: give yours or --cluster FILE"
+                      if all(getattr(a, k) == p.get_default(k) for k in speeds) else "from the flags")
+        print(describe_cluster(cluster, source), flush=True)
         stats: dict[str, int] = {}
         t0, c0 = time.monotonic(), time.process_time()
         ranked = plan_layouts(model, cluster, a.global_batch_size, micro_batches=ints(a.micro_batch_sizes, "mb"),

@@ -3,7 +3,8 @@
 
 One row per stage (stage 0 on top), coloured F/B/I/W boxes labelled with the microbatch,
 the stage's outgoing transfers as thin bars under its row. Prints makespan, bubble
-fraction and peak live activations per schedule (a table, or JSON with --json).
+fraction and peak live activations per schedule (a table, or JSON with --json). Times are
+seconds for a measured trace and cost units (a forward takes --cost-f) for a simulation.
 
     python tools/plot_schedule.py --schedule 1f1b --stages 4 --microbatches 8 \\
         --comm 0.5 -o 1f1b.png
@@ -102,6 +103,14 @@ def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     return out
 
 
+def time_unit(args: argparse.Namespace) -> str:
+    """What the timeline's times count: seconds for a measured trace; for a simulation the unit of the costs
+    given (a forward's time is --cost-f of them)."""
+    if args.trace is not None:
+        return "s"
+    return f"cost units, F = {args.cost_f:g}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -112,9 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps([t.summary() for t in timelines], indent=2))
     else:
-        print(format_table(timelines))
+        print(format_table(timelines, time_unit(args)))
     if args.output is not None:
-        draw(timelines, args.output, args.comm if args.trace is None else 0.0)
+        draw(timelines, args.output, args.comm if args.trace is None else 0.0, time_unit(args))
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -14,7 +14,8 @@ Inputs: .jsonl/.json files (one document per line, its --json-keys fields), and,
 plain text files, directories and globs (each file one document). Document order in the dataset is
 input order. Tokens are uint16 below 65500 ids, else int32 (Megatron's choice). The outputs appear
 atomically: temp files are renamed into place only after everything was written, so an interrupted
-run leaves nothing that looks valid. Progress (documents, tokens, MB/s) goes to stderr.
+run leaves nothing that looks valid. Progress (documents, tokens, share of the input read, MB/s, ETA) goes
+to stderr.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import numpy as np
 try:
     from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
     from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+    from megareshard.tracking import format_duration
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
     from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+    from megareshard.tracking import format_duration
 
 try:
     from train_tokenizer import expand_inputs  # same directory (on sys.path when run as a script)
@@ -133,6 +136,17 @@ def _worker_encode(batch_and_size):
     return _ENCODER(batch_and_size)
 
 
+def progress_line(documents: int, tokens: int, done_bytes: int, total_bytes: int, seconds: float) -> str:
+    """``[preprocess_data] 1200 documents, 3400000 tokens, 12.0 of 30.0 MB (40%), 2.00 MB/s, ETA 0:09``: the ETA
+    assumes the rest of the input tokenizes at the rate so far."""
+    mb, total = done_bytes / 2**20, total_bytes / 2**20
+    rate = mb / max(seconds, 1e-9)
+    share = min(done_bytes / total_bytes, 1.0) if total_bytes else 1.0
+    eta = (total - mb) / rate if rate > 0 and total > mb else 0.0
+    return (f"[preprocess_data] {documents} documents, {tokens} tokens, {mb:.1f} of {total:.1f} MB ({share:.0%}), "
+            f"{rate:.2f} MB/s, ETA {format_duration(eta)}")
+
+
 def output_prefix_for(output_prefix: str, key: str) -> str:
     """Megatron-LM's output name: ``PREFIX_KEY_document``."""
     return f"{output_prefix}_{key}_document"
@@ -147,6 +161,7 @@ def preprocess(files: Sequence[str], tokenizer_args: dict, output_prefix: str, w
         tok.eod  # noqa: B018 -- fail before reading anything when the tokenizer has no eod
     dtype = best_dtype(tok.vocab_size)
     batches = iter_batches(iter_documents(files, json_keys, skip_invalid))
+    total_bytes = sum(os.path.getsize(f) for f in files)  # the input's size: the share read gives % and ETA
     t0 = last = time.monotonic()
     in_bytes = 0
     last_docs = -1
@@ -159,9 +174,8 @@ def preprocess(files: Sequence[str], tokenizer_args: dict, output_prefix: str, w
         if quiet or (not final and not due) or (final and last_docs == w.num_documents):
             return
         last, last_docs = now, w.num_documents
-        mb = in_bytes / 2**20
-        print(f"[preprocess_data] {w.num_documents} documents, {w.num_tokens} tokens, {mb:.1f} MB read, "
-              f"{mb / max(now - t0, 1e-9):.2f} MB/s", file=sys.stderr, flush=True)
+        print(progress_line(w.num_documents, w.num_tokens, in_bytes, total_bytes, now - t0), file=sys.stderr,
+              flush=True)
 
     prefixes = [output_prefix_for(output_prefix, k) for k in json_keys]
     writers = [IndexedDatasetWriter(p, dtype) for p in prefixes]

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import sys
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -91,11 +92,40 @@ def chunk_document(text: str, max_bytes: int) -> Iterator[str]:
 
 
 class _Progress:
-    """Rate-limited progress line on stderr (bytes read of the input total)."""
+    """Progress on stderr: a rate-limited line while the input is read (bytes read of the input total), then,
+    while sentencepiece learns the pieces (silent itself: it releases the GIL, so a thread can speak), what it
+    does and for how long, every ``tick`` seconds."""
 
-    def __init__(self, total_bytes: int, enabled: bool) -> None:
-        self.total, self.enabled = total_bytes, enabled
+    def __init__(self, total_bytes: int, enabled: bool, tick: float = 10.0) -> None:
+        self.total, self.enabled, self.tick = total_bytes, enabled, tick
         self.start = self.last = time.monotonic()
+        self.learning: str | None = None  # what sentencepiece does once every sentence is read
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def reading_done(self, sentences: int, vocab_size: int, model_type: str) -> None:
+        self.learning = f"learning {vocab_size} {model_type} pieces from {sentences} sentences"
+        self._learn_start = time.monotonic()
+        if self.enabled:
+            print(f"[train_tokenizer] {self.learning} (sentencepiece; a line every {self.tick:g} s until it is done)",
+                  file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._still_learning, name="train_tokenizer-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _still_learning(self) -> None:
+        while not self._done.wait(self.tick):
+            if self.learning is not None:
+                print(f"[train_tokenizer] still {self.learning}: {time.monotonic() - self._learn_start:.0f} s",
+                      file=sys.stderr, flush=True)
 
     def update(self, done_bytes: int, files: int, sentences: int, final: bool = False) -> None:
         now = time.monotonic()
@@ -109,7 +139,10 @@ class _Progress:
               f"{rate:.1f} MB/s", file=sys.stderr, flush=True)
 
 
-def sentence_iterator(files: Sequence[str], json_key: str, max_bytes: int, progress: _Progress) -> Iterator[str]:
+def sentence_iterator(files: Sequence[str], json_key: str, max_bytes: int, progress: _Progress,
+                      learning: tuple[int, str] = (0, "")) -> Iterator[str]:
+    """Every sentence of ``files``; at the end, tells ``progress`` that sentencepiece now learns ``learning``
+    (vocabulary size, model type)."""
     done = sentences = 0
     for i, path in enumerate(files, 1):
         for doc in read_documents(path, json_key):
@@ -119,6 +152,7 @@ def sentence_iterator(files: Sequence[str], json_key: str, max_bytes: int, progr
         done += os.path.getsize(path)
         progress.update(done, i, sentences)
     progress.update(done, len(files), sentences, final=True)
+    progress.reading_done(sentences, *learning)
 
 
 def train(files: Sequence[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
@@ -133,21 +167,23 @@ def train(files: Sequence[str], model_prefix: str, vocab_size: int, model_type: 
     progress = _Progress(total, enabled=not quiet)
     model = io.BytesIO()
     t0 = time.monotonic()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=sentence_iterator(files, json_key, max_sentence_length, progress),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        max_sentence_length=max_sentence_length,
-        input_sentence_size=input_sentence_size,
-        shuffle_input_sentence=True,
-        character_coverage=character_coverage,
-        control_symbols=[EOD_PIECE],
-        num_threads=num_threads or max(1, os.cpu_count() or 1),
-        minloglevel=2 if quiet else 1,
-        **SPECIAL_IDS,
-        **LOSSLESS_TRAINER_KWARGS,
-    )
+    with progress:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentence_iterator(files, json_key, max_sentence_length, progress,
+                                                (vocab_size, model_type)),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            max_sentence_length=max_sentence_length,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            character_coverage=character_coverage,
+            control_symbols=[EOD_PIECE],
+            num_threads=num_threads or max(1, os.cpu_count() or 1),
+            minloglevel=2 if quiet else 1,
+            **SPECIAL_IDS,
+            **LOSSLESS_TRAINER_KWARGS,
+        )
     model_path = model_prefix + ".model"
     tmp = f"{model_path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:

@@ -1022,7 +1022,7 @@ def plot_compare(named: Sequence[tuple[str, list[dict[str, Any]]]], records: Seq
         r = by.get(name)
         label = name if r is None else f"{name} (median {r['ms_per_iter']:.0f} ms/iter)"
         tls.append(Timeline.from_trace(ms, name=label))
-    draw(tls, Path(path), 0.0)
+    draw(tls, Path(path), 0.0, "ms")
 
 
 # ---- entry ------------------------------------------------------------------------------------------

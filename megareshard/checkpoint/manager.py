@@ -42,12 +42,14 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
+from ..data.tokenizer import tokenizer_record
 from ..tensor_parallel.random import RNGStreams
 from .format import (FORMAT_VERSION, CheckpointError, Piece, check_files, prepare_tmp_dir, read_info,
                      read_metadata, read_pieces, resolve_checkpoint_dir, verify_checksum_share, write_checkpoint)
@@ -326,6 +328,7 @@ class CheckpointManager:
                   "args": args, "model_config": model_cfg, "layout": layout, "seed": seed,
                   "extra": extra or {}}
         info = {"layout": layout, "model_config": model_cfg, "args": args,
+                "tokenizer": tokenizer_record(getattr(config, "data", None)),
                 "has_optimizer": optimizer is not None, "has_rng": True,
                 "consumed_samples": common["consumed_samples"], "wandb_run_id": common["wandb_run_id"],
                 "global_batch_size": sampler.global_batch_size if sampler is not None else None}
@@ -337,12 +340,14 @@ class CheckpointManager:
         """Save a checkpoint of this iteration under ``root`` (atomic; updates ``root/latest``).
         Collective. Returns the checkpoint directory (with ``async_save``: where it will be)."""
         self.wait()
+        start = time.monotonic()
         pieces, objects, info = self._collect(model, optimizer, scheduler, sampler, config, iteration,
                                               wandb_run_id, extra)
         final = os.path.join(root, f"iter_{int(iteration):07d}")
         if not self.async_save:
             write_checkpoint(root, iteration, pieces, objects, info)
-            self._say(f"saved iteration {iteration} to {final} ({describe_layout(info['layout'])})")
+            self._say(f"saved iteration {iteration} to {final} in {time.monotonic() - start:.1f} s "
+                      f"({describe_layout(info['layout'])})")
             self.last_saved = final
             return final
         # async: copy to CPU now (the model keeps training), write in a thread
@@ -360,7 +365,8 @@ class CheckpointManager:
 
         self._thread = threading.Thread(target=work, name=f"checkpoint-save-{iteration}", daemon=True)
         self._thread.start()
-        self._say(f"saving iteration {iteration} to {final} in the background ({describe_layout(info['layout'])})")
+        self._say(f"saving iteration {iteration} to {final} in the background (state copied in "
+                  f"{time.monotonic() - start:.1f} s; {describe_layout(info['layout'])})")
         self.last_saved = final
         return final
 

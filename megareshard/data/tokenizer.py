@@ -428,3 +428,27 @@ def build_tokenizer(tokenizer_type: str | None, *, tokenizer_model: str | None =
         raise TokenizerError("no tokenizer: give --tokenizer-type with its files (--tokenizer-model, or "
                              "--vocab-file and --merge-file, or --vocab-size for NullTokenizer)")
     raise TokenizerError(f"--tokenizer-type {kind} is not supported here (supported: {', '.join(TOKENIZER_TYPES)})")
+
+
+def tokenizer_record(d) -> dict | None:
+    """What a checkpoint records of the tokenizer of a run whose data flags are ``d`` (a DataConfig; None: none):
+    its type as ``build_tokenizer`` resolves it and its files as absolute paths, so that ``tools/generate.py
+    --load CKPT`` builds the same tokenizer with no other flag. None when the run had no tokenizer."""
+    if d is None:
+        return None
+    kind = resolve_tokenizer_type(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+    if kind is None:
+        return None
+
+    def absolute(path: str | None) -> str | None:
+        return os.path.abspath(path) if path else None
+
+    return {"type": kind, "model": absolute(d.tokenizer_model), "vocab_file": absolute(d.vocab_file),
+            "merge_file": absolute(d.merge_file)}
+
+
+def build_recorded_tokenizer(record: dict, model_vocab_size: int):
+    """The tokenizer ``tokenizer_record`` described, for a model of ``model_vocab_size`` ids (a NullTokenizer's
+    --vocab-size is that less its eod)."""
+    return build_tokenizer(record["type"], tokenizer_model=record.get("model"), vocab_file=record.get("vocab_file"),
+                           merge_file=record.get("merge_file"), vocab_size=model_vocab_size - 1)

@@ -112,7 +112,8 @@ class WarmupCosine:
 
 
 class LRScheduler:
-    """Sets the optimizer's learning rate from a schedule before every step.
+    """Sets the optimizer's learning rate from a schedule before every step; ``num_steps`` counts the iterations
+    begun whose update was applied (``skipped`` takes back one whose update was not).
 
     Parameter groups marked ``decoupled`` (Megatron's ``--decoupled-lr``: the input embedding and output
     layer) follow ``decoupled_schedule``, the same shape between their own peak and minimum rates."""
@@ -137,6 +138,12 @@ class LRScheduler:
         self.num_steps += 1
         self._apply()
         return self.optimizer.param_groups[0]["lr"]
+
+    def skipped(self) -> None:
+        """The update of the iteration ``step()`` began was skipped (fp16 overflow): take the step back, so the
+        schedule counts applied updates only and the next iteration trains at this rate again, as Megatron-LM's
+        scheduler advances only after a successful update. The data position still advances (the caller's)."""
+        self.num_steps = max(self.num_steps - 1, 0)
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

@@ -18,15 +18,24 @@ COLORS = MappingProxyType({"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": 
 COMM_COLORS = MappingProxyType({"F": "#3d85c6", "B": "#38761d"})
 
 
-def format_table(timelines: Sequence[Timeline]) -> str:
-    rows = [("schedule", "makespan", "bubble", "peak activations per stage")]
+def format_table(timelines: Sequence[Timeline], unit: str = "cost units") -> str:
+    rows = [("schedule", f"makespan ({unit})", "bubble", "peak activations per stage")]
     rows += [(t.name, f"{t.makespan:g}", f"{t.bubble_fraction:.3f}",
               " ".join(map(str, t.peak_activations))) for t in timelines]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float) -> None:
+def title(tl: Timeline, unit: str, width_chars: int) -> str:
+    """The panel's title, wrapped to ``width_chars`` (the figure's width at the title's font size)."""
+    import textwrap
+
+    text = (f"{tl.name}: makespan {tl.makespan:.4g} {unit.split(',')[0]}, bubble {tl.bubble_fraction:.1%}, peak "
+            f"activations per stage {' '.join(map(str, tl.peak_activations))}")
+    return "\n".join(textwrap.wrap(text, max(width_chars, 20)))
+
+
+def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float, unit: str = "cost units") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,9 +45,11 @@ def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float) -> None:
     span = max(t.makespan for t in timelines) or 1.0
     n_rows = sum(t.num_stages for t in timelines)
     fig_w = min(24.0, max(8.0, 0.35 * span + 2))
+    titles = [title(tl, unit, int(fig_w * 72 / (9 * 0.55))) for tl in timelines]  # 9 pt, ~0.55 em per char
+    extra = sum(t.count("\n") for t in titles)
     fig, axes = plt.subplots(len(timelines), 1, squeeze=False, sharex=True,
-                             figsize=(fig_w, 1.0 + 0.55 * n_rows + 0.5 * len(timelines)))
-    for ax, tl in zip(axes[:, 0], timelines):
+                             figsize=(fig_w, 1.0 + 0.55 * n_rows + 0.5 * len(timelines) + 0.2 * extra))
+    for ax, tl, text in zip(axes[:, 0], timelines, titles):
         P = tl.num_stages
         row_stages = [sorted({iv.action.stage for iv in row}) for row in tl.compute]
         for s, row in enumerate(tl.compute):
@@ -63,12 +74,11 @@ def draw(timelines: Sequence[Timeline], path: Path, comm_cost: float) -> None:
         ax.set_yticks([P - 1 - s + 0.55 for s in range(P)])
         ax.set_yticklabels([f"stage {s}" if row_stages[s] in ([s], []) else
                             f"mesh {s} ({','.join(map(str, row_stages[s]))})" for s in range(P)])
-        ax.set_title(f"{tl.name}: makespan {tl.makespan:g}, bubble {tl.bubble_fraction:.1%}, "
-                     f"peak activations {tl.peak_activations}", fontsize=9, loc="left")
+        ax.set_title(text, fontsize=9, loc="left")
         ax.grid(axis="x", linestyle=":", linewidth=0.5)
         ax.set_axisbelow(True)
     axes[-1, 0].set_xlim(0, span * 1.01)
-    axes[-1, 0].set_xlabel("time" + (f" (comm {comm_cost:g} per transfer)" if comm_cost else ""))
+    axes[-1, 0].set_xlabel(f"time ({unit}" + (f"; a transfer takes {comm_cost:g}" if comm_cost else "") + ")")
     handles = [Patch(facecolor=COLORS[k], edgecolor="black", label=lbl) for k, lbl in
                [("F", "F forward"), ("B", "B backward"), ("I", "I input-grad"), ("W", "W weight-grad")]]
     handles += [Patch(facecolor=COMM_COLORS["F"], label="send activation"),

@@ -1,6 +1,7 @@
 """The planner's outputs: a ranked Markdown table and a picture of a layout on the cluster."""
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
 
 from .costs import ClusterSpec
@@ -90,7 +91,11 @@ def draw_layout(c: Candidate, cluster: ClusterSpec, path: str) -> None:
     ax.set_ylim(-0.2, n)
     ax.set_yticks([n - 1 - i + 0.4 for i in range(n)], [label for _, label in rows], fontsize=7)
     ax.set_xticks([])
-    ax.set_title(f"{c.name}: {c.step_s:.3f} s/step on {H} hosts × {D}", fontsize=9)
+    ax.set_xlabel("device of the host (box: s pipeline stage, t tensor-parallel rank, d data-parallel rank)",
+                  fontsize=7)
+    width_chars = int(max(6, D * 0.9 + 2) * 72 / (9 * 0.55))  # the figure's width at 9 pt, ~0.55 em per char
+    ax.set_title(textwrap.fill(f"{c.name}: {c.step_s:.3f} s per step (predicted) on {H} hosts × {D} devices",
+                               width_chars), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

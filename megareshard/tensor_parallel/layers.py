@@ -72,8 +72,10 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
 
 
 def _shard_param(full: torch.Tensor, ctx: ParallelContext, dim: int, device, dtype) -> nn.Parameter:
+    """This rank's shard of ``full`` in its own storage: a view (a dim-0 slice, on the device ``full`` is already
+    on) would keep the whole unsharded tensor alive with it."""
     local = split_dim(full, ctx, dim) if dim >= 0 else full
-    return nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    return nn.Parameter(local.to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True))
 
 
 # ---- delayed weight gradients ------------------------------------------------------------
