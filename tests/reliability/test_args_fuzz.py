@@ -116,11 +116,11 @@ def _one_line_config_error(e: ConfigError) -> None:
 
 
 def _start(cfg, world: int) -> None:
-    """What a run does at start-up before communicating: the layout, the stage layouts, the pipeline checks and
-    schedule for any world size; the whole Trainer (model, optimizer, data) in one process."""
+    """What a run does at start-up before communicating: the layout, the stage layouts and the schedule of the
+    resolved plan for any world size; the whole Trainer (model, optimizer, data) in one process."""
     from megareshard.parallel import StageTopology, Topology, parse_stage_layouts
     from megareshard.pipeline.generators import generate
-    from megareshard.pipeline.stage import check_pipeline_config, stage_layouts
+    from megareshard.pipeline.stage import stage_layouts
 
     p = cfg.parallel
     if p.stage_layouts:
@@ -129,9 +129,9 @@ def _start(cfg, world: int) -> None:
         topo = Topology(world, tp=cfg.tp, pp=cfg.pp, nproc_per_node=p.nproc_per_node or world,
                         order=p.rank_order or "tp-dp-pp")
     if cfg.pp > 1:
-        check_pipeline_config(cfg, world)
         stage_layouts(cfg, topo)
-        generate(cfg.pipeline.pipeline_schedule, cfg.pp, cfg.num_microbatches(world))
+        v = cfg.plan.virtual_stages
+        generate(cfg.plan.pipeline.schedule, cfg.pp, cfg.plan.num_microbatches, virtual_stages=v if v > 1 else None)
     if world == 1:
         from megareshard.parallel import ParallelContext
         from megareshard.training import Trainer
