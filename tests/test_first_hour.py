@@ -263,7 +263,9 @@ def test_timeline_and_layout_pictures_name_their_units(capsys):
     assert plot.time_unit(args) == "cost units, F = 1"
     assert plot.time_unit(argparse.Namespace(trace="t.json")) == "s"  # a measured trace: seconds
     assert plot.format_table(timelines, "s").splitlines()[0].startswith("schedule  makespan (s)  bubble")
-    title = plot.title(timelines[0], "s", 30)
+    from megareshard.pipeline.draw import title as panel_title
+
+    title = panel_title(timelines[0], "s", 30)
     assert "makespan" in title and " s," in title and all(len(line) <= 30 for line in title.splitlines())
     plan = _tool("plan_layout")
     helptext = " ".join(plan.build_parser().format_help().split())
