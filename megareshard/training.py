@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
+from .checkpoint.megatron_load import load_into_model as load_megatron, megatron_checkpoint_dir
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
@@ -242,10 +243,17 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
+        if ck.save and megatron_checkpoint_dir(ck.save):
+            raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint ({megatron_checkpoint_dir(ck.save)}):"
+                                  " megareshard's iter_N directories would mix with (and could replace) it; load it "
+                                  "with --load and save elsewhere")
         if ck.load and _nothing_to_load(ck.load):  # Megatron-LM scripts pass --load = --save on the first run too
             if ctx.rank == 0:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
+        elif ck.load and megatron_checkpoint_dir(ck.load):   # a Megatron-LM checkpoint: weights, as --finetune
+            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, optimizer=self.optimizer,
+                                        say=self._say_checkpoint)
         elif ck.load:
             self.loaded = self.checkpoints.load(ck.load, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler, sampler=self.sampler, config=cfg,
@@ -614,6 +622,10 @@ class Trainer:
                   f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 
     # ---- checkpoints ------------------------------------------------------------------------
+    def _say_checkpoint(self, msg: str, warning: bool) -> None:
+        if self.ctx.rank == 0:
+            print(("WARNING: checkpoint: " if warning else "checkpoint: ") + msg, file=self.out, flush=True)
+
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
         print(f" rank {self.ctx.rank}: SIGTERM received: saving a checkpoint after this iteration, then exiting",
