@@ -125,7 +125,7 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
         if value not in neutral:
             problems.append(f"{what} = {value!r}" if not isinstance(value, bool) else what)
     kind = args.get("position_embedding_type") or "learned_absolute"
-    if args.get("use_rotary_position_embeddings"):
+    if args.get("use_rotary_position_embeddings") and kind == "learned_absolute":   # the deprecated flag
         kind = "rope"
     elif args.get("add_position_embedding") is False and kind == "learned_absolute":
         kind = "none"
@@ -194,7 +194,6 @@ def args_from_model_config(cfg: ModelConfig, tp: int, extra: Mapping[str, Any] |
            "seq_length": cfg.seq_length, "max_position_embeddings": cfg.max_position_embeddings,
            "position_embedding_type": cfg.position_embedding_type,
            "add_position_embedding": cfg.position_embedding_type == "learned_absolute",
-           "use_rotary_position_embeddings": cfg.position_embedding_type == "rope",
            "rotary_base": int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
            "rotary_percent": cfg.rotary_percent, "swiglu": cfg.swiglu, "openai_gelu": cfg.openai_gelu,
            "squared_relu": False, "normalization": cfg.normalization, "norm_epsilon": cfg.norm_epsilon,

@@ -81,16 +81,16 @@ def _keep_cuda_off() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self       # the tied embedding's pipeline all-reduce moves it there
 
 
-def _fork_results_queue() -> None:
-    """The checkpoint writer collects its forked workers' results through a queue that Megatron-Core makes with
-    a ``spawn`` Manager (a fresh interpreter importing this file and torch: seconds on a loaded CPU); a ``fork``
-    queue serves the same forked workers."""
-    import multiprocessing as mp
+def _local_results_queue() -> None:
+    """The checkpoint writer hands its results to the finishing step through a queue that Megatron-Core makes
+    with a ``spawn`` Manager (a fresh interpreter importing this file and torch: seconds on a loaded CPU), for
+    asynchronous saves in another process. A synchronous save puts and takes in this process: a plain queue."""
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    queue = mp.get_context("fork").Queue()
-    filesystem_async._get_write_results_queue = lambda: queue
+    results: queue.Queue = queue.Queue()
+    filesystem_async._get_write_results_queue = lambda: results
 
 
 def build(arch: str, tp: int, pp: int = 1, seed: int = 0):
@@ -205,7 +205,7 @@ def make_fixtures(rank: int, world: int, work: str) -> dict:
     _keep_cuda_off()
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     print("TIME import", time.time() - t0, flush=True)
-    _fork_results_queue()
+    _local_results_queue()
 
     out: dict = {"logits": {}, "export": {}}
     originals = {}
@@ -248,7 +248,7 @@ def make_fixtures(rank: int, world: int, work: str) -> dict:
     return out
 
 
-def run_oracle(work: str, timeout: float = 420.0) -> dict:
+def run_oracle(work: str, timeout: float = 600.0) -> dict:
     """Run ``make_fixtures`` on two ranks writing under ``work``; returns its result (rank 0's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
