@@ -252,8 +252,8 @@ class Trainer:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
         elif ck.load and megatron_checkpoint_dir(ck.load):   # a Megatron-LM checkpoint: weights, as --finetune
-            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, optimizer=self.optimizer,
-                                        say=self._say_checkpoint)
+            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, cfg=cfg.model,
+                                        optimizer=self.optimizer, say=self._say_checkpoint)
         elif ck.load:
             self.loaded = self.checkpoints.load(ck.load, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler, sampler=self.sampler, config=cfg,

@@ -137,13 +137,15 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def load_into_model(path: str, *, ctx, model, optimizer, say: Callable[[str, bool], None]) -> LoadResult:
-    """Load the Megatron-LM checkpoint ``path`` names into this rank's part of ``model`` (collective).
+def load_into_model(path: str, *, ctx, model, cfg: ModelConfig, optimizer,
+                    say: Callable[[str, bool], None]) -> LoadResult:
+    """Load the Megatron-LM checkpoint ``path`` names into this rank's part of ``model`` of configuration ``cfg``
+    (a GPT's stage or model chunks; collective).
 
     Checked on every rank before anything is read, the same one-line error everywhere: the checkpoint
     (``open_checked``) and its architecture against this run's (each differing flag named)."""
     tp, tp_rank = ctx.tp_size, ctx.tp_rank()
-    cur = model.cfg
+    cur = cfg
     problem, opened, messages = None, None, []
     try:
         opened = open_checked(path, vocab_size=cur.vocab_size)
