@@ -247,13 +247,14 @@ class Trainer:
             raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint ({megatron_checkpoint_dir(ck.save)}):"
                                   " megareshard's iter_N directories would mix with (and could replace) it; load it "
                                   "with --load and save elsewhere")
-        if ck.load and _nothing_to_load(ck.load):  # Megatron-LM scripts pass --load = --save on the first run too
+        megatron_dir = megatron_checkpoint_dir(ck.load) if ck.load else None
+        if megatron_dir:   # a Megatron-LM checkpoint (a root or an iteration directory): its weights, as --finetune
+            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, cfg=cfg.model,
+                                        optimizer=self.optimizer, say=self._say_checkpoint)
+        elif ck.load and _nothing_to_load(ck.load):  # Megatron-LM scripts pass --load = --save on the first run too
             if ctx.rank == 0:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
-        elif ck.load and megatron_checkpoint_dir(ck.load):   # a Megatron-LM checkpoint: weights, as --finetune
-            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, cfg=cfg.model,
-                                        optimizer=self.optimizer, say=self._say_checkpoint)
         elif ck.load:
             self.loaded = self.checkpoints.load(ck.load, model=self.model, optimizer=self.optimizer,
                                                 scheduler=self.scheduler, sampler=self.sampler, config=cfg,

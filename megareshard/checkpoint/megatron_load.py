@@ -204,8 +204,8 @@ def load_into_model(path: str, *, ctx, model, cfg: ModelConfig, optimizer,
         optimizer.reload_master_from_model()
     lay = _layout(ctx, optimizer, model)
     say(f"loaded {opened.describe()} into {describe_layout(lay)}: weights only, as --finetune (fresh optimizer, "
-        "iteration 0, data from the start): Megatron-LM's optimizer state is stored in its distributed optimizer's "
-        "bucket layout and is not carried", False)
+        "iteration 0, data from the start); Megatron-LM's optimizer state is not carried (it is laid out by "
+        "Megatron's own gradient buckets and model chunks)", False)
     for m in opened.notes + messages:
         say(m, True)
     saved = {"megatron_format": opened.ckpt.format, "tp": opened.ckpt.args.get("tensor_model_parallel_size"),
