@@ -3,7 +3,9 @@
 The checkpoints here are written by megareshard's own ``torch_dist`` writer (``export-megatron``'s) from a
 random model (the Megatron-Core oracle, tests/checkpoint/test_megatron_interop.py, shows that writer's output
 is what Megatron-Core reads) and then altered: features megareshard does not build (experts, multi-latent
-attention, Transformer Engine fp8 scaling state), truncated and mismatched files, an existing output.
+attention, Transformer Engine fp8 scaling state), truncated and mismatched files, an existing output. Per-rank
+``torch`` files with virtual pipeline stages and tp 2 (which the oracle does not write) are laid out by hand as
+Megatron-LM lays them out, and read back exactly. None of this needs Megatron-Core.
 """
 from __future__ import annotations
 
@@ -152,8 +154,55 @@ def test_load_names_the_differing_flags_and_save_may_not_share_the_directory(tmp
         Trainer(parse_args(base + flags + ["--save", src], world_size=1), ParallelContext.single_process(),
                 torch.device("cpu"), out=io.StringIO())
     log = io.StringIO()
-    trainer = Trainer(parse_args(base + flags, world_size=1), ParallelContext.single_process(), torch.device("cpu"),
-                      out=log)
+    at_iteration = [a if a != src else os.path.join(src, "iter_0000010") for a in base]   # the directory itself
+    trainer = Trainer(parse_args(at_iteration + flags, world_size=1), ParallelContext.single_process(),
+                      torch.device("cpu"), out=log)
     assert trainer.iteration == 0 and "weights only, as --finetune" in log.getvalue()
     emb = trainer.model.embedding.word_embeddings.weight
     assert torch.equal(emb[:100], _weights()["embedding.word_embeddings.weight"]) and not emb[100:].any()
+
+
+def _write_legacy(root, weights: dict, cfg: ModelConfig, tp: int, pp: int, vp: int) -> None:
+    """Per-rank ``torch`` files as Megatron-LM lays them out: model chunk v of pipeline rank p (``model<v>`` with
+    virtual stages) holds global layers of model stage v·pp + p, numbered from 0; tp slices along each tensor's
+    split dim; SwiGLU's fc1 slice is [gate slice; up slice]; the vocabulary padded to 128 × tp."""
+    padded = -(-cfg.vocab_size // (128 * tp)) * 128 * tp
+    per = cfg.num_layers // (pp * vp)
+    table = sources(cfg)
+    for p in range(pp):
+        for t in range(tp):
+            chunks = {}
+            for v in range(vp):
+                stage = v * pp + p
+                sd = {}
+                for name, src in table.items():
+                    if src.layer is not None and not stage * per <= src.layer < (stage + 1) * per:
+                        continue
+                    if src.layer is None and (stage != 0 if src.key.startswith("embedding") else stage != pp * vp - 1):
+                        continue
+                    key = src.key if src.layer is None else f"{LAYERS}{src.layer - stage * per}.{src.key[len(LAYERS):]}"
+                    full = weights[name]
+                    if src.vocab:
+                        full = torch.cat([full, torch.zeros(padded - full.shape[0], *full.shape[1:])])
+                    piece = full.chunk(tp, dim=src.tp_dim)[t] if src.tp_dim is not None else full
+                    sd[key] = torch.cat([sd[key], piece]) if src.part == 1 else piece   # gate slice, then up
+                    if src.layer is not None and key.endswith("weight") and "norm" not in key:
+                        sd[key.rsplit(".", 1)[0] + "._extra_state"] = None
+                chunks[f"model{v}" if vp > 1 else "model"] = sd
+            d = root / "iter_0000007" / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+            d.mkdir(parents=True)
+            args = argparse.Namespace(**args_from_model_config(cfg, tp, {"pipeline_model_parallel_size": pp}))
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7, **chunks}, d / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("7")
+
+
+def test_per_rank_files_with_virtual_stages_and_tp_read_back_exactly(tmp_path, capsys):
+    cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 8})
+    weights = _weights(cfg)
+    _write_legacy(tmp_path / "meg", weights, cfg, tp=2, pp=2, vp=2)
+    tool = load_tool()
+    assert tool.main(["import-megatron", str(tmp_path / "meg"), str(tmp_path / "ours")]) == 0
+    capsys.readouterr()
+    _, _, back_cfg, back = tool._model_tensors(str(tmp_path / "ours"))
+    assert back_cfg == cfg and back.keys() == weights.keys()
+    assert all(torch.equal(back[k], weights[k]) for k in weights)
