@@ -244,9 +244,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
         if ck.save and megatron_checkpoint_dir(ck.save):
-            raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint ({megatron_checkpoint_dir(ck.save)}):"
-                                  " megareshard's iter_N directories would mix with (and could replace) it; load it "
-                                  "with --load and save elsewhere")
+            raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint "
+                                  f"({megatron_checkpoint_dir(ck.save)}): megareshard's iter_N directories would mix "
+                                  "with (and could replace) it; load it with --load and save elsewhere")
         megatron_dir = megatron_checkpoint_dir(ck.load) if ck.load else None
         if megatron_dir:   # a Megatron-LM checkpoint (a root or an iteration directory): its weights, as --finetune
             self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, cfg=cfg.model,

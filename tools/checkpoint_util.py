@@ -377,7 +377,8 @@ def main(argv=None) -> int:
         elif args.cmd == "export-megatron":
             path = export_megatron(args.ckpt, args.megatron_dir, args.tensor_model_parallel_size)
             print(f"exported {args.ckpt} -> {path} (Megatron-LM torch_dist, vocabulary padded for tensor parallelism "
-                  f"{args.tensor_model_parallel_size}; load it with --load {args.megatron_dir} --ckpt-format torch_dist)")
+                  f"{args.tensor_model_parallel_size}, weights only: load it in Megatron-LM with --load "
+                  f"{args.megatron_dir} --finetune)")
         elif args.cmd == "export-hf":
             hf_cfg = export_hf(args.ckpt, args.hf_dir)
             print(f"exported {args.ckpt} -> {args.hf_dir} ({hf_cfg['architectures'][0]}: config.json, model.safetensors)")

@@ -157,7 +157,8 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
             notes.append(f"vocabulary {vocab_size}: the arguments record only the padded vocabulary, so every stored "
                          "row is kept (give the tokenizer's size to drop the padding rows)")
         else:
-            raise CheckpointError("the checkpoint's arguments record no vocabulary size (vocab_size, padded_vocab_size)")
+            raise CheckpointError("the checkpoint's arguments record no vocabulary size (vocab_size, "
+                                  "padded_vocab_size)")
     if padded and vocab_size > int(padded):
         raise CheckpointError(f"vocabulary {vocab_size} is larger than the checkpoint's padded vocabulary {padded}")
     swiglu = bool(_arg(args, "swiglu", False))
@@ -170,7 +171,8 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
         ffn_hidden_size=int(args["ffn_hidden_size"]) if args.get("ffn_hidden_size") else None,
         seq_length=seq, max_position_embeddings=int(args.get("max_position_embeddings") or seq),
         vocab_size=int(vocab_size), make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
-        hidden_dropout=float(args.get("hidden_dropout", 0.1)), attention_dropout=float(args.get("attention_dropout", 0.1)),
+        hidden_dropout=float(args.get("hidden_dropout", 0.1)),
+        attention_dropout=float(args.get("attention_dropout", 0.1)),
         init_method_std=float(args.get("init_method_std", 0.02)), normalization=norm,
         norm_epsilon=float(_arg(args, "norm_epsilon", 1e-5)), apply_layernorm_1p=bool(_arg(args, "apply_layernorm_1p",
                                                                                           False)),

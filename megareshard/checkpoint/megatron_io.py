@@ -107,7 +107,8 @@ def load_pickle(path: str, *, mmap: bool = False) -> Any:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:
         text = str(e).strip().splitlines()
-        raise CheckpointError(f"{path} is truncated or corrupt: {type(e).__name__}: {text[0] if text else ''}") from None
+        raise CheckpointError(f"{path} is truncated or corrupt: {type(e).__name__}: "
+                              f"{text[0] if text else ''}") from None
 
 
 def _as_dict(args: Any) -> dict[str, Any]:
@@ -175,10 +176,12 @@ class _BoxLoadPlanner(DefaultLoadPlanner):
 
 
 class MegatronCheckpoint:
-    """One Megatron-LM checkpoint (an iteration directory): its format, arguments and tensors.
+    """One Megatron-LM checkpoint (an iteration directory): its format (``torch_dist`` or ``torch``), saved
+    arguments (a dict), iteration and tensors.
 
-    ``shapes``: stored name -> (global shape, dtype) — stacked names for ``torch_dist``, per-layer names
-    (local layer index of pipeline stage 0... as stored) are resolved through ``Source`` for ``torch``.
+    ``shapes``: stored tensor name -> (shape, dtype): for ``torch_dist`` the stacked global names and shapes;
+    for ``torch`` files the per-layer names (local layer numbers) and slice shapes of each pipeline stage's
+    first tensor-parallel rank. ``read`` fills boxes of this model's tensors (``Source`` says where they are).
     """
 
     def __init__(self, path: str) -> None:
@@ -217,8 +220,8 @@ class MegatronCheckpoint:
         self.iteration = common.get("iteration")
         version = common.get("checkpoint_version", 0)
         if not isinstance(version, (int, float)) or version < 3.0:
-            raise CheckpointError(f"{found}: checkpoint_version {version!r} (Megatron-LM before 2021) stores query, key "
-                                  "and value rows in another order: only version 3.0 is read")
+            raise CheckpointError(f"{found}: checkpoint_version {version!r} (Megatron-LM before 2021) stores query, "
+                                  "key and value rows in another order: only version 3.0 is read")
         if self.format == "torch":
             self._layout_from_files()
 
@@ -254,8 +257,8 @@ class MegatronCheckpoint:
                 raise CheckpointError(f"{full} is missing: it holds {index.fqn}")
             if sizes[rel] < end:
                 where = f" at offsets {tuple(index.offset)}" if index.offset is not None else ""
-                raise CheckpointError(f"{full} is truncated: {sizes[rel]} bytes, but {index.fqn}{where} is stored up to "
-                                      f"byte {end}")
+                raise CheckpointError(f"{full} is truncated: {sizes[rel]} bytes, but {index.fqn}{where} is stored "
+                                      f"up to byte {end}")
 
     def extra_state(self) -> dict[str, bytes]:
         """The raw bytes of every stored ``_extra_state`` object (Transformer Engine's fp8 state, or empty)."""
@@ -282,7 +285,8 @@ class MegatronCheckpoint:
             raise
         except BaseException as e:      # DCP's CheckpointException is a BaseException
             text = str(e).strip().splitlines()
-            raise CheckpointError(f"reading {self.path} failed: {type(e).__name__}: {text[-1] if text else ''}") from None
+            raise CheckpointError(f"reading {self.path} failed: {type(e).__name__}: "
+                                  f"{text[-1] if text else ''}") from None
         return planner.raw
 
     # -- torch (per-rank files)
@@ -311,7 +315,8 @@ class MegatronCheckpoint:
         missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 or p else "")
                    for t in range(self.tp) for p in range(self.pp) if (t, p) not in self._files]
         if tps != list(range(self.tp)) or pps != list(range(self.pp)) or missing:
-            raise CheckpointError(f"{self.path}: rank directories are missing: {', '.join(missing) or 'gaps in the ranks'}")
+            raise CheckpointError(f"{self.path}: rank directories are missing: "
+                                  f"{', '.join(missing) or 'gaps in the ranks'}")
         saved_tp = self.args.get("tensor_model_parallel_size")
         if saved_tp not in (None, self.tp):
             raise CheckpointError(f"{self.path}: the arguments say tensor parallelism {saved_tp}, the files are "
@@ -335,7 +340,8 @@ class MegatronCheckpoint:
                     if torch.is_tensor(v) and (t, p) == (0, p):
                         self.shapes.setdefault(k, (tuple(v.shape), v.dtype))
 
-    def _legacy_tensor(self, name: str, src: Source, full: tuple[int, ...], *, data: bool = True) -> torch.Tensor | None:
+    def _legacy_tensor(self, name: str, src: Source, full: tuple[int, ...], *,
+                       data: bool = True) -> torch.Tensor | None:
         """The tensor of this model's ``name`` (vocabulary padding still in) assembled from the rank files, after
         checking every slice against ``full``, its expected shape (``data=False``: the check only)."""
         if src.layer is not None:
@@ -373,8 +379,8 @@ class MegatronCheckpoint:
         return shards[0] if len(shards) == 1 else torch.cat(shards, dim=src.tp_dim)
 
     # -- reading boxes of this model's tensors
-    def read(self, requests: dict[str, tuple[Source, tuple[int, ...], torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-             rows: dict[str, int], no_dist: bool) -> None:
+    def read(self, requests: dict[str, tuple[Source, tuple[int, ...], torch.Tensor]],
+             shapes: dict[str, tuple[int, ...]], rows: dict[str, int], no_dist: bool) -> None:
         """Fill each request's tensor (this model's ``name``: Source, box offset, tensor of the box's size).
         ``shapes``: name -> its full shape here (padded vocabulary); ``rows``: name -> rows of one SwiGLU half.
         Collective over the world for ``torch_dist`` unless ``no_dist``."""
@@ -396,10 +402,11 @@ class MegatronCheckpoint:
         """Every tensor is stored with the shape the arguments give (name -> (Source, this model's full shape with
         the padded vocabulary, the stored global shape)); a mismatch names the file and the tensor."""
         if self.format == "torch":
-            layers = sum(1 for s, _, _ in expected.values() if s.layer is not None and s.key.endswith("linear_qkv.weight"))
+            layers = sum(1 for s, _, _ in expected.values()
+                         if s.layer is not None and s.key.endswith("linear_qkv.weight"))
             if len(self.layer_at) != layers:
-                raise CheckpointError(f"{self.path}: the rank files hold {len(self.layer_at)} layers, the arguments say "
-                                      f"{layers}")
+                raise CheckpointError(f"{self.path}: the rank files hold {len(self.layer_at)} layers, the arguments "
+                                      f"say {layers}")
             for name, (src, full, _) in expected.items():
                 self._legacy_tensor(name, src, full, data=False)
             return
@@ -409,8 +416,8 @@ class MegatronCheckpoint:
                 stored = (stored[0], stored[1] // 2, *stored[2:])
             shape, dtype = self.shapes[key]
             if shape != stored:
-                raise CheckpointError(f"{os.path.join(self.path, '.metadata')}: {key} has shape {shape}, the checkpoint's "
-                                      f"arguments need {stored} (for {name})")
+                raise CheckpointError(f"{os.path.join(self.path, '.metadata')}: {key} has shape {shape}, the "
+                                      f"checkpoint's arguments need {stored} (for {name})")
             if dtype not in _FLOATS:
                 raise CheckpointError(f"{os.path.join(self.path, '.metadata')}: {key} is stored as {dtype}: quantized "
                                       "(fp8) weights are not read")
@@ -425,7 +432,8 @@ class MegatronCheckpoint:
         half = src.key + ("_w", "_v")[src.part] if src.part is not None else None
         if half in self.shapes:
             return half, dataclasses.replace(src, part=None)
-        raise CheckpointError(f"{self.path} has no tensor {src.key}" + (f" (nor {', '.join(src.alt)})" if src.alt else ""))
+        raise CheckpointError(f"{self.path} has no tensor {src.key}"
+                              + (f" (nor {', '.join(src.alt)})" if src.alt else ""))
 
     def refused_tensors(self) -> list[str]:
         """'name: feature' for stored tensors of features this model does not build."""

@@ -49,8 +49,9 @@ class Opened:
 
     def describe(self) -> str:
         a = self.ckpt.args
-        return (f"Megatron-LM {self.ckpt.format} checkpoint {self.ckpt.path} (iteration {self.ckpt.iteration}, saved at "
-                f"tp {a.get('tensor_model_parallel_size', '?')} · pp {a.get('pipeline_model_parallel_size', '?')})")
+        return (f"Megatron-LM {self.ckpt.format} checkpoint {self.ckpt.path} (iteration {self.ckpt.iteration}, "
+                f"saved at tp {a.get('tensor_model_parallel_size', '?')} · pp "
+                f"{a.get('pipeline_model_parallel_size', '?')})")
 
 
 def _padded_rows(ckpt: MegatronCheckpoint, src: Source) -> int:

@@ -63,7 +63,8 @@ def megatron_args(arch: str, tp: int, pp: int = 1, fmt: str = "torch_dist") -> a
     a = ARCHS[arch]
     return argparse.Namespace(
         num_layers=a["num_layers"], hidden_size=a["hidden_size"], ffn_hidden_size=a["ffn_hidden_size"],
-        num_attention_heads=a["num_attention_heads"], group_query_attention=a["num_query_groups"] != a["num_attention_heads"],
+        num_attention_heads=a["num_attention_heads"],
+        group_query_attention=a["num_query_groups"] != a["num_attention_heads"],
         num_query_groups=a["num_query_groups"], kv_channels=a["hidden_size"] // a["num_attention_heads"],
         seq_length=SEQ, max_position_embeddings=64, position_embedding_type=a["position"], rotary_base=ROTARY_BASE,
         rotary_percent=1.0, swiglu=a["swiglu"], openai_gelu=False, squared_relu=False, normalization=a["normalization"],
@@ -108,8 +109,8 @@ def build(arch: str, tp: int, pp: int = 1, seed: int = 0):
         activation_func=torch.nn.functional.silu if a["swiglu"] else torch.nn.functional.gelu,
         add_bias_linear=a["bias"], add_qkv_bias=a["bias"], hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, init_method_std=0.02, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
     torch.manual_seed(seed)
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=a["normalization"]), vocab_size=padded(tp),
                      max_sequence_length=64, pre_process=parallel_state.is_pipeline_first_stage(),
@@ -200,11 +201,8 @@ def _check_export(arch: str, tp: int, work: str, original: dict[str, torch.Tenso
 def make_fixtures(rank: int, world: int, work: str) -> dict:
     """Runs on two ranks: every fixture above under ``work``; returns {name: reference logits} and the export
     checks (logits are gathered over tp, so every rank has them)."""
-    import time
-    t0 = time.time()
     _keep_cuda_off()
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    print("TIME import", time.time() - t0, flush=True)
     _local_results_queue()
 
     out: dict = {"logits": {}, "export": {}}
@@ -217,9 +215,7 @@ def make_fixtures(rank: int, world: int, work: str) -> dict:
             model = build(arch, tp)
             out["logits"][f"{arch}_tp{tp}"] = forward(model)
             originals[(arch, tp)] = {n: p.detach().clone() for n, p in model.named_parameters()}
-            print("TIME built", arch, tp, time.time() - t0, flush=True)
             save_dist(model, os.path.join(work, f"{arch}_tp{tp}"), megatron_args(arch, tp))
-            print("TIME saved", arch, tp, time.time() - t0, flush=True)
             if arch == "llama" and tp == 2:
                 save_torch(model, os.path.join(work, "llama_tp2_torch"), megatron_args(arch, tp, fmt="torch"),
                            tp_rank, 0, 1, write=True)
@@ -232,17 +228,14 @@ def make_fixtures(rank: int, world: int, work: str) -> dict:
     save_torch(stage, os.path.join(work, "gpt_pp2_torch"), megatron_args("gpt", 1, pp=2, fmt="torch"), 0,
                parallel_state.get_pipeline_model_parallel_rank(), 2, write=True)
     parallel_state.destroy_model_parallel()
-    print("TIME pp2", time.time() - t0, flush=True)
     if rank == 0:
         _export_all(work, [f"{arch}_tp{tp}" for tp in (2, 1) for arch in ARCHS])
     dist.barrier()
-    print("TIME exported", time.time() - t0, flush=True)
     for tp in (2, 1):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         for arch in ARCHS:
             out["export"][f"{arch}_tp{tp}"] = _check_export(arch, tp, work, originals[(arch, tp)])
         parallel_state.destroy_model_parallel()
-    print("TIME checked", time.time() - t0, flush=True)
     out["logits"]["llama_tp2_torch"] = out["logits"]["llama_tp2"]
     out["logits"]["gpt_pp2_torch"] = out["logits"]["gpt_tp1"]
     return out

@@ -77,7 +77,8 @@ def test_round_trip_of_the_mapping(tmp_path, capsys):
 @pytest.mark.parametrize("change, tensors, words", [
     ({"num_experts": 8}, None, "mixture of experts (--num-experts) = 8"),
     ({"multi_latent_attention": True}, None, "multi-latent attention"),
-    ({}, {f"{LAYERS}mlp.router.weight": torch.zeros(2, 8, 32)}, "decoder.layers.mlp.router.weight (mixture of experts)"),
+    ({}, {f"{LAYERS}mlp.router.weight": torch.zeros(2, 8, 32)},
+     "decoder.layers.mlp.router.weight (mixture of experts)"),
     ({"position_embedding_type": "yarn"}, None, "--position-embedding-type yarn"),
 ], ids=["experts", "mla", "expert-tensors", "yarn"])
 def test_features_not_built_are_named(tmp_path, capsys, change, tensors, words):
@@ -94,7 +95,8 @@ def _te_extra_state(payload: dict) -> list:
 
 def test_fp8_scaling_state_is_refused_but_recipe_only_state_loads(tmp_path, capsys):
     key = f"{LAYERS}self_attention.linear_qkv._extra_state/shard_0_2"
-    delayed = _te_extra_state({"recipe": "DelayedScaling", "scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(4, 3)})
+    delayed = _te_extra_state({"recipe": "DelayedScaling", "scale_fwd": torch.ones(3),
+                               "amax_history_fwd": torch.zeros(4, 3)})
     src = _write(tmp_path / "fp8", objects={key: delayed})
     err = _refused(load_tool(), ["import-megatron", src, str(tmp_path / "ours")], capsys)
     assert "fp8 scaling state" in err and key in err
