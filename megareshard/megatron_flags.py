@@ -106,7 +106,6 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--squared-relu": (_FLAG, "architecture: squared-ReLU MLP"),
     "--normalization": (_STR, "architecture: a normalization other than LayerNorm"),
     "--norm-epsilon": (dict(type=float, default=None), "architecture: the normalization epsilon"),
-    "--apply-layernorm-1p": (_FLAG, "architecture: LayerNorm with zero-centred gamma"),
     "--untie-embeddings-and-output-weights": (_FLAG, "architecture: an output layer untied from the embedding"),
     "--disable-bias-linear": (_FLAG, "architecture: linear layers without biases"),
     "--add-qkv-bias": (_FLAG, "architecture: query/key/value biases only"),

@@ -32,6 +32,7 @@ from .arguments import Config, ConfigError, validate
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
 from .checkpoint.lock import lock_save_dir
+from .checkpoint.megatron_load import load_into_model as load_megatron, megatron_checkpoint_dir
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
@@ -274,11 +275,19 @@ class Trainer:
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
         self.loaded: LoadResult | None = None
+        if ck.save and megatron_checkpoint_dir(ck.save):
+            raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint "
+                                  f"({megatron_checkpoint_dir(ck.save)}): megareshard's iter_N directories would mix "
+                                  "with (and could replace) it; load it with --load and save elsewhere")
         if ck.load:
             self._phase("checkpoint", f"loading {ck.load}")
+        megatron_dir = megatron_checkpoint_dir(ck.load) if ck.load else None
+        if megatron_dir:   # a Megatron-LM checkpoint (a root or an iteration directory): its weights, as --finetune
+            self.loaded = load_megatron(ck.load, ctx=ctx, model=self.model, cfg=cfg.model,
+                                        optimizer=self.optimizer, say=self._say_checkpoint)
         # what --load holds, decided by rank 0 for all: from scratch only when it is --save and holds no
         # checkpoint yet (Megatron-LM scripts pass --load = --save on the first run too); else a checkpoint
-        if ck.load and _agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
+        elif ck.load and _agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
             if ctx.rank == 0:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
@@ -688,6 +697,10 @@ class Trainer:
                   f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 
     # ---- checkpoints ------------------------------------------------------------------------
+    def _say_checkpoint(self, msg: str, warning: bool) -> None:
+        if self.ctx.rank == 0:
+            print(("WARNING: checkpoint: " if warning else "checkpoint: ") + msg, file=self.out, flush=True)
+
     def _on_sigterm(self, signum, frame) -> None:
         self._sigterm = True
         print(f" rank {self.ctx.rank}: SIGTERM received: saving a checkpoint after this iteration, then exiting",

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the test packages, deepspeed (the ZeRO peer), and what the examples the tests run need
-MEGARESHARD_EXTRAS=test,deepspeed,plots,hf source tools/ensure_venv.sh
+MEGARESHARD_EXTRAS=test,deepspeed,megatron,plots,hf source tools/ensure_venv.sh
 tmp=$(mktemp -d -t megareshard-tests.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 # nothing is written outside the tree but this temp dir

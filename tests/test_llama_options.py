@@ -6,6 +6,8 @@
   kv_channels, partial rotary and a QKV bias) against a reference forward written from the
   gathered weights with einsum, complex rotations and an explicit causal softmax;
 * untied output layer, pipeline stages, delayed weight gradients, recomputation, autocast;
+* ``--apply-layernorm-1p``: LayerNorm and RMSNorm store gamma − 1 (zeros at init) and compute exactly
+  what the plain norm computes with the scale weight + 1;
 * configuration errors name the numbers (model fields and command-line flags).
 
 Tolerances: fp32 with different summation orders; relative 1e-5 of the largest value
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.models import GPTModel, check_gpt_config, gpt_flops_per_token
-from megareshard.models.components import RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
+from megareshard.models.components import LayerNorm1P, RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
 from megareshard.models.config import ModelConfig, swiglu_ffn_hidden_size
 from megareshard.parallel import ParallelContext
 from megareshard.tensor_parallel import WeightGradStore, gather_full_state_dict
@@ -80,6 +82,29 @@ def _rotary_loops(t: torch.Tensor, rot: int, base: float) -> torch.Tensor:
             out[..., m, i] = a * math.cos(theta) - b * math.sin(theta)
             out[..., m, i + rot // 2] = a * math.sin(theta) + b * math.cos(theta)
     return out
+
+
+def test_layernorm_1p_is_the_plain_norm_with_weight_plus_one():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 64, generator=g) * 3 + 1
+    ln1p, rms1p = LayerNorm1P(64, eps=1e-5), RMSNorm(64, 1e-5, zero_centered_gamma=True)
+    assert not ln1p.weight.any() and not ln1p.bias.any() and not rms1p.weight.any()   # gamma − 1 starts at 0
+    with torch.no_grad():
+        for p in (ln1p.weight, ln1p.bias, rms1p.weight):
+            p.copy_(torch.randn(64, generator=g) * 0.1)
+    ln, rms = torch.nn.LayerNorm(64, eps=1e-5), RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        ln.weight.copy_(ln1p.weight + 1)
+        ln.bias.copy_(ln1p.bias)
+        rms.weight.copy_(rms1p.weight + 1)
+    assert torch.equal(ln1p(x), ln(x)) and torch.equal(rms1p(x), rms(x))    # the same arithmetic
+    for norm in ("LayerNorm", "RMSNorm"):
+        cfg = parse_args(["--mock-data", "--vocab-size", "100", "--normalization", norm, "--apply-layernorm-1p"],
+                         world_size=1).model
+        model = GPTModel(cfg, ParallelContext.single_process())
+        names = [n for n, _ in model.named_parameters() if "layernorm.weight" in n]
+        assert len(names) == 2 * cfg.num_layers + 1 and all(not dict(model.named_parameters())[n].any()
+                                                            for n in names)
 
 
 @pytest.mark.parametrize("rot, base", [(16, 10000.0), (8, 500.0)])

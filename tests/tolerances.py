@@ -44,3 +44,23 @@ def element_error_bounds(lrs: Sequence[float], betas: tuple[float, float]) -> li
     for t, lr in enumerate(lrs, start=1):
         out.append(out[-1] + lr * RHO * adam_step_bound(t, betas))
     return out
+
+
+def forward_tolerance(reductions: int, scale: float, kappa: float = 4.0) -> float:
+    """Largest difference expected between two fp32 forwards of the same model and weights through different
+    kernels (another library's, another summation order).
+
+    Each sum of n products is computed to within n·u of the sum of its terms' magnitudes, whatever the order;
+    along the forward the first-order errors of the sums one output depends on add up, so an output differs by
+    at most u · (the lengths of those sums, ``reductions``) · the size of its terms. That size is taken as the
+    outputs' largest magnitude, ``scale``, times ``kappa`` for the cancellation between terms (norms and
+    softmax keep activations of order one, so terms exceed their sums by a small factor)."""
+    return kappa * reductions * U * scale
+
+
+def gpt_forward_reductions(num_layers: int, hidden: int, ffn: int, heads: int, head_dim: int, seq: int) -> int:
+    """The summed lengths of the sums a GPT logit depends on: per layer the two norms (hidden each), QKV
+    (hidden), the scores (head_dim), softmax and its weighted sum (seq, twice), the projection (heads·head_dim),
+    the MLP (hidden, ffn); then the final norm and the output layer (hidden each)."""
+    per_layer = 2 * hidden + hidden + head_dim + 2 * seq + heads * head_dim + hidden + ffn
+    return num_layers * per_layer + 2 * hidden

@@ -33,6 +33,16 @@ derives the architecture flags from the config, writes a fresh checkpoint record
 prints them (pass them with ``--load OUTDIR --finetune``). ``export-hf`` writes a checkpoint's
 weights back as ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads. The
 mappings are ``megareshard/models/hf.py``; needs the ``safetensors`` package.
+
+``import-megatron`` reads a Megatron-LM checkpoint (``torch_dist``, or the per-rank ``torch`` format
+``mp_rank_TT[_PPP]/model_optim_rng.pt``; a root with ``latest_checkpointed_iteration.txt`` or an
+``iter_NNNNNNN`` directory), derives the architecture from its saved arguments, writes a fresh
+checkpoint of its weights and prints the flags (``pretrain_gpt.py --load DIR`` also reads a Megatron-LM
+checkpoint directly, in any layout). ``export-megatron`` writes a checkpoint's weights as a ``torch_dist``
+checkpoint that Megatron-Core's ``dist_checkpointing.load`` reads into a model of the same configuration
+(``--tensor-model-parallel-size``: the tp it will be loaded at, which sets the vocabulary padding). Like every
+writing command here, neither writes into a non-empty directory unless ``--force``. The mappings are
+``megareshard/checkpoint/megatron.py``.
 """
 from __future__ import annotations
 
@@ -55,6 +65,9 @@ from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, chec
 from megareshard.checkpoint.detect import check_destination  # noqa: E402
 from megareshard.checkpoint.lock import busy_message, try_lock_dir  # noqa: E402
 from megareshard.checkpoint.manager import describe_layout  # noqa: E402
+from megareshard.checkpoint.megatron import args_from_model_config, to_megatron  # noqa: E402
+from megareshard.checkpoint.megatron_io import write_torch_dist  # noqa: E402
+from megareshard.checkpoint.megatron_load import open_checked, read_full  # noqa: E402
 from megareshard.models import hf as hf_map  # noqa: E402
 from megareshard.models.config import ModelConfig  # noqa: E402
 
@@ -296,6 +309,48 @@ def export_hf(path: str, hf_dir: str, force: bool = False) -> dict:
     return hf_cfg
 
 
+def _model_tensors(path: str) -> tuple[str, dict, ModelConfig, dict]:
+    """(checkpoint dir, its checkpoint.json, its ModelConfig, its model weights as full tensors)."""
+    ckpt = resolve_checkpoint_dir(path)
+    info = read_info(ckpt)
+    if not info.get("model_config"):
+        raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
+    cfg = _model_config_from_dict(info["model_config"])
+    md = read_metadata(ckpt)
+    check_files(ckpt, info, md)
+    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+               for k, v in md.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
+    read_pieces(ckpt, tensors, [], no_dist=True)
+    return ckpt, info, cfg, {k[len("model."):]: p.tensor for k, p in tensors.items()}
+
+
+def import_megatron(src: str, out_dir: str, vocab_size: int | None = None, force: bool = False):
+    """A fresh checkpoint (iteration 0, weights only) from a Megatron-LM checkpoint; returns (path, config, notes)."""
+    writable_destination(out_dir, force)
+    opened = open_checked(src, vocab_size)
+    model = read_full(opened)
+    common = {"iteration": 0, "imported_from_megatron": {"format": opened.ckpt.format,
+                                                         "iteration": opened.ckpt.iteration}}
+    path = _write_imported(model, None, common, dataclasses.asdict(opened.cfg), 0, opened.ckpt.path, out_dir)
+    return path, opened.cfg, opened.notes
+
+
+def export_megatron(path: str, out_dir: str, tp: int = 1, force: bool = False) -> str:
+    """A Megatron-LM ``torch_dist`` checkpoint of a checkpoint's weights, for Megatron-Core at tensor parallelism
+    ``tp``; returns its iteration directory."""
+    writable_destination(out_dir, force)
+    if tp < 1:
+        raise CheckpointError(f"--tensor-model-parallel-size must be at least 1, got {tp}")
+    ckpt, info, cfg, model = _model_tensors(path)
+    tensors, objects = to_megatron(model, cfg, tp)
+    saved = info.get("args") or {}
+    tokenizer = (saved.get("data") or {}).get("tokenizer_type") if isinstance(saved, dict) else None
+    args = argparse.Namespace(**args_from_model_config(cfg, tp, {"tokenizer_type": tokenizer}))
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": int(info["iteration"])}
+    return write_torch_dist(out_dir, int(info["iteration"]), tensors, objects, common)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -324,6 +379,19 @@ def main(argv=None) -> int:
     e.add_argument("ckpt")
     e.add_argument("hf_dir")
     e.add_argument("--force", action="store_true", help="overwrite the files of a non-empty HF_DIR")
+    g = sub.add_parser("import-megatron", help="a fresh checkpoint from a Megatron-LM checkpoint (torch_dist or "
+                                               "per-rank torch files)")
+    g.add_argument("megatron_dir")
+    g.add_argument("out_dir")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="the tokenizer's vocabulary (default: from the saved arguments); rows past it are padding")
+    g.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    h = sub.add_parser("export-megatron", help="a checkpoint's weights as a Megatron-LM torch_dist checkpoint")
+    h.add_argument("ckpt")
+    h.add_argument("megatron_dir")
+    h.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="the tensor parallelism Megatron-LM will load it at (sets the vocabulary padding)")
+    h.add_argument("--force", action="store_true", help="write into a non-empty DIR")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -338,6 +406,17 @@ def main(argv=None) -> int:
             path, cfg = import_hf(args.hf_dir, args.out_dir, args.force)
             print(f"imported {args.hf_dir} -> {path}; train it with --load {args.out_dir} --finetune "
                   + " ".join(hf_map.megatron_flags(cfg)))
+        elif args.cmd == "import-megatron":
+            path, cfg, notes = import_megatron(args.megatron_dir, args.out_dir, args.vocab_size, args.force)
+            for note in notes:
+                print(f"note: {note}")
+            print(f"imported {args.megatron_dir} -> {path}; train it with --load {args.out_dir} --finetune "
+                  + " ".join(hf_map.megatron_flags(cfg)))
+        elif args.cmd == "export-megatron":
+            path = export_megatron(args.ckpt, args.megatron_dir, args.tensor_model_parallel_size, args.force)
+            print(f"exported {args.ckpt} -> {path} (Megatron-LM torch_dist, vocabulary padded for tensor parallelism "
+                  f"{args.tensor_model_parallel_size}, weights only: load it in Megatron-LM with --load "
+                  f"{args.megatron_dir} --finetune)")
         elif args.cmd == "export-hf":
             hf_cfg = export_hf(args.ckpt, args.hf_dir, args.force)
             print(f"exported {args.ckpt} -> {args.hf_dir} ({hf_cfg['architectures'][0]}: config.json, model.safetensors)")

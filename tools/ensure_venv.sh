@@ -2,9 +2,10 @@
 # Source this: creates (or reuses) .venv at the repo root and installs megareshard with the extras named by
 # MEGARESHARD_EXTRAS (comma-separated) under the CPU constraints (torch==2.13.0; an unpinned torch pulls several
 # GB of CUDA packages). The default is what training and the examples' pictures need (`plots`); tests/run.sh
-# asks for the test packages and deepspeed (the peer for the ZeRO tests, tests/test_deepspeed_peer.py: it
-# installs without CUDA, DS_BUILD_OPS=0, and keeps torch at the pinned CPU build), and the examples that
-# import Hugging Face models ask for `hf`.
+# asks for the test packages, deepspeed (the peer for the ZeRO tests, tests/test_deepspeed_peer.py: it
+# installs without CUDA, DS_BUILD_OPS=0, and keeps torch at the pinned CPU build) and megatron-core (the oracle of
+# the Megatron-LM checkpoint tests: it needs only torch, numpy and packaging, so torch stays the pinned CPU
+# build too); the examples that import Hugging Face models ask for `hf`.
 # Reinstalls only when pyproject.toml, constraints-cpu.txt or this script changed, or when an extra asked for
 # is not installed yet (.venv/.installed lists those installed). Sets $VENV_PY.
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

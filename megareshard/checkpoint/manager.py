@@ -63,7 +63,10 @@ logger = logging.getLogger("megareshard")
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                        "max_position_embeddings", "normalization", "position_embedding_type", "rotary_base",
                        "rotary_percent", "swiglu", "openai_gelu", "group_query_attention", "num_query_groups",
-                       "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias")
+                       "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
+                       "apply_layernorm_1p")
+# architecture fields that checkpoints written before them lack: their value then
+_LATER_FIELD_DEFAULTS = {"apply_layernorm_1p": False}
 # fields that only change numerics / the data: a mismatch is a warning
 _ADVISORY_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon")
 
@@ -410,6 +413,7 @@ class CheckpointManager:
             messages.append(f"{ckpt} records no model configuration (imported weights?): only key names and "
                             "shapes are checked")
         elif cur_cfg is not None:
+            saved_cfg = {**_LATER_FIELD_DEFAULTS, **saved_cfg}
             for f in ARCHITECTURE_FIELDS:
                 if f in saved_cfg and f in cur_cfg and saved_cfg[f] != cur_cfg[f]:
                     errors.append(f"model config {f}: checkpoint {saved_cfg[f]}, this run {cur_cfg[f]}")

@@ -10,6 +10,9 @@ All are whole-tensor operations (no Python loop over tokens or heads):
   Llama use: channel ``i`` of the first half pairs with channel ``i + rot/2``; with
   ``rotary_percent < 1`` only the first ``rot`` channels of a head rotate.
 * SwiGLU — Shazeer, "GLU Variants Improve Transformer" (2020): ``silu(gate) · up``.
+* Zero-centred gamma (Megatron-LM's ``--apply-layernorm-1p``): the norm's stored scale is ``gamma − 1``,
+  initialised to zeros, and the forward multiplies by ``weight + 1``. Weight decay then pulls the scale
+  towards one, not zero; the stored tensor is what Megatron-LM stores, so its checkpoints map as they are.
 """
 from __future__ import annotations
 
@@ -17,23 +20,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["RMSNorm", "rotary_cos_sin", "apply_rotary", "swiglu", "gelu"]
+__all__ = ["RMSNorm", "LayerNorm1P", "rotary_cos_sin", "apply_rotary", "swiglu", "gelu"]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalization over the last dim with a learned scale (no bias, no centring)."""
+    """Root-mean-square normalization over the last dim with a learned scale (no bias, no centring).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, device=None, dtype: torch.dtype = torch.float32) -> None:
+    ``zero_centered_gamma``: the parameter holds ``scale − 1`` (zeros at init) and the forward uses
+    ``weight + 1`` (``--apply-layernorm-1p``)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, device=None, dtype: torch.dtype = torch.float32,
+                 zero_centered_gamma: bool = False) -> None:
         super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.hidden_size, self.eps, self.zero_centered_gamma = hidden_size, eps, zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
-        return normed.to(x.dtype) * self.weight
+        return normed.to(x.dtype) * (self.weight + 1 if self.zero_centered_gamma else self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + (", zero_centered_gamma" if self.zero_centered_gamma else "")
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """LayerNorm whose stored scale is zero-centred (``--apply-layernorm-1p``): the parameter holds
+    ``gamma − 1`` (zeros at init), the forward scales by ``weight + 1``; the bias is as usual. The
+    parameters keep ``nn.LayerNorm``'s names (``weight``, ``bias``)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
 def rotary_cos_sin(seq_length: int, rotary_dim: int, base: float, *, device=None,

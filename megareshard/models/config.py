@@ -4,7 +4,7 @@ Flag names, meanings and defaults are Megatron-LM's: the GPT-2 architecture by d
 (LayerNorm, exact GELU, learned absolute positions, tied embeddings, biases), and the
 options a Llama-style decoder needs (``--normalization RMSNorm``, ``--position-embedding-type
 rope``, ``--swiglu``, ``--group-query-attention --num-query-groups``, ``--kv-channels``,
-``--untie-embeddings-and-output-weights``, ``--disable-bias-linear``).
+``--untie-embeddings-and-output-weights``, ``--disable-bias-linear``, ``--apply-layernorm-1p``).
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class ModelConfig:
     init_method_std: float = _f(0.02, "standard deviation of the normal weight initialisation")
     normalization: str = _f("LayerNorm", "normalization of the blocks and the final norm", choices=NORMALIZATIONS)
     norm_epsilon: float = _f(1e-5, "epsilon of LayerNorm and RMSNorm")
+    apply_layernorm_1p: bool = _f(False, "zero-centred norm scale (LayerNorm and RMSNorm): the weight holds gamma "
+                                         "− 1, starts at zero, and the norm multiplies by weight + 1")
     position_embedding_type: str = _f("learned_absolute", "learned_absolute: a learned table added to the word "
                                       "embedding; rope: rotary embeddings on queries and keys; none",
                                       choices=POSITION_EMBEDDING_TYPES)

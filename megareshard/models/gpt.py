@@ -33,7 +33,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLine
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import scaled_init_std
 from ..tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM
-from .components import RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
+from .components import LayerNorm1P, RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
 from .config import ModelConfig, check_model_shape
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
@@ -91,10 +91,13 @@ def _fused_layer_norm_cls():
 
 def _norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module:
     """The configured normalization: RMSNorm, or LayerNorm (apex's fused kernel on GPU when importable:
-    same parameters, same names). Replicated over tp; under sequence parallelism its gradient covers
-    this rank's sequence chunk only."""
+    same parameters, same names), each with a zero-centred scale under ``apply_layernorm_1p``. Replicated
+    over tp; under sequence parallelism its gradient covers this rank's sequence chunk only."""
     if cfg.normalization == "RMSNorm":
-        norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=device, dtype=dtype)
+        norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=device, dtype=dtype,
+                       zero_centered_gamma=cfg.apply_layernorm_1p)
+    elif cfg.apply_layernorm_1p:
+        norm = LayerNorm1P(cfg.hidden_size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
     else:
         fused = _fused_layer_norm_cls() if device is not None and torch.device(device).type == "cuda" else None
         if fused is not None:

@@ -11,6 +11,7 @@ files. Anything a side cannot express is refused with the reason, never dropped:
 * GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed to ``[out, in]``.
 * Rotary embeddings: Hugging Face's Llama rotates halves (``rotate_half``), as this model
   does, so q and k weights need no permutation.
+* ``--apply-layernorm-1p``: norm weights are stored zero-centred here; the export adds the one.
 """
 from __future__ import annotations
 
@@ -368,6 +369,8 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     out = {}
     for ours, theirs, how in _name_pairs(cfg, kind):
         t = sd[ours].detach().to(torch.float32)
+        if cfg.apply_layernorm_1p and ours.endswith("layernorm.weight"):
+            t = t + 1      # zero-centred gamma: Hugging Face stores the scale itself (same fp32 sum as the forward)
         out[theirs] = (t.t() if how == "t" else t).contiguous()
     for i in range(cfg.num_layers):
         n = _qkv_names(cfg, kind, i)

@@ -118,3 +118,20 @@ def test_refusals_name_the_reason(tmp_path):
         hf_map.hf_model_type(cfg)
     with pytest.raises(CheckpointError, match="cannot read .*config.json"):
         load_tool().import_hf(str(tmp_path / "nowhere"), str(tmp_path / "ck"))
+
+
+def test_export_hf_adds_the_one_to_zero_centred_norm_weights():
+    """--apply-layernorm-1p stores gamma − 1; Hugging Face's Llama stores gamma: the export adds the one."""
+    from megareshard.checkpoint.megatron import our_shape, sources
+
+    cfg = parse_args(["--mock-data", "--vocab-size", "10", "--num-layers", "1", "--hidden-size", "8",
+                      "--num-attention-heads", "2", "--ffn-hidden-size", "16", "--normalization", "RMSNorm",
+                      "--position-embedding-type", "rope",
+                      "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                      "--apply-layernorm-1p"], world_size=1).model
+    g = torch.Generator().manual_seed(0)
+    sd = {n: torch.randn(our_shape(n, cfg), generator=g) for n in sources(cfg)}
+    out = hf_map.state_dict_to_hf(sd, cfg)
+    assert torch.equal(out["model.norm.weight"], sd["final_layernorm.weight"] + 1)
+    assert torch.equal(out["model.layers.0.input_layernorm.weight"], sd["layers.0.input_layernorm.weight"] + 1)
+    assert torch.equal(out["model.layers.0.mlp.up_proj.weight"], sd["layers.0.mlp.fc1_up.weight"])
