@@ -45,8 +45,6 @@ stage tp0 dp0) holds it.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -54,21 +52,41 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
-from .comm import EdgeComm, EdgeTensor, build_edge_comms
+from ..resharding.executor import post_together
+from .comm import EdgeComm, EdgeTensor, build_edge_comms, shared_mesh_pairs
 from .generators import forward_only, generate
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
+from .posting import PostingPlan, check_nccl, plan_posting, split_pairs
 from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
-from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
 from .stage import StageLayout
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
     from ..run_plan import PipelinePlan
 
-__all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
+__all__ = ["PipelineRuntime", "RECV_POSTINGS", "resolve_recv_posting", "gather_trace", "write_trace"]
+
+RECV_POSTINGS = ("auto", "early", "grouped", "mixed")
+"""``--pipeline-recv-posting``'s values (`posting.py`; `resolve_recv_posting` turns auto into the backend's)."""
+
+
+def resolve_recv_posting(value: str, backend: str) -> str:
+    """auto: "mixed" on NCCL (grouped where NCCL's ordering allows it), "early" on gloo; "early" is refused on NCCL
+    (a receive posted early on a communicator that also carries sends would queue in front of them)."""
+    if value not in RECV_POSTINGS:
+        raise ValueError(f"--pipeline-recv-posting must be one of {', '.join(RECV_POSTINGS)}, got {value!r}")
+    nccl = backend == "nccl"
+    if value == "auto":
+        return "mixed" if nccl else "early"
+    if value == "early" and nccl:
+        raise ConfigError("--pipeline-recv-posting early needs gloo: on NCCL a receive posted early on a communicator "
+                          "that also carries sends queues in front of them (use auto, mixed or grouped)")
+    return value
 
 _K = ActionKind
 
@@ -138,46 +156,6 @@ class _PendingSend:
     edge: Edge
     start: float
     free: bool  # free the tensor's data once complete (forward activations)
-    done: threading.Event = field(default_factory=threading.Event)
-    end: float = 0.0
-    error: BaseException | None = None
-
-
-class _SendReaper:
-    """Waits for one (edge, direction)'s sends, in order, on a background thread.
-
-    Why a thread: gloo's ``Work.is_completed()`` stays False until someone calls
-    ``wait()``, so a send's completion can only be observed by waiting for it, and
-    waiting on the main thread could stall the stage on a receiver that has not posted
-    its receive yet. The thread waits instead; the main thread only looks at ``done``
-    (never calls ``wait()`` itself: a second wait on a gloo work blocks forever) and
-    frees a sent activation as soon as its flag is set.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[_PendingSend | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, pending: _PendingSend) -> None:
-        self._queue.put(pending)
-
-    def _loop(self) -> None:
-        while True:
-            p = self._queue.get()
-            if p is None:
-                return
-            try:
-                p.handle.wait()
-            except BaseException as e:  # surfaced on the main thread by _finish_send
-                p.error = e
-            p.end = time.time()
-            p.done.set()
-
-    def close(self, join: bool = True) -> None:
-        self._queue.put(None)
-        if join:
-            self._thread.join()
 
 
 @dataclass
@@ -197,13 +175,12 @@ class _Step:
     posted: dict[tuple[Edge, str, int], Any] = field(default_factory=dict)
     # (edge, 'F' | 'B', mb): what WAIT returned, or what a local hand-off put there
     received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
-    sends: list[_PendingSend] = field(default_factory=list)
+    sends: dict[tuple[Edge, str, int], _PendingSend] = field(default_factory=dict)  # (edge, 'F' | 'B', mb)
     stores: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
-    reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
     freed: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose sent activation data was freed
     live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
-    send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each completed send
+    send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each retired send
 
 
 class PipelineRuntime:
@@ -222,8 +199,14 @@ class PipelineRuntime:
                  comms: dict[Edge, EdgeComm], *, schedule: str, forward_step: Callable[..., Any],
                  delay_wgrad: bool = False, finalize_grads: Callable[[], None] | None = None,
                  record_trace: bool = False, lookahead: int = 1, schedule_file: Schedule | None = None,
-                 placement: Sequence[int] | None = None) -> None:
+                 placement: Sequence[int] | None = None, recv_posting: str = "early",
+                 shared_pairs: frozenset[frozenset[int]] = frozenset()) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
+        if recv_posting not in RECV_POSTINGS[1:]:
+            raise ValueError(f"recv_posting must be one of {', '.join(RECV_POSTINGS[1:])} (resolved), got {recv_posting!r}")
+        # when receives are posted (posting.py): "early" (gloo), "grouped" or "mixed" (NCCL's ordering, proven);
+        # shared_pairs: the mesh pairs whose two directions share communicators (comm.shared_mesh_pairs)
+        self.recv_posting, self.shared_pairs = recv_posting, frozenset(shared_pairs)
         # the model's forward step (``ModelSpec.forward_step``): batch and received tensors in, the
         # stage's outputs by edge name out — or, on the last stage, the microbatch's share of the loss
         self.forward_step = forward_step
@@ -271,7 +254,8 @@ class PipelineRuntime:
             self.enable_trace()
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
-        self._programs: dict[tuple[int, bool], list[Action]] = {}
+        self._programs: dict[tuple[int, bool, bool], list[Action]] = {}
+        self._plans: dict[tuple[int, bool, bool], PostingPlan] = {}
         self._free_outputs = _can_free_outputs()
 
     # ---- construction --------------------------------------------------------------------------
@@ -302,11 +286,30 @@ class PipelineRuntime:
             a, b = layouts[e.src], layouts[e.dst]
             if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
                 raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
-        comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=plan.strategy,
-                                 scheduler=plan.scheduler, chunks=plan.chunks, skip=local)
-        return cls(ctx, graph, layouts, comms, schedule=plan.schedule, forward_step=forward_step,
-                   delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
-                   schedule_file=schedule_file, placement=placement)
+        posting = resolve_recv_posting(plan.recv_posting, dist.get_backend() if dist.is_initialized() else "gloo")
+        rt = cls(ctx, graph, layouts, {}, schedule=plan.schedule, forward_step=forward_step,
+                 delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
+                 schedule_file=schedule_file, placement=placement, recv_posting=posting)
+        # mixed posting: the mesh pairs whose programs cannot group under NCCL's ordering keep a communicator per
+        # direction (decided from the programs alone, the same on every rank, before any communicator exists)
+        split = frozenset()
+        if posting == "mixed":
+            split = split_pairs([rt.lowered(plan.num_microbatches, True), rt.lowered(plan.num_microbatches, False)])
+        rt.comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=plan.strategy,
+                                    scheduler=plan.scheduler, chunks=plan.chunks, skip=local,
+                                    split=split, placement=placement)
+        rt.shared_pairs = shared_mesh_pairs(rt.comms, placement)
+        try:  # the programs' posting plans: a schedule that would hang under NCCL's ordering is refused here
+            rt.program(plan.num_microbatches, True)
+            rt.program(plan.num_microbatches, False)
+        except ScheduleError as e:
+            if plan.schedule_file is None:
+                raise
+            from .schedule_io import describe_error
+
+            raise ConfigError(f"--pipeline-schedule-file {plan.schedule_file}: {describe_error(e)} (with "
+                              f"--pipeline-recv-posting {plan.recv_posting}: {posting})") from None
+        return rt
 
     def training_schedule(self, num_microbatches: int) -> Schedule:
         """Every mesh's lowered training program: the schedule file's or the generated one, with R actions
@@ -331,15 +334,28 @@ class PipelineRuntime:
         validate(low)
         return low
 
+    def _program_key(self, num_microbatches: int, train: bool) -> tuple[int, bool, bool]:
+        return (num_microbatches, train, self.grad_reduce_handler is not None)
+
+    def lowered(self, num_microbatches: int, train: bool = True) -> Schedule:
+        """Every mesh's lowered program for a step (training: `training_schedule`; evaluation: each mesh runs its
+        stages in model order, F0..F(m-1) each)."""
+        if train:
+            return self.training_schedule(num_microbatches)
+        return lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
+
     def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
-        """This mesh's lowered action list (cached per microbatch count)."""
-        key = (num_microbatches, train, self.grad_reduce_handler is not None)
+        """This mesh's lowered action list (cached per microbatch count), with its posting plan (`posting.py`):
+        under grouped posting proven to run under NCCL's ordering, or refused naming the action that would hang."""
+        key = self._program_key(num_microbatches, train)
         if key not in self._programs:
-            if train:
-                low = self.training_schedule(num_microbatches)
-            else:  # forward only (evaluation): each mesh runs its stages in model order, F0..F(m-1) each
-                low = lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
+            low = self.lowered(num_microbatches, train)
+            grouped = self.recv_posting != "early"
+            plan = plan_posting(low, "grouped" if grouped else "early", self.shared_pairs)
+            if grouped:
+                check_nccl(low, plan)
             self._programs[key] = low.actions[self.stage]
+            self._plans[key] = plan
         return self._programs[key]
 
     def describe(self) -> str:
@@ -372,18 +388,16 @@ class PipelineRuntime:
         train = backward and torch.is_grad_enabled()
         st = _Step(list(microbatches), train, torch.zeros((), dtype=torch.float32, device=device), device,
                    autocast_dtype, scale_loss=scale_loss)
-        prog = self.program(len(st.microbatches), train)
+        prog, plan = self.program(len(st.microbatches), train), self._plans[self._program_key(len(st.microbatches), train)]
         hooks = HookSet(self.hooks)
         stats = st.stats
         st.send_done = hooks.send_done
         for h in hooks.start_step:
             h(stats, train)
-        ok = False
+        posts, retire = plan.posts[self.stage], plan.retire[self.stage]
         try:
-            for a in prog:
+            for i, a in enumerate(prog):
                 kind = a.kind
-                if kind.is_compute:
-                    self._poll_sends(st)
                 for h in hooks.before:
                     h(a, stats)
                 try:
@@ -393,24 +407,25 @@ class PipelineRuntime:
                     elif kind.is_reduce:
                         self._reduce_grads(a)
                     else:
-                        self._communicate(a, st)
+                        self._communicate(a, st, posts.get(i, ()))
                 except BaseException as e:
                     for h in hooks.after:
                         h(a, stats, e)
                     raise
                 for h in hooks.after:
                     h(a, stats, None)
+                for item in retire.get(i, ()):  # sends known complete: the receiver's reply has arrived
+                    sent = st.sends.pop(item, None)
+                    if sent is not None:
+                        self._finish_send(sent, st)
             if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
-            for s in st.sends:
-                self._finish_send(s, st)
+            for sent in st.sends.values():
+                self._finish_send(sent, st)
             st.sends.clear()
             for h in hooks.end_step:
                 h(stats)
-            ok = True
-        finally:
-            for r in st.reapers.values():
-                r.close(join=ok)  # after a failure a send may never complete: do not hang on it
+        finally:  # after a failure the unfinished sends are dropped: one may never complete
             model_set = getattr(model, "set_wgrad_store", None)
             if callable(model_set):
                 model_set(None)
@@ -537,11 +552,6 @@ class PipelineRuntime:
         if delay:
             store = st.stores[(stage, mb)] = WeightGradStore()
         model.set_wgrad_store(store)
-        # mb's activation was consumed downstream (its gradient is here), so its send has
-        # completed: retire it now at the latest (this only waits for the reaper's flag)
-        for s in [s for s in st.sends if s.direction == "F" and s.mb == mb and s.edge.src == stage]:
-            self._finish_send(s, st)
-            st.sends.remove(s)
         outs = st.outputs.pop((stage, mb))
         st.stats["freed_before_backward"] += int((stage, mb) in st.freed)
         if stage == self.num_stages - 1:
@@ -570,10 +580,13 @@ class PipelineRuntime:
             st.input_grads[(stage, mb)] = grads
 
     # ---- communication -----------------------------------------------------------------------------
-    def _communicate(self, a: Action, st: _Step) -> None:
+    def _communicate(self, a: Action, st: _Step, posts: Sequence[tuple[Edge, str, int]]) -> None:
+        """SEND starts a send, posted in one group with the receives the posting plan puts there; RECV posts what
+        the plan puts there (early posting: its own receive); WAIT posts what is left of its channel up to it,
+        then blocks on its receive — the only blocking communication."""
         e, mb = a.edge, a.mb
-        comm = self.comms[e]
         k = a.kind
+        recvs = [self._receive(st, item) for item in posts]
         if k == _K.SEND_F:
             outs = st.outputs[(a.stage, mb)]
             out = outs[e] if st.train else outs.pop(e)
@@ -583,17 +596,21 @@ class PipelineRuntime:
             # this stage (or be the very same tensor as another edge's output)
             free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
                     and not any(t is out for other, t in outs.items() if other != e))
-            self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(), free=free))
+            h = self.comms[e].send_forward(out, mb, post=False)
+            post_together(recvs + [h])
+            st.sends[a.key] = _PendingSend(h, out, "F", mb, e, time.time(), free=free)
         elif k == _K.SEND_B:
             grads = st.input_grads[(a.stage, mb)]
             g = grads.pop(e)
             if not grads:
                 del st.input_grads[(a.stage, mb)]
-            self._track(st, _PendingSend(comm.send_backward(g, mb), g, "B", mb, e, time.time(), free=False))
+            h = self.comms[e].send_backward(g, mb, post=False)
+            post_together(recvs + [h])
+            st.sends[a.key] = _PendingSend(h, g, "B", mb, e, time.time(), free=False)
         elif k in (_K.RECV_F, _K.RECV_B):
-            d = k.direction
-            st.posted[(e, d, mb)] = comm.recv_forward() if d == "F" else comm.recv_backward()
+            post_together(recvs)
         elif k in (_K.WAIT_F, _K.WAIT_B):
+            post_together(recvs)
             d = k.direction
             try:
                 h = st.posted.pop((e, d, mb))
@@ -608,30 +625,22 @@ class PipelineRuntime:
         else:  # pragma: no cover
             raise AssertionError(a)
 
-    def _track(self, st: _Step, s: _PendingSend) -> None:
-        key = (s.edge, s.direction)
-        if key not in st.reapers:
-            st.reapers[key] = _SendReaper(f"pp-send-{s.edge}-{s.direction}-r{self.ctx.rank}")
-        st.sends.append(s)
-        st.reapers[key].submit(s)
-
-    def _poll_sends(self, st: _Step) -> None:
-        """Retire completed sends (frees sent activations early) without ever blocking."""
-        if not st.sends:
-            return
-        keep = []
-        for s in st.sends:
-            if s.done.is_set():
-                self._finish_send(s, st)
-            else:
-                keep.append(s)
-        st.sends[:] = keep
+    def _receive(self, st: _Step, item: tuple[Edge, str, int]) -> Any:
+        """The receive of `item` (edge, direction, mb), started unposted on first mention."""
+        h = st.posted.get(item)
+        if h is None:
+            e, d, _ = item
+            h = st.posted[item] = self.comms[e].recv_forward(post=False) if d == "F" else \
+                self.comms[e].recv_backward(post=False)
+        return h
 
     def _finish_send(self, s: _PendingSend, st: _Step) -> None:
-        s.done.wait()
-        if s.error is not None:
+        """Retire a send known complete (gloo reports completion only to a waiter; this wait returns at once)."""
+        try:
+            s.handle.wait()
+        except BaseException as e:
             raise RuntimeError(f"stage {self.stage}: sending the {'activation' if s.direction == 'F' else 'gradient'} "
-                               f"of mb {s.mb} on edge {s.edge} failed") from s.error
+                               f"of mb {s.mb} on edge {s.edge} failed") from e
         if s.free:
             # Megatron's deallocate_output_tensor: keep the autograd node, drop the data
             s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)
@@ -639,7 +648,7 @@ class PipelineRuntime:
             st.freed.add((s.edge.src, s.mb))
         if st.send_done:
             record = {"stage": self.stage, "vstage": s.edge.src if s.direction == "F" else s.edge.dst,
-                      "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": s.end, "edge": str(s.edge),
+                      "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": time.time(), "edge": str(s.edge),
                       "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]}
             for h in st.send_done:
                 h(record)

@@ -94,6 +94,22 @@ def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int]
     return get_strategy(strategy).messages(numel, sender, remote, host_of, chunks)
 
 
+def comm_key(p: _TaskProgram, plan_order: bool = False) -> tuple | None:
+    """The communicator a task runs on (None: no remote receiver), the same on every rank (pure).
+
+    ``(participants, forwarders)`` — sorted rank tuples; tasks of both directions of a pipeline edge between
+    two one-rank ends share ``((a, b), ())``. A task sent as one collective (NCCL broadcast: no messages)
+    gets ``("bcast", sender, participants)``, and a plan-order run ``("plan", participants, forwarders)``
+    (see `streams.py`)."""
+    if not p.group_ranks:
+        return None
+    parts = tuple(sorted(p.group_ranks))
+    if not p.msgs:
+        return ("bcast", p.sender, parts)
+    fwd = tuple(sorted({m.src for m in p.msgs if m.forward}))
+    return ("plan", parts, fwd) if plan_order else (parts, fwd)
+
+
 def nic_side_chains(programs: Sequence[_TaskProgram], host_of: dict[int, int]
                     ) -> dict[tuple[int, int], list[tuple[int, frozenset[int]]]]:
     """Per host NIC side `(host, SEND_SIDE | RECV_SIDE)`: the tasks whose wire messages use
