@@ -359,18 +359,31 @@ def edge_transfer_model(a: argparse.Namespace, configs: Sequence[BenchConfig], w
         host_out: dict[int, int] = {}
         stage_s: dict[int, float] = {}
         per_edge: dict[str, float] = {}
+        side: dict[str, int] = {}  # "h{host} out|in": bytes of one microbatch, activations and gradients
+        wire: dict[str, int] = {}  # per edge: the busiest NIC side's bytes of its smaller direction
         total = 0
         for e in graph.edges:
-            plan = plan_resharding(shapes[e], lay[e.src].mesh, lay[e.src].hidden_spec, lay[e.dst].mesh,
-                                   lay[e.dst].hidden_spec, strategy=strategy, scheduler=a.reshard_scheduler,
-                                   itemsize=4, broadcast_chunks=a.reshard_chunks, time_budget_s=0.2)
-            for h, (o, i) in net.host_bytes(plan).items():
+            src, dst = lay[e.src], lay[e.dst]
+            if src.mesh == dst.mesh and src.hidden_spec == dst.hidden_spec:
+                continue  # a local hand-off (virtual stages): nothing crosses ranks
+            plans = [plan_resharding(shapes[e], a_.mesh, a_.hidden_spec, b_.mesh, b_.hidden_spec, strategy=strategy,
+                                     scheduler=a.reshard_scheduler, itemsize=4, broadcast_chunks=a.reshard_chunks,
+                                     time_budget_s=0.2) for a_, b_ in ((src, dst), (dst, src))]
+            for h, (o, i) in net.host_bytes(plans[0]).items():
                 host_out[h] = host_out.get(h, 0) + max(o, i)
-            per_edge[str(e)] = net.predict(plan)
+            per_edge[str(e)] = net.predict(plans[0])
             stage_s[e.src] = stage_s.get(e.src, 0.0) + per_edge[str(e)]
             total = max(total, math.prod(shapes[e]) * 4)
+            busiest = []
+            for plan in plans:
+                hb = net.host_bytes(plan)
+                for h, (o, i) in hb.items():
+                    side[f"h{h} out"] = side.get(f"h{h} out", 0) + o
+                    side[f"h{h} in"] = side.get(f"h{h} in", 0) + i
+                busiest.append(max((max(o, i) for o, i in hb.values()), default=0))
+            wire[str(e)] = min(busiest)
         out[strategy] = {"nic_bytes": max(host_out.values(), default=0), "model_s": max(stage_s.values(), default=0.0),
-                         "tensor_bytes": total, "edge_s": per_edge}
+                         "tensor_bytes": total, "edge_s": per_edge, "side_bytes": side, "wire_bytes": wire}
     return out
 
 
@@ -476,7 +489,10 @@ def _worker(a: argparse.Namespace) -> int:
         ms = [[1e3 * x for x in times[i, skip:skip + done].tolist()] for i in range(len(configs))]
         recs = make_records(a, configs, ms, traces or [None] * len(configs), world, procs_per_host,
                             mode="measured" if budgets is None else "measured, paced compute",
-                            hosts_of_stage=hosts_of_stage)
+                            hosts_of_stage=hosts_of_stage,
+                            costs=None if budgets is None else {
+                                k.lower(): [1e3 * b[k] for b in budgets] if all(k in b for b in budgets) else None
+                                for k in "FBIW"})
         for i, rec in enumerate(recs):
             rec.update(status=status, rounds_done=done, rounds_planned=a.iters, pace_ms=None if budgets is None else
                        [{k: round(1e3 * v, 3) for k, v in b.items()} for b in budgets])
@@ -549,12 +565,17 @@ def _worker(a: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()
     trainer.close()
+    for rt in runtimes:  # every configuration's stream threads joined and communicators destroyed (collective)
+        rt.close()
     return 0
 
 
 def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequence[Sequence[float]],
                  traces: Sequence[list[dict[str, Any]] | None], world: int, procs_per_host: int, *, mode: str,
-                 hosts_of_stage: list[list[int]] | None = None) -> list[dict[str, Any]]:
+                 hosts_of_stage: list[list[int]] | None = None, costs: dict[str, Any] | None = None
+                 ) -> list[dict[str, Any]]:
+    """`costs`: the per-stage F/B/I/W ms the configurations' compute costs (the paced budgets, or the simulated
+    costs) for the physical bound; None: the signal runs' measured action medians, where traced."""
     from megareshard.pipeline import Timeline, generate, simulate
 
     net = edge_transfer_model(a, configs, world, procs_per_host)
@@ -583,8 +604,52 @@ def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequ
             "peak_inflight_simulated": simulate(generate(c.schedule, a.pp, a.microbatches,
                                                          delay_wgrad=c.dw)).peak_activations,
         })
+    fill_physical(a, configs, recs, net, costs, world, procs_per_host)
     fill_ratios(recs, a.baseline)
     return recs
+
+
+def _graph(a: argparse.Namespace, configs: Sequence[BenchConfig], world: int, pph: int):
+    """The model's stage graph (None: the GPT's chain)."""
+    if a.model == "gpt":
+        return None
+    from megareshard.parallel import Topology
+
+    cfg, spec = parse_model_config(a, configs[0], world)
+    return spec.graph(cfg, spec.stage_layouts(cfg, Topology(world, tp=a.tp, pp=a.pp, nproc_per_node=pph)))
+
+
+def fill_physical(a: argparse.Namespace, configs: Sequence[BenchConfig], recs: list[dict[str, Any]],
+                  net: dict[str, Any], costs: dict[str, Any] | None, world: int, pph: int) -> None:
+    """Per record: ``physical`` (lab/bench/physical_bound.py: compute, NIC and critical-path terms, the bound and
+    which term binds) at `costs`, or at the signal runs' measured action medians (``physical_costs``)."""
+    from megareshard.pipeline import Costs, generate
+    from lab.bench.physical_bound import physical_bound
+
+    source = "paced budgets" if costs is not None else "measured action medians"
+    if costs is None:
+        try:
+            costs = costs_from_records(recs, a.pp)
+        except ValueError:  # no traces yet (a run's intermediate records): no bound
+            return
+    costs = _costs_filled(costs, a.pp)
+    graph = _graph(a, configs, world, pph)
+    for c, r in zip(configs, recs):
+        n = net[c.strategy]
+        sched = generate(c.schedule, a.pp, a.microbatches, delay_wgrad=c.dw, graph=graph)
+        pb = physical_bound(sched, Costs(f=costs["f"], b=costs["b"], i=costs["i"], w=costs["w"]), n["wire_bytes"],
+                            n["side_bytes"], a.microbatches, a.nic_gbps)
+        r["physical"] = pb.record()
+        r["physical_costs"] = source
+
+
+def _costs_filled(m: dict[str, Any], pp: int) -> dict[str, Any]:
+    """Missing kinds of a cost dict filled as `_costs` does (B = 2F, I = B/2, W = B − I)."""
+    f = m["f"] or [10.0] * pp
+    b = m["b"] or [2 * x for x in f]
+    i = m["i"] or [x / 2 for x in b]
+    w = m["w"] or [x - y for x, y in zip(b, i)]
+    return {"f": f, "b": b, "i": i, "w": w}
 
 
 def fill_ratios(recs: list[dict[str, Any]], baseline: str) -> None:
@@ -623,6 +688,11 @@ def fill_ratios(recs: list[dict[str, Any]], baseline: str) -> None:
             r["best_signal_fraction_min"] = best_min / r["ms_min"] if best_min else None
             r["speedup_vs_baseline_paired"] = paired(base, r)
             r["signal_fraction_paired"] = paired(sig, r)
+    from lab.bench.physical_bound import fill
+
+    fill(recs, baseline)  # physical_fraction, physical_gap_closure, physical_void
+    for r in recs:
+        r["void"] = r["void"] or (r["strategy"] != "signal" and r["physical_void"])
 
 
 def gap_closure(t_baseline: float | None, t: float, t_signal: float | None) -> float | None:
@@ -703,7 +773,7 @@ def simulate_records(a: argparse.Namespace, configs: Sequence[BenchConfig], cost
         tl = simulate(sched, costs=Costs(f=costs["f"], b=costs["b"], i=costs["i"], w=costs["w"], comm=comm_ms))
         ms.append([tl.makespan])
         traces.append([{**r, "start": r["start"] / 1e3, "end": r["end"] / 1e3} for r in tl.to_trace()])
-    return make_records(a, configs, ms, traces, world, pph, mode="simulated"), traces
+    return make_records(a, configs, ms, traces, world, pph, mode="simulated", costs=costs), traces
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -911,7 +981,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
     r0 = records[0]
     head = ["config", "ms/iter median", "q1–q3", "min", f"vs {r0['baseline']} (median / paired / min)",
-            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal", "model ms / transfer",
+            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal",
+            "physical bound ms (binding)", "of physical bound", "gap closure vs physical", "model ms / transfer",
             "peak in flight per stage (measured / simulated)", "peak activations MiB per stage (measured)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if r0.get("status") not in (None, "complete"):  # a stopped (or still running) launch: say so first
@@ -926,13 +997,22 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                f"{x(r['speedup_vs_baseline'])} / {x(r.get('speedup_vs_baseline_paired'))} / "
                f"{x(r.get('speedup_vs_baseline_min'))}",
                "-" if r["strategy"] == "signal" or r["config"] == r["baseline"] else pct(r.get("gap_closure")),
-               sig, pct(r["best_signal_fraction"]), f"{r['transfer_model_ms']:.1f}",
+               sig, pct(r["best_signal_fraction"]), _physical_cell(r),
+               (f"**void** ({pct(r.get('physical_fraction'))})" if r.get("physical_void")
+                else pct(r.get("physical_fraction"))),
+               "-" if r["config"] == r["baseline"] else pct(r.get("physical_gap_closure")),
+               f"{r['transfer_model_ms']:.1f}",
                " / ".join(",".join(map(str, v)) if v else "-" for v in (r.get("peak_inflight_measured"),
                                                                          r.get("peak_inflight_simulated"))),
                ",".join(f"{b / 2**20:.1f}" for b in r["peak_activation_bytes_measured"])
                if r.get("peak_activation_bytes_measured") else "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _physical_cell(r: dict[str, Any]) -> str:
+    pb = r.get("physical")
+    return "-" if not pb else f"{pb['bound_ms']:.0f} ({pb['binding']})"
 
 
 def finish(a: argparse.Namespace, records: list[dict[str, Any]], traces: Sequence[list[dict[str, Any]] | None],

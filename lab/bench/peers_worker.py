@@ -356,6 +356,9 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     dist.barrier()
     for tr in trainers.values():
         tr.close()
+    for p in parts:  # every configuration's stream threads joined and communicators destroyed (collective)
+        if isinstance(p, _Ours):
+            p.rt.close()
     return run
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = ["ENV", "NcclRuleViolation", "install", "maybe_install", "installed", "label", "set_label",
-           "set_op_labels", "dump", "check_logs", "batches"]
+           "set_op_labels", "dump", "check_logs", "batches", "recorded_batches"]
 
 ENV = "MEGARESHARD_NCCL_CHECK"
 """Environment variable: a directory for the per-rank records; set it to turn the checking mode on."""
@@ -343,6 +343,16 @@ def set_op_labels(texts: list[str] | None) -> None:
     rec = _STATE.get("rec")
     if rec is not None:
         rec.local.op_labels = list(texts) if texts else None
+
+
+def recorded_batches() -> list[int]:
+    """This process's operation groups so far (their sizes, every communicator, in the order recorded per
+    communicator); empty when the checking mode is off."""
+    rec = _STATE.get("rec")
+    if rec is None:
+        return []
+    with rec.lock:
+        return [n for b in rec.batches.values() for _, n in b]
 
 
 def batches(log_dir: str) -> dict[int, dict[str, list[int]]]:

@@ -114,14 +114,15 @@ def communicator_keys(plans: Sequence[tuple[Edge, str, Any]]) -> list[tuple]:
     `CommStreams` (pure)."""
     from math import prod
 
-    from ..resharding.messages import _TaskProgram, build_messages, comm_key
+    from ..resharding.messages import _TaskProgram, build_messages, comm_key, rotate_receivers
 
     keys: dict[tuple, None] = {}
     for _, _, plan in plans:
         host_of = {r: plan.dst_mesh.host_of(r) for r in plan.dst_mesh.flat_ranks}
         host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
+        turns: dict[int, int] = {}
         for pos, t in enumerate(plan.tasks):
-            remote = sorted(r for r in t.receivers if r not in set(t.senders))
+            remote = rotate_receivers(sorted(r for r in t.receivers if r not in set(t.senders)), host_of, turns)
             if not remote:
                 continue
             shape = tuple(s.stop - s.start for s in t.slice)

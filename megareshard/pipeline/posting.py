@@ -36,8 +36,8 @@ from typing import Iterable
 
 from .schedule import Action, ActionKind, Edge, Schedule, ScheduleError
 
-__all__ = ["MODES", "PostingPlan", "plan_posting", "two_way_pairs", "split_pairs", "retire_points", "nccl_dry_run",
-           "check_nccl"]
+__all__ = ["MODES", "PostingPlan", "plan_posting", "two_way_pairs", "split_pairs", "retire_points", "held_sends_peak",
+           "nccl_dry_run", "check_nccl"]
 
 MODES = ("early", "grouped")
 Item = tuple[Edge, str, int]  # (edge, direction, microbatch): what a SEND/RECV/WAIT triple moves
@@ -50,18 +50,21 @@ _WAITS = (_K.WAIT_F, _K.WAIT_B)
 
 @dataclass(frozen=True)
 class PostingPlan:
-    """Per mesh, what the runtime does besides each action: ``posts[mesh][i]`` the receives to post at action i
-    (at a SEND: in one group with the send; at a WAIT: before waiting; at a RECV: then), in the channel's
-    order; ``retire[mesh][i]`` the sends known complete once action i ran."""
+    """Per mesh, what the runtime does besides each action: ``sends[mesh][i]`` the sends it posts at action i
+    (a SEND posts itself; under grouped posting the sends of one compute's outputs — consecutive SENDs — wait
+    for the last of them and go out together); ``posts[mesh][i]`` the receives it posts there, in the
+    channel's order (in one group with that action's sends; at a WAIT before waiting); ``retire[mesh][i]``
+    the sends known complete once action i ran."""
 
     mode: str
     shared: frozenset[frozenset[int]]
+    sends: tuple[dict[int, tuple[Item, ...]], ...]
     posts: tuple[dict[int, tuple[Item, ...]], ...]
     retire: tuple[dict[int, tuple[Item, ...]], ...]
 
-    def groups(self, mesh: int, schedule: Schedule) -> int:
-        """How many of `mesh`'s sends go out in one group with a receive."""
-        return sum(1 for i, a in enumerate(schedule.actions[mesh]) if a.kind in _SENDS and self.posts[mesh].get(i))
+    def groups(self, mesh: int) -> int:
+        """How many times `mesh` posts sends and receives in one group."""
+        return sum(1 for i in self.sends[mesh] if self.posts[mesh].get(i))
 
 
 def _peer_mesh(schedule: Schedule, a: Action) -> int:
@@ -71,16 +74,47 @@ def _peer_mesh(schedule: Schedule, a: Action) -> int:
 def plan_posting(schedule: Schedule, mode: str = "early",
                  shared: Iterable[frozenset[int]] = ()) -> PostingPlan:
     """The posting plan of a lowered `schedule` (see the module's docstring); `shared`: the mesh pairs whose
-    directions share a communicator. Grouped posting attaches each WAIT's receive to the last of the sends to
-    the same peer that precede it with no WAIT from that peer between (its *window*), or, without one, posts
-    it at the WAIT."""
+    directions share a communicator. Grouped posting attaches each WAIT's receive to the group of the last
+    send to the same peer before it (with the sends of the same compute, consecutive SENDs), or, without one,
+    posts it at the WAIT."""
     if mode not in MODES:
         raise ValueError(f"posting mode must be one of {', '.join(MODES)}, got {mode!r}")
     if not schedule.is_lowered:
         raise ScheduleError("plan_posting(): the schedule has no communication actions (lower it first)")
     shared = frozenset(frozenset(p) for p in shared)
-    return PostingPlan(mode, shared, _posts(schedule, mode, shared, _windows(schedule, mode, shared)),
+    run_end = _run_ends(schedule, mode)
+    sends = tuple({i: tuple(acts[j].key for j in sorted(js)) for i, js in _invert(run_end[s]).items()}
+                  for s, acts in enumerate(schedule.actions))
+    return PostingPlan(mode, shared, sends, _posts(schedule, mode, shared, _windows(schedule, mode, shared), run_end),
                        retire_points(schedule))
+
+
+def _run_ends(schedule: Schedule, mode: str) -> list[dict[int, int]]:
+    """Per mesh, SEND index -> where it is posted: itself, or under grouped posting the last of the consecutive
+    SENDs it belongs to (one compute's outputs, sent in graph edge order)."""
+    out = []
+    for acts in schedule.actions:
+        end: dict[int, int] = {}
+        i = 0
+        while i < len(acts):
+            if acts[i].kind not in _SENDS:
+                i += 1
+                continue
+            j = i
+            while mode == "grouped" and j + 1 < len(acts) and acts[j + 1].kind in _SENDS:
+                j += 1
+            for k in range(i, j + 1):
+                end[k] = j if mode == "grouped" else k
+            i = j + 1
+        out.append(end)
+    return out
+
+
+def _invert(m: dict[int, int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for k, v in m.items():
+        out[v].append(k)
+    return out
 
 
 def two_way_pairs(schedule: Schedule) -> frozenset[frozenset[int]]:
@@ -112,12 +146,14 @@ def split_pairs(schedules: Iterable[Schedule], candidates: Iterable[frozenset[in
 
 
 def _windows(schedule: Schedule, mode: str, shared: frozenset[frozenset[int]]) -> dict[tuple[int, int], list[int]]:
-    """Per grouped WAIT (mesh, index): the SENDs to its peer after the previous WAIT from that peer, in order."""
+    """Per grouped WAIT (mesh, index): the last SEND to its peer before it (empty: none), whose group its receive
+    joins. Between that send and the WAIT the mesh issues nothing else on the pair (the WAITs between join the
+    same group), so the group holds, together, what would otherwise be issued one after the other."""
     out: dict[tuple[int, int], list[int]] = {}
     if mode != "grouped":
         return out
     for s, acts in enumerate(schedule.actions):
-        run: dict[int, list[int]] = defaultdict(list)  # peer mesh -> sends since its last WAIT
+        last: dict[int, int] = {}  # peer mesh -> its last SEND so far
         for i, a in enumerate(acts):
             if a.kind not in _SENDS and a.kind not in _WAITS:
                 continue
@@ -125,15 +161,14 @@ def _windows(schedule: Schedule, mode: str, shared: frozenset[frozenset[int]]) -
             if frozenset((s, b)) not in shared:
                 continue
             if a.kind in _SENDS:
-                run[b].append(i)
+                last[b] = i
             else:
-                out[(s, i)] = list(run[b])
-                run[b] = []
+                out[(s, i)] = [last[b]] if b in last else []
     return out
 
 
-def _posts(schedule: Schedule, mode: str, shared: frozenset[frozenset[int]], windows: dict[tuple[int, int], list[int]]
-           ) -> tuple[dict[int, tuple[Item, ...]], ...]:
+def _posts(schedule: Schedule, mode: str, shared: frozenset[frozenset[int]], windows: dict[tuple[int, int], list[int]],
+           run_end: list[dict[int, int]]) -> tuple[dict[int, tuple[Item, ...]], ...]:
     posts: list[dict[int, tuple[Item, ...]]] = []
     for s, acts in enumerate(schedule.actions):
         order: dict[int, list[Item]] = defaultdict(list)  # per peer mesh: receives in RECV (= channel) order
@@ -149,7 +184,7 @@ def _posts(schedule: Schedule, mode: str, shared: frozenset[frozenset[int]], win
             elif (s, i) in windows:
                 b = _peer_mesh(schedule, a)
                 w = windows[(s, i)]
-                want.append((w[-1] if w else i, b, index[b][a.key]))
+                want.append((run_end[s][w[-1]] if w else i, b, index[b][a.key]))
         done = dict.fromkeys(order, 0)  # per peer: next receive of the channel not yet posted
         for i, b, k in sorted(want):
             while done[b] <= k:
@@ -199,6 +234,21 @@ def retire_points(schedule: Schedule) -> tuple[dict[int, tuple[Item, ...]], ...]
     return tuple({i: tuple(v) for i, v in d.items()} for d in out)
 
 
+def held_sends_peak(schedule: Schedule, plan: PostingPlan | None = None, direction: str = "F") -> list[int]:
+    """Per mesh, the most sends of `direction` ('F': activations, whose data the runtime frees when it retires
+    them) started and not yet retired at once — what retiring at the causal points costs in memory."""
+    retire = (plan or plan_posting(schedule)).retire
+    out = []
+    for s, acts in enumerate(schedule.actions):
+        held = peak = 0
+        for i, a in enumerate(acts):
+            held += a.kind in _SENDS and a.kind.direction == direction
+            peak = max(peak, held)
+            held -= sum(1 for item in retire[s].get(i, ()) if item[1] == direction)
+        out.append(peak)
+    return out
+
+
 # ---- NCCL's model ---------------------------------------------------------------------------------
 @dataclass(eq=False)
 class _Op:
@@ -245,10 +295,13 @@ def _run(schedule: Schedule, plan: PostingPlan) -> tuple[list[tuple[int, int, Ac
         return got is not None and bool(queues[got[0]]) and any(o is got[1] for o in queues[got[0]][0])
 
     peer_of: dict[Item, int] = {}
+    send_peer: dict[Item, int] = {}
     for s in range(M):
         for a in acts[s]:
             if a.kind in _RECVS:
                 peer_of[a.key] = _peer_mesh(schedule, a)
+            elif a.kind in _SENDS:
+                send_peer[a.key] = _peer_mesh(schedule, a)
     pc = [0] * M
     issued = [-1] * M  # the last action whose operations were issued
     progress = True
@@ -258,7 +311,7 @@ def _run(schedule: Schedule, plan: PostingPlan) -> tuple[list[tuple[int, int, Ac
             while pc[s] < len(acts[s]):
                 i, a = pc[s], acts[s][pc[s]]
                 if issued[s] < i:
-                    ops = [("S", a.key, _peer_mesh(schedule, a))] if a.kind in _SENDS else []
+                    ops = [("S", x, send_peer[x]) for x in plan.sends[s].get(i, ())]
                     ops += [("R", y, peer_of[y]) for y in plan.posts[s].get(i, ())]
                     if ops:
                         issue(s, i, ops)
@@ -293,7 +346,16 @@ def _run(schedule: Schedule, plan: PostingPlan) -> tuple[list[tuple[int, int, Ac
                 a = acts[op.mesh][op.index]
                 stuck.append((op.mesh, op.index, a, f"its {'send' if op.kind == 'S' else 'receive'} never completes"))
                 break
-    blocked = {frozenset((q[0], q[1])) if len(q) == 3 else q[1] for q, groups in queues.items() if groups}
+    def pair(q: tuple) -> frozenset[int]:
+        return frozenset((q[0], q[1])) if len(q) == 3 else q[1]
+
+    # where the hang starts: a shared communicator whose head holds an unfinished send while a receive the
+    # program waits for sits behind it (the crossing); else every communicator left with work
+    waited = {(s, a.key) for s, i, a, _ in stuck if a.kind in _WAITS}
+    crossing = {pair(q) for q, groups in queues.items() if len(q) == 2 and groups
+                and any(not o.done and o.kind == "S" for o in groups[0])
+                and any(o.kind == "R" and (o.mesh, o.item) in waited for g in list(groups)[1:] for o in g)}
+    blocked = crossing or {pair(q) for q, groups in queues.items() if groups}
     return stuck, blocked
 
 
@@ -310,8 +372,8 @@ def _why(schedule: Schedule, a: Action, where: dict, queues: dict) -> str:
     if got is None:
         return "its receive was never posted"
     q, op = got
-    head = next((o for o in queues[q][0] if not o.done), op) if queues[q] else op
-    if head is op:
+    head_group = queues[q][0] if queues[q] else []
+    if any(o is op for o in head_group):  # running: it waits for its sender
         match = where.get(("S", op.item))
         if match is None:
             return f"{_describe(op, schedule)} waits for its send, never issued"
@@ -319,6 +381,7 @@ def _why(schedule: Schedule, a: Action, where: dict, queues: dict) -> str:
         blocker = next((o for o in queues[mq][0] if not o.done), mop) if queues[mq] else mop
         return (f"{_describe(op, schedule)} waits for {_describe(mop, schedule)}, which NCCL runs only after "
                 f"{_describe(blocker, schedule)}")
+    head = next(o for o in head_group if not o.done)
     return (f"{_describe(op, schedule)} is queued behind {_describe(head, schedule)} on the same communicator "
             "(NCCL runs a communicator's operations in issue order)")
 

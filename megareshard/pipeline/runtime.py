@@ -177,7 +177,11 @@ class _Step:
     received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
     sends: dict[tuple[Edge, str, int], _PendingSend] = field(default_factory=dict)  # (edge, 'F' | 'B', mb)
     stores: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
-    stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
+    # outputs_freed: sent activations whose data was freed when their send was retired; freed_before_backward:
+    # those freed before their B ran; sent_held_peak: most activation sends started and not yet retired at once
+    stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0,
+                                                           "sent_held_peak": 0})
+    held: int = 0  # activation sends started and not yet retired
     freed: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose sent activation data was freed
     live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
     send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each retired send
@@ -307,8 +311,9 @@ class PipelineRuntime:
                 raise
             from .schedule_io import describe_error
 
-            raise ConfigError(f"--pipeline-schedule-file {plan.schedule_file}: {describe_error(e)} (with "
-                              f"--pipeline-recv-posting {plan.recv_posting}: {posting})") from None
+            how = plan.recv_posting if plan.recv_posting == posting else f"{plan.recv_posting} = {posting}"
+            raise ConfigError(f"--pipeline-schedule-file {plan.schedule_file}: {describe_error(e)} "
+                              f"(--pipeline-recv-posting {how})") from None
         return rt
 
     def training_schedule(self, num_microbatches: int) -> Schedule:
@@ -358,6 +363,11 @@ class PipelineRuntime:
             self._plans[key] = plan
         return self._programs[key]
 
+    def posting_plan(self, num_microbatches: int, train: bool = True) -> PostingPlan:
+        """The posting plan of a step's program (`posting.py`): where each receive is posted, each send retired."""
+        self.program(num_microbatches, train)
+        return self._plans[self._program_key(num_microbatches, train)]
+
     def describe(self) -> str:
         virtual = (f" on {self.num_meshes} meshes ({self.virtual_stages} virtual stages each, placement "
                    f"{','.join(map(str, self.placement))}; {len(self.local_edges)} local hand-off edge(s))"
@@ -394,7 +404,7 @@ class PipelineRuntime:
         st.send_done = hooks.send_done
         for h in hooks.start_step:
             h(stats, train)
-        posts, retire = plan.posts[self.stage], plan.retire[self.stage]
+        sends, posts, retire = plan.sends[self.stage], plan.posts[self.stage], plan.retire[self.stage]
         try:
             for i, a in enumerate(prog):
                 kind = a.kind
@@ -407,7 +417,7 @@ class PipelineRuntime:
                     elif kind.is_reduce:
                         self._reduce_grads(a)
                     else:
-                        self._communicate(a, st, posts.get(i, ()))
+                        self._communicate(a, st, sends.get(i, ()), posts.get(i, ()))
                 except BaseException as e:
                     for h in hooks.after:
                         h(a, stats, e)
@@ -580,10 +590,12 @@ class PipelineRuntime:
             st.input_grads[(stage, mb)] = grads
 
     # ---- communication -----------------------------------------------------------------------------
-    def _communicate(self, a: Action, st: _Step, posts: Sequence[tuple[Edge, str, int]]) -> None:
-        """SEND starts a send, posted in one group with the receives the posting plan puts there; RECV posts what
-        the plan puts there (early posting: its own receive); WAIT posts what is left of its channel up to it,
-        then blocks on its receive — the only blocking communication."""
+    def _communicate(self, a: Action, st: _Step, sends: Sequence[tuple[Edge, str, int]],
+                     posts: Sequence[tuple[Edge, str, int]]) -> None:
+        """SEND starts a send (unposted); then, whatever the action, the sends and receives the posting plan puts
+        here go out together (`posting.py`: at a SEND the sends of its compute and the receives grouped with
+        them, at a RECV under early posting its own receive, at a WAIT what is left of its channel up to it);
+        WAIT then blocks on its receive — the only blocking communication."""
         e, mb = a.edge, a.mb
         k = a.kind
         recvs = [self._receive(st, item) for item in posts]
@@ -597,20 +609,19 @@ class PipelineRuntime:
             free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
                     and not any(t is out for other, t in outs.items() if other != e))
             h = self.comms[e].send_forward(out, mb, post=False)
-            post_together(recvs + [h])
             st.sends[a.key] = _PendingSend(h, out, "F", mb, e, time.time(), free=free)
+            st.held += 1
+            st.stats["sent_held_peak"] = max(st.stats["sent_held_peak"], st.held)
         elif k == _K.SEND_B:
             grads = st.input_grads[(a.stage, mb)]
             g = grads.pop(e)
             if not grads:
                 del st.input_grads[(a.stage, mb)]
             h = self.comms[e].send_backward(g, mb, post=False)
-            post_together(recvs + [h])
             st.sends[a.key] = _PendingSend(h, g, "B", mb, e, time.time(), free=False)
-        elif k in (_K.RECV_F, _K.RECV_B):
-            post_together(recvs)
-        elif k in (_K.WAIT_F, _K.WAIT_B):
-            post_together(recvs)
+        if recvs or sends:
+            post_together(recvs + [st.sends[item].handle for item in sends])
+        if k in (_K.WAIT_F, _K.WAIT_B):
             d = k.direction
             try:
                 h = st.posted.pop((e, d, mb))
@@ -622,7 +633,7 @@ class PipelineRuntime:
                                    f"({'activation' if d == 'F' else 'gradient'}, mb {mb}): it is not in the "
                                    "edge's destination mesh")
             st.received[(e, d, mb)] = t
-        else:  # pragma: no cover
+        elif k not in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):  # pragma: no cover
             raise AssertionError(a)
 
     def _receive(self, st: _Step, item: tuple[Edge, str, int]) -> Any:
@@ -641,6 +652,7 @@ class PipelineRuntime:
         except BaseException as e:
             raise RuntimeError(f"stage {self.stage}: sending the {'activation' if s.direction == 'F' else 'gradient'} "
                                f"of mb {s.mb} on edge {s.edge} failed") from e
+        st.held -= s.direction == "F"
         if s.free:
             # Megatron's deallocate_output_tensor: keep the autograd node, drop the data
             s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)

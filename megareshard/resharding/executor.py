@@ -81,7 +81,8 @@ import torch.distributed as dist
 from ..parallel.nccl_check import set_label
 from .streams import CommStreams, GroupKey, Op, issue
 from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _contains, _Msg, _RankTask,
-                       _relative, _shape, _TaskProgram, build_messages, comm_key, nic_side_chains)
+                       _relative, _shape, _TaskProgram, build_messages, comm_key, nic_side_chains,
+                       rotate_receivers)
 from .spec import local_slices
 from .strategies import get_strategy
 
@@ -227,6 +228,7 @@ class Resharder:
         host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
         self._host_of = host_of
         self.programs: list[_TaskProgram] = []
+        turns: dict[int, int] = {}  # tasks that reached each host so far: where the next one enters it
         for pos, (index, sender) in enumerate(task_order):
             task = by_index[index]
             if sender is None or sender not in task.senders:
@@ -235,7 +237,7 @@ class Resharder:
             region = tuple(task.slice)
             held = set(task.senders)
             local = tuple(r for r in task.receivers if r in held)
-            remote = sorted(r for r in task.receivers if r not in held)
+            remote = rotate_receivers(sorted(r for r in task.receivers if r not in held), host_of, turns)
             numel = prod(_shape(region))
             k = int(task.chunks)  # chosen by the planner: plan and executor cannot disagree
             msgs = [] if (self._nccl and strat.nccl_broadcast) else \

@@ -35,8 +35,10 @@ an active exception").
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -118,6 +120,7 @@ class CommStreams:
         self._rank = dist.get_rank()
         self._pg = dist.distributed_c10d._get_default_group()
         self._built = 0
+        _LIVE.add(self)
 
     @classmethod
     def shared(cls) -> "CommStreams":
@@ -163,6 +166,17 @@ class CommStreams:
 
 
 _SHARED: dict[str, CommStreams] = {}  # CommStreams.shared(): a cache per default group, like torch's group registry
+_LIVE: "weakref.WeakSet[CommStreams]" = weakref.WeakSet()  # every instance, for the exit hook below
+
+
+@atexit.register
+def _stop_streams_at_exit() -> None:
+    """The safety net for a job that never closed its streams: stop and join their idle threads while the
+    interpreter is still whole (atexit runs before finalization kills daemon threads). A thread stuck in an
+    operation that never completes is left alone (a short timeout), as before."""
+    for inst in list(_LIVE):
+        for s in list(inst._streams.values()):
+            s.close(timeout=1.0)
 
 
 # ---------------------------------------------------------------------------------- issuing
