@@ -73,6 +73,7 @@ hands the arguments over in the environment (torchrun's own parser would claim
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -234,7 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "cluster (lab/cluster/emulate_cluster.py, needs root)")
     g.add_argument("--grid", action="store_true", help="run the NIC-rate grid")
     g.add_argument("--models", default=",".join(MODELS), help="--grid: comma list of models")
-    g.add_argument("--rates", default=GRID_RATES, help="--grid: NIC rates in Mbit/s, each direction (comma list)")
+    g.add_argument("--rates", default=None, help="--grid: NIC rates in Mbit/s, each direction (comma list): the points "
+                   "are these rates at the flags' shape (default: --points)")
+    g.add_argument("--points", default=None,
+                   help="--grid: operating points RATE[:m=MICROBATCHES][:seq=SEQ_LENGTH], comma list (default: the "
+                        "model's grid_points.GRID_POINTS, chosen with --choose-points before running); with "
+                        "--choose-points: the candidates (default grid_points.CANDIDATES)")
+    g.add_argument("--choose-points", action="store_true",
+                   help="no run: the simulator's prediction at every candidate point (baseline and method, their "
+                        "physical bounds, the point's wall time), per model of --models")
     g.add_argument("--method", default=pipeline_grid.METHOD, help="--grid: the configuration the target is about")
     g.add_argument("--point-timeout", type=float, default=900.0,
                    help="--grid: stop a point's run after this many seconds (it is reported as stopped)")
@@ -879,37 +888,92 @@ def estimate_point_s(records: Sequence[dict[str, Any]], a: argparse.Namespace, s
 GRID_SETUP_S = 30.0  # start-up of one point (torchrun on 4 namespaces, model, every configuration's resharders)
 
 
-def _grid_dry_run(p: argparse.ArgumentParser, a: argparse.Namespace, models: list[str], rates: list[float],
-                  configs: list[BenchConfig]) -> int:
-    import copy
+def grid_points_of(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+    """The grid's operating points for `model`: --rates (at the flags' shape), else --points, else GRID_POINTS."""
+    from lab.bench.grid_points import GRID_POINTS, parse_points
 
-    hosts, pph = grid_shape(a)
+    if a.rates:
+        return [{"rate_mbit": r, "overrides": {}, "label": f"{r:g}", "text": f"{r:g}"} for r in parse_rates(a.rates)]
+    return parse_points(a.points or GRID_POINTS[model])
+
+
+def _grid_costs(a: argparse.Namespace, model: str, configs: list[BenchConfig]) -> dict[str, Any]:
     files = dict(x.split("=", 1) for x in (a.estimate_costs or "").split(",") if x.strip())
+    if model in files:
+        return costs_from_records(load_cost_records(files[model]), a.pp, files[model])
+    pa = copy.copy(a)
+    pa.model = model
+    return _costs(pa, configs)
+
+
+def _grid_dry_run(p: argparse.ArgumentParser, a: argparse.Namespace, models: list[str],
+                  configs: list[BenchConfig]) -> int:
+    hosts, pph = grid_shape(a)
     total = 0.0
     for m in models:
-        pa = copy.copy(a)
-        pa.model = m
-        if m in files:
-            costs = costs_from_records(load_cost_records(files[m]), a.pp, files[m])
-        else:
-            costs = _costs(pa, configs)
-        for rate in rates:
-            pa.nic_gbps = rate / 1e3
-            est = estimate_point_s(simulate_records(pa, configs, costs, hosts * pph, pph)[0], a, GRID_SETUP_S)
-            total += est
-            print(f"# {m} {rate:g} Mbit/s: about {est / 60:.1f} min (simulated, plus {GRID_SETUP_S:.0f} s set-up)")
-            print(" ".join(point_command(p, a, m, rate, os.path.join(a.results_dir, f"{m}-{rate:g}.part.json"))))
+        costs, per_model = _grid_costs(a, m, configs), 0.0
+        for pt in grid_points_of(a, m):
+            pa = _at(a, m, pt)
+            est = estimate_point_s(simulate_records(pa, configs, _shape_costs(a, pt, costs), hosts * pph, pph)[0], pa,
+                                   GRID_SETUP_S)
+            per_model += est
+            print(f"# {m} {pt['label']} Mbit/s: about {est / 60:.1f} min (simulated, plus {GRID_SETUP_S:.0f} s set-up)")
+            print(" ".join(point_command(p, pa, m, pt["rate_mbit"],
+                                         os.path.join(a.results_dir, f"{m}-{pt['text']}.part.json"))))
+        print(f"# {m}: about {per_model / 60:.0f} min")
+        total += per_model
     print(f"# whole grid: about {total / 60:.0f} min")
     return 0
 
 
+def _at(a: argparse.Namespace, model: str, point: dict[str, Any]) -> argparse.Namespace:
+    from lab.bench.grid_points import apply_point
+
+    pa = apply_point(a, point)
+    pa.model = model
+    return pa
+
+
+def _shape_costs(a: argparse.Namespace, point: dict[str, Any], costs: dict[str, Any]) -> dict[str, Any]:
+    """Costs at a point that changes the sequence length: scaled by the tokens per microbatch (grid_points)."""
+    from lab.bench.grid_points import scale_costs
+
+    seq = point["overrides"].get("seq_length")
+    return scale_costs(costs, seq / a.seq_length) if seq else costs
+
+
+def _choose_points(a: argparse.Namespace) -> int:
+    """--choose-points: the simulator's prediction at every candidate, per model (grid_points.choose)."""
+    from lab.bench.grid_points import CANDIDATES, GRID_POINTS, choose, parse_points, reference_costs
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    hosts, pph = grid_shape(a)
+    configs = check_args(a, hosts * pph)
+    for m in models:
+        path = os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
+        if a.estimate_costs:
+            costs, where = _grid_costs(a, m, configs), a.estimate_costs
+        else:
+            costs, where = reference_costs(path, a.pp)
+
+        def predict(pt, m=m, costs=costs):
+            pa = _at(a, m, pt)
+            recs = simulate_records(pa, configs, _shape_costs(a, pt, costs), hosts * pph, pph)[0]
+            by = {r["config"]: r for r in recs}
+            return by[a.baseline], by[parse_config(a.method).name], estimate_point_s(recs, pa, GRID_SETUP_S)
+
+        chosen = [pt["text"] for pt in parse_points(GRID_POINTS[m])]
+        print(choose(parse_points(a.points or CANDIDATES), predict, chosen,
+                     f"{m}: {hosts} hosts × {pph}, tp {a.tp}, pp {a.pp}, costs of {where}"), flush=True)
+        print()
+    return 0
+
+
 def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    import copy
     import tempfile
 
     from lab.cluster.emulate_cluster import check_privileges
 
-    rates = parse_rates(a.rates)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
@@ -920,46 +984,50 @@ def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     method = parse_config(a.method).name
     if method not in names:
         raise ValueError(f"--method {method} is not among the configurations ({', '.join(names)})")
+    points = {m: grid_points_of(a, m) for m in models}  # every point checked before anything runs
     if a.dry_run:
-        return _grid_dry_run(p, a, models, rates, configs)
+        return _grid_dry_run(p, a, models, configs)
     check_privileges()  # ClusterError: one line, before anything runs
     os.makedirs(a.results_dir, exist_ok=True)
     os.makedirs(a.img_dir, exist_ok=True)
     cluster = f"{hosts} hosts × {pph} ranks, tp {a.tp}, pp {a.pp}, {a.microbatches} microbatches, --pace {a.pace}"
-    grids = {m: {"kind": pipeline_grid.GRID_KIND, "model": m, "rates_mbit": rates, "baseline": a.baseline,
+    grids = {m: {"kind": pipeline_grid.GRID_KIND, "model": m, "rates_mbit": [pt["rate_mbit"] for pt in points[m]],
+                 "baseline": a.baseline,
                  "method": method, "extra": pipeline_grid.EXTRA if pipeline_grid.EXTRA in names else None,
                  "configs": names, "cluster": cluster,
-                 "target": {"baseline_below": pipeline_grid.BELOW, "gap_closure_at_least": pipeline_grid.CLOSURE},
+                 "target": {"baseline_below": pipeline_grid.BELOW, "gap_closure_at_least": pipeline_grid.CLOSURE,
+                            "method_physical_at_least": pipeline_grid.PHYSICAL},
                  "command": " ".join(["python -m lab.bench.bench_pipeline"] + sys.argv[1:]),
                  "picture": os.path.join(a.img_dir, f"pipeline_grid_{m}.png"),
-                 "points": [{"rate_mbit": r, "status": "not run", "reason": None, "records": [], "simulated": None}
-                            for r in rates]} for m in models}
+                 "points": [{"rate_mbit": pt["rate_mbit"], "label": pt["label"], "overrides": pt["overrides"],
+                             "status": "not run", "reason": None, "records": [], "simulated": None}
+                            for pt in points[m]]} for m in models}
     interrupted = False
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-grid-") as tmp:
         for m in models:
             if interrupted:  # the models not started keep no file: nothing of them ran
                 break
             grid, path = grids[m], os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
-            for k, rate in enumerate(rates):
+            for k, pt in enumerate(points[m]):
                 if interrupted:
                     break
-                out = os.path.join(tmp, f"{m}-{rate:g}.json")
-                cmd = point_command(p, a, m, rate, out)
-                print(f"[bench_pipeline] grid {m} {rate:g} Mbit/s: {' '.join(cmd)}", file=sys.stderr, flush=True)
+                pa = _at(a, m, pt)
+                out = os.path.join(tmp, f"{m}-{k}.json")
+                cmd = point_command(p, pa, m, pt["rate_mbit"], out)
+                print(f"[bench_pipeline] grid {m} {pt['label']} Mbit/s: {' '.join(cmd)}", file=sys.stderr, flush=True)
                 t0 = time.monotonic()
                 try:
                     rc, reason = _run_point(cmd, a.point_timeout)
                 except KeyboardInterrupt:
                     rc, reason, interrupted = None, "interrupted (Ctrl-C)", True
                 recs = json.load(open(out)) if os.path.exists(out) else None
-                point = point_from_run(rate, rc, recs, reason, time.monotonic() - t0, a.iters)
+                point = point_from_run(pt["rate_mbit"], rc, recs, reason, time.monotonic() - t0, a.iters)
+                point.update(label=pt["label"], overrides=pt["overrides"])
                 if point["records"]:  # the simulator's prediction at the same budgets and rate
-                    pa = copy.copy(a)
-                    pa.model, pa.nic_gbps = m, rate / 1e3
                     try:
                         costs = costs_from_records(point["records"], a.pp)
                     except ValueError as e:  # unpaced and stopped before its traces: nothing to feed it
-                        print(f"[bench_pipeline] grid {m} {rate:g} Mbit/s: no prediction: {e}", file=sys.stderr)
+                        print(f"[bench_pipeline] grid {m} {pt['label']} Mbit/s: no prediction: {e}", file=sys.stderr)
                     else:
                         point["simulated"] = simulate_records(pa, configs, costs, hosts * pph, pph)[0]
                 grid["points"][k] = point
@@ -1115,6 +1183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and not a.simulate:  # inside someone's torchrun (e.g. emulate_cluster.py)
         return _worker(a)
     try:
+        if a.choose_points:
+            a.grid = True  # the grid's configurations and rounds
+            return _choose_points(a)
         if a.grid:
             return _grid(p, a)
         check_args(a, None if a.simulate else a.nproc)

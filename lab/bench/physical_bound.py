@@ -10,16 +10,21 @@ and a NIC moves its bytes no faster than its rate. The physical bound of a confi
   resharding plans put on that side (activations and gradients of every edge, every microbatch), less the
   token bucket's burst (the emulator's ``tc tbf`` lets ``burst`` bytes through at once, then ``rate``: at most
   burst + rate·T bytes in any T), over the nominal rate;
-* **critical path** — the fill and drain: the configuration's own schedule in the simulator with its compute
-  costs and every transfer at its wire time (the busiest NIC side's bytes of that transfer, less one burst,
-  over the rate), but no NIC sharing (``Costs(nic_sharing=False)``: a transfer starts the moment it is ready,
-  however many others are in flight). That is the schedule's longest chain of compute and transfers that
-  must run one after the other — derived from the simulator, not a formula.
+* **critical path** — the fill and drain, an explicit formula over the chain of stages (whatever the schedule
+  orders; `critical_path_ms`): no stage computes before the first activation has come through every stage
+  before it (``head_s`` = Σ F and forward transfers before s), and after a stage's last input gradient the
+  gradient still has to go back through every stage before it (``tail_s`` = Σ backward transfers and input
+  gradients before s, then stage 0's last weight gradient when W is split off). A stage on a mesh of its
+  own: head_s + m·(F_s + B_s) + tail_s with delayed W counted after the tail (B_s = I_s then), and head_s +
+  all of its compute; a mesh holding several stages (virtual stages): its earliest head + all of its compute;
+  and one microbatch's round trip (every F, transfer and B). A transfer takes its wire time: the busiest NIC
+  side's bytes of it, less one burst, over the rate.
 
-Each term is a lower bound of the measured step of the configuration (the runtime runs the same programs, each
-compute action takes at least its paced budget, each transfer at least its wire time, each NIC side carries
-at least those bytes), so the largest is too. A measurement faster than it is void. ``fraction`` = bound /
-measured (1 = physically perfect); ``gap_closure`` against it = (t_baseline − t) / (t_baseline − bound).
+Each term is a lower bound of the measured step of any schedule of the configuration (its strategy's bytes,
+its delayed-W setting, its compute budgets): compute actions take at least their paced budgets, transfers at
+least their wire time, a NIC side carries at least those bytes. So the largest is too; a measurement faster
+than it is void. ``fraction`` = bound / measured (1 = physically perfect); ``gap_closure`` against it =
+(t_baseline − t) / (t_baseline − bound).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class PhysicalBound:
     critical_path_ms: float
     busiest_side: str  # the NIC side of nic_ms ("h1 out")
     busiest_mesh: int  # the mesh of compute_ms
+    free_transfers_ms: float = 0.0  # the bound if every transfer were free (compute and the compute fill-drain)
 
     @property
     def bound_ms(self) -> float:
@@ -75,22 +81,50 @@ def wire_ms(nbytes: float, gbps: float, burst_bytes: float = TBF_BURST_BYTES) ->
     return max(0.0, nbytes - burst_bytes) * 8 / (gbps * 1e9) * 1e3
 
 
+def critical_path_ms(schedule: Any, costs: Any, wire: Mapping[str, float], microbatches: int) -> float:
+    """The fill-and-drain term (module docstring) for `schedule`'s graph and placement: `costs` a `Costs`
+    (F/B/I/W per stage), `wire` ms of one transfer per edge text; delayed W when the schedule has W actions."""
+    g, place, m = schedule.graph, schedule.placement or tuple(range(schedule.graph.num_stages)), microbatches
+    split = any(a.kind.value == "W" for acts in schedule.actions for a in acts)
+    n = g.num_stages
+    chain = {e.src: e for e in g.edges if e.is_chain}
+    f = [costs.compute(_kind("F"), s) for s in range(n)]
+    i = [costs.compute(_kind("I" if split else "B"), s) for s in range(n)]
+    w = [costs.compute(_kind("W"), s) if split else 0.0 for s in range(n)]
+    hop = [0.0 if place[s] == place[s + 1] else wire.get(str(chain[s]), 0.0) for s in range(n - 1)]
+    head = [sum(f[k] + hop[k] for k in range(s)) for s in range(n)]
+    tail = [sum(hop[k] + i[k] for k in range(s)) + w[0] for s in range(n)]
+    best = sum(f) + sum(i) + 2 * sum(hop) + w[0]  # one microbatch's round trip
+    for mesh in sorted(set(place)):
+        stages = [s for s in range(n) if place[s] == mesh]
+        total = m * sum(f[s] + i[s] + w[s] for s in stages)
+        best = max(best, min(head[s] for s in stages) + total)
+        if len(stages) == 1:
+            (s,) = stages
+            best = max(best, head[s] + m * (f[s] + i[s]) + tail[s])
+    return best
+
+
+def _kind(k: str) -> Any:
+    from megareshard.pipeline import ActionKind
+
+    return ActionKind(k)
+
+
 def physical_bound(schedule: Any, costs: Any, wire_bytes: Mapping[str, float], side_bytes_per_mb: Mapping[str, float],
                    microbatches: int, gbps: float, burst_bytes: float = TBF_BURST_BYTES) -> PhysicalBound:
-    """The bound of one configuration: `schedule` its compute-only schedule (the registry's or a peer's compute
-    order), `costs` a `megareshard.pipeline.Costs` with its compute (comm ignored), `wire_bytes` per edge text
-    the busiest NIC side's bytes of one transfer (the smaller direction; 0 for a local hand-off),
-    `side_bytes_per_mb` per NIC side ("h1 out") the bytes of one microbatch, `gbps` the nominal NIC rate."""
-    from dataclasses import replace
-
-    from megareshard.pipeline import simulate
-
+    """The bound of one configuration: `schedule` one of its schedules (its graph, placement, delayed W and
+    compute actions — the order does not matter), `costs` a `megareshard.pipeline.Costs` with its compute,
+    `wire_bytes` per edge text the busiest NIC side's bytes of one transfer (the smaller direction; 0 for a
+    local hand-off), `side_bytes_per_mb` per NIC side ("h1 out") the bytes of one microbatch, `gbps` the
+    nominal NIC rate."""
     per_mesh = compute_per_mesh(schedule, costs)
     mesh = max(range(len(per_mesh)), key=lambda m: per_mesh[m])
     nic, side = nic_ms(side_bytes_per_mb, microbatches, gbps, burst_bytes)
-    comm = {str(e): wire_ms(wire_bytes.get(str(e), 0.0), gbps, burst_bytes) for e in schedule.graph.edges}
-    path = simulate(schedule, costs=replace(costs, comm=comm, nic_sharing=False, rendezvous=False)).makespan
-    return PhysicalBound(round(per_mesh[mesh], 3), round(nic, 3), round(path, 3), side, mesh)
+    wire = {str(e): wire_ms(wire_bytes.get(str(e), 0.0), gbps, burst_bytes) for e in schedule.graph.edges}
+    path = critical_path_ms(schedule, costs, wire, microbatches)
+    free = max(per_mesh[mesh], critical_path_ms(schedule, costs, {}, microbatches))
+    return PhysicalBound(round(per_mesh[mesh], 3), round(nic, 3), round(path, 3), side, mesh, round(free, 3))
 
 
 def fraction(bound_ms: float | None, ms: float | None) -> float | None:
