@@ -898,9 +898,19 @@ def grid_points_of(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
 
 
 def _grid_costs(a: argparse.Namespace, model: str, configs: list[BenchConfig]) -> dict[str, Any]:
+    """Per-action costs for the grid's estimates: --estimate-costs, else the committed grid's (the highest-rate
+    complete point's budgets, grid_points.reference_costs), else --cost-f/b/i/w or F=10, B=2F."""
+    from lab.bench.grid_points import reference_costs
+
     files = dict(x.split("=", 1) for x in (a.estimate_costs or "").split(",") if x.strip())
     if model in files:
         return costs_from_records(load_cost_records(files[model]), a.pp, files[model])
+    committed = os.path.join(a.results_dir, f"pipeline_grid_{model}.json")
+    if os.path.exists(committed) and a.cost_f is None:
+        try:
+            return reference_costs(committed, a.pp)[0]
+        except ValueError:
+            pass
     pa = copy.copy(a)
     pa.model = model
     return _costs(pa, configs)
@@ -951,8 +961,8 @@ def _choose_points(a: argparse.Namespace) -> int:
     configs = check_args(a, hosts * pph)
     for m in models:
         path = os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
-        if a.estimate_costs:
-            costs, where = _grid_costs(a, m, configs), a.estimate_costs
+        if a.estimate_costs or a.cost_f is not None:
+            costs, where = _grid_costs(a, m, configs), a.estimate_costs or "--cost-*"
         else:
             costs, where = reference_costs(path, a.pp)
 

@@ -36,7 +36,7 @@ GRID_POINTS = {
     "gpt": "10,20,40,40:m=16,160,320",
     "utransformer": "10,20,40,20:m=16,160,320",
 }
-PEER_POINTS = "10:tp=1,20:tp=1,40:tp=1,160:tp=1,320:tp=1,10:tp=2,20:tp=2,40:tp=2,160:tp=2,320:tp=2"
+PEER_POINTS = "10:tp=1,20:tp=1,40:tp=1,80:tp=1,160:tp=1,320:tp=1,10:tp=2,20:tp=2,160:tp=2"
 CANDIDATES = "5,10,20,40,80,160,320,10:m=16,20:m=16,40:m=16,20:seq=512,40:seq=512,80:seq=512"
 PEER_CANDIDATES = ",".join(f"{r}:tp={t}" for t in (1, 2) for r in (5, 10, 20, 40, 80, 160, 320))
 

@@ -410,11 +410,13 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
     (``orders``: ``peers_torch.compute_order``) or, for the single-stage ones, the registry's equivalent."""
     from megareshard.pipeline import Costs, ScheduleError, generate, simulate
     from lab.bench.peers_torch import EQUIVALENT, order_to_schedule
+    from lab.bench.physical_bound import physical_bound, uniform_side_bytes
 
     costs = budgets_ms or [{"F": 10.0, "B": 20.0, "I": 10.0, "W": 10.0}] * a.pp
     strategies = sorted({r["strategy"] for r in records if r["status"] == "ok" and r["strategy"] != "p2p"}
                         | {"sendrecv"})
     net = bp.edge_transfer_model(a, [bp.BenchConfig("1f1b", s, False) for s in strategies], world, pph)
+    first_host = 0  # stage 0's host (one stage per host)
     for r in records:
         r["predicted_ms"] = None
         if r["status"] != "ok":
@@ -441,6 +443,13 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
             continue
         r["predicted_ms"] = round(tl.makespan, 3)
         r["predicted_bubble"] = round(tl.bubble_fraction, 4)
+        tm = net["sendrecv" if r["strategy"] == "p2p" else r["strategy"]]  # torch: a full copy per receiving rank
+        # stage 0's host sends one activation and receives one gradient per microbatch in the 1F1B graph
+        out_b, in_b = tm["side_bytes"].get(f"h{first_host} out", 0), tm["side_bytes"].get(f"h{first_host} in", 0)
+        pb = physical_bound(sched, Costs(f=per["F"], b=per["B"], i=per["I"], w=per["W"]),
+                            {"*": tm["wire_bytes"].get("0->1", 0)}, uniform_side_bytes(sched, out_b, in_b),
+                            a.microbatches, a.nic_gbps)
+        r["physical"] = pb.record()
         # live (stage, microbatch) activations per rank at the peak; a chunk of a 2-chunk schedule is half a stage
         r["predicted_peak_activations"] = tl.peak_activations
         r["chunks_per_rank"] = n // a.pp

@@ -31,10 +31,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["PhysicalBound", "physical_bound", "compute_per_mesh", "nic_ms", "wire_ms", "TBF_BURST_BYTES"]
+__all__ = ["PhysicalBound", "physical_bound", "compute_per_mesh", "critical_path_ms", "nic_ms", "wire_ms",
+           "uniform_side_bytes", "fill", "TBF_BURST_BYTES"]
 
-TBF_BURST_BYTES = 256 * 1000 // 8
-"""The emulated NICs' token bucket (``lab/cluster/emulate_cluster.py``: ``tc tbf ... burst 256kb`` = 256 kbit)."""
+TBF_BURST_BYTES = 256 * 1024
+"""The emulated NICs' token bucket (``lab/cluster/emulate_cluster.py``: ``tc tbf ... burst 256kb``; tc reads
+``kb`` as kilobytes — ``tc qdisc show`` prints it back as ``burst 256Kb``, and ``256kbit`` as ``32Kb`` — so a
+NIC idle long enough passes 256 KiB at once: a 64 KiB activation at 10 Mbit/s crosses in no rate-limited time)."""
 
 
 @dataclass(frozen=True)
@@ -116,15 +119,32 @@ def physical_bound(schedule: Any, costs: Any, wire_bytes: Mapping[str, float], s
     """The bound of one configuration: `schedule` one of its schedules (its graph, placement, delayed W and
     compute actions — the order does not matter), `costs` a `megareshard.pipeline.Costs` with its compute,
     `wire_bytes` per edge text the busiest NIC side's bytes of one transfer (the smaller direction; 0 for a
-    local hand-off), `side_bytes_per_mb` per NIC side ("h1 out") the bytes of one microbatch, `gbps` the
+    local hand-off; ``"*"`` for every edge not named), `side_bytes_per_mb` per NIC side ("h1 out") the bytes of one microbatch, `gbps` the
     nominal NIC rate."""
     per_mesh = compute_per_mesh(schedule, costs)
     mesh = max(range(len(per_mesh)), key=lambda m: per_mesh[m])
     nic, side = nic_ms(side_bytes_per_mb, microbatches, gbps, burst_bytes)
-    wire = {str(e): wire_ms(wire_bytes.get(str(e), 0.0), gbps, burst_bytes) for e in schedule.graph.edges}
+    wire = {str(e): wire_ms(wire_bytes.get(str(e), wire_bytes.get("*", 0.0)), gbps, burst_bytes)
+            for e in schedule.graph.edges}
     path = critical_path_ms(schedule, costs, wire, microbatches)
     free = max(per_mesh[mesh], critical_path_ms(schedule, costs, {}, microbatches))
     return PhysicalBound(round(per_mesh[mesh], 3), round(nic, 3), round(path, 3), side, mesh, round(free, 3))
+
+
+def uniform_side_bytes(schedule: Any, out_bytes: float, in_bytes: float) -> dict[str, float]:
+    """Per NIC side, one microbatch's bytes when every stage boundary carries the same tensor and each mesh is
+    one host (uniform layouts, as the peers grid runs): each cross-mesh edge puts `out_bytes` on its sending
+    mesh's out side and `in_bytes` on the receiving one's in side, activation and gradient alike."""
+    place = schedule.placement or tuple(range(schedule.graph.num_stages))
+    side: dict[str, float] = {}
+    for e in schedule.graph.edges:
+        a, b = place[e.src], place[e.dst]
+        if a == b:
+            continue
+        for src, dst in ((a, b), (b, a)):
+            side[f"h{src} out"] = side.get(f"h{src} out", 0.0) + out_bytes
+            side[f"h{dst} in"] = side.get(f"h{dst} in", 0.0) + in_bytes
+    return side
 
 
 def fraction(bound_ms: float | None, ms: float | None) -> float | None:

@@ -85,3 +85,26 @@ def test_operating_points():
     assert classify(rec) == "comm"
     assert classify({"physical_fraction": 0.98, "physical": {"bound_ms": 100.0, "free_transfers_ms": 97.0}}) == "compute"
     assert classify({"physical_fraction": 0.95, "physical": {"bound_ms": 100.0, "free_transfers_ms": 60.0}}) == "between"
+
+
+def test_peers_verdict_says_when_the_target_is_physically_out_of_reach():
+    from lab.bench import peers_report as rep
+
+    def rec(name, fw, strategy, ms, bound):
+        return {"name": name, "framework": fw, "status": "ok", "strategy": strategy, "ms_per_iter": ms,
+                "signal_name": None, "physical": {"bound_ms": bound, "binding": "NIC (h1 in)"}}
+
+    # torch at 788 ms; our best 884 ms; the baseline at 884 of a 629 ms bound (comm matters), our least bound 629
+    recs = [rec("1f1b+allgather", "megareshard", "allgather", 884.0, 629.0), rec("torch Schedule1F1B", "torch", "p2p",
+                                                                                  788.0, 629.0)]
+    sm = rep.fill_ratios(recs, None)
+    assert sm["baseline_physical_fraction"] == pytest.approx(629 / 884) and sm["physical_best_ratio"] == pytest.approx(
+        788 / 629)
+    v = rep.verdict(sm)
+    assert v.startswith("not met (need >= 1.2x)") and "physically out of reach" not in v  # 788/629 = 1.25: reachable
+    recs[1]["ms_per_iter"] = 700.0
+    v = rep.verdict(rep.fill_ratios(recs, None))
+    assert "physically out of reach: megareshard's physical bound (629 ms, 1f1b+allgather) is only 1.11x" in v
+    recs[1]["ms_per_iter"] = 600.0  # faster than its own physical bound: void, never torch's best
+    sm = rep.fill_ratios(recs, None)
+    assert recs[1]["void"] and sm["torch_best"] is None
