@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a peer's pipeline operation may block before that peer is reported failed")
     p.add_argument("--reshard-scheduler", default="auto")
     p.add_argument("--reshard-chunks", type=int, default=None)
+    p.add_argument("--recv-posting", default=None, choices=("auto", "early", "grouped", "mixed"),
+                   help="--pipeline-recv-posting of megareshard's configurations (default: the runtime's, auto)")
     p.add_argument("--iters", type=int, default=None, help="timed rounds (default 5; --grid 3)")
     p.add_argument("--warmup", type=int, default=None, help="unpaced rounds first (default 2; --grid 1)")
     p.add_argument("--pace", default=None, help="'none' (default), 'auto' (--grid default) or 'F=..,B=..,I=..,W=..' ms")
@@ -111,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG: bars per participant and peak activations per stage")
     p.add_argument("--from-json", default=None, help="no run: redraw the tables (and --plot) of a run or grid JSON")
+    p.add_argument("--trace-dir", default=None,
+                   help="write every participant's measured timeline of the last timed round here (NAME.json, both "
+                        "sides: megareshard's actions and sends, torch's paced compute)")
     p.add_argument("--timeout", type=float, default=900.0, help="plain torchrun launch: kill after this long")
     g = p.add_argument_group("grid")
     g.add_argument("--grid", action="store_true", help="every --points point on the emulated cluster")
@@ -149,7 +154,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
 # ---- grid -------------------------------------------------------------------------------------------
 WORKER_DESTS = ("tp", "pp", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "microbatches", "vocab_size", "strategies", "schedules", "no_method", "peers", "peer_timeout",
-                "reshard_scheduler", "reshard_chunks", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
+                "reshard_scheduler", "reshard_chunks", "recv_posting", "iters", "warmup", "pace", "pace_quantile",
+                "pace_margin")
 
 
 def point_command(p: argparse.ArgumentParser, a: argparse.Namespace, rate: float, tp: int, out: str) -> list[str]:

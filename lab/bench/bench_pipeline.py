@@ -111,7 +111,7 @@ RUN_DEFAULTS = {"iters": 10, "warmup": 2, "microbatches": 8, "pace": "none"}
 WORKER_DESTS = ("configs", "no_signal", "baseline", "tp", "pp", "num_layers", "hidden_size", "num_attention_heads",
                 "seq_length", "micro_batch_size", "microbatches", "vocab_size", "num_layers_per_stage", "u_levels",
                 "u_widths", "u_blocks_per_level", "u_shorten_factor", "u_skip_merge", "reshard_scheduler",
-                "reshard_chunks", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
+                "reshard_chunks", "recv_posting", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
 ENV_ARGV = "MR_BENCH_PIPELINE_ARGV"
 
 
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--u-shorten-factor", type=int, default=2)
     u.add_argument("--u-skip-merge", default="add", choices=("add", "concat"))
     p.add_argument("--reshard-scheduler", default="auto")
+    p.add_argument("--recv-posting", default=None, choices=("auto", "early", "grouped", "mixed"),
+                   help="--pipeline-recv-posting of every configuration (default: the runtime's, auto)")
     p.add_argument("--reshard-chunks", type=int, default=None,
                    help="broadcast chunks per task (default: the network model's choice per task)")
     p.add_argument("--iters", type=int, default=None,
@@ -318,6 +320,8 @@ def model_argv(a: argparse.Namespace, cfg: BenchConfig, world: int) -> list[str]
             "--no-check-for-nan-in-loss-and-grad"]
     if a.reshard_chunks is not None:
         argv += ["--reshard-chunks", str(a.reshard_chunks)]
+    if getattr(a, "recv_posting", None):
+        argv += ["--pipeline-recv-posting", a.recv_posting]
     if a.procs_per_host:
         argv += ["--nproc-per-node", str(a.procs_per_host)]
     return argv + cfg.flags()

@@ -341,6 +341,16 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
             f"{time.monotonic() - t_start:.0f}s): " + ", ".join(
                 f"{p.name} {1e3 * times[i, r]:.0f}" for i, p in enumerate(parts)) + " ms")
 
+    if getattr(a, "trace_dir", None):  # both sides' timelines of the last timed round (collective)
+        from megareshard.pipeline.runtime import write_trace
+
+        full = [gather_trace(ctx, p.rt.last_trace if isinstance(p, _Ours) else p.trace()) for p in parts]
+        if rank == 0:
+            os.makedirs(a.trace_dir, exist_ok=True)
+            for p, tr in zip(parts, full):
+                if tr:
+                    write_trace(os.path.join(a.trace_dir, p.name.replace(" ", "_") + ".json"), tr)
+            say(f"[bench_peers] traces: {a.trace_dir}/NAME.json (tools/plot_schedule.py --trace FILE)")
     mine = [{"pp": stage, "tp": ctx.tp_rank(), "bubble": rep.bubble_fraction(p.trace(), spans[i]),
              "peak": peaks[i], "overruns": p.overruns()} for i, p in enumerate(parts)]
     every: list[Any] = [None] * world
