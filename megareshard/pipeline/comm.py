@@ -8,11 +8,13 @@ Why it looks like this:
   forward before backward. Nothing is created lazily (lazy communicators in
   rank-dependent order are a classic pipeline deadlock).
 * **One set of communicators for the job.** Every resharder shares one `CommStreams`, so
-  tasks with the same (sender, receivers) — the same dp slice of an edge every microbatch,
-  say — share one communicator and its one driving thread, whatever edge they belong to.
-  No tags: messages pair by issue order (NCCL's rule). That a communicator's members see
-  its runs in one order is the lowering's guarantee (a receiver posts receives in its
-  sender's order); the NCCL checking mode proves it on gloo.
+  tasks with the same (participants, forwarders) — the same dp slice of an edge every
+  microbatch, or both directions of an edge between two single ranks — share one
+  communicator, whatever edge they belong to; between mesh pairs the posting plan cannot
+  group under NCCL's ordering (`posting.split_pairs`) each direction keeps its own. No tags:
+  messages pair by issue order (NCCL's rule). That a communicator's members see its
+  operations in one order is the lowering's and the posting plan's guarantee; the NCCL
+  checking mode proves it on gloo.
 * **Declared shapes, checked at every send.** The shape and dtype of every edge's
   tensor are declared by the model's spec from the configuration (micro batch, sequence,
   widths), never taken from the first batch seen (Megatron #5100). A send of anything

@@ -18,12 +18,12 @@ F(mb)      the model's forward step on mb (``forward_step``, its spec's) for the
            stage 0 reads the batch; others the WAIT_F tensors or the local hand-off, made leaves
            that require grad; the last stage's step returns mb's share of the loss, accumulated
            into the reported loss.
-SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
-           send is complete the output's *data* is freed (Megatron's
-           ``deallocate_output_tensor``) when no autograd node saved it, keeping only the
-           graph: eager-1F1B keeps up to ``2(P−i)−1`` outputs alive otherwise.
-RECV_F/B   post a non-blocking receive (``start(None)``).
-WAIT_F/B   block on it — the only blocking communication.
+SEND_F     start the forward resharder on the output; keep handle and tensor. When the send
+           is retired (below) the output's *data* is freed (Megatron's
+           ``deallocate_output_tensor``) when no autograd node saved it, keeping only the graph.
+RECV_F/B   post what the posting plan puts here (early posting: this receive, non-blocking).
+WAIT_F/B   post what the plan puts here, then block on the receive — the only blocking
+           communication.
 B(mb)      backward from the loss (last stage) or from the WAIT_B gradient; keeps the
            input gradient for SEND_B; releases mb's tensors.
 I(mb)      the same with a weight-gradient store *for mb* attached: the weight GEMMs are
@@ -37,8 +37,21 @@ R          (``--overlap-grad-reduce``) ``grad_reduce_handler(stage)``: the train
            data-parallel gradient reduction asynchronously (`grad_reduce.py` places R right after
            the stage's last W, or B); the trainer waits for it before the optimizer step.
 
+**Posting and retiring** (`posting.py`, one plan per program, the same on every rank): every operation is
+issued from the thread that runs the schedule — no hand-off — except on communicators where this rank
+forwards (`resharding/streams.py`). Under ``--pipeline-recv-posting early`` (gloo's default) a receive is
+posted at its RECV; under ``grouped``/``mixed`` (NCCL's) a receive on a communicator that also carries sends
+goes out in one group with the last send to the same peer before its WAIT (a compute's sends wait for the
+last of them and go together), or at the WAIT; the plan is checked against NCCL's ordering when the program is
+built and a schedule that would hang is refused naming the action. No thread waits for sends: gloo reports a
+send complete only to a waiter, so a send is waited where its completion is already known — after the first
+action that follows, causally, the receiver's WAIT (for an activation, at the latest the WAIT for its
+gradient, before its B); the rest at the end of the step. Sent activations are held that long
+(``last_stats['sent_held_peak']``, predicted by `posting.held_sends_peak`): on the 1F1B family about as many
+as the microbatches in flight.
+
 After the list: without R actions, the ``finalize_grads`` hook (sequence-parallel, data-parallel
-and tied-embedding gradient reductions, blocking), then every pending send is waited, then the
+and tied-embedding gradient reductions, blocking), then every send not yet retired is waited, then the
 loss is summed over the pipeline group so every rank (in particular the logging rank, last
 stage tp0 dp0) holds it.
 """
@@ -307,13 +320,14 @@ class PipelineRuntime:
             rt.program(plan.num_microbatches, True)
             rt.program(plan.num_microbatches, False)
         except ScheduleError as e:
-            if plan.schedule_file is None:
-                raise
             from .schedule_io import describe_error
 
             how = plan.recv_posting if plan.recv_posting == posting else f"{plan.recv_posting} = {posting}"
-            raise ConfigError(f"--pipeline-schedule-file {plan.schedule_file}: {describe_error(e)} "
-                              f"(--pipeline-recv-posting {how})") from None
+            what = f"--pipeline-schedule-file {plan.schedule_file}" if plan.schedule_file is not None else \
+                f"--pipeline-schedule {plan.schedule}"
+            hint = "; --pipeline-recv-posting mixed keeps such pairs on a communicator per direction" \
+                if posting == "grouped" else ""
+            raise ConfigError(f"{what}: {describe_error(e)} (--pipeline-recv-posting {how}{hint})") from None
         return rt
 
     def training_schedule(self, num_microbatches: int) -> Schedule:

@@ -11,26 +11,30 @@ default process group — and then run every microbatch:
 issue order (no tags: every tag is 0); every member of a communicator issues the same
 operations in the same order; one thread drives a communicator.
 
-* **Communicators by participant set.** Every unit task runs on the communicator of its
-  participants: its sending rank and the receivers it serves over the network, keyed
-  ``(sender, receivers)``. Tasks (of any Resharder sharing a `CommStreams`) with the same
-  key share one communicator, so their number is bounded by the distinct sets, never by
-  tasks or microbatches. The sender is part of the key so that the two directions of a
-  pipeline edge never share a communicator: on NCCL a rank whose send is queued before its
-  receive on the same communicator would wait for a peer doing the same (the 1F1B send/recv
-  deadlock Megatron avoids by batching). All communicators are created at construction, in
-  the plan's global task order, identically on every rank (`dist.new_group` is collective).
-* **One stream thread per communicator.** Each communicator has, on each member rank, one
-  thread that issues all of its operations, in FIFO order of the runs submitted to it (a
-  CUDA stream's semantics). `start()` only submits work and returns; the calling thread
-  never issues point-to-point operations itself. Per run, a stream issues its tasks in
-  global order: first every receive (posted early), then the sends in global message
-  order; a *forward* (broadcast chain hop, intra-host fan-out, all-gather exchange) first
-  waits for the receive that brought its data — blocking only this communicator's thread,
-  the gloo counterpart of NCCL's stream ordering. Every member of a communicator sees the
-  same sequence of runs (the pipeline's lowering guarantees that a receiver posts receives
-  in its sender's order), and inside a run the same global message order, so every
-  message pairs with the right one by issue order alone.
+* **Communicators by participant set** (`streams.py`): every unit task runs on the communicator of its
+  participants — its sending rank, the receivers it serves over the network — and of the ranks that forward
+  in it, keyed ``(participants, forwarders)``. Tasks (of any Resharder sharing a `CommStreams`) with the same
+  key share one communicator, so their number is bounded by the distinct sets, never by tasks or
+  microbatches. The two directions of a pipeline edge between two one-rank ends have the same key and share
+  their communicator, so a send and a receive with one peer can go out as one group; which receives a rank
+  may post when on such a communicator is the pipeline's posting plan (`pipeline/posting.py`), proven
+  against NCCL's issue-order rule. All communicators are created at construction, in the plan's global task
+  order, identically on every rank (`dist.new_group` is collective).
+* **Who issues.** A rank's operations on a communicator it forwards on (a broadcast chain hop, an
+  intra-host fan-out, an all-gather exchange: it must wait for data before sending it on) are issued by
+  that communicator's one *stream thread*, in FIFO order of the runs submitted to it (a CUDA stream's
+  semantics): per run every receive first, then the sends in global message order, a forward after the
+  receive that brought its data — blocking only this communicator's thread. Every other operation — pure
+  receives, direct sends — is issued inline by the thread that calls ``start()`` (no hand-off), one group
+  per communicator: ``start(post=False)`` holds them until `ReshardHandle.post`, `post_together` (several
+  runs' operations in one group per communicator) or ``wait()``. The key names the forwarders, so a
+  communicator is driven by one thread on each rank whatever Resharder uses it. Every member of a
+  communicator sees the same sequence of runs (the pipeline's lowering guarantees that a receiver posts
+  receives in its sender's order), and inside a run the same global message order, so every message
+  pairs with the right one by issue order alone.
+* **Which device of a host.** The scheduler picks sending *hosts*; the sending rank is the host's holder
+  that sends the fewest bytes so far, and successive tasks into a host enter through successive devices
+  (`messages.rotate_receivers`), so a host's wire traffic and fan-outs spread over its devices.
 * **Strategies** (paper §3.1) come from the registry (`strategies/`): each lays out a task's
   messages (`sendrecv`: sender → every receiver; `allgather`: 1/B of the slice to each of a
   host's B receivers, which then exchange pieces inside the host; `broadcast`: on NCCL one
