@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """megareshard's pipeline schedules against torch.distributed.pipelining's, side by side in one launch.
 
-    # the grid (the lead runs it alone): every NIC rate of GRID_RATES, tp 1 and tp 2, 4 emulated hosts (root);
+    # the grid (the lead runs it alone): the operating points of grid_points.PEER_POINTS, 4 emulated hosts (root);
     # writes docs/results/peers_pp4.json and docs/img/peers_pp4.png, prints Markdown tables
     python -m lab.bench.bench_peers --grid
     python -m lab.bench.bench_peers --grid --dry-run        # each point's command and a wall-time estimate only
@@ -44,9 +44,13 @@ torch's best and to the baseline, fraction of the signal bound (megareshard), bu
 (``peers_torch.LifetimeMeter`` over the last warm-up round) and the simulator's prediction
 (``megareshard.pipeline.simulate`` with the paced budgets and the network model's transfer times,
 virtual-stage kinds on their chunks per rank;
-torch's schedules through the registry schedule with the same order, where there is one). A result
-faster than the compute bound (every rank's paced compute, ``peers_report.compute_bound_ms``) or than
-its own signal run is void and never counts as best.
+torch's schedules through the registry schedule with the same order, where there is one) and the
+**physical bound** (``physical_bound.py``: every rank's compute, every NIC side's bytes ÷ its rate, the
+fill-and-drain critical path; torch's copies priced as ``sendrecv``). A result faster than its physical
+bound (which includes the compute bound, ``peers_report.compute_bound_ms``) or than its own signal run is
+void and never counts as best. ``--grid`` runs the operating points ``--points`` (default
+``grid_points.PEER_POINTS``, chosen with ``--choose-points`` before running); ``--trace-dir`` writes both
+sides' timelines of the last timed round.
 
 Files: this one (arguments, the grid, redraws), ``peers_worker.py`` (the launch on every rank),
 ``peers_torch.py`` (torch's stages, pacing wrappers, the activation meter), ``peers_report.py``

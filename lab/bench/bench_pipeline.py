@@ -46,15 +46,18 @@ correct measurement can be, and a void number never counts as meeting a target. 
 rewrites ``--json`` after every timed round (``"status": "running"``), so a run that is stopped leaves
 its finished rounds behind.
 
-``--grid`` runs, for each of ``--models``, one paced launch per NIC rate of ``--rates`` (fixed before
-running, see GRID_RATES) on ``lab/cluster/emulate_cluster.py`` (4 hosts × 2 ranks), with the baseline, the
-extra ``1f1b+sendrecv`` row, the full method ``eager-1f1b+broadcast+dw`` and their signal runs. Every
-point started is reported: one that fails, times out (``--point-timeout``) or is interrupted (Ctrl-C)
-is "stopped", with the rounds it finished. Beside every measured point, the simulator's prediction at
-the same per-action budgets and rate. Per model: the grid's JSON, a picture (speedup over the baseline
-and gap closure against the rate, measured and simulated) and Markdown tables with the target line —
-at every rate where the baseline is below 90 % of its signal bound, the full method wins back >= 75 %
-of the gap — met / not met per rate (pipeline_grid.py).
+``--grid`` runs, for each of ``--models``, one paced launch per operating point (``--points``, default
+``grid_points.GRID_POINTS``: a NIC rate, optionally with another microbatch count or sequence length, fixed
+before running with ``--choose-points``, which prints the simulator's prediction at every candidate) on
+``lab/cluster/emulate_cluster.py`` (4 hosts × 2 ranks), with the baseline, the extra ``1f1b+sendrecv`` row,
+the full method ``eager-1f1b+broadcast+dw`` and their signal runs. Every point started is reported: one that
+fails, times out (``--point-timeout``) or is interrupted (Ctrl-C) is "stopped", with the rounds it finished.
+Beside every measured point, the simulator's prediction at the same per-action budgets and rate. Per model:
+the grid's JSON, a picture (speedup over the baseline and gap closure per point, measured and simulated) and
+Markdown tables with two target lines (pipeline_grid.py): at every point where the baseline is below 90 % of
+its signal bound the full method wins back >= 75 % of the gap; the full method at >= 90 % of its **physical
+bound** (``physical_bound.py``: every rank's compute, every NIC side's bytes ÷ its rate, the fill-and-drain
+critical path — the largest; a measurement below it is void) at every point.
 
 ``--pace auto`` emulates one dedicated device per rank: after the (unpaced) warm-up rounds,
 every F/B/I/W of a stage is given a fixed wall time — a quantile of its warm-up durations ×
@@ -97,12 +100,8 @@ MODELS = ("gpt", "utransformer")
 DEFAULT_CONFIGS = ("1f1b+sendrecv,1f1b+allgather,1f1b+broadcast,eager-1f1b+broadcast,"
                    "eager-1f1b+broadcast+dw,gpipe+broadcast")
 GRID_CONFIGS = f"{pipeline_grid.BASELINE},{pipeline_grid.EXTRA},{pipeline_grid.METHOD}"
-# NIC rates of the grid (Mbit/s), fixed before running. Chosen with the simulator at the paced budgets of
-# docs/benchmarks.md (40 Mbit/s runs; 8 microbatches): at 10 Mbit/s both models are NIC-bound (the baseline
-# at 26-28 % of its signal bound: no schedule can hide more transfer time than there is compute), at
-# 160 Mbit/s compute-bound (the baseline at 91-94 %), and each rate between doubles the last, so the
-# change-over (40-80 Mbit/s: baseline at 63-84 %) lies inside the grid. 5 Mbit/s would add a second
-# NIC-bound point at 8-9 minutes per model; 320 Mbit/s a second compute-bound one.
+# The rates of the previous grid (issue 13), an example for --rates; the grid itself runs the operating points
+# of grid_points.GRID_POINTS (chosen with --choose-points before running).
 GRID_RATES = "10,20,40,80,160"
 # what the grid runs per point unless given: few timed rounds (paced compute repeats to within a few %)
 GRID_DEFAULTS = {"iters": 4, "warmup": 2, "microbatches": 8, "pace": "auto"}
