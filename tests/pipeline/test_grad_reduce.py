@@ -144,6 +144,16 @@ def test_flags(tmp_path):
     with pytest.raises(ConfigError, match=r"its skip edges \(none\) are not the model's \(0->1:skip0\)"):
         load_schedule_file(str(path), num_meshes=PP, num_microbatches=M,
                            graph=PipelineGraph(PP, ((0, 1, "skip0"),)))
+    # receive posting: early posting would queue receives in front of sends on NCCL: refused with cuda
+    with pytest.raises(ConfigError, match="--pipeline-recv-posting early needs gloo"):
+        parse_args(_argv("--pipeline-recv-posting", "early", "--device", "cuda"), world_size=WORLD)
+    assert parse_args(_argv("--pipeline-recv-posting", "grouped"), world_size=WORLD).plan.pipeline.recv_posting == \
+        "grouped"
+    from megareshard.pipeline.runtime import resolve_recv_posting
+
+    assert (resolve_recv_posting("auto", "nccl"), resolve_recv_posting("auto", "gloo")) == ("mixed", "early")
+    with pytest.raises(ConfigError, match="early needs gloo"):
+        resolve_recv_posting("early", "nccl")
     for zero in ("0", "1", "2"):  # pp > 1: every ZeRO stage overlaps through R
         cfg = parse_args(_argv("--overlap-grad-reduce", "--zero-stage", zero), world_size=WORLD)
         assert cfg.memory.zero_stage == int(zero)
