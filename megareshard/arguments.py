@@ -466,6 +466,9 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
                           "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
                           "ZeRO stage overlaps, through the pipeline's R action)")
+    if pl.pipeline_recv_posting == "early" and t.device == "cuda":
+        raise ConfigError("--pipeline-recv-posting early needs gloo (--device cpu): on NCCL a receive posted early on "
+                          "a communicator that also carries sends queues in front of them (use auto, mixed or grouped)")
     if pl.pipeline_schedule_file is not None:
         _validate_schedule_file(cfg, world_size)
     if mem.checkpoint_activations:

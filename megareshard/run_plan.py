@@ -45,6 +45,8 @@ class PipelinePlan:
     runtime is built)."""
     overlap_grad_reduce: bool
     """Each stage's data-parallel reduction started by an R action after its last backward."""
+    recv_posting: str = "auto"
+    """When receives are posted (`pipeline.posting`): auto, early, grouped or mixed (auto: by the backend)."""
 
     @property
     def num_meshes(self) -> int:
@@ -100,7 +102,8 @@ def resolve(cfg: Config, world_size: int, auto_layout: str | None = None) -> Run
     pipe = PipelinePlan(schedule=pl.pipeline_schedule, delay_wgrad=pl.delay_wgrad_compute,
                         strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks,
                         num_microbatches=m, edge_batch=t.micro_batch_size * dp, placement=placement,
-                        schedule_file=pl.pipeline_schedule_file, overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+                        schedule_file=pl.pipeline_schedule_file, overlap_grad_reduce=cfg.memory.overlap_grad_reduce,
+                        recv_posting=pl.pipeline_recv_posting)
     return RunPlan(world_size=world_size, tp=cfg.tp, pp=pp, dp=dp, micro_batch_size=t.micro_batch_size,
                    global_batch_size=t.global_batch_size, num_microbatches=m, virtual_stages=v, pipeline=pipe,
                    auto_layout=auto_layout)

@@ -34,7 +34,7 @@ WORLD = 4
 
 
 def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="broadcast", merge="add", per_stage=None,
-          stage_layouts=None):
+          stage_layouts=None, posting=None):
     argv = ["--mock-data", "--vocab-size", "96", "--u-levels", "3", "--u-widths", "16,24,32",
             "--u-blocks-per-level", "1", "--u-shorten-factor", "2", "--u-skip-merge", merge,
             "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
@@ -48,6 +48,7 @@ def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="broadcast", merge=
         argv += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     argv += ["--delay-wgrad-compute"] if delay else []
     argv += ["--num-layers-per-stage", per_stage] if per_stage else []
+    argv += ["--pipeline-recv-posting", posting] if posting else []  # NCCL's receive posting, run on gloo
     return argv
 
 
@@ -62,11 +63,12 @@ def _run(trainer: Trainer, ctx: ParallelContext):
 
 
 def _cases():
-    pp4 = [dict(per_stage="1,1,1,2", schedule="1f1b", strategy="broadcast", merge="add"),
-           dict(per_stage="1,1,1,2", schedule="eager-1f1b", delay=True, strategy="sendrecv", merge="concat"),
+    pp4 = [dict(per_stage="1,1,1,2", schedule="1f1b", strategy="broadcast", merge="add", posting="mixed"),
+           dict(per_stage="1,1,1,2", schedule="eager-1f1b", delay=True, strategy="sendrecv", merge="concat",
+                posting="mixed"),
            dict(per_stage="1,1,2,1", schedule="eager-1f1b", delay=True, strategy="broadcast", merge="add"),
            dict(per_stage="1,1,2,1", schedule="1f1b", strategy="sendrecv", merge="concat"),
-           dict(per_stage="1,1,1,2", schedule="gpipe", strategy="allgather", merge="add")]
+           dict(per_stage="1,1,1,2", schedule="gpipe", strategy="allgather", merge="add", posting="grouped")]
     pp2 = [dict(per_stage="2,3", schedule="eager-1f1b", delay=True, strategy="broadcast", merge="concat")]
     mixed = [dict(per_stage="2,3", schedule="1f1b", strategy="sendrecv", merge="add", stage_layouts="tp1dp2,tp2dp1"),
              dict(per_stage="1,4", schedule="eager-1f1b", delay=True, strategy="broadcast", merge="concat",

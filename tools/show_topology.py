@@ -96,13 +96,14 @@ def count_communicators(topo: Topology, seq: int, micro_batch: int, hidden: int,
     decls = [EdgeTensor(e, shape, torch.bfloat16, meshes[e.src], spec, meshes[e.dst], spec) for e in graph.edges]
     keys = communicator_keys(plan_edges(graph, decls, strategy=strategy, scheduler="loadbalance", chunks=None))
     per_rank: dict[int, int] = {}
-    for sender, receivers in keys:
-        for r in (sender, *receivers):
+    for parts, _ in keys:
+        for r in parts:
             per_rank[r] = per_rank.get(r, 0) + 1
-    sizes = sorted({1 + len(r) for _, r in keys})
+    sizes = sorted({len(parts) for parts, _ in keys})
     return (f"resharding communicators ({strategy}, hidden {spec}): {len(keys)} for {len(graph.edges)} edges x 2 "
             f"directions, {len(sizes) and min(sizes)}-{len(sizes) and max(sizes)} ranks each; a rank is in at most "
-            f"{max(per_rank.values(), default=0)} (one per distinct sender and receiver set, created once at start-up)")
+            f"{max(per_rank.values(), default=0)} (one per distinct participant and forwarder set, created once at "
+            "start-up; the two directions between two single ranks share one)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """megareshard's pipeline schedules against torch.distributed.pipelining's, side by side in one launch.
 
-    # the grid (the lead runs it alone): every NIC rate of GRID_RATES, tp 1 and tp 2, 4 emulated hosts (root);
+    # the grid (the lead runs it alone): the operating points of grid_points.PEER_POINTS, 4 emulated hosts (root);
     # writes docs/results/peers_pp4.json and docs/img/peers_pp4.png, prints Markdown tables
     python -m lab.bench.bench_peers --grid
     python -m lab.bench.bench_peers --grid --dry-run        # each point's command and a wall-time estimate only
@@ -44,9 +44,13 @@ torch's best and to the baseline, fraction of the signal bound (megareshard), bu
 (``peers_torch.LifetimeMeter`` over the last warm-up round) and the simulator's prediction
 (``megareshard.pipeline.simulate`` with the paced budgets and the network model's transfer times,
 virtual-stage kinds on their chunks per rank;
-torch's schedules through the registry schedule with the same order, where there is one). A result
-faster than the compute bound (every rank's paced compute, ``peers_report.compute_bound_ms``) or than
-its own signal run is void and never counts as best.
+torch's schedules through the registry schedule with the same order, where there is one) and the
+**physical bound** (``physical_bound.py``: every rank's compute, every NIC side's bytes ÷ its rate, the
+fill-and-drain critical path; torch's copies priced as ``sendrecv``). A result faster than its physical
+bound (which includes the compute bound, ``peers_report.compute_bound_ms``) or than its own signal run is
+void and never counts as best. ``--grid`` runs the operating points ``--points`` (default
+``grid_points.PEER_POINTS``, chosen with ``--choose-points`` before running); ``--trace-dir`` writes both
+sides' timelines of the last timed round.
 
 Files: this one (arguments, the grid, redraws), ``peers_worker.py`` (the launch on every rank),
 ``peers_torch.py`` (torch's stages, pacing wrappers, the activation meter), ``peers_report.py``
@@ -101,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a peer's pipeline operation may block before that peer is reported failed")
     p.add_argument("--reshard-scheduler", default="auto")
     p.add_argument("--reshard-chunks", type=int, default=None)
+    p.add_argument("--recv-posting", default=None, choices=("auto", "early", "grouped", "mixed"),
+                   help="--pipeline-recv-posting of megareshard's configurations (default: the runtime's, auto)")
     p.add_argument("--iters", type=int, default=None, help="timed rounds (default 5; --grid 3)")
     p.add_argument("--warmup", type=int, default=None, help="unpaced rounds first (default 2; --grid 1)")
     p.add_argument("--pace", default=None, help="'none' (default), 'auto' (--grid default) or 'F=..,B=..,I=..,W=..' ms")
@@ -111,11 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG: bars per participant and peak activations per stage")
     p.add_argument("--from-json", default=None, help="no run: redraw the tables (and --plot) of a run or grid JSON")
+    p.add_argument("--trace-dir", default=None,
+                   help="write every participant's measured timeline of the last timed round here (NAME.json, both "
+                        "sides: megareshard's actions and sends, torch's paced compute)")
     p.add_argument("--timeout", type=float, default=900.0, help="plain torchrun launch: kill after this long")
     g = p.add_argument_group("grid")
-    g.add_argument("--grid", action="store_true", help="every --rates × --grid-tp point on the emulated cluster")
-    g.add_argument("--rates", default=bp.GRID_RATES, help="NIC rates, Mbit/s (bench_pipeline's GRID_RATES)")
-    g.add_argument("--grid-tp", default="1,2", help="tensor-parallel sizes of the grid (4 hosts × tp ranks)")
+    g.add_argument("--grid", action="store_true", help="every --points point on the emulated cluster")
+    g.add_argument("--points", default=None,
+                   help="operating points RATE:tp=TP[:m=MICROBATCHES][:seq=SEQ_LENGTH], comma list (default: "
+                        "grid_points.PEER_POINTS, chosen with --choose-points before running; with --choose-points: "
+                        "the candidates, default grid_points.PEER_CANDIDATES)")
+    g.add_argument("--rates", default=None, help="instead of --points: NIC rates, Mbit/s, at every --grid-tp")
+    g.add_argument("--grid-tp", default="1,2", help="with --rates: tensor-parallel sizes (4 hosts × tp ranks)")
+    g.add_argument("--choose-points", action="store_true",
+                   help="no run: the simulator's prediction at every candidate point (the baseline's physical "
+                        "bound and fraction of it, our best and torch's best, the point's wall time)")
     g.add_argument("--dry-run", action="store_true", help="--grid: commands and a wall-time estimate only")
     g.add_argument("--point-timeout", type=float, default=420.0,
                    help="stop a point after this many seconds (it is reported as stopped)")
@@ -142,7 +158,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
 # ---- grid -------------------------------------------------------------------------------------------
 WORKER_DESTS = ("tp", "pp", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "microbatches", "vocab_size", "strategies", "schedules", "no_method", "peers", "peer_timeout",
-                "reshard_scheduler", "reshard_chunks", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
+                "reshard_scheduler", "reshard_chunks", "recv_posting", "iters", "warmup", "pace", "pace_quantile",
+                "pace_margin")
 
 
 def point_command(p: argparse.ArgumentParser, a: argparse.Namespace, rate: float, tp: int, out: str) -> list[str]:
@@ -185,47 +202,119 @@ def estimate_point_s(a: argparse.Namespace, rate: float, tp: int) -> float:
     return GRID_SETUP_S + rounds * per_round
 
 
+def grid_points_of(a: argparse.Namespace) -> list[dict]:
+    """The grid's points: --rates × --grid-tp, else --points, else grid_points.PEER_POINTS; each with its tp."""
+    from lab.bench.grid_points import PEER_POINTS, parse_points, point_label
+
+    if a.rates:
+        pts = parse_points(",".join(f"{r:g}:tp={tp}" for tp in (int(x) for x in a.grid_tp.split(",") if x.strip())
+                                    for r in bp.parse_rates(a.rates)))
+        for pt in pts:
+            pt["tp"] = pt["overrides"].pop("tp")
+            pt["label"] = point_label(pt["rate_mbit"], pt["overrides"])
+        return pts
+    pts = parse_points(a.points or PEER_POINTS)
+    for pt in pts:
+        pt["tp"] = pt["overrides"].pop("tp", a.tp)
+        pt["label"] = point_label(pt["rate_mbit"], pt["overrides"])
+    return pts
+
+
+def _point_args(a: argparse.Namespace, pt: dict) -> argparse.Namespace:
+    from lab.bench.grid_points import apply_point
+
+    pa = apply_point(a, pt)
+    pa.tp = pt.get("tp", pt["overrides"].get("tp", a.tp))
+    return pa
+
+
+def _choose_points(a: argparse.Namespace) -> int:
+    """--choose-points: per candidate, what the simulator predicts at the committed grid's budgets."""
+    from lab.bench.grid_points import PEER_CANDIDATES, PEER_POINTS, classify, parse_points, reference_costs
+    from lab.bench.peers_torch import PEER_SCHEDULES
+
+    chosen = {pt["text"] for pt in parse_points(PEER_POINTS)}
+    cands = parse_points(a.points or PEER_CANDIDATES)
+    head = ["point (Mbit/s)", "baseline ms", "baseline physical bound ms (binding)", "baseline of physical",
+            "our best (predicted)", "torch best (predicted)", "ratio", "best physically possible ratio", "kind",
+            "point wall min", "in the grid"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for pt in cands:
+        tp = pt["overrides"].pop("tp", a.tp)
+        pt["tp"] = tp
+        pa = _point_args(a, pt)
+        costs, _ = reference_costs(a.results, a.pp, tp)
+        budgets = [{k: costs[k.lower()][s] for k in "FBIW"} for s in range(a.pp)]
+        configs, _ = our_configs(pa)
+        recs = [{"name": c.name, "framework": "megareshard", "status": "ok", "schedule": c.schedule,
+                 "strategy": c.strategy, "delay_wgrad": c.dw, "virtual_stages": virtual_stages_of(c.schedule),
+                 "signal_name": c.signal.name if c.strategy != "signal" else None} for c in configs]
+        recs += [{"name": f"torch {n}", "framework": "torch", "status": "ok", "schedule": n,
+                  "strategy": "p2p", "delay_wgrad": None} for n in PEER_SCHEDULES]
+        predict(pa, recs, budgets, tp * a.pp, tp)
+        for r in recs:
+            r["ms_per_iter"] = r["predicted_ms"] or float("inf")
+        summary = rep.fill_ratios([dict(r, ms_q1=0, ms_q3=0) for r in recs], None)
+        by = {r["name"]: r for r in recs}
+        base = dict(by[rep.BASELINE])
+        base["physical_fraction"] = (base["physical"]["bound_ms"] / base["ms_per_iter"]) if base.get("physical") else None
+        ours = min((r for r in recs if r["framework"] == "megareshard" and r["strategy"] != "signal"),
+                   key=lambda r: r["ms_per_iter"])
+        torch_best = min((r for r in recs if r["framework"] == "torch" and r["predicted_ms"]),
+                         key=lambda r: r["ms_per_iter"])
+        wall = estimate_point_s(pa, pt["rate_mbit"], tp)
+        pb = base.get("physical") or {}
+        print("| " + " | ".join([
+            pt["label"] + ("" if "tp" in pt["label"] else f" tp {tp}"), f"{base['ms_per_iter']:.0f}", f"{pb.get('bound_ms', 0):.0f} ({pb.get('binding')})",
+            f"{base['physical_fraction']:.0%}", f"{ours['name']} {ours['ms_per_iter']:.0f}",
+            f"{torch_best['name']} {torch_best['ms_per_iter']:.0f}",
+            f"{torch_best['ms_per_iter'] / ours['ms_per_iter']:.2f}x",
+            "-" if summary.get("physical_best_ratio") is None else f"{summary['physical_best_ratio']:.2f}x",
+            classify(base), f"{wall / 60:.1f}", "yes" if pt["text"] in chosen else ""]) + " |", flush=True)
+    return 0
+
+
 def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     import tempfile
 
-    rates = bp.parse_rates(a.rates)
-    tps = [int(x) for x in a.grid_tp.split(",") if x.strip()]
+    points = grid_points_of(a)
     if a.dry_run:
         total = 0.0
-        for tp in tps:
-            for rate in rates:
-                est = estimate_point_s(a, rate, tp)
-                total += est
-                print(f"# tp {tp}, {rate:g} Mbit/s: about {est / 60:.1f} min")
-                print(" ".join(point_command(p, a, rate, tp, f"peers-{tp}-{rate:g}.json")))
+        for pt in points:
+            pa = _point_args(a, pt)
+            est = estimate_point_s(pa, pt["rate_mbit"], pt["tp"])
+            total += est
+            print(f"# tp {pt['tp']}, {pt['label']} Mbit/s: about {est / 60:.1f} min")
+            print(" ".join(point_command(p, pa, pt["rate_mbit"], pt["tp"], f"peers-{pt['tp']}-{pt['text']}.json")))
         print(f"# whole grid: about {total / 60:.0f} min")
         return 0
     from lab.cluster.emulate_cluster import check_privileges
 
     check_privileges()
-    grid = {"kind": rep.GRID_KIND, "rates_mbit": rates, "tps": tps, "pp": a.pp, "picture": a.picture,
+    grid = {"kind": rep.GRID_KIND, "rates_mbit": sorted({pt["rate_mbit"] for pt in points}),
+            "tps": sorted({pt["tp"] for pt in points}), "pp": a.pp, "picture": a.picture,
             "command": " ".join(["python -m lab.bench.bench_peers"] + sys.argv[1:]),
-            "points": [{"rate_mbit": r, "tp": tp, "status": "not run", "reason": None, "run": None}
-                       for tp in tps for r in rates]}
+            "points": [{"rate_mbit": pt["rate_mbit"], "tp": pt["tp"], "label": pt["label"], "overrides": pt["overrides"],
+                        "status": "not run", "reason": None, "run": None} for pt in points]}
     os.makedirs(os.path.dirname(a.results) or ".", exist_ok=True)
     os.makedirs(os.path.dirname(a.picture) or ".", exist_ok=True)
     t_grid = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-peers-grid-") as tmp:
-        for k, pt in enumerate(grid["points"]):
+        for k, (pt, gp) in enumerate(zip(points, grid["points"])):
             out = os.path.join(tmp, f"{k}.json")
-            cmd = point_command(p, a, pt["rate_mbit"], pt["tp"], out)
-            print(f"[bench_peers] grid point {k + 1}/{len(grid['points'])} (tp {pt['tp']}, {pt['rate_mbit']:g} "
+            cmd = point_command(p, _point_args(a, pt), pt["rate_mbit"], pt["tp"], out)
+            print(f"[bench_peers] grid point {k + 1}/{len(grid['points'])} (tp {pt['tp']}, {pt['label']} "
                   f"Mbit/s, {time.monotonic() - t_grid:.0f}s so far): {' '.join(cmd)}", file=sys.stderr, flush=True)
             t0 = time.monotonic()
             try:
                 rc, reason = bp._run_point(cmd, a.point_timeout)
             except KeyboardInterrupt:
-                pt.update(status="stopped", reason="interrupted (Ctrl-C)")
+                gp.update(status="stopped", reason="interrupted (Ctrl-C)")
                 rep.write_json(a.results, grid)
                 return 130
             run = json.load(open(out)) if os.path.exists(out) else None
             ok = rc == 0 and run is not None and run.get("status") == "complete"
-            pt.update(status="complete" if ok else "stopped", run=run, wall_s=round(time.monotonic() - t0, 1),
+            gp.update(status="complete" if ok else "stopped", run=run, wall_s=round(time.monotonic() - t0, 1),
                       reason=None if ok else (reason or f"exit code {rc}"))
             rep.write_json(a.results, grid)  # after every point: a stopped grid keeps what it ran
     print(rep.format_grid(grid), flush=True)
@@ -265,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if a.from_json:
             return _replay(a)
+        if a.choose_points:
+            a.grid = True  # the grid's participants and rounds
+            resolve(a)
+            return _choose_points(a)
         resolve(a)
         if a.grid:
             return _grid(p, a)

@@ -46,15 +46,18 @@ correct measurement can be, and a void number never counts as meeting a target. 
 rewrites ``--json`` after every timed round (``"status": "running"``), so a run that is stopped leaves
 its finished rounds behind.
 
-``--grid`` runs, for each of ``--models``, one paced launch per NIC rate of ``--rates`` (fixed before
-running, see GRID_RATES) on ``lab/cluster/emulate_cluster.py`` (4 hosts × 2 ranks), with the baseline, the
-extra ``1f1b+sendrecv`` row, the full method ``eager-1f1b+broadcast+dw`` and their signal runs. Every
-point started is reported: one that fails, times out (``--point-timeout``) or is interrupted (Ctrl-C)
-is "stopped", with the rounds it finished. Beside every measured point, the simulator's prediction at
-the same per-action budgets and rate. Per model: the grid's JSON, a picture (speedup over the baseline
-and gap closure against the rate, measured and simulated) and Markdown tables with the target line —
-at every rate where the baseline is below 90 % of its signal bound, the full method wins back >= 75 %
-of the gap — met / not met per rate (pipeline_grid.py).
+``--grid`` runs, for each of ``--models``, one paced launch per operating point (``--points``, default
+``grid_points.GRID_POINTS``: a NIC rate, optionally with another microbatch count or sequence length, fixed
+before running with ``--choose-points``, which prints the simulator's prediction at every candidate) on
+``lab/cluster/emulate_cluster.py`` (4 hosts × 2 ranks), with the baseline, the extra ``1f1b+sendrecv`` row,
+the full method ``eager-1f1b+broadcast+dw`` and their signal runs. Every point started is reported: one that
+fails, times out (``--point-timeout``) or is interrupted (Ctrl-C) is "stopped", with the rounds it finished.
+Beside every measured point, the simulator's prediction at the same per-action budgets and rate. Per model:
+the grid's JSON, a picture (speedup over the baseline and gap closure per point, measured and simulated) and
+Markdown tables with two target lines (pipeline_grid.py): at every point where the baseline is below 90 % of
+its signal bound the full method wins back >= 75 % of the gap; the full method at >= 90 % of its **physical
+bound** (``physical_bound.py``: every rank's compute, every NIC side's bytes ÷ its rate, the fill-and-drain
+critical path — the largest; a measurement below it is void) at every point.
 
 ``--pace auto`` emulates one dedicated device per rank: after the (unpaced) warm-up rounds,
 every F/B/I/W of a stage is given a fixed wall time — a quantile of its warm-up durations ×
@@ -73,6 +76,7 @@ hands the arguments over in the environment (torchrun's own parser would claim
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import math
@@ -96,12 +100,8 @@ MODELS = ("gpt", "utransformer")
 DEFAULT_CONFIGS = ("1f1b+sendrecv,1f1b+allgather,1f1b+broadcast,eager-1f1b+broadcast,"
                    "eager-1f1b+broadcast+dw,gpipe+broadcast")
 GRID_CONFIGS = f"{pipeline_grid.BASELINE},{pipeline_grid.EXTRA},{pipeline_grid.METHOD}"
-# NIC rates of the grid (Mbit/s), fixed before running. Chosen with the simulator at the paced budgets of
-# docs/benchmarks.md (40 Mbit/s runs; 8 microbatches): at 10 Mbit/s both models are NIC-bound (the baseline
-# at 26-28 % of its signal bound: no schedule can hide more transfer time than there is compute), at
-# 160 Mbit/s compute-bound (the baseline at 91-94 %), and each rate between doubles the last, so the
-# change-over (40-80 Mbit/s: baseline at 63-84 %) lies inside the grid. 5 Mbit/s would add a second
-# NIC-bound point at 8-9 minutes per model; 320 Mbit/s a second compute-bound one.
+# The rates of the previous grid (issue 13), an example for --rates; the grid itself runs the operating points
+# of grid_points.GRID_POINTS (chosen with --choose-points before running).
 GRID_RATES = "10,20,40,80,160"
 # what the grid runs per point unless given: few timed rounds (paced compute repeats to within a few %)
 GRID_DEFAULTS = {"iters": 4, "warmup": 2, "microbatches": 8, "pace": "auto"}
@@ -110,7 +110,7 @@ RUN_DEFAULTS = {"iters": 10, "warmup": 2, "microbatches": 8, "pace": "none"}
 WORKER_DESTS = ("configs", "no_signal", "baseline", "tp", "pp", "num_layers", "hidden_size", "num_attention_heads",
                 "seq_length", "micro_batch_size", "microbatches", "vocab_size", "num_layers_per_stage", "u_levels",
                 "u_widths", "u_blocks_per_level", "u_shorten_factor", "u_skip_merge", "reshard_scheduler",
-                "reshard_chunks", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
+                "reshard_chunks", "recv_posting", "iters", "warmup", "pace", "pace_quantile", "pace_margin")
 ENV_ARGV = "MR_BENCH_PIPELINE_ARGV"
 
 
@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--u-shorten-factor", type=int, default=2)
     u.add_argument("--u-skip-merge", default="add", choices=("add", "concat"))
     p.add_argument("--reshard-scheduler", default="auto")
+    p.add_argument("--recv-posting", default=None, choices=("auto", "early", "grouped", "mixed"),
+                   help="--pipeline-recv-posting of every configuration (default: the runtime's, auto)")
     p.add_argument("--reshard-chunks", type=int, default=None,
                    help="broadcast chunks per task (default: the network model's choice per task)")
     p.add_argument("--iters", type=int, default=None,
@@ -234,7 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "cluster (lab/cluster/emulate_cluster.py, needs root)")
     g.add_argument("--grid", action="store_true", help="run the NIC-rate grid")
     g.add_argument("--models", default=",".join(MODELS), help="--grid: comma list of models")
-    g.add_argument("--rates", default=GRID_RATES, help="--grid: NIC rates in Mbit/s, each direction (comma list)")
+    g.add_argument("--rates", default=None, help="--grid: NIC rates in Mbit/s, each direction (comma list): the points "
+                   "are these rates at the flags' shape (default: --points)")
+    g.add_argument("--points", default=None,
+                   help="--grid: operating points RATE[:m=MICROBATCHES][:seq=SEQ_LENGTH], comma list (default: the "
+                        "model's grid_points.GRID_POINTS, chosen with --choose-points before running); with "
+                        "--choose-points: the candidates (default grid_points.CANDIDATES)")
+    g.add_argument("--choose-points", action="store_true",
+                   help="no run: the simulator's prediction at every candidate point (baseline and method, their "
+                        "physical bounds, the point's wall time), per model of --models")
     g.add_argument("--method", default=pipeline_grid.METHOD, help="--grid: the configuration the target is about")
     g.add_argument("--point-timeout", type=float, default=900.0,
                    help="--grid: stop a point's run after this many seconds (it is reported as stopped)")
@@ -309,6 +319,8 @@ def model_argv(a: argparse.Namespace, cfg: BenchConfig, world: int) -> list[str]
             "--no-check-for-nan-in-loss-and-grad"]
     if a.reshard_chunks is not None:
         argv += ["--reshard-chunks", str(a.reshard_chunks)]
+    if getattr(a, "recv_posting", None):
+        argv += ["--pipeline-recv-posting", a.recv_posting]
     if a.procs_per_host:
         argv += ["--nproc-per-node", str(a.procs_per_host)]
     return argv + cfg.flags()
@@ -359,18 +371,31 @@ def edge_transfer_model(a: argparse.Namespace, configs: Sequence[BenchConfig], w
         host_out: dict[int, int] = {}
         stage_s: dict[int, float] = {}
         per_edge: dict[str, float] = {}
+        side: dict[str, int] = {}  # "h{host} out|in": bytes of one microbatch, activations and gradients
+        wire: dict[str, int] = {}  # per edge: the busiest NIC side's bytes of its smaller direction
         total = 0
         for e in graph.edges:
-            plan = plan_resharding(shapes[e], lay[e.src].mesh, lay[e.src].hidden_spec, lay[e.dst].mesh,
-                                   lay[e.dst].hidden_spec, strategy=strategy, scheduler=a.reshard_scheduler,
-                                   itemsize=4, broadcast_chunks=a.reshard_chunks, time_budget_s=0.2)
-            for h, (o, i) in net.host_bytes(plan).items():
+            src, dst = lay[e.src], lay[e.dst]
+            if src.mesh == dst.mesh and src.hidden_spec == dst.hidden_spec:
+                continue  # a local hand-off (virtual stages): nothing crosses ranks
+            plans = [plan_resharding(shapes[e], a_.mesh, a_.hidden_spec, b_.mesh, b_.hidden_spec, strategy=strategy,
+                                     scheduler=a.reshard_scheduler, itemsize=4, broadcast_chunks=a.reshard_chunks,
+                                     time_budget_s=0.2) for a_, b_ in ((src, dst), (dst, src))]
+            for h, (o, i) in net.host_bytes(plans[0]).items():
                 host_out[h] = host_out.get(h, 0) + max(o, i)
-            per_edge[str(e)] = net.predict(plan)
+            per_edge[str(e)] = net.predict(plans[0])
             stage_s[e.src] = stage_s.get(e.src, 0.0) + per_edge[str(e)]
             total = max(total, math.prod(shapes[e]) * 4)
+            busiest = []
+            for plan in plans:
+                hb = net.host_bytes(plan)
+                for h, (o, i) in hb.items():
+                    side[f"h{h} out"] = side.get(f"h{h} out", 0) + o
+                    side[f"h{h} in"] = side.get(f"h{h} in", 0) + i
+                busiest.append(max((max(o, i) for o, i in hb.values()), default=0))
+            wire[str(e)] = min(busiest)
         out[strategy] = {"nic_bytes": max(host_out.values(), default=0), "model_s": max(stage_s.values(), default=0.0),
-                         "tensor_bytes": total, "edge_s": per_edge}
+                         "tensor_bytes": total, "edge_s": per_edge, "side_bytes": side, "wire_bytes": wire}
     return out
 
 
@@ -476,7 +501,10 @@ def _worker(a: argparse.Namespace) -> int:
         ms = [[1e3 * x for x in times[i, skip:skip + done].tolist()] for i in range(len(configs))]
         recs = make_records(a, configs, ms, traces or [None] * len(configs), world, procs_per_host,
                             mode="measured" if budgets is None else "measured, paced compute",
-                            hosts_of_stage=hosts_of_stage)
+                            hosts_of_stage=hosts_of_stage,
+                            costs=None if budgets is None else {
+                                k.lower(): [1e3 * b[k] for b in budgets] if all(k in b for b in budgets) else None
+                                for k in "FBIW"})
         for i, rec in enumerate(recs):
             rec.update(status=status, rounds_done=done, rounds_planned=a.iters, pace_ms=None if budgets is None else
                        [{k: round(1e3 * v, 3) for k, v in b.items()} for b in budgets])
@@ -549,12 +577,17 @@ def _worker(a: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()
     trainer.close()
+    for rt in runtimes:  # every configuration's stream threads joined and communicators destroyed (collective)
+        rt.close()
     return 0
 
 
 def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequence[Sequence[float]],
                  traces: Sequence[list[dict[str, Any]] | None], world: int, procs_per_host: int, *, mode: str,
-                 hosts_of_stage: list[list[int]] | None = None) -> list[dict[str, Any]]:
+                 hosts_of_stage: list[list[int]] | None = None, costs: dict[str, Any] | None = None
+                 ) -> list[dict[str, Any]]:
+    """`costs`: the per-stage F/B/I/W ms the configurations' compute costs (the paced budgets, or the simulated
+    costs) for the physical bound; None: the signal runs' measured action medians, where traced."""
     from megareshard.pipeline import Timeline, generate, simulate
 
     net = edge_transfer_model(a, configs, world, procs_per_host)
@@ -583,8 +616,52 @@ def make_records(a: argparse.Namespace, configs: Sequence[BenchConfig], ms: Sequ
             "peak_inflight_simulated": simulate(generate(c.schedule, a.pp, a.microbatches,
                                                          delay_wgrad=c.dw)).peak_activations,
         })
+    fill_physical(a, configs, recs, net, costs, world, procs_per_host)
     fill_ratios(recs, a.baseline)
     return recs
+
+
+def _graph(a: argparse.Namespace, configs: Sequence[BenchConfig], world: int, pph: int):
+    """The model's stage graph (None: the GPT's chain)."""
+    if a.model == "gpt":
+        return None
+    from megareshard.parallel import Topology
+
+    cfg, spec = parse_model_config(a, configs[0], world)
+    return spec.graph(cfg, spec.stage_layouts(cfg, Topology(world, tp=a.tp, pp=a.pp, nproc_per_node=pph)))
+
+
+def fill_physical(a: argparse.Namespace, configs: Sequence[BenchConfig], recs: list[dict[str, Any]],
+                  net: dict[str, Any], costs: dict[str, Any] | None, world: int, pph: int) -> None:
+    """Per record: ``physical`` (lab/bench/physical_bound.py: compute, NIC and critical-path terms, the bound and
+    which term binds) at `costs`, or at the signal runs' measured action medians (``physical_costs``)."""
+    from megareshard.pipeline import Costs, generate
+    from lab.bench.physical_bound import physical_bound
+
+    source = "paced budgets" if costs is not None else "measured action medians"
+    if costs is None:
+        try:
+            costs = costs_from_records(recs, a.pp)
+        except ValueError:  # no traces yet (a run's intermediate records): no bound
+            return
+    costs = _costs_filled(costs, a.pp)
+    graph = _graph(a, configs, world, pph)
+    for c, r in zip(configs, recs):
+        n = net[c.strategy]
+        sched = generate(c.schedule, a.pp, a.microbatches, delay_wgrad=c.dw, graph=graph)
+        pb = physical_bound(sched, Costs(f=costs["f"], b=costs["b"], i=costs["i"], w=costs["w"]), n["wire_bytes"],
+                            n["side_bytes"], a.microbatches, a.nic_gbps)
+        r["physical"] = pb.record()
+        r["physical_costs"] = source
+
+
+def _costs_filled(m: dict[str, Any], pp: int) -> dict[str, Any]:
+    """Missing kinds of a cost dict filled as `_costs` does (B = 2F, I = B/2, W = B − I)."""
+    f = m["f"] or [10.0] * pp
+    b = m["b"] or [2 * x for x in f]
+    i = m["i"] or [x / 2 for x in b]
+    w = m["w"] or [x - y for x, y in zip(b, i)]
+    return {"f": f, "b": b, "i": i, "w": w}
 
 
 def fill_ratios(recs: list[dict[str, Any]], baseline: str) -> None:
@@ -623,6 +700,11 @@ def fill_ratios(recs: list[dict[str, Any]], baseline: str) -> None:
             r["best_signal_fraction_min"] = best_min / r["ms_min"] if best_min else None
             r["speedup_vs_baseline_paired"] = paired(base, r)
             r["signal_fraction_paired"] = paired(sig, r)
+    from lab.bench.physical_bound import fill
+
+    fill(recs, baseline)  # physical_fraction, physical_gap_closure, physical_void
+    for r in recs:
+        r["void"] = r["void"] or (r["strategy"] != "signal" and r["physical_void"])
 
 
 def gap_closure(t_baseline: float | None, t: float, t_signal: float | None) -> float | None:
@@ -703,7 +785,7 @@ def simulate_records(a: argparse.Namespace, configs: Sequence[BenchConfig], cost
         tl = simulate(sched, costs=Costs(f=costs["f"], b=costs["b"], i=costs["i"], w=costs["w"], comm=comm_ms))
         ms.append([tl.makespan])
         traces.append([{**r, "start": r["start"] / 1e3, "end": r["end"] / 1e3} for r in tl.to_trace()])
-    return make_records(a, configs, ms, traces, world, pph, mode="simulated"), traces
+    return make_records(a, configs, ms, traces, world, pph, mode="simulated", costs=costs), traces
 
 
 def _simulate(a: argparse.Namespace) -> int:
@@ -809,37 +891,102 @@ def estimate_point_s(records: Sequence[dict[str, Any]], a: argparse.Namespace, s
 GRID_SETUP_S = 30.0  # start-up of one point (torchrun on 4 namespaces, model, every configuration's resharders)
 
 
-def _grid_dry_run(p: argparse.ArgumentParser, a: argparse.Namespace, models: list[str], rates: list[float],
-                  configs: list[BenchConfig]) -> int:
-    import copy
+def grid_points_of(a: argparse.Namespace, model: str) -> list[dict[str, Any]]:
+    """The grid's operating points for `model`: --rates (at the flags' shape), else --points, else GRID_POINTS."""
+    from lab.bench.grid_points import GRID_POINTS, parse_points
 
-    hosts, pph = grid_shape(a)
+    if a.rates:
+        return [{"rate_mbit": r, "overrides": {}, "label": f"{r:g}", "text": f"{r:g}"} for r in parse_rates(a.rates)]
+    return parse_points(a.points or GRID_POINTS[model])
+
+
+def _grid_costs(a: argparse.Namespace, model: str, configs: list[BenchConfig]) -> dict[str, Any]:
+    """Per-action costs for the grid's estimates: --estimate-costs, else the committed grid's (the highest-rate
+    complete point's budgets, grid_points.reference_costs), else --cost-f/b/i/w or F=10, B=2F."""
+    from lab.bench.grid_points import reference_costs
+
     files = dict(x.split("=", 1) for x in (a.estimate_costs or "").split(",") if x.strip())
+    if model in files:
+        return costs_from_records(load_cost_records(files[model]), a.pp, files[model])
+    committed = os.path.join(a.results_dir, f"pipeline_grid_{model}.json")
+    if os.path.exists(committed) and a.cost_f is None:
+        try:
+            return reference_costs(committed, a.pp)[0]
+        except ValueError:
+            pass
+    pa = copy.copy(a)
+    pa.model = model
+    return _costs(pa, configs)
+
+
+def _grid_dry_run(p: argparse.ArgumentParser, a: argparse.Namespace, models: list[str],
+                  configs: list[BenchConfig]) -> int:
+    hosts, pph = grid_shape(a)
     total = 0.0
     for m in models:
-        pa = copy.copy(a)
-        pa.model = m
-        if m in files:
-            costs = costs_from_records(load_cost_records(files[m]), a.pp, files[m])
-        else:
-            costs = _costs(pa, configs)
-        for rate in rates:
-            pa.nic_gbps = rate / 1e3
-            est = estimate_point_s(simulate_records(pa, configs, costs, hosts * pph, pph)[0], a, GRID_SETUP_S)
-            total += est
-            print(f"# {m} {rate:g} Mbit/s: about {est / 60:.1f} min (simulated, plus {GRID_SETUP_S:.0f} s set-up)")
-            print(" ".join(point_command(p, a, m, rate, os.path.join(a.results_dir, f"{m}-{rate:g}.part.json"))))
+        costs, per_model = _grid_costs(a, m, configs), 0.0
+        for pt in grid_points_of(a, m):
+            pa = _at(a, m, pt)
+            est = estimate_point_s(simulate_records(pa, configs, _shape_costs(a, pt, costs), hosts * pph, pph)[0], pa,
+                                   GRID_SETUP_S)
+            per_model += est
+            print(f"# {m} {pt['label']} Mbit/s: about {est / 60:.1f} min (simulated, plus {GRID_SETUP_S:.0f} s set-up)")
+            print(" ".join(point_command(p, pa, m, pt["rate_mbit"],
+                                         os.path.join(a.results_dir, f"{m}-{pt['text']}.part.json"))))
+        print(f"# {m}: about {per_model / 60:.0f} min")
+        total += per_model
     print(f"# whole grid: about {total / 60:.0f} min")
     return 0
 
 
+def _at(a: argparse.Namespace, model: str, point: dict[str, Any]) -> argparse.Namespace:
+    from lab.bench.grid_points import apply_point
+
+    pa = apply_point(a, point)
+    pa.model = model
+    return pa
+
+
+def _shape_costs(a: argparse.Namespace, point: dict[str, Any], costs: dict[str, Any]) -> dict[str, Any]:
+    """Costs at a point that changes the sequence length: scaled by the tokens per microbatch (grid_points)."""
+    from lab.bench.grid_points import scale_costs
+
+    seq = point["overrides"].get("seq_length")
+    return scale_costs(costs, seq / a.seq_length) if seq else costs
+
+
+def _choose_points(a: argparse.Namespace) -> int:
+    """--choose-points: the simulator's prediction at every candidate, per model (grid_points.choose)."""
+    from lab.bench.grid_points import CANDIDATES, GRID_POINTS, choose, parse_points, reference_costs
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    hosts, pph = grid_shape(a)
+    configs = check_args(a, hosts * pph)
+    for m in models:
+        path = os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
+        if a.estimate_costs or a.cost_f is not None:
+            costs, where = _grid_costs(a, m, configs), a.estimate_costs or "--cost-*"
+        else:
+            costs, where = reference_costs(path, a.pp)
+
+        def predict(pt, m=m, costs=costs):
+            pa = _at(a, m, pt)
+            recs = simulate_records(pa, configs, _shape_costs(a, pt, costs), hosts * pph, pph)[0]
+            by = {r["config"]: r for r in recs}
+            return by[a.baseline], by[parse_config(a.method).name], estimate_point_s(recs, pa, GRID_SETUP_S)
+
+        chosen = [pt["text"] for pt in parse_points(GRID_POINTS[m])]
+        print(choose(parse_points(a.points or CANDIDATES), predict, chosen,
+                     f"{m}: {hosts} hosts × {pph}, tp {a.tp}, pp {a.pp}, costs of {where}"), flush=True)
+        print()
+    return 0
+
+
 def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    import copy
     import tempfile
 
     from lab.cluster.emulate_cluster import check_privileges
 
-    rates = parse_rates(a.rates)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
@@ -850,46 +997,50 @@ def _grid(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     method = parse_config(a.method).name
     if method not in names:
         raise ValueError(f"--method {method} is not among the configurations ({', '.join(names)})")
+    points = {m: grid_points_of(a, m) for m in models}  # every point checked before anything runs
     if a.dry_run:
-        return _grid_dry_run(p, a, models, rates, configs)
+        return _grid_dry_run(p, a, models, configs)
     check_privileges()  # ClusterError: one line, before anything runs
     os.makedirs(a.results_dir, exist_ok=True)
     os.makedirs(a.img_dir, exist_ok=True)
     cluster = f"{hosts} hosts × {pph} ranks, tp {a.tp}, pp {a.pp}, {a.microbatches} microbatches, --pace {a.pace}"
-    grids = {m: {"kind": pipeline_grid.GRID_KIND, "model": m, "rates_mbit": rates, "baseline": a.baseline,
+    grids = {m: {"kind": pipeline_grid.GRID_KIND, "model": m, "rates_mbit": [pt["rate_mbit"] for pt in points[m]],
+                 "baseline": a.baseline,
                  "method": method, "extra": pipeline_grid.EXTRA if pipeline_grid.EXTRA in names else None,
                  "configs": names, "cluster": cluster,
-                 "target": {"baseline_below": pipeline_grid.BELOW, "gap_closure_at_least": pipeline_grid.CLOSURE},
+                 "target": {"baseline_below": pipeline_grid.BELOW, "gap_closure_at_least": pipeline_grid.CLOSURE,
+                            "method_physical_at_least": pipeline_grid.PHYSICAL},
                  "command": " ".join(["python -m lab.bench.bench_pipeline"] + sys.argv[1:]),
                  "picture": os.path.join(a.img_dir, f"pipeline_grid_{m}.png"),
-                 "points": [{"rate_mbit": r, "status": "not run", "reason": None, "records": [], "simulated": None}
-                            for r in rates]} for m in models}
+                 "points": [{"rate_mbit": pt["rate_mbit"], "label": pt["label"], "overrides": pt["overrides"],
+                             "status": "not run", "reason": None, "records": [], "simulated": None}
+                            for pt in points[m]]} for m in models}
     interrupted = False
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-grid-") as tmp:
         for m in models:
             if interrupted:  # the models not started keep no file: nothing of them ran
                 break
             grid, path = grids[m], os.path.join(a.results_dir, f"pipeline_grid_{m}.json")
-            for k, rate in enumerate(rates):
+            for k, pt in enumerate(points[m]):
                 if interrupted:
                     break
-                out = os.path.join(tmp, f"{m}-{rate:g}.json")
-                cmd = point_command(p, a, m, rate, out)
-                print(f"[bench_pipeline] grid {m} {rate:g} Mbit/s: {' '.join(cmd)}", file=sys.stderr, flush=True)
+                pa = _at(a, m, pt)
+                out = os.path.join(tmp, f"{m}-{k}.json")
+                cmd = point_command(p, pa, m, pt["rate_mbit"], out)
+                print(f"[bench_pipeline] grid {m} {pt['label']} Mbit/s: {' '.join(cmd)}", file=sys.stderr, flush=True)
                 t0 = time.monotonic()
                 try:
                     rc, reason = _run_point(cmd, a.point_timeout)
                 except KeyboardInterrupt:
                     rc, reason, interrupted = None, "interrupted (Ctrl-C)", True
                 recs = json.load(open(out)) if os.path.exists(out) else None
-                point = point_from_run(rate, rc, recs, reason, time.monotonic() - t0, a.iters)
+                point = point_from_run(pt["rate_mbit"], rc, recs, reason, time.monotonic() - t0, a.iters)
+                point.update(label=pt["label"], overrides=pt["overrides"])
                 if point["records"]:  # the simulator's prediction at the same budgets and rate
-                    pa = copy.copy(a)
-                    pa.model, pa.nic_gbps = m, rate / 1e3
                     try:
                         costs = costs_from_records(point["records"], a.pp)
                     except ValueError as e:  # unpaced and stopped before its traces: nothing to feed it
-                        print(f"[bench_pipeline] grid {m} {rate:g} Mbit/s: no prediction: {e}", file=sys.stderr)
+                        print(f"[bench_pipeline] grid {m} {pt['label']} Mbit/s: no prediction: {e}", file=sys.stderr)
                     else:
                         point["simulated"] = simulate_records(pa, configs, costs, hosts * pph, pph)[0]
                 grid["points"][k] = point
@@ -911,7 +1062,8 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
     r0 = records[0]
     head = ["config", "ms/iter median", "q1–q3", "min", f"vs {r0['baseline']} (median / paired / min)",
-            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal", "model ms / transfer",
+            "gap closure", "of signal, same schedule (median / paired / min)", "of best signal",
+            "physical bound ms (binding)", "of physical bound", "gap closure vs physical", "model ms / transfer",
             "peak in flight per stage (measured / simulated)", "peak activations MiB per stage (measured)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if r0.get("status") not in (None, "complete"):  # a stopped (or still running) launch: say so first
@@ -926,13 +1078,22 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                f"{x(r['speedup_vs_baseline'])} / {x(r.get('speedup_vs_baseline_paired'))} / "
                f"{x(r.get('speedup_vs_baseline_min'))}",
                "-" if r["strategy"] == "signal" or r["config"] == r["baseline"] else pct(r.get("gap_closure")),
-               sig, pct(r["best_signal_fraction"]), f"{r['transfer_model_ms']:.1f}",
+               sig, pct(r["best_signal_fraction"]), _physical_cell(r),
+               (f"**void** ({pct(r.get('physical_fraction'))})" if r.get("physical_void")
+                else pct(r.get("physical_fraction"))),
+               "-" if r["config"] == r["baseline"] else pct(r.get("physical_gap_closure")),
+               f"{r['transfer_model_ms']:.1f}",
                " / ".join(",".join(map(str, v)) if v else "-" for v in (r.get("peak_inflight_measured"),
                                                                          r.get("peak_inflight_simulated"))),
                ",".join(f"{b / 2**20:.1f}" for b in r["peak_activation_bytes_measured"])
                if r.get("peak_activation_bytes_measured") else "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _physical_cell(r: dict[str, Any]) -> str:
+    pb = r.get("physical")
+    return "-" if not pb else f"{pb['bound_ms']:.0f} ({pb['binding']})"
 
 
 def finish(a: argparse.Namespace, records: list[dict[str, Any]], traces: Sequence[list[dict[str, Any]] | None],
@@ -1035,6 +1196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" in os.environ and not a.simulate:  # inside someone's torchrun (e.g. emulate_cluster.py)
         return _worker(a)
     try:
+        if a.choose_points:
+            a.grid = True  # the grid's configurations and rounds
+            return _choose_points(a)
         if a.grid:
             return _grid(p, a)
         check_args(a, None if a.simulate else a.nproc)

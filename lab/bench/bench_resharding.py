@@ -487,7 +487,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.simulate:
         import torch.distributed as dist
 
+        from megareshard.resharding.executor import CommStreams
+
         dist.barrier()
+        # every resharder's stream threads stopped and joined, their communicators destroyed, before the process
+        # group goes: a stream thread still alive at interpreter exit can be killed inside a C++ call (SIGABRT)
+        CommStreams.shared().close(destroy_groups=True)
         dist.destroy_process_group()
     return 0
 

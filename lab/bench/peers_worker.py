@@ -341,6 +341,16 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
             f"{time.monotonic() - t_start:.0f}s): " + ", ".join(
                 f"{p.name} {1e3 * times[i, r]:.0f}" for i, p in enumerate(parts)) + " ms")
 
+    if getattr(a, "trace_dir", None):  # both sides' timelines of the last timed round (collective)
+        from megareshard.pipeline.runtime import write_trace
+
+        full = [gather_trace(ctx, p.rt.last_trace if isinstance(p, _Ours) else p.trace()) for p in parts]
+        if rank == 0:
+            os.makedirs(a.trace_dir, exist_ok=True)
+            for p, tr in zip(parts, full):
+                if tr:
+                    write_trace(os.path.join(a.trace_dir, p.name.replace(" ", "_") + ".json"), tr)
+            say(f"[bench_peers] traces: {a.trace_dir}/NAME.json (tools/plot_schedule.py --trace FILE)")
     mine = [{"pp": stage, "tp": ctx.tp_rank(), "bubble": rep.bubble_fraction(p.trace(), spans[i]),
              "peak": peaks[i], "overruns": p.overruns()} for i, p in enumerate(parts)]
     every: list[Any] = [None] * world
@@ -356,6 +366,9 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     dist.barrier()
     for tr in trainers.values():
         tr.close()
+    for p in parts:  # every configuration's stream threads joined and communicators destroyed (collective)
+        if isinstance(p, _Ours):
+            p.rt.close()
     return run
 
 
@@ -407,11 +420,13 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
     (``orders``: ``peers_torch.compute_order``) or, for the single-stage ones, the registry's equivalent."""
     from megareshard.pipeline import Costs, ScheduleError, generate, simulate
     from lab.bench.peers_torch import EQUIVALENT, order_to_schedule
+    from lab.bench.physical_bound import physical_bound, uniform_side_bytes
 
     costs = budgets_ms or [{"F": 10.0, "B": 20.0, "I": 10.0, "W": 10.0}] * a.pp
     strategies = sorted({r["strategy"] for r in records if r["status"] == "ok" and r["strategy"] != "p2p"}
                         | {"sendrecv"})
     net = bp.edge_transfer_model(a, [bp.BenchConfig("1f1b", s, False) for s in strategies], world, pph)
+    first_host = 0  # stage 0's host (one stage per host)
     for r in records:
         r["predicted_ms"] = None
         if r["status"] != "ok":
@@ -438,6 +453,13 @@ def predict(a, records, budgets_ms, world: int, pph: int, orders: dict[str, Any]
             continue
         r["predicted_ms"] = round(tl.makespan, 3)
         r["predicted_bubble"] = round(tl.bubble_fraction, 4)
+        tm = net["sendrecv" if r["strategy"] == "p2p" else r["strategy"]]  # torch: a full copy per receiving rank
+        # stage 0's host sends one activation and receives one gradient per microbatch in the 1F1B graph
+        out_b, in_b = tm["side_bytes"].get(f"h{first_host} out", 0), tm["side_bytes"].get(f"h{first_host} in", 0)
+        pb = physical_bound(sched, Costs(f=per["F"], b=per["B"], i=per["I"], w=per["W"]),
+                            {"*": tm["wire_bytes"].get("0->1", 0)}, uniform_side_bytes(sched, out_b, in_b),
+                            a.microbatches, a.nic_gbps)
+        r["physical"] = pb.record()
         # live (stage, microbatch) activations per rank at the peak; a chunk of a 2-chunk schedule is half a stage
         r["predicted_peak_activations"] = tl.peak_activations
         r["chunks_per_rank"] = n // a.pp

@@ -4,9 +4,12 @@ Pure functions of a grid's JSON (one per model): nothing here runs a benchmark, 
 picture can be redrawn from ``docs/results/pipeline_grid_MODEL.json`` (``--from-json``).
 
 A grid JSON is ``{"kind": GRID_KIND, "model", "rates_mbit", "baseline", "method", "configs", "target",
-"points": [...]}``; a point is ``{"rate_mbit", "status", "reason", "rounds_done", "rounds_planned",
-"wall_s", "records", "simulated"}`` with ``status`` "complete", "stopped" (failed, timed out or
-interrupted: its records hold the rounds that finished) or "not run" (the grid was stopped first).
+"points": [...]}``; a point is ``{"rate_mbit", "label", "overrides", "status", "reason", "rounds_done",
+"rounds_planned", "wall_s", "records", "simulated"}`` (``label``/``overrides``: an operating point that also
+changes the shape, `grid_points.py`) with ``status`` "complete", "stopped" (failed, timed out or
+interrupted: its records hold the rounds that finished) or "not run" (the grid was stopped first). Each
+record holds its physical bound (`physical_bound.py`); the second target line is issue 35's: the method at
+>= PHYSICAL of its physical bound at every point.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ METHOD = "eager-1f1b+broadcast+dw"
 EXTRA = "1f1b+sendrecv"
 # the target of issue 13: where the baseline is below BELOW of its signal bound, the method wins back CLOSURE
 BELOW, CLOSURE = 0.90, 0.75
+PHYSICAL = 0.90  # issue 35: the method at >= this fraction of its physical bound at every point
 
 
 def _by(records: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -30,7 +34,7 @@ def target_row(point: dict[str, Any], baseline: str, method: str, below: float =
     (baseline or method above 100 % of its own signal bound), "stopped" or "not run". Only "met" is met."""
     by = _by(point.get("records"))
     b, m = by.get(baseline), by.get(method)
-    row = {"rate_mbit": point["rate_mbit"], "baseline_fraction": b and b.get("signal_fraction"),
+    row = {"rate_mbit": point["rate_mbit"], "label": _label(point), "baseline_fraction": b and b.get("signal_fraction"),
            "gap_closure": m and m.get("gap_closure"), "method_fraction": m and m.get("signal_fraction")}
     if point["status"] != "complete":
         row["status"] = point["status"]
@@ -55,12 +59,42 @@ def target_verdict(grid: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     applicable = [r for r in rows if r["status"] != "n/a"]
     met = [r for r in applicable if r["status"] == "met"]
     ok = len(met) == len(applicable)
-    others = [f"{r['rate_mbit']:g} Mbit/s {r['status']}" for r in applicable if r["status"] != "met"]
+    others = [f"{r['label']} Mbit/s {r['status']}" for r in applicable if r["status"] != "met"]
     line = (f"target ({grid['model']}): at every rate where {grid['baseline']} is below {below:.0%} of its signal "
             f"bound, {grid['method']} wins back >= {closure:.0%} of the gap: {'MET' if ok else 'NOT MET'} "
             f"(met at {len(met)} of {len(applicable)} such rates"
             + (f"; {', '.join(others)}" if others else "") + "; n/a: "
-            + (", ".join(f"{r['rate_mbit']:g}" for r in rows if r["status"] == "n/a") or "none") + ")")
+            + (", ".join(r["label"] for r in rows if r["status"] == "n/a") or "none") + ")")
+    return line, rows
+
+
+def _label(point: dict[str, Any]) -> str:
+    return point.get("label") or f"{point['rate_mbit']:g}"
+
+
+def physical_verdict(grid: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """Issue 35's target: the method at >= PHYSICAL of its physical bound at every point. Per point "met",
+    "not met", "void" (faster than its bound), "stopped", "not run" or "missing"; the line is "met" only when
+    every point is."""
+    need = (grid.get("target") or {}).get("method_physical_at_least", PHYSICAL)
+    rows = []
+    for p in grid["points"]:
+        m = _by(p.get("records")).get(grid["method"])
+        row = {"label": _label(p), "fraction": m and m.get("physical_fraction"),
+               "binding": m and (m.get("physical") or {}).get("binding")}
+        if p["status"] != "complete":
+            row["status"] = p["status"]
+        elif m is None or row["fraction"] is None:
+            row["status"] = "missing"
+        elif m.get("physical_void"):
+            row["status"] = "void"
+        else:
+            row["status"] = "met" if row["fraction"] >= need else "not met"
+        rows.append(row)
+    met = [r for r in rows if r["status"] == "met"]
+    line = (f"target ({grid['model']}): {grid['method']} at >= {need:.0%} of its physical bound at every point: "
+            f"{'MET' if len(met) == len(rows) else 'NOT MET'} (met at {len(met)} of {len(rows)}"
+            + "".join(f"; {r['label']} Mbit/s {r['status']}" for r in rows if r["status"] != "met") + ")")
     return line, rows
 
 
@@ -84,9 +118,10 @@ def format_grid(grid: dict[str, Any], format_table=None) -> str:
     (with `format_table`, bench_pipeline's) every point's full table."""
     base, meth = grid["baseline"], grid["method"]
     extra = grid.get("extra") or EXTRA
-    head = ["NIC Mbit/s", "run", f"{base} ms", f"{base} of its signal bound", f"{extra} vs {base}",
-            f"{meth} ms", "vs baseline", "gap closure", "of its signal bound",
-            "simulated: vs baseline / gap closure / of signal"]
+    head = ["NIC Mbit/s", "run", f"{base} ms", f"{base} of its signal bound", f"{base} of its physical bound",
+            f"{extra} vs {base}", f"{meth} ms", "vs baseline", "gap closure", "of its signal bound",
+            "of its physical bound (binding)", "gap closure vs physical",
+            "simulated: vs baseline / gap closure / of signal / of physical"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in grid["points"]:
         by, sim = _by(p.get("records")), _by(p.get("simulated"))
@@ -94,26 +129,41 @@ def format_grid(grid: dict[str, Any], format_table=None) -> str:
         run = p["status"] if p["status"] != "stopped" else \
             f"stopped after {p.get('rounds_done', 0)}/{p.get('rounds_planned', '?')} rounds ({p.get('reason')})"
         out.append("| " + " | ".join([
-            f"{p['rate_mbit']:g}", run, _num(b, "ms_per_iter", lambda v: "-" if v is None else f"{v:.0f}"),
-            _num(b, "signal_fraction", _pct), _num(e, "speedup_vs_baseline", _x),
+            _label(p), run, _num(b, "ms_per_iter", lambda v: "-" if v is None else f"{v:.0f}"),
+            _num(b, "signal_fraction", _pct), _phys(b), _num(e, "speedup_vs_baseline", _x),
             _num(m, "ms_per_iter", lambda v: "-" if v is None else f"{v:.0f}"),
             _num(m, "speedup_vs_baseline", _x), _num(m, "gap_closure", _pct), _num(m, "signal_fraction", _pct),
+            _phys(m, binding=True), _num(m, "physical_gap_closure", _pct),
             "-" if sm is None else
-            f"{_x(sm['speedup_vs_baseline'])} / {_pct(sm.get('gap_closure'))} / {_pct(sm['signal_fraction'])}",
+            f"{_x(sm['speedup_vs_baseline'])} / {_pct(sm.get('gap_closure'))} / {_pct(sm['signal_fraction'])} / "
+            f"{_pct(sm.get('physical_fraction'))}",
         ]) + " |")
     line, rows = target_verdict(grid)
     out += ["", f"| NIC Mbit/s | {base} of its signal bound | {meth} gap closure | target | reason |",
             "|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['rate_mbit']:g} | {_pct(r['baseline_fraction'])} | {_pct(r['gap_closure'])} | "
+        out.append(f"| {r['label']} | {_pct(r['baseline_fraction'])} | {_pct(r['gap_closure'])} | "
                    f"{r['status']} |  |")
     out += ["", line]
+    pline, prows = physical_verdict(grid)
+    out += ["", f"| NIC Mbit/s | {meth} of its physical bound | binding term | target |", "|---|---|---|---|"]
+    out += [f"| {r['label']} | {_pct(r['fraction'])} | {r['binding'] or '-'} | {r['status']} |" for r in prows]
+    out += ["", pline]
     if format_table is not None:
         for p in grid["points"]:
             if p.get("records"):
-                out += ["", f"#### {grid['model']}, NIC {p['rate_mbit']:g} Mbit/s ({p['status']}, "
+                out += ["", f"#### {grid['model']}, NIC {_label(p)} Mbit/s ({p['status']}, "
                             f"{p.get('rounds_done')} timed rounds)", "", format_table(p["records"])]
     return "\n".join(out)
+
+
+def _phys(r: dict[str, Any] | None, binding: bool = False) -> str:
+    if r is None or r.get("physical_fraction") is None:
+        return "-"
+    s = f"{r['physical_fraction']:.0%}"
+    if binding:
+        s += f" ({(r.get('physical') or {}).get('binding', '-')})"
+    return f"**void** ({s})" if r.get("physical_void") else s
 
 
 def plot_grid(grid: dict[str, Any], path: str) -> None:
@@ -128,6 +178,10 @@ def plot_grid(grid: dict[str, Any], path: str) -> None:
     base, meth = grid["baseline"], grid["method"]
     extra = grid.get("extra") or EXTRA
     meth_sig = _signal_name(meth)
+    # x: the rate (log 2) when every point is a plain rate, else the points in order, labelled
+    plain = all(not p.get("overrides") for p in grid["points"]) and \
+        len({p["rate_mbit"] for p in grid["points"]}) == len(grid["points"])
+    xs = [p["rate_mbit"] if plain else k for k, p in enumerate(grid["points"])]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     series = [(ax1, meth, "speedup_vs_baseline", "#4c72b0", f"{meth}"),
               (ax1, extra, "speedup_vs_baseline", "#c44e52", f"{extra}"),
@@ -137,7 +191,7 @@ def plot_grid(grid: dict[str, Any], path: str) -> None:
     for ax, name, key, color, label in series:
         for source, style in (("records", dict(marker="o", linestyle="-")),
                               ("simulated", dict(marker="o", linestyle="--", markerfacecolor="none"))):
-            pts = [(p["rate_mbit"], _by(p.get(source)).get(name), p) for p in grid["points"]]
+            pts = [(xs[k], _by(p.get(source)).get(name), p) for k, p in enumerate(grid["points"])]
             pts = [(x, r, p) for x, r, p in pts if r is not None and r.get(key) is not None]
             good = [(x, r[key]) for x, r, _ in pts if not r.get("void")]
             if good:
@@ -150,7 +204,6 @@ def plot_grid(grid: dict[str, Any], path: str) -> None:
                                 color="red")
                 elif source == "records" and p["status"] != "complete":
                     ax.annotate(p["status"], (x, r[key]), textcoords="offset points", xytext=(4, -10), fontsize=7)
-    rates = [p["rate_mbit"] for p in grid["points"]]
     t = grid.get("target") or {}
     ax1.axhline(1.0, color="black", linewidth=0.6)
     ax2.axhline(t.get("gap_closure_at_least", CLOSURE), color="#4c72b0", linewidth=0.7, linestyle=":",
@@ -158,10 +211,11 @@ def plot_grid(grid: dict[str, Any], path: str) -> None:
     ax2.axhline(t.get("baseline_below", BELOW), color="#dd8452", linewidth=0.7, linestyle=":",
                 label=f"target applies below {t.get('baseline_below', BELOW):.0%}")
     for ax, ylabel in ((ax1, f"speedup over {base}"), (ax2, "share")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(rates)
-        ax.set_xticklabels([f"{r:g}" for r in rates])
-        ax.set_xlabel("NIC rate (Mbit/s, each direction)")
+        if plain:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([_label(p) for p in grid["points"]], fontsize=7)
+        ax.set_xlabel("NIC rate (Mbit/s, each direction)" + ("" if plain else "; m: microbatches, seq: sequence"))
         ax.set_ylabel(ylabel)
         ax.grid(linestyle=":", linewidth=0.5)
         ax.legend(fontsize=7)

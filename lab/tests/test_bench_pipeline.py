@@ -281,7 +281,13 @@ def test_a_stopped_launch_marks_its_json(tmp_path):
 def test_grid_flags_and_point_command():
     p = bp.build_parser()
     a = bp.resolve_defaults(p.parse_args(["--grid", "--pace-margin", "1.5"]))
-    assert (a.iters, a.pace, a.configs) == (4, "auto", bp.GRID_CONFIGS) and bp.parse_rates(a.rates) == [10, 20, 40, 80, 160]
+    assert (a.iters, a.pace, a.configs) == (4, "auto", bp.GRID_CONFIGS) and a.rates is None
+    from lab.bench.grid_points import GRID_POINTS, parse_points
+
+    for model in ("gpt", "utransformer"):  # the operating points fixed before running (grid_points.py)
+        assert bp.grid_points_of(a, model) == parse_points(GRID_POINTS[model]) and len(GRID_POINTS[model].split(",")) >= 6
+    assert [pt["rate_mbit"] for pt in bp.grid_points_of(bp.resolve_defaults(p.parse_args(["--grid", "--rates", "80,20"])),
+                                                         "gpt")] == [20, 80]
     assert len(bp.parse_rates(bp.GRID_RATES)) >= 5
     for bad in ("", "10,x", "10,10", "0,5"):
         with pytest.raises(ValueError, match="--rates"):
@@ -312,7 +318,7 @@ def test_from_json_redraws_the_grid(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "| NIC Mbit/s | run | 1f1b+allgather ms |" in out
-    assert "| 80 | complete | 200 | 50% | 0.50× | 110 | 1.82× | 82% | 82% | 1.82× / 82% / 82% |" in out
+    assert "| 80 | complete | 200 | 50% | - | 0.50× | 110 | 1.82× | 82% | 82% | - | - | 1.82× / 82% / 82% / - |" in out
     assert "stopped after 1/4 rounds (timed out after 9 s)" in out and "**void**" in out
     assert "| 80 | 50% | 82% | met |  |" in out and "| 40 | 50% | 109% | void |  |" in out
     assert "target (gpt):" in out and "NOT MET" in out

@@ -16,6 +16,8 @@ torch.distributed operation issued in this process goes through a recorder that
 * records, per process group, the operations this rank issues — kind, peer or root,
   element count, dtype, and a label the caller may attach with ``label(...)`` (the
   resharding executor labels each message with its edge, run, task and message index);
+* records which operations were issued as one group (``batch_isend_irecv``, NCCL's
+  ncclGroupStart/End): ``batches(DIR)`` counts them per rank and group;
 * raises ``NcclRuleViolation`` at once when a group is driven from a second thread.
 
 Each rank writes its record to ``DIR/rank{N}.json`` (``dump()``, also at interpreter exit);
@@ -44,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["ENV", "NcclRuleViolation", "install", "maybe_install", "installed", "label", "set_label", "dump",
-           "check_logs"]
+__all__ = ["ENV", "NcclRuleViolation", "install", "maybe_install", "installed", "label", "set_label",
+           "set_op_labels", "dump", "check_logs", "batches", "recorded_batches"]
 
 ENV = "MEGARESHARD_NCCL_CHECK"
 """Environment variable: a directory for the per-rank records; set it to turn the checking mode on."""
@@ -69,6 +71,7 @@ class _Recorder:
         self.ops: dict[str, list[list[Any]]] = defaultdict(list)
         self.groups: dict[str, list[int]] = {}
         self.owner: dict[str, tuple[int, str]] = {}  # group -> (thread ident, thread name)
+        self.batches: dict[str, list[list[int]]] = defaultdict(list)  # group -> [first op index, op count]
         self.violations: list[str] = []
         self.lock = threading.Lock()
         self.local = threading.local()
@@ -96,7 +99,9 @@ class _Recorder:
                        f"{me.name!r} after thread {owner[1]!r}: {entry[0]} {entry[1:]}")
                 self.violations.append(msg)
                 raise NcclRuleViolation(msg)
-            self.ops[name].append(entry + [getattr(self.local, "label", None)])
+            queued = getattr(self.local, "op_labels", None)
+            text = queued.pop(0) if queued else getattr(self.local, "label", None)
+            self.ops[name].append(entry + [text])
 
     def dump(self) -> str:
         if not dist.is_initialized():
@@ -105,7 +110,7 @@ class _Recorder:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
             data = {"rank": dist.get_rank(), "world": dist.get_world_size(), "groups": self.groups,
-                    "ops": self.ops, "violations": self.violations}
+                    "ops": self.ops, "batches": self.batches, "violations": self.violations}
             path.write_text(json.dumps(data))
         return str(path)
 
@@ -178,6 +183,24 @@ def _wrap_collective(rec: _Recorder, name: str, orig: Callable) -> Callable:
     return wrapper
 
 
+def _wrap_batch(rec: _Recorder, orig: Callable) -> Callable:
+    """``batch_isend_irecv``: its operations are recorded one by one (the wrapped isend/irecv it calls),
+    and the group they formed as (index of the first, count) in the group's record."""
+
+    def wrapper(p2p_op_list, *args, **kwargs):
+        group = p2p_op_list[0].group if p2p_op_list else None
+        name = rec.group_name(group)
+        with rec.lock:
+            first = len(rec.ops[name])
+        works = orig(p2p_op_list, *args, **kwargs)
+        with rec.lock:
+            rec.batches[name].append([first, len(rec.ops[name]) - first])
+        return works
+
+    wrapper.__wrapped__ = orig
+    return wrapper
+
+
 def install(log_dir: str) -> None:
     """Route every torch.distributed operation of this process through the recorder (idempotent)."""
     if installed():
@@ -198,6 +221,14 @@ def install(log_dir: str) -> None:
                 shared = make(rec, name, base)
                 rec.originals[("wrapper", name)] = shared
             setattr(mod, name, shared)
+        orig = getattr(mod, "batch_isend_irecv", None)
+        if orig is not None:
+            rec.originals[(mod, "batch_isend_irecv")] = orig
+            shared = rec.originals.get(("wrapper", "batch_isend_irecv"))
+            if shared is None:
+                shared = rec.originals[("wrapper", "batch_isend_irecv")] = _wrap_batch(
+                    rec, getattr(orig, "__wrapped__", orig))
+            setattr(mod, "batch_isend_irecv", shared)
     _STATE["rec"] = rec
     atexit.register(dump)
 
@@ -299,12 +330,39 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 def set_label(text: str | None) -> None:
     """Label the operations this thread issues from now on (cheap no-op when not installed)."""
     rec = _STATE.get("rec")
     if rec is not None:
         rec.local.label = text
+
+
+def set_op_labels(texts: list[str] | None) -> None:
+    """Label this thread's next operations one each, in order (a group issued by one call, whose operations
+    belong to different messages); then ``set_label``'s label again. Cheap no-op when not installed."""
+    rec = _STATE.get("rec")
+    if rec is not None:
+        rec.local.op_labels = list(texts) if texts else None
+
+
+def recorded_batches() -> list[int]:
+    """This process's operation groups so far (their sizes, every communicator, in the order recorded per
+    communicator); empty when the checking mode is off."""
+    rec = _STATE.get("rec")
+    if rec is None:
+        return []
+    with rec.lock:
+        return [n for b in rec.batches.values() for _, n in b]
+
+
+def batches(log_dir: str) -> dict[int, dict[str, list[int]]]:
+    """Per rank and group: the sizes of the operation groups it issued (``batch_isend_irecv``), in order."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for p in sorted(Path(log_dir).glob("rank*.json")):
+        d = json.loads(p.read_text())
+        out[d["rank"]] = {g: [n for _, n in b] for g, b in d.get("batches", {}).items()}
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

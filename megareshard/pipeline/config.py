@@ -33,6 +33,13 @@ class PipelineConfig:
     pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "
                                           "for tools/plot_schedule.py --trace; it also holds every stage's "
                                           "measured and simulated peak activations (MEMORY records)")
+    pipeline_recv_posting: str = _f("auto", "when a stage posts its receives: early (at the lowering's RECV, gloo "
+                                            "only), grouped (with the last send to the same peer before the wait, "
+                                            "one group, as torch's 1F1B exchanges; a schedule that would hang so "
+                                            "under NCCL's ordering is refused at start-up), mixed (grouped where "
+                                            "NCCL's ordering allows it, a communicator per direction with early "
+                                            "receives elsewhere); auto: mixed on NCCL, early on gloo",
+                                    choices=("auto", "early", "grouped", "mixed"))
     pipeline_schedule_file: str | None = _f(None, "run the schedule written in this file (the schedule IR's text "
                                                   "form, or CSV if it ends in .csv: one row per stage, one action "
                                                   "per cell); validated at start-up; excludes --pipeline-schedule")

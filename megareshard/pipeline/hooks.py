@@ -11,8 +11,9 @@ watchdog's two calls per action and nothing else):
                                    ``runtime.last_stats`` after a training step)
 ``before(action, stats)``          an action is about to run
 ``after(action, stats, error)``    it ran (``error``: what it raised, then re-raised by the runtime)
-``send_done(record)``              a stage-boundary send completed (``record``: stage, vstage, kind
-                                   SEND_F/SEND_B, mb, start, end, edge, peer)
+``send_done(record)``              a stage-boundary send was retired: known complete (``record``: stage,
+                                   vstage, kind SEND_F/SEND_B, mb, start = posted, end = retired, edge,
+                                   peer; `posting.py` says where a send is retired)
 ``end_step(stats)``                the step's program ran, its sends completed; before the loss sum
 =================================  =================================================================
 

@@ -18,12 +18,12 @@ F(mb)      the model's forward step on mb (``forward_step``, its spec's) for the
            stage 0 reads the batch; others the WAIT_F tensors or the local hand-off, made leaves
            that require grad; the last stage's step returns mb's share of the loss, accumulated
            into the reported loss.
-SEND_F     start the forward resharder on the output; keep handle and tensor. Once the
-           send is complete the output's *data* is freed (Megatron's
-           ``deallocate_output_tensor``) when no autograd node saved it, keeping only the
-           graph: eager-1F1B keeps up to ``2(P−i)−1`` outputs alive otherwise.
-RECV_F/B   post a non-blocking receive (``start(None)``).
-WAIT_F/B   block on it — the only blocking communication.
+SEND_F     start the forward resharder on the output; keep handle and tensor. When the send
+           is retired (below) the output's *data* is freed (Megatron's
+           ``deallocate_output_tensor``) when no autograd node saved it, keeping only the graph.
+RECV_F/B   post what the posting plan puts here (early posting: this receive, non-blocking).
+WAIT_F/B   post what the plan puts here, then block on the receive — the only blocking
+           communication.
 B(mb)      backward from the loss (last stage) or from the WAIT_B gradient; keeps the
            input gradient for SEND_B; releases mb's tensors.
 I(mb)      the same with a weight-gradient store *for mb* attached: the weight GEMMs are
@@ -37,16 +37,27 @@ R          (``--overlap-grad-reduce``) ``grad_reduce_handler(stage)``: the train
            data-parallel gradient reduction asynchronously (`grad_reduce.py` places R right after
            the stage's last W, or B); the trainer waits for it before the optimizer step.
 
+**Posting and retiring** (`posting.py`, one plan per program, the same on every rank): every operation is
+issued from the thread that runs the schedule — no hand-off — except on communicators where this rank
+forwards (`resharding/streams.py`). Under ``--pipeline-recv-posting early`` (gloo's default) a receive is
+posted at its RECV; under ``grouped``/``mixed`` (NCCL's) a receive on a communicator that also carries sends
+goes out in one group with the last send to the same peer before its WAIT (a compute's sends wait for the
+last of them and go together), or at the WAIT; the plan is checked against NCCL's ordering when the program is
+built and a schedule that would hang is refused naming the action. No thread waits for sends: gloo reports a
+send complete only to a waiter, so a send is waited where its completion is already known — after the first
+action that follows, causally, the receiver's WAIT (for an activation, at the latest the WAIT for its
+gradient, before its B); the rest at the end of the step. Sent activations are held that long
+(``last_stats['sent_held_peak']``, predicted by `posting.held_sends_peak`): on the 1F1B family about as many
+as the microbatches in flight.
+
 After the list: without R actions, the ``finalize_grads`` hook (sequence-parallel, data-parallel
-and tied-embedding gradient reductions, blocking), then every pending send is waited, then the
+and tied-embedding gradient reductions, blocking), then every send not yet retired is waited, then the
 loss is summed over the pipeline group so every rank (in particular the logging rank, last
 stage tp0 dp0) holds it.
 """
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -54,21 +65,41 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
-from .comm import EdgeComm, EdgeTensor, build_edge_comms
+from ..resharding.executor import post_together
+from .comm import EdgeComm, EdgeTensor, build_edge_comms, shared_mesh_pairs
 from .generators import forward_only, generate
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
 from .lowering import lower
+from .posting import PostingPlan, check_nccl, plan_posting, split_pairs
 from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
-from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule
+from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
 from .stage import StageLayout
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
     from ..run_plan import PipelinePlan
 
-__all__ = ["PipelineRuntime", "gather_trace", "write_trace"]
+__all__ = ["PipelineRuntime", "RECV_POSTINGS", "resolve_recv_posting", "gather_trace", "write_trace"]
+
+RECV_POSTINGS = ("auto", "early", "grouped", "mixed")
+"""``--pipeline-recv-posting``'s values (`posting.py`; `resolve_recv_posting` turns auto into the backend's)."""
+
+
+def resolve_recv_posting(value: str, backend: str) -> str:
+    """auto: "mixed" on NCCL (grouped where NCCL's ordering allows it), "early" on gloo; "early" is refused on NCCL
+    (a receive posted early on a communicator that also carries sends would queue in front of them)."""
+    if value not in RECV_POSTINGS:
+        raise ValueError(f"--pipeline-recv-posting must be one of {', '.join(RECV_POSTINGS)}, got {value!r}")
+    nccl = backend == "nccl"
+    if value == "auto":
+        return "mixed" if nccl else "early"
+    if value == "early" and nccl:
+        raise ConfigError("--pipeline-recv-posting early needs gloo: on NCCL a receive posted early on a communicator "
+                          "that also carries sends queues in front of them (use auto, mixed or grouped)")
+    return value
 
 _K = ActionKind
 
@@ -138,46 +169,6 @@ class _PendingSend:
     edge: Edge
     start: float
     free: bool  # free the tensor's data once complete (forward activations)
-    done: threading.Event = field(default_factory=threading.Event)
-    end: float = 0.0
-    error: BaseException | None = None
-
-
-class _SendReaper:
-    """Waits for one (edge, direction)'s sends, in order, on a background thread.
-
-    Why a thread: gloo's ``Work.is_completed()`` stays False until someone calls
-    ``wait()``, so a send's completion can only be observed by waiting for it, and
-    waiting on the main thread could stall the stage on a receiver that has not posted
-    its receive yet. The thread waits instead; the main thread only looks at ``done``
-    (never calls ``wait()`` itself: a second wait on a gloo work blocks forever) and
-    frees a sent activation as soon as its flag is set.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[_PendingSend | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, pending: _PendingSend) -> None:
-        self._queue.put(pending)
-
-    def _loop(self) -> None:
-        while True:
-            p = self._queue.get()
-            if p is None:
-                return
-            try:
-                p.handle.wait()
-            except BaseException as e:  # surfaced on the main thread by _finish_send
-                p.error = e
-            p.end = time.time()
-            p.done.set()
-
-    def close(self, join: bool = True) -> None:
-        self._queue.put(None)
-        if join:
-            self._thread.join()
 
 
 @dataclass
@@ -197,13 +188,16 @@ class _Step:
     posted: dict[tuple[Edge, str, int], Any] = field(default_factory=dict)
     # (edge, 'F' | 'B', mb): what WAIT returned, or what a local hand-off put there
     received: dict[tuple[Edge, str, int], torch.Tensor] = field(default_factory=dict)
-    sends: list[_PendingSend] = field(default_factory=list)
+    sends: dict[tuple[Edge, str, int], _PendingSend] = field(default_factory=dict)  # (edge, 'F' | 'B', mb)
     stores: dict[tuple[int, int], WeightGradStore] = field(default_factory=dict)
-    stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0})
-    reapers: dict[tuple[Edge, str], _SendReaper] = field(default_factory=dict)
+    # outputs_freed: sent activations whose data was freed when their send was retired; freed_before_backward:
+    # those freed before their B ran; sent_held_peak: most activation sends started and not yet retired at once
+    stats: dict[str, int] = field(default_factory=lambda: {"outputs_freed": 0, "freed_before_backward": 0,
+                                                           "sent_held_peak": 0})
+    held: int = 0  # activation sends started and not yet retired
     freed: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) whose sent activation data was freed
     live: set[tuple[int, int]] = field(default_factory=set)  # (stage, mb) activations held (F run, B/W not yet)
-    send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each completed send
+    send_done: tuple[Callable[[dict[str, Any]], None], ...] = ()  # the hooks told of each retired send
 
 
 class PipelineRuntime:
@@ -222,8 +216,14 @@ class PipelineRuntime:
                  comms: dict[Edge, EdgeComm], *, schedule: str, forward_step: Callable[..., Any],
                  delay_wgrad: bool = False, finalize_grads: Callable[[], None] | None = None,
                  record_trace: bool = False, lookahead: int = 1, schedule_file: Schedule | None = None,
-                 placement: Sequence[int] | None = None) -> None:
+                 placement: Sequence[int] | None = None, recv_posting: str = "early",
+                 shared_pairs: frozenset[frozenset[int]] = frozenset()) -> None:
         self.ctx, self.graph, self.layouts, self.comms = ctx, graph, list(layouts), comms
+        if recv_posting not in RECV_POSTINGS[1:]:
+            raise ValueError(f"recv_posting must be one of {', '.join(RECV_POSTINGS[1:])} (resolved), got {recv_posting!r}")
+        # when receives are posted (posting.py): "early" (gloo), "grouped" or "mixed" (NCCL's ordering, proven);
+        # shared_pairs: the mesh pairs whose two directions share communicators (comm.shared_mesh_pairs)
+        self.recv_posting, self.shared_pairs = recv_posting, frozenset(shared_pairs)
         # the model's forward step (``ModelSpec.forward_step``): batch and received tensors in, the
         # stage's outputs by edge name out — or, on the last stage, the microbatch's share of the loss
         self.forward_step = forward_step
@@ -271,7 +271,8 @@ class PipelineRuntime:
             self.enable_trace()
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
-        self._programs: dict[tuple[int, bool], list[Action]] = {}
+        self._programs: dict[tuple[int, bool, bool], list[Action]] = {}
+        self._plans: dict[tuple[int, bool, bool], PostingPlan] = {}
         self._free_outputs = _can_free_outputs()
 
     # ---- construction --------------------------------------------------------------------------
@@ -302,11 +303,32 @@ class PipelineRuntime:
             a, b = layouts[e.src], layouts[e.dst]
             if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
                 raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
-        comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=plan.strategy,
-                                 scheduler=plan.scheduler, chunks=plan.chunks, skip=local)
-        return cls(ctx, graph, layouts, comms, schedule=plan.schedule, forward_step=forward_step,
-                   delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
-                   schedule_file=schedule_file, placement=placement)
+        posting = resolve_recv_posting(plan.recv_posting, dist.get_backend() if dist.is_initialized() else "gloo")
+        rt = cls(ctx, graph, layouts, {}, schedule=plan.schedule, forward_step=forward_step,
+                 delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
+                 schedule_file=schedule_file, placement=placement, recv_posting=posting)
+        # mixed posting: the mesh pairs whose programs cannot group under NCCL's ordering keep a communicator per
+        # direction (decided from the programs alone, the same on every rank, before any communicator exists)
+        split = frozenset()
+        if posting == "mixed":
+            split = split_pairs([rt.lowered(plan.num_microbatches, True), rt.lowered(plan.num_microbatches, False)])
+        rt.comms = build_edge_comms(graph, [d for d in edges if d.edge not in local], strategy=plan.strategy,
+                                    scheduler=plan.scheduler, chunks=plan.chunks, skip=local,
+                                    split=split, placement=placement)
+        rt.shared_pairs = shared_mesh_pairs(rt.comms, placement)
+        try:  # the programs' posting plans: a schedule that would hang under NCCL's ordering is refused here
+            rt.program(plan.num_microbatches, True)
+            rt.program(plan.num_microbatches, False)
+        except ScheduleError as e:
+            from .schedule_io import describe_error
+
+            how = plan.recv_posting if plan.recv_posting == posting else f"{plan.recv_posting} = {posting}"
+            what = f"--pipeline-schedule-file {plan.schedule_file}" if plan.schedule_file is not None else \
+                f"--pipeline-schedule {plan.schedule}"
+            hint = "; --pipeline-recv-posting mixed keeps such pairs on a communicator per direction" \
+                if posting == "grouped" else ""
+            raise ConfigError(f"{what}: {describe_error(e)} (--pipeline-recv-posting {how}{hint})") from None
+        return rt
 
     def training_schedule(self, num_microbatches: int) -> Schedule:
         """Every mesh's lowered training program: the schedule file's or the generated one, with R actions
@@ -331,16 +353,34 @@ class PipelineRuntime:
         validate(low)
         return low
 
+    def _program_key(self, num_microbatches: int, train: bool) -> tuple[int, bool, bool]:
+        return (num_microbatches, train, self.grad_reduce_handler is not None)
+
+    def lowered(self, num_microbatches: int, train: bool = True) -> Schedule:
+        """Every mesh's lowered program for a step (training: `training_schedule`; evaluation: each mesh runs its
+        stages in model order, F0..F(m-1) each)."""
+        if train:
+            return self.training_schedule(num_microbatches)
+        return lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
+
     def program(self, num_microbatches: int, train: bool = True) -> list[Action]:
-        """This mesh's lowered action list (cached per microbatch count)."""
-        key = (num_microbatches, train, self.grad_reduce_handler is not None)
+        """This mesh's lowered action list (cached per microbatch count), with its posting plan (`posting.py`):
+        under grouped posting proven to run under NCCL's ordering, or refused naming the action that would hang."""
+        key = self._program_key(num_microbatches, train)
         if key not in self._programs:
-            if train:
-                low = self.training_schedule(num_microbatches)
-            else:  # forward only (evaluation): each mesh runs its stages in model order, F0..F(m-1) each
-                low = lower(forward_only(self.graph, num_microbatches, self.placement), lookahead=self.lookahead)
+            low = self.lowered(num_microbatches, train)
+            grouped = self.recv_posting != "early"
+            plan = plan_posting(low, "grouped" if grouped else "early", self.shared_pairs)
+            if grouped:
+                check_nccl(low, plan)
             self._programs[key] = low.actions[self.stage]
+            self._plans[key] = plan
         return self._programs[key]
+
+    def posting_plan(self, num_microbatches: int, train: bool = True) -> PostingPlan:
+        """The posting plan of a step's program (`posting.py`): where each receive is posted, each send retired."""
+        self.program(num_microbatches, train)
+        return self._plans[self._program_key(num_microbatches, train)]
 
     def describe(self) -> str:
         virtual = (f" on {self.num_meshes} meshes ({self.virtual_stages} virtual stages each, placement "
@@ -372,18 +412,16 @@ class PipelineRuntime:
         train = backward and torch.is_grad_enabled()
         st = _Step(list(microbatches), train, torch.zeros((), dtype=torch.float32, device=device), device,
                    autocast_dtype, scale_loss=scale_loss)
-        prog = self.program(len(st.microbatches), train)
+        prog, plan = self.program(len(st.microbatches), train), self._plans[self._program_key(len(st.microbatches), train)]
         hooks = HookSet(self.hooks)
         stats = st.stats
         st.send_done = hooks.send_done
         for h in hooks.start_step:
             h(stats, train)
-        ok = False
+        sends, posts, retire = plan.sends[self.stage], plan.posts[self.stage], plan.retire[self.stage]
         try:
-            for a in prog:
+            for i, a in enumerate(prog):
                 kind = a.kind
-                if kind.is_compute:
-                    self._poll_sends(st)
                 for h in hooks.before:
                     h(a, stats)
                 try:
@@ -393,24 +431,25 @@ class PipelineRuntime:
                     elif kind.is_reduce:
                         self._reduce_grads(a)
                     else:
-                        self._communicate(a, st)
+                        self._communicate(a, st, sends.get(i, ()), posts.get(i, ()))
                 except BaseException as e:
                     for h in hooks.after:
                         h(a, stats, e)
                     raise
                 for h in hooks.after:
                     h(a, stats, None)
+                for item in retire.get(i, ()):  # sends known complete: the receiver's reply has arrived
+                    sent = st.sends.pop(item, None)
+                    if sent is not None:
+                        self._finish_send(sent, st)
             if train and self.finalize_grads is not None and not any(a.kind.is_reduce for a in prog):
                 self.finalize_grads()  # after the last W (or B), while the last sends drain
-            for s in st.sends:
-                self._finish_send(s, st)
+            for sent in st.sends.values():
+                self._finish_send(sent, st)
             st.sends.clear()
             for h in hooks.end_step:
                 h(stats)
-            ok = True
-        finally:
-            for r in st.reapers.values():
-                r.close(join=ok)  # after a failure a send may never complete: do not hang on it
+        finally:  # after a failure the unfinished sends are dropped: one may never complete
             model_set = getattr(model, "set_wgrad_store", None)
             if callable(model_set):
                 model_set(None)
@@ -541,11 +580,6 @@ class PipelineRuntime:
                 raise TypeError(f"stage {stage}: delayed weight gradients need a stage module with set_wgrad_store "
                                 f"(tensor_parallel's linear layers); {type(model).__name__} has none")
             model.set_wgrad_store(store)
-        # mb's activation was consumed downstream (its gradient is here), so its send has
-        # completed: retire it now at the latest (this only waits for the reaper's flag)
-        for s in [s for s in st.sends if s.direction == "F" and s.mb == mb and s.edge.src == stage]:
-            self._finish_send(s, st)
-            st.sends.remove(s)
         outs = st.outputs.pop((stage, mb))
         st.stats["freed_before_backward"] += int((stage, mb) in st.freed)
         if stage == self.num_stages - 1:
@@ -575,10 +609,15 @@ class PipelineRuntime:
             st.input_grads[(stage, mb)] = grads
 
     # ---- communication -----------------------------------------------------------------------------
-    def _communicate(self, a: Action, st: _Step) -> None:
+    def _communicate(self, a: Action, st: _Step, sends: Sequence[tuple[Edge, str, int]],
+                     posts: Sequence[tuple[Edge, str, int]]) -> None:
+        """SEND starts a send (unposted); then, whatever the action, the sends and receives the posting plan puts
+        here go out together (`posting.py`: at a SEND the sends of its compute and the receives grouped with
+        them, at a RECV under early posting its own receive, at a WAIT what is left of its channel up to it);
+        WAIT then blocks on its receive — the only blocking communication."""
         e, mb = a.edge, a.mb
-        comm = self.comms[e]
         k = a.kind
+        recvs = [self._receive(st, item) for item in posts]
         if k == _K.SEND_F:
             outs = st.outputs[(a.stage, mb)]
             out = outs[e] if st.train else outs.pop(e)
@@ -588,17 +627,20 @@ class PipelineRuntime:
             # this stage (or be the very same tensor as another edge's output)
             free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
                     and not any(t is out for other, t in outs.items() if other != e))
-            self._track(st, _PendingSend(comm.send_forward(out, mb), out, "F", mb, e, time.time(), free=free))
+            h = self.comms[e].send_forward(out, mb, post=False)
+            st.sends[a.key] = _PendingSend(h, out, "F", mb, e, time.time(), free=free)
+            st.held += 1
+            st.stats["sent_held_peak"] = max(st.stats["sent_held_peak"], st.held)
         elif k == _K.SEND_B:
             grads = st.input_grads[(a.stage, mb)]
             g = grads.pop(e)
             if not grads:
                 del st.input_grads[(a.stage, mb)]
-            self._track(st, _PendingSend(comm.send_backward(g, mb), g, "B", mb, e, time.time(), free=False))
-        elif k in (_K.RECV_F, _K.RECV_B):
-            d = k.direction
-            st.posted[(e, d, mb)] = comm.recv_forward() if d == "F" else comm.recv_backward()
-        elif k in (_K.WAIT_F, _K.WAIT_B):
+            h = self.comms[e].send_backward(g, mb, post=False)
+            st.sends[a.key] = _PendingSend(h, g, "B", mb, e, time.time(), free=False)
+        if recvs or sends:
+            post_together(recvs + [st.sends[item].handle for item in sends])
+        if k in (_K.WAIT_F, _K.WAIT_B):
             d = k.direction
             try:
                 h = st.posted.pop((e, d, mb))
@@ -610,33 +652,26 @@ class PipelineRuntime:
                                    f"({'activation' if d == 'F' else 'gradient'}, mb {mb}): it is not in the "
                                    "edge's destination mesh")
             st.received[(e, d, mb)] = t
-        else:  # pragma: no cover
+        elif k not in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):  # pragma: no cover
             raise AssertionError(a)
 
-    def _track(self, st: _Step, s: _PendingSend) -> None:
-        key = (s.edge, s.direction)
-        if key not in st.reapers:
-            st.reapers[key] = _SendReaper(f"pp-send-{s.edge}-{s.direction}-r{self.ctx.rank}")
-        st.sends.append(s)
-        st.reapers[key].submit(s)
-
-    def _poll_sends(self, st: _Step) -> None:
-        """Retire completed sends (frees sent activations early) without ever blocking."""
-        if not st.sends:
-            return
-        keep = []
-        for s in st.sends:
-            if s.done.is_set():
-                self._finish_send(s, st)
-            else:
-                keep.append(s)
-        st.sends[:] = keep
+    def _receive(self, st: _Step, item: tuple[Edge, str, int]) -> Any:
+        """The receive of `item` (edge, direction, mb), started unposted on first mention."""
+        h = st.posted.get(item)
+        if h is None:
+            e, d, _ = item
+            h = st.posted[item] = self.comms[e].recv_forward(post=False) if d == "F" else \
+                self.comms[e].recv_backward(post=False)
+        return h
 
     def _finish_send(self, s: _PendingSend, st: _Step) -> None:
-        s.done.wait()
-        if s.error is not None:
+        """Retire a send known complete (gloo reports completion only to a waiter; this wait returns at once)."""
+        try:
+            s.handle.wait()
+        except BaseException as e:
             raise RuntimeError(f"stage {self.stage}: sending the {'activation' if s.direction == 'F' else 'gradient'} "
-                               f"of mb {s.mb} on edge {s.edge} failed") from s.error
+                               f"of mb {s.mb} on edge {s.edge} failed") from e
+        st.held -= s.direction == "F"
         if s.free:
             # Megatron's deallocate_output_tensor: keep the autograd node, drop the data
             s.tensor.data = torch.empty((1,), dtype=s.tensor.dtype, device=s.tensor.device)
@@ -644,7 +679,7 @@ class PipelineRuntime:
             st.freed.add((s.edge.src, s.mb))
         if st.send_done:
             record = {"stage": self.stage, "vstage": s.edge.src if s.direction == "F" else s.edge.dst,
-                      "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": s.end, "edge": str(s.edge),
+                      "kind": "SEND_" + s.direction, "mb": s.mb, "start": s.start, "end": time.time(), "edge": str(s.edge),
                       "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]}
             for h in st.send_done:
                 h(record)

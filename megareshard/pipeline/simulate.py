@@ -67,6 +67,9 @@ class Costs:
     program (default 0: the reduction is launched and overlaps; the DP all-reduce time: it does not).
     `send_post` / `recv_post`: how long a SEND / RECV action holds its program before the message is posted
     (the runtime's own work to start a transfer: default 0, free); the transfer is ready when it is posted.
+    `nic_sharing=False` drops the NIC channels: every transfer starts the moment it is ready and takes its
+    `comm` time however many others are in flight — only the dependencies stay, so the makespan is the
+    schedule's critical path (fill and drain included) with transfers that never queue.
     """
 
     f: PerStage = 1.0
@@ -79,6 +82,7 @@ class Costs:
     reduce: PerStage = 0.0
     send_post: float = 0.0
     recv_post: float = 0.0
+    nic_sharing: bool = True
 
     def compute(self, kind: ActionKind, stage: int) -> float:
         if kind == _K.F:
@@ -282,7 +286,7 @@ def simulate(schedule: Schedule, graph: PipelineGraph | None = None,
         keep = []
         for key, send in pending:
             src, dst = mesh_of(send.stage), mesh_of(send.peer)
-            if send_free[src] <= t and (not costs.recv_nic or recv_free[dst] <= t):
+            if not costs.nic_sharing or (send_free[src] <= t and (not costs.recv_nic or recv_free[dst] <= t)):
                 end = t + costs.edge(send.edge)
                 send_free[src] = end
                 if costs.recv_nic:

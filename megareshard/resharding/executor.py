@@ -11,26 +11,30 @@ default process group — and then run every microbatch:
 issue order (no tags: every tag is 0); every member of a communicator issues the same
 operations in the same order; one thread drives a communicator.
 
-* **Communicators by participant set.** Every unit task runs on the communicator of its
-  participants: its sending rank and the receivers it serves over the network, keyed
-  ``(sender, receivers)``. Tasks (of any Resharder sharing a `CommStreams`) with the same
-  key share one communicator, so their number is bounded by the distinct sets, never by
-  tasks or microbatches. The sender is part of the key so that the two directions of a
-  pipeline edge never share a communicator: on NCCL a rank whose send is queued before its
-  receive on the same communicator would wait for a peer doing the same (the 1F1B send/recv
-  deadlock Megatron avoids by batching). All communicators are created at construction, in
-  the plan's global task order, identically on every rank (`dist.new_group` is collective).
-* **One stream thread per communicator.** Each communicator has, on each member rank, one
-  thread that issues all of its operations, in FIFO order of the runs submitted to it (a
-  CUDA stream's semantics). `start()` only submits work and returns; the calling thread
-  never issues point-to-point operations itself. Per run, a stream issues its tasks in
-  global order: first every receive (posted early), then the sends in global message
-  order; a *forward* (broadcast chain hop, intra-host fan-out, all-gather exchange) first
-  waits for the receive that brought its data — blocking only this communicator's thread,
-  the gloo counterpart of NCCL's stream ordering. Every member of a communicator sees the
-  same sequence of runs (the pipeline's lowering guarantees that a receiver posts receives
-  in its sender's order), and inside a run the same global message order, so every
-  message pairs with the right one by issue order alone.
+* **Communicators by participant set** (`streams.py`): every unit task runs on the communicator of its
+  participants — its sending rank, the receivers it serves over the network — and of the ranks that forward
+  in it, keyed ``(participants, forwarders)``. Tasks (of any Resharder sharing a `CommStreams`) with the same
+  key share one communicator, so their number is bounded by the distinct sets, never by tasks or
+  microbatches. The two directions of a pipeline edge between two one-rank ends have the same key and share
+  their communicator, so a send and a receive with one peer can go out as one group; which receives a rank
+  may post when on such a communicator is the pipeline's posting plan (`pipeline/posting.py`), proven
+  against NCCL's issue-order rule. All communicators are created at construction, in the plan's global task
+  order, identically on every rank (`dist.new_group` is collective).
+* **Who issues.** A rank's operations on a communicator it forwards on (a broadcast chain hop, an
+  intra-host fan-out, an all-gather exchange: it must wait for data before sending it on) are issued by
+  that communicator's one *stream thread*, in FIFO order of the runs submitted to it (a CUDA stream's
+  semantics): per run every receive first, then the sends in global message order, a forward after the
+  receive that brought its data — blocking only this communicator's thread. Every other operation — pure
+  receives, direct sends — is issued inline by the thread that calls ``start()`` (no hand-off), one group
+  per communicator: ``start(post=False)`` holds them until `ReshardHandle.post`, `post_together` (several
+  runs' operations in one group per communicator) or ``wait()``. The key names the forwarders, so a
+  communicator is driven by one thread on each rank whatever Resharder uses it. Every member of a
+  communicator sees the same sequence of runs (the pipeline's lowering guarantees that a receiver posts
+  receives in its sender's order), and inside a run the same global message order, so every message
+  pairs with the right one by issue order alone.
+* **Which device of a host.** The scheduler picks sending *hosts*; the sending rank is the host's holder
+  that sends the fewest bytes so far, and successive tasks into a host enter through successive devices
+  (`messages.rotate_receivers`), so a host's wire traffic and fan-outs spread over its devices.
 * **Strategies** (paper §3.1) come from the registry (`strategies/`): each lays out a task's
   messages (`sendrecv`: sender → every receiver; `allgather`: 1/B of the slice to each of a
   host's B receivers, which then exchange pieces inside the host; `broadcast`: on NCCL one
@@ -69,128 +73,27 @@ its wire operations were posted and when they completed (``handle.trace``). Don'
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.nccl_check import set_label
+from .streams import CommStreams, GroupKey, Op, issue
 from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _contains, _Msg, _RankTask,
-                       _relative, _shape, _TaskProgram, build_messages, nic_side_chains)
+                       _relative, _shape, _TaskProgram, build_messages, comm_key, nic_side_chains,
+                       rotate_receivers)
 from .spec import local_slices
 from .strategies import get_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
 
-__all__ = ["Resharder", "ReshardHandle", "CommStreams"]
-
-GroupKey = tuple[int, tuple[int, ...]]  # (sender, receivers it serves over the network), global ranks
-
-
-# ---------------------------------------------------------------------------------- streams
-class _Item:
-    """One unit of work on a stream; `done` is set when it has run (or failed)."""
-
-    __slots__ = ("fn", "done", "error")
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _Stream:
-    """The one thread that issues every operation of one communicator on this rank, in FIFO order."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], None]) -> _Item:
-        item = _Item(fn)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            self._thread.start()
-        self._queue.put(item)
-        return item
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            try:
-                item.fn()
-            except BaseException as e:  # surfaced by ReshardHandle.wait()
-                item.error = e
-            item.done.set()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-
-
-class CommStreams:
-    """The communicators of cross-mesh resharding, one per distinct participant set, each with its stream.
-
-    Share one instance between every Resharder of a job (the pipeline does): tasks with the
-    same (sender, receivers) then share a communicator. Creation is collective over the
-    parent group and must happen in the same order on every rank (Resharder construction
-    guarantees it); `pipeline.comm.communicator_keys` counts them without processes.
-    """
-
-    def __init__(self) -> None:
-        self._groups: dict[Any, Any] = {}
-        self._streams: dict[Any, _Stream] = {}
-        self._rank = dist.get_rank()
-        self._pg = dist.distributed_c10d._get_default_group()
-        self._built = 0
-
-    @classmethod
-    def shared(cls) -> "CommStreams":
-        """The process's default instance for the current default process group (created on first use)."""
-        pg = dist.distributed_c10d._get_default_group()
-        inst = _SHARED.get("streams")
-        if inst is None or inst._pg is not pg:
-            inst = _SHARED["streams"] = cls()
-        return inst
-
-    def group(self, key: Any, ranks: list[int]) -> Any:
-        """The communicator for `key` over global `ranks`; created on first use (collective: every rank calls)."""
-        if key not in self._groups:
-            self._groups[key] = dist.new_group(sorted(ranks))
-        return self._groups[key]
-
-    def next_index(self) -> int:
-        """A serial number per Resharder built on this instance (identical on every rank)."""
-        self._built += 1
-        return self._built - 1
-
-    def stream(self, key: Any) -> _Stream:
-        if key not in self._streams:
-            self._streams[key] = _Stream(f"reshard-stream-r{self._rank}-{key}")
-        return self._streams[key]
-
-    def close(self, destroy_groups: bool = False) -> None:
-        """Stop the stream threads; with ``destroy_groups`` also destroy the communicators (every rank, after
-        the last run on them has completed)."""
-        for s in self._streams.values():
-            s.close()
-        self._streams.clear()
-        if destroy_groups:
-            for g in self._groups.values():
-                dist.destroy_process_group(g)
-            self._groups.clear()
-
-
-_SHARED: dict[str, CommStreams] = {}  # CommStreams.shared(): a cache per default group, like torch's group registry
+__all__ = ["Resharder", "ReshardHandle", "CommStreams", "post_together"]
 
 
 # ---------------------------------------------------------------------------------- one run
@@ -207,11 +110,15 @@ class _Run:
 
 
 class ReshardHandle:
-    """An in-flight resharding run; `wait()` returns the destination shard (or None)."""
+    """An in-flight resharding run; `wait()` returns the destination shard (or None).
 
-    def __init__(self, owner: "Resharder", out: torch.Tensor | None, run: _Run, items: list[_Item],
+    A run started with ``post=False`` holds its inline operations unissued (``pending``): `post` issues them,
+    `post_together` issues several runs' at once (one group per communicator), and `wait` issues whatever is
+    still pending before waiting."""
+
+    def __init__(self, owner: "Resharder", out: torch.Tensor | None, run: _Run, items: list[Any],
                  copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[Any],
-                 bufs: dict[int, torch.Tensor] | None) -> None:
+                 bufs: dict[int, torch.Tensor] | None, pending: list[tuple[GroupKey, list[Op]]]) -> None:
         self._owner = owner
         self._out = out
         self._run = run
@@ -219,6 +126,7 @@ class ReshardHandle:
         self._copies = copies  # (destination view, flat receive buffer) after the data is in
         self._keep = keep  # send payloads must live until the sends complete
         self._bufs = bufs
+        self.pending = pending  # (communicator key, operations) issued inline by post()
         self._done = False
         self.trace = run.trace  # plan order with trace=True: filled by the stream threads
 
@@ -226,9 +134,15 @@ class ReshardHandle:
     def _works(self) -> list[Any]:
         return [w for w, _ in self._run.works]
 
+    def post(self) -> None:
+        """Issue this run's pending operations (one group per communicator); nothing if already posted."""
+        post_together([self])
+
     def wait(self) -> torch.Tensor | None:
         if self._done:
             return self._out
+        if self.pending:
+            self.post()
         for it in self._items:
             it.done.wait()
         errors = [it.error for it in self._items if it.error is not None]
@@ -248,6 +162,19 @@ class ReshardHandle:
         return self._out
 
 
+def post_together(handles: Sequence[ReshardHandle]) -> None:
+    """Issue the pending operations of `handles` from this thread: per communicator one group holding every
+    handle's operations on it, in the order the handles are given (on each communicator the operations
+    between two ranks pair in issue order: give receives in the order their sender sends them)."""
+    by_key: dict[GroupKey, tuple[Any, list[Op]]] = {}
+    for h in handles:
+        for key, ops in h.pending:
+            by_key.setdefault(key, (h._owner._group_of[key], []))[1].extend(ops)
+        h.pending = []
+    for group, ops in by_key.values():
+        issue(group, ops)
+
+
 # ---------------------------------------------------------------------------------- Resharder
 class Resharder:
     """Runs one `ReshardingPlan` for tensors of one dtype; construction is collective.
@@ -261,7 +188,7 @@ class Resharder:
 
     def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *,
                  group: Any = None, sync_plan: bool = True, order: str | None = None, trace: bool = False,
-                 streams: CommStreams | None = None, name: str = "") -> None:
+                 streams: CommStreams | None = None, name: str = "", key_suffix: tuple = ()) -> None:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -305,6 +232,7 @@ class Resharder:
         host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
         self._host_of = host_of
         self.programs: list[_TaskProgram] = []
+        turns: dict[int, int] = {}  # tasks that reached each host so far: where the next one enters it
         for pos, (index, sender) in enumerate(task_order):
             task = by_index[index]
             if sender is None or sender not in task.senders:
@@ -313,7 +241,7 @@ class Resharder:
             region = tuple(task.slice)
             held = set(task.senders)
             local = tuple(r for r in task.receivers if r in held)
-            remote = sorted(r for r in task.receivers if r not in held)
+            remote = rotate_receivers(sorted(r for r in task.receivers if r not in held), host_of, turns)
             numel = prod(_shape(region))
             k = int(task.chunks)  # chosen by the planner: plan and executor cannot disagree
             msgs = [] if (self._nccl and strat.nccl_broadcast) else \
@@ -323,12 +251,13 @@ class Resharder:
                                               members, chunks=k))
 
         # communicators: every rank, every task, one global order (deduplicated by key)
+        self._plan_order = self.order == "plan"
+        self._key_suffix = tuple(key_suffix)
         self._group_of: dict[GroupKey, Any] = {}
         for p in self.programs:
-            if p.group_ranks:
-                key = (p.sender, tuple(p.group_ranks[1:]))
+            key = self.comm_key(p)
+            if key is not None:
                 self._group_of[key] = self.streams.group(key, [self._global(r) for r in p.group_ranks])
-        self._plan_order = self.order == "plan"
         hosts_ranks: dict[int, list[int]] = {}
         for r in sorted(all_ranks):
             hosts_ranks.setdefault(host_of[r], []).append(r)
@@ -366,14 +295,15 @@ class Resharder:
                         rt.wire_sends.append(m)
             rt.in_nccl_group = bool(p.group_ranks) and self.rank in p.group_ranks and not p.msgs
             if p.group_ranks and self.rank in p.group_ranks:
-                rt.key = (p.sender, tuple(p.group_ranks[1:]))
+                rt.key = self.comm_key(p)
             if rt.sends and rt.src_view is None:
                 raise AssertionError(f"rank {self.rank} sends task {p.index} but its shard does not hold it")
             if (rt.recvs or rt.copy_local or rt.in_nccl_group) and self.rank != p.sender and rt.dst_view is None:
                 raise AssertionError(f"rank {self.rank} receives task {p.index} outside its destination shard")
             if rt.copy_local or rt.sends or rt.recvs or rt.forwards or rt.in_nccl_group:
                 self._mine.append(rt)
-        # this rank's stream items: its tasks grouped by communicator, in order of first appearance
+        # this rank's items: its tasks grouped by communicator, in order of first appearance; issued inline
+        # unless this rank forwards on the communicator (or runs plan order): then by its stream thread
         self._items: list[tuple[GroupKey, list[_RankTask]]] = []
         index: dict[GroupKey, int] = {}
         for rt in self._mine:
@@ -383,6 +313,8 @@ class Resharder:
                 index[rt.key] = len(self._items)
                 self._items.append((rt.key, []))
             self._items[index[rt.key]][1].append(rt)
+        # the key names the forwarders, so a rank forwarding in one task on it forwards in every such task
+        self._threaded = {key: self._plan_order or any(rt.forwards for rt in rts) for key, rts in self._items}
         # plan order: where this rank sits in the chains of its host's two NIC sides
         my_host = host_of.get(self.rank)
         chains = nic_side_chains(self.programs, host_of) if my_host is not None else {}
@@ -415,6 +347,12 @@ class Resharder:
         self._runs = 0
 
     # ------------------------------------------------------------------ construction helpers
+    def comm_key(self, p: _TaskProgram) -> GroupKey | None:
+        """The communicator of task `p` (`messages.comm_key`; a pipeline edge whose directions must stay apart
+        appends the sending mesh, ``key_suffix``)."""
+        key = comm_key(p, self._plan_order)
+        return None if key is None else key + self._key_suffix
+
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
@@ -488,8 +426,12 @@ class Resharder:
         """This rank's destination shard (None if not in the destination mesh)."""
         return self.start(local_src).wait()
 
-    def start(self, local_src: torch.Tensor | None) -> ReshardHandle:
-        """Submit this rank's operations to the communicators' streams; `handle.wait()` gives the shard."""
+    def start(self, local_src: torch.Tensor | None, post: bool = True) -> ReshardHandle:
+        """Start this rank's part of one run; `handle.wait()` gives the shard.
+
+        Operations on the communicators this rank forwards on go to their stream threads at once (a forward
+        waits for its data there); the others are issued from this thread — now, or with ``post=False`` when
+        `ReshardHandle.post` / `post_together` / `wait` says (to group them with another run's)."""
         self._check_input(local_src)
         out = None
         if self.dst_shape is not None:
@@ -505,7 +447,7 @@ class Resharder:
         for rt in self._mine:  # local copies (overlapping meshes), on the caller's thread: no communication
             if rt.copy_local and self._strat.carries_data:
                 out[rt.dst_view].copy_(local_src[rt.src_view])
-        items: list[_Item] = []
+        items: list[Any] = []
         if self._plan_order:
             for side in (SEND_SIDE, RECV_SIDE):
                 for rt in self._mine:
@@ -516,11 +458,46 @@ class Resharder:
                     lambda: self._tokens(run, n)))
             else:
                 run.tokens_posted.set()
+        pending: list[tuple[GroupKey, list[Op]]] = []
         for key, rts in self._items:
-            fn = self._item_plan if self._plan_order else self._item
-            items.append(self.streams.stream(key).submit(
-                lambda key=key, rts=rts: fn(self._group_of[key], rts, flats, run, n)))
-        return ReshardHandle(self, out, run, items, copies, keep, bufs)
+            if self._threaded[key]:
+                fn = self._item_plan if self._plan_order else self._item
+                items.append(self.streams.stream(key).submit(
+                    lambda key=key, rts=rts: fn(self._group_of[key], rts, flats, run, n)))
+            else:
+                pending.append((key, self._inline_ops(rts, flats, run, n)))
+        handle = ReshardHandle(self, out, run, items, copies, keep, bufs, pending)
+        if post and pending:
+            handle.post()
+        return handle
+
+    def _inline_ops(self, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> list[Op]:
+        """This rank's operations on one communicator it does not forward on, in the order a stream would
+        issue them: every receive, then the sends in global message order (or the task's broadcast)."""
+        me = self.rank
+        ops: list[Op] = []
+
+        def add(kind: str, flat: Any, peer: int, label: str) -> None:
+            entry = [None, False]
+            run.works.append(entry)
+            ops.append(Op(kind, flat, self._global(peer), label, entry))
+
+        for rt in rts:
+            p = rt.prog
+            recv_flat, send_flat = flats[p.pos]
+            if rt.in_nccl_group:
+                add("bcast", send_flat if me == p.sender else recv_flat, p.sender, f"{self.name}#{n}/t{p.index}")
+                continue
+            for j, m in enumerate(p.msgs):
+                if m.dst == me:
+                    add("recv", recv_flat[m.start:m.stop], m.src, f"{self.name}#{n}/t{p.index}/m{j}")
+        for rt in rts:
+            p = rt.prog
+            send_flat = flats[p.pos][1]
+            for j, m in enumerate(p.msgs):
+                if m.src == me:  # never a forward: this rank would drive the communicator from its stream
+                    add("send", send_flat[m.start:m.stop], m.dst, f"{self.name}#{n}/t{p.index}/m{j}")
+        return ops
 
     def _flats(self, rt: _RankTask, local_src: torch.Tensor | None, out: torch.Tensor | None,
                bufs: dict[int, torch.Tensor], copies: list, keep: list) -> tuple[Any, Any]:

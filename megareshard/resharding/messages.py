@@ -80,6 +80,22 @@ def _shape(region: Sequence[slice]) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in region)
 
 
+def rotate_receivers(remote: Sequence[int], host_of: dict[int, int], turns: dict[int, int]) -> list[int]:
+    """`remote` (sorted) with each host's receivers rotated by the number of earlier tasks that reached that host
+    (`turns`, updated): a strategy sends a host's share to its first receiver listed (the broadcast chain's head,
+    which fans out to the others), so successive tasks enter a host through successive devices instead of all
+    through its first one. Pure and the same on every rank: call it in execution order."""
+    by_host: dict[int, list[int]] = {}
+    for r in remote:
+        by_host.setdefault(host_of[r], []).append(r)
+    out: list[int] = []
+    for h, rs in by_host.items():
+        k = turns.get(h, 0) % len(rs)
+        out += rs[k:] + rs[:k]
+        turns[h] = turns.get(h, 0) + 1
+    return out
+
+
 def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int],
                    host_of: dict[int, int], chunks: int) -> list[_Msg]:
     """The messages of one unit task in global posting order (pure: unit-testable), as the registered
@@ -92,6 +108,22 @@ def build_messages(strategy: str, numel: int, sender: int, remote: Sequence[int]
     if not remote:
         return []
     return get_strategy(strategy).messages(numel, sender, remote, host_of, chunks)
+
+
+def comm_key(p: _TaskProgram, plan_order: bool = False) -> tuple | None:
+    """The communicator a task runs on (None: no remote receiver), the same on every rank (pure).
+
+    ``(participants, forwarders)`` — sorted rank tuples; tasks of both directions of a pipeline edge between
+    two one-rank ends share ``((a, b), ())``. A task sent as one collective (NCCL broadcast: no messages)
+    gets ``("bcast", sender, participants)``, and a plan-order run ``("plan", participants, forwarders)``
+    (see `streams.py`)."""
+    if not p.group_ranks:
+        return None
+    parts = tuple(sorted(p.group_ranks))
+    if not p.msgs:
+        return ("bcast", p.sender, parts)
+    fwd = tuple(sorted({m.src for m in p.msgs if m.forward}))
+    return ("plan", parts, fwd) if plan_order else (parts, fwd)
 
 
 def nic_side_chains(programs: Sequence[_TaskProgram], host_of: dict[int, int]

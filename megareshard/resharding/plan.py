@@ -156,8 +156,8 @@ def plan_resharding(
     other strategies it is 1.
 
     Scheduling is at host granularity, in bytes over one NIC (uniform NIC bandwidth is
-    assumed, so bytes order schedules as time does); the concrete sender is the lowest
-    sending rank on the chosen host.
+    assumed, so bytes order schedules as time does); the concrete sender is, in execution order, the
+    chosen host's holder that sends the fewest bytes so far (ties: the lowest rank).
     """
     strat = get_strategy(strategy)
     check_scheduler(scheduler)
@@ -197,9 +197,14 @@ def plan_resharding(
                                loads))
         sched_tasks.append(SchedTask(tuple(opts), naive=cand.index(src_mesh.host_of(t.senders[0]))))
     sched = run_scheduler(scheduler, sched_tasks, order=order, time_budget_s=time_budget_s, seed=seed)
-    for pos, t in enumerate(tasks):
+    sent: Counter[int] = Counter()  # bytes each source rank sends, in execution order
+    for pos in sched.order:
+        t = tasks[pos]
         h = sched_tasks[pos].options[sched.choice[pos]].host
-        t.sender = min(r for r in t.senders if src_mesh.host_of(r) == h)
+        # the host's holder that sends least so far (ties: the lowest rank): a host's tasks leave from all of its
+        # devices, not all from its first one (one process, one progress thread, doing every send of the host)
+        t.sender = min((r for r in t.senders if src_mesh.host_of(r) == h), key=lambda r: (sent[r], r))
+        sent[t.sender] += t.nbytes
     return ReshardingPlan(
         shape=shp,
         src_mesh=src_mesh,

@@ -144,6 +144,16 @@ def test_flags(tmp_path):
     with pytest.raises(ConfigError, match=r"its skip edges \(none\) are not the model's \(0->1:skip0\)"):
         load_schedule_file(str(path), num_meshes=PP, num_microbatches=M,
                            graph=PipelineGraph(PP, ((0, 1, "skip0"),)))
+    # receive posting: early posting would queue receives in front of sends on NCCL: refused with cuda
+    with pytest.raises(ConfigError, match="--pipeline-recv-posting early needs gloo"):
+        parse_args(_argv("--pipeline-recv-posting", "early", "--device", "cuda"), world_size=WORLD)
+    assert parse_args(_argv("--pipeline-recv-posting", "grouped"), world_size=WORLD).plan.pipeline.recv_posting == \
+        "grouped"
+    from megareshard.pipeline.runtime import resolve_recv_posting
+
+    assert (resolve_recv_posting("auto", "nccl"), resolve_recv_posting("auto", "gloo")) == ("mixed", "early")
+    with pytest.raises(ConfigError, match="early needs gloo"):
+        resolve_recv_posting("early", "nccl")
     for zero in ("0", "1", "2"):  # pp > 1: every ZeRO stage overlaps through R
         cfg = parse_args(_argv("--overlap-grad-reduce", "--zero-stage", zero), world_size=WORLD)
         assert cfg.memory.zero_stage == int(zero)
@@ -161,9 +171,45 @@ CONFIGS = {
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--delay-wgrad-compute"]  # tp 2 × pp 2, dp 1
 
 
-def _worker(rank, world, file_path, trace_path):
+CROSSING = """stages 2 microbatches 4
+stage 0: F0 F1 F2 F3 B0 B1 B2 B3
+stage 1: F0 F1 B0 B1 F2 F3 B2 B3
+"""  # both stages send twice before they receive: fine on gloo, a hang under NCCL's ordering if grouped
+
+
+def _grouped(world, ctx, crossing_path):
+    """NCCL's receive posting on gloo: trains like early posting, every exchange one group (counted in the
+    checking mode's record); the crossing file is refused at start-up with --pipeline-recv-posting grouped and
+    runs with mixed (its pair keeps a communicator per direction)."""
+    from megareshard.parallel.nccl_check import recorded_batches
+
+    trainer = Trainer(parse_args(_argv("--pipeline-recv-posting", "grouped"), world_size=world), ctx,
+                      torch.device("cpu"), out=io.StringIO())
+    before = len(recorded_batches())
+    trainer.train()
+    got = sorted(recorded_batches()[before:])
+    pipe = trainer.pipeline
+    plan = pipe.posting_plan(M)
+    prog = pipe.program(M)
+    sends, posts = plan.sends[pipe.stage], plan.posts[pipe.stage]
+    want = sorted([len(sends.get(i, ())) + len(posts.get(i, ())) for i in range(len(prog))
+                   if len(sends.get(i, ())) + len(posts.get(i, ())) > 1] * 2)  # two training steps
+    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    refused = None
+    try:
+        Trainer(parse_args(_argv("--pipeline-schedule-file", crossing_path, "--pipeline-recv-posting", "grouped",
+                                 schedule=None), world_size=world), ctx, torch.device("cpu"), out=io.StringIO())
+    except ConfigError as e:
+        refused = str(e)
+    mixed = Trainer(parse_args(_argv("--pipeline-schedule-file", crossing_path, "--pipeline-recv-posting", "mixed",
+                                     schedule=None), world_size=world), ctx, torch.device("cpu"), out=io.StringIO())
+    mixed.train()
+    return params, got, want, refused, sorted(map(sorted, mixed.pipeline.shared_pairs)), pipe.stage
+
+
+def _worker(rank, world, file_path, trace_path, crossing_path):
     ctx = ParallelContext.create(Topology(world, tp=1, pp=PP))
-    out = {}
+    out = {"grouped": _grouped(world, ctx, crossing_path)}
     runs = [(k, _argv(*v), ctx) for k, v in CONFIGS.items()]
     runs.append(("file", _argv("--pipeline-schedule-file", file_path, "--pipeline-trace", trace_path, schedule=None),
                  ctx))
@@ -189,9 +235,10 @@ def _worker(rank, world, file_path, trace_path):
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     d = tmp_path_factory.mktemp("gradreduce")
-    file_path, trace_path = str(d / "1f1b.txt"), str(d / "trace.json")
+    file_path, trace_path, crossing_path = str(d / "1f1b.txt"), str(d / "trace.json"), str(d / "crossing.txt")
     generate("1f1b", PP, M).save(file_path)
-    results = run_ranks(_worker, WORLD, file_path, trace_path, timeout=300, nccl_check=True)
+    open(crossing_path, "w").write(CROSSING)
+    results = run_ranks(_worker, WORLD, file_path, trace_path, crossing_path, timeout=300, nccl_check=True)
     return results, json.loads(open(trace_path).read())
 
 
@@ -206,6 +253,23 @@ def test_overlap_grad_reduce_is_bitwise_equal(launched, base):
         # R launched every bucket asynchronously; train_step waited for them (2 iterations)
         assert len(overlap[1]) == 2 and min(overlap[1]) > 0, (rank, base, overlap[1])
         assert "started by an R action" in overlap[2] if rank == 0 else True
+
+
+def test_grouped_posting_issues_each_exchange_as_one_group(launched):
+    """A rank whose send and receive with one peer are both ready issues them as one grouped operation: the
+    checking mode's record holds exactly the posting plan's groups (1F1B on 2 stages: 3 exchanges per step
+    and stage), and the training is bitwise that of early posting."""
+    results, _ = launched
+    for rank, out in enumerate(results):
+        params, got, want, refused, shared, stage = out["grouped"]
+        # 3 exchanges per step on each stage (2 steps): a send with one receive (stage 0's last one also carries
+        # the last gradient's receive: no send comes between)
+        assert got == want and len(got) == 6 and sorted(set(got)) == ([2, 3] if stage == 0 else [2]), (rank, got, want)
+        for k, v in out["zero0"][0].items():
+            assert torch.equal(v, params[k]), f"rank {rank}: {k} differs with grouped receive posting"
+        assert refused is not None and "crossing.txt: mesh 0 action 9 'WB0<-1@0': deadlock under NCCL's ordering" \
+            in refused and "queued behind the send of activation 2" in refused and "\n" not in refused, refused
+        assert shared == [], (rank, shared)  # mixed: the crossing pair keeps its directions apart
 
 
 def test_schedule_file_trains_like_the_generated_schedule(launched):

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from megareshard.arguments import ConfigError, parse_args, validate
 from megareshard.parallel import ParallelContext, Topology
-from megareshard.pipeline import Edge, Timeline
+from megareshard.pipeline import Edge, Timeline, generate, lower
+from megareshard.pipeline.posting import held_sends_peak
 from megareshard.pipeline.comm import EdgeShapeError
 from megareshard.pipeline.stage import split_layers, stage_layouts
 from megareshard.tensor_parallel import gather_full_state_dict
@@ -42,7 +43,8 @@ SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 STRATEGIES = ("sendrecv", "allgather", "broadcast")
 
 
-def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="sendrecv", sp=False, trace=None, per_stage=None):
+def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="sendrecv", sp=False, trace=None, per_stage=None,
+          posting=None):
     argv = ["--mock-data", "--vocab-size", "200", "--num-layers", "4", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "8", "--micro-batch-size", "1",
             "--global-batch-size", "8", "--train-iters", str(ITERS), "--lr", "1e-2", "--min-lr", "1e-3",
@@ -54,6 +56,7 @@ def _argv(tp=1, pp=1, schedule="1f1b", delay=False, strategy="sendrecv", sp=Fals
     argv += ["--sequence-parallel"] if sp else []
     argv += ["--pipeline-trace", trace] if trace else []
     argv += ["--num-layers-per-stage", per_stage] if per_stage else []
+    argv += ["--pipeline-recv-posting", posting] if posting else []
     return argv
 
 
@@ -63,8 +66,13 @@ def _cases() -> list[tuple[int, int, list[dict]]]:
     # tp · pp · dp together: each schedule once, with another strategy each, both delays among them
     a = [dict(schedule=s, delay=i == 1, strategy=x) for i, (s, x) in enumerate(zip(SCHEDULES, STRATEGIES))]
     a.append(dict(schedule="eager-1f1b", delay=True, strategy="broadcast", sp=True, per_stage="1,3"))
-    b = [dict(schedule=s, delay=i % 2 == 0, strategy=x) for i, (s, x) in enumerate(pairs)]
-    c = [dict(schedule=s, delay=i % 2 == 1, strategy=x) for i, (s, x) in enumerate(pairs)]
+    # receive posting: gloo's early posting, and NCCL's (grouped with the last send to the same peer) on the
+    # layout where an edge's two directions share a communicator (tp 1: one rank per end), mixed on the others
+    b = [dict(schedule=s, delay=i % 2 == 0, strategy=x, posting=("grouped", "mixed", None)[i % 3])
+         for i, (s, x) in enumerate(pairs)]
+    c = [dict(schedule=s, delay=i % 2 == 1, strategy=x, posting="mixed" if i % 2 else None)
+         for i, (s, x) in enumerate(pairs)]
+    a[1]["posting"] = "mixed"
     return [(2, 2, a), (1, 4, b), (2, 4, c)]
 
 
@@ -176,9 +184,12 @@ def test_every_schedule_delay_and_strategy_matches_single_process(reference, tmp
         _check(reference, per_stage, pp, label)
         for s, (_, _, _, extra) in per_stage.items():
             assert len(extra["mem"]) == pp and min(extra["mem"]) > 0, label
-            if s < pp - 1:  # every sent activation's data was freed after its send
+            if s < pp - 1:  # every sent activation's data was freed when its send was retired, before its B
                 assert extra["stats"]["outputs_freed"] == extra["stats"]["freed_before_backward"] == extra["m"], \
                     (label, s, extra["stats"])
+            # sends are retired where the receiver's reply shows them complete: as many held as posting.py says
+            low = lower(generate(kw["schedule"], pp, extra["m"], delay_wgrad=kw.get("delay", False)))
+            assert extra["stats"]["sent_held_peak"] == held_sends_peak(low)[s], (label, s, extra["stats"])
         checked += 1
     assert checked == sum(len(c) for _, _, c in layouts)
     trace = json.loads(open(trace_path).read())

@@ -7,7 +7,9 @@ broadcast) × delayed W (the interleaved kinds; the zero-bubble kinds are I/W sc
 (uniform pp 2 · dp 2, per-stage ``tp1dp2,tp2dp1``) × model (GPT, U-Transformer): every schedule
 meets every strategy, both layouts and both models; the interleaved kinds meet both delay settings;
 sequence parallelism runs on the tp-2 mesh of two per-stage cases (zb-h1, zbv), ZeRO 2 with its
-reductions started from gradient hooks in two uniform ones (zb-h1, zbv).
+reductions started from gradient hooks in two uniform ones (zb-h1, zbv). Five cases post receives as on NCCL
+(`pipeline/posting.py`): grouped (zb-h1) or mixed (interleaved and zbv, whose two meshes exchange both ways:
+their pair keeps a communicator per direction where grouping cannot run under NCCL's ordering).
 pp 2 with 2 virtual stages: 4 stages, the edge 1->2 goes from the last mesh back to the first
 (interleaved), or 1->2 is a local hand-off on mesh 1 and 3 is the last stage on mesh 0 (zbv: the
 tied word embedding is one Parameter there). The U-Transformer's skip edges cross meshes, or are local
@@ -50,23 +52,23 @@ UT = ["--vocab-size", "96", "--u-levels", "3", "--u-widths", "16,24,32", "--u-bl
 
 # (model, layout, config): every schedule × {strategy, layout, model}; interleaved kinds × delay
 CASES = [
-    ("gpt", "uniform", dict(schedule="interleaved-1f1b", strategy="sendrecv")),
+    ("gpt", "uniform", dict(schedule="interleaved-1f1b", strategy="sendrecv", posting="mixed")),
     ("gpt", "stages", dict(schedule="interleaved-1f1b", strategy="allgather", delay=True)),
     ("gpt", "uniform", dict(schedule="eager-interleaved-1f1b", strategy="broadcast", delay=True)),
     ("gpt", "stages", dict(schedule="eager-interleaved-1f1b", strategy="sendrecv")),
-    ("gpt", "uniform", dict(schedule="zb-h1", strategy="allgather", zero2=True)),
+    ("gpt", "uniform", dict(schedule="zb-h1", strategy="allgather", zero2=True, posting="grouped")),
     ("gpt", "stages", dict(schedule="zb-h1", strategy="broadcast", sp=True)),
     ("gpt", "stages", dict(schedule="zbv", strategy="sendrecv", sp=True)),
-    ("gpt", "uniform", dict(schedule="zbv", strategy="broadcast", save=True, zero2=True)),
+    ("gpt", "uniform", dict(schedule="zbv", strategy="broadcast", save=True, zero2=True, posting="mixed")),
     ("ut", "uniform", dict(schedule="interleaved-1f1b", strategy="broadcast", per_stage="1,1,1,2")),
     ("ut", "stages", dict(schedule="eager-interleaved-1f1b", strategy="allgather", delay=True, per_stage="1,1,2,1")),
-    ("ut", "uniform", dict(schedule="zb-h1", strategy="sendrecv", per_stage="2,3")),
-    ("ut", "stages", dict(schedule="zbv", strategy="allgather", per_stage="1,1,1,2")),
+    ("ut", "uniform", dict(schedule="zb-h1", strategy="sendrecv", per_stage="2,3", posting="grouped")),
+    ("ut", "stages", dict(schedule="zbv", strategy="allgather", per_stage="1,1,1,2", posting="mixed")),
 ]
 
 
 def _argv(model, layout=None, schedule=None, strategy="sendrecv", delay=False, per_stage=None, save=None,
-          load=None, sp=False, zero2=False):
+          load=None, sp=False, zero2=False, posting=None):
     argv = ["--mock-data", "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", str(ITERS),
             "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--device", "cpu",
             "--eval-interval", str(ITERS), "--eval-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -86,6 +88,7 @@ def _argv(model, layout=None, schedule=None, strategy="sendrecv", delay=False, p
     argv += ["--num-layers-per-stage", per_stage] if per_stage else []
     argv += ["--save", save] if save else []
     argv += ["--load", load] if load else []
+    argv += ["--pipeline-recv-posting", posting] if posting else []  # NCCL's posting, run on gloo
     return argv
 
 

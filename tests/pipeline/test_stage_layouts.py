@@ -29,8 +29,10 @@ from tests.pipeline.test_runtime import ITERS, _argv, _check, _run, reference  #
 
 WORLD = 8
 CASES = [("tp1dp4,tp2dp2", dict(schedule="1f1b", strategy="broadcast"), []),
-         ("tp1dp4,tp2dp2", dict(schedule="eager-1f1b", delay=True, strategy="sendrecv"), ["--zero-stage", "1"]),
-         ("tp2dp2,tp4dp1", dict(schedule="eager-1f1b", delay=True, strategy="broadcast", sp=True), []),
+         ("tp1dp4,tp2dp2", dict(schedule="eager-1f1b", delay=True, strategy="sendrecv"),
+          ["--zero-stage", "1", "--pipeline-recv-posting", "grouped"]),
+         ("tp2dp2,tp4dp1", dict(schedule="eager-1f1b", delay=True, strategy="broadcast", sp=True),
+          ["--pipeline-recv-posting", "mixed"]),
          ("tp2dp2,tp4dp1", dict(schedule="1f1b", strategy="allgather"), ["--zero-stage", "2"])]
 # Llama-style: 8 query heads in 4 key/value groups (tp 4: one group per rank), 4 channels per head
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",

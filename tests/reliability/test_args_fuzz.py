@@ -49,6 +49,7 @@ FLAGS = [
     _opt("--train-samples", [4, 16, 0]),
     _opt("--pipeline-schedule", list(schedule_names())),
     _opt("--pipeline-schedule-file", ["/nonexistent/schedule.txt"]),
+    _opt("--pipeline-recv-posting", ["auto", "early", "grouped", "mixed"]),
     _opt("--delay-wgrad-compute", [None]),
     _opt("--num-layers-per-stage", ["1,1", "2,1", "1,2,1", "a", "0,2"]),
     _opt("--reshard-strategy", ["sendrecv", "allgather", "broadcast"]),

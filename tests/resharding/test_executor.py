@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 import time
 
 import pytest
@@ -229,6 +230,16 @@ def _worker_special(rank: int, world: int) -> dict:
             elif (o1, o2, o0, o3) != (None, None, None, None):
                 out["fails"].append(f"start/wait {strategy}/{order} rank {rank}: expected None outside the dst mesh")
 
+    # teardown: the stream threads this process started (forwarding communicators, plan order) are stopped and
+    # joined before the communicators are destroyed (a thread alive at interpreter exit can abort it)
+    from megareshard.resharding.executor import CommStreams
+
+    streams = CommStreams.shared()
+    out["threads_before_close"] = len(streams.threads())
+    streams.close(destroy_groups=True)
+    out["threads_after_close"] = len(streams.threads()) + sum(
+        t.name.startswith("reshard-stream") for t in threading.enumerate())
+
     # validation errors, raised before any communication (so no other rank is needed)
     errors = {}
     bad_inputs = {
@@ -338,6 +349,8 @@ def test_overlap_uneven_signal_async_and_validation() -> None:
     results = run_ranks(_worker_special, WORLD, timeout=120, nccl_check=True)
     fails = [f for r in results for f in r["fails"]]
     assert not fails, "\n".join(fails[:20])
+    assert sum(r["threads_before_close"] for r in results) > 0  # some ranks forward (broadcast, plan order)
+    assert [r["threads_after_close"] for r in results] == [0] * WORLD
     for rank, r in enumerate(results):
         assert r["signal_shape"] == r["signal_want"], (rank, r)
         errs = r["errors"]

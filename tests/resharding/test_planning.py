@@ -744,3 +744,33 @@ def test_plan_stores_the_chunk_count_per_task():
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match="broadcast_chunks must be an integer >= 1 or None"):
             plan_resharding((8,), src, ShardingSpec.parse("R"), dst, ShardingSpec.parse("R"), broadcast_chunks=bad)
+
+
+def test_many_to_many_spreads_every_hosts_traffic_over_its_devices():
+    """Paper cases 3 and 9 (2 hosts x 2 devices each way, four 8 MiB tasks): every source device sends one task
+    and every destination device takes one from the wire and fans it out to the other, where the first devices
+    used to send, receive and forward everything (`plan_resharding`'s sender choice, `rotate_receivers`)."""
+    from collections import Counter
+
+    from megareshard.resharding import NetworkModel
+    from megareshard.resharding.cases import paper_case
+    from megareshard.resharding.messages import build_messages, rotate_receivers
+
+    for n in (3, 9):
+        c = paper_case(n, scale=0.015625, devices_per_host=2)
+        plan = plan_resharding(c.shape, c.src_mesh, c.src_spec, c.dst_mesh, c.dst_spec, strategy="broadcast",
+                               scheduler="auto", itemsize=4, network=NetworkModel(0.5))
+        host_of = {r: m.host_of(r) for m in (c.src_mesh, c.dst_mesh) for r in m.flat_ranks}
+        turns: dict[int, int] = {}
+        wire_out, wire_in, fanout = Counter(), Counter(), Counter()
+        for t in plan.tasks:
+            remote = rotate_receivers(sorted(r for r in t.receivers if r not in t.senders), host_of, turns)
+            for m in build_messages("broadcast", t.numel, t.sender, remote, host_of, t.chunks):
+                if host_of[m.src] != host_of[m.dst]:
+                    wire_out[m.src] += m.stop - m.start
+                    wire_in[m.dst] += m.stop - m.start
+                else:
+                    fanout[m.src] += m.stop - m.start
+        each = plan.tasks[0].numel
+        assert wire_out == Counter(dict.fromkeys(c.src_mesh.flat_ranks, each)), (n, wire_out)
+        assert wire_in == fanout == Counter(dict.fromkeys(c.dst_mesh.flat_ranks, each)), (n, wire_in, fanout)
