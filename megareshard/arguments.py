@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from . import megatron_flags
+from .compile_config import CompileConfig, check_compile_config
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
 from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
 from .data.config import DataConfig
@@ -160,6 +161,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     #: Megatron-LM flags given that change nothing here, and flags mapped to megareshard's own ('--flag (why)')
     notes: list[str] = field(default_factory=list)
 
@@ -190,7 +192,7 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
              "memory": MemoryConfig, "training": TrainingConfig,
              "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig,
-             "checkpoint": CheckpointConfig}
+             "checkpoint": CheckpointConfig, "compile": CompileConfig}
 
 # old or alternative flag -> (its replacement, why)
 DEPRECATED = {
@@ -225,6 +227,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
                 group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
                                    + f" (default {f.default})", choices=f.metadata.get("choices"))
+            elif kind is bool and f.default is None:  # on, off, or None: decided later (--x / --no-x)
+                group.add_argument(_flag(f), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f.metadata["help"])
             elif kind is bool:  # a field defaulting to True is switched off by its --no-... flag
                 group.add_argument(_flag(f), dest=dest, action="store_false" if f.default else "store_true",
                                    default=f.default, help=f.metadata["help"])
@@ -257,10 +262,17 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
                           "the file is the schedule; give one of them")
     if schedule is None:
         values["pipeline.pipeline_schedule"] = PipelineConfig.pipeline_schedule
+    mapped = []
+    if megatron_flags.given(ns, "--use-flash-attn"):  # Megatron-LM's older spelling
+        backend = values["model.attention_backend"]
+        if backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn and --attention-backend {backend} conflict: give one")
+        values["model.attention_backend"] = "flash"
+        mapped.append("--use-flash-attn (runs as --attention-backend flash)")
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
-    return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns))
+    return Config(**kwargs, notes=megatron_flags.no_effect_flags(ns) + mapped)
 
 
 def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -457,6 +469,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
                           f"--profile-step-end {lg.profile_step_end}")
+    check_compile_config(cfg.compile)
     if cfg.checkpoint.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
                           "format, torch_dist (sharded, loadable into any layout)")

@@ -9,6 +9,8 @@ implements (``megareshard.arguments``):
   context parallelism, ...). A run that gives any of them stops with one message naming every one.
 * ``NOT_BUILT_IF``: flags whose neutral value is fine (``--context-parallel-size 1``) and any other
   value is a feature not built.
+* ``MAPPED``: older spellings that run as one of megareshard's flags (``--use-flash-attn``); the run's
+  first line says what they became.
 
 A flag already defined by megareshard's own parser is never shadowed by these tables.
 """
@@ -26,18 +28,12 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--use-legacy-models": (_FLAG, "there is one model implementation"),
     "--transformer-impl": (dict(type=str, default=None, choices=("local", "transformer_engine")),
                            "layers are PyTorch modules"),
-    "--use-flash-attn": (_FLAG, "attention is PyTorch's scaled_dot_product_attention, which picks its "
-                                "flash kernel itself"),
-    "--attention-backend": (dict(type=str, default=None, choices=("flash", "fused", "unfused", "local", "auto")),
-                            "attention is PyTorch's scaled_dot_product_attention"),
-    "--no-masked-softmax-fusion": (_FLAG, "kernel fusion"),
-    "--masked-softmax-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-gelu-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-swiglu-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-dropout-fusion": (_FLAG, "kernel fusion"),
-    "--no-rope-fusion": (_FLAG, "kernel fusion"),
-    "--cross-entropy-loss-fusion": (_FLAG, "kernel fusion"),
-    "--no-gradient-accumulation-fusion": (_FLAG, "kernel fusion"),
+    "--masked-softmax-fusion": (_FLAG, "the masked softmax is fused by default (--no-masked-softmax-fusion "
+                                       "turns it off)"),
+    "--no-gradient-accumulation-fusion": (_FLAG, "weight gradients are accumulated by autograd, or added by the "
+                                                 "delayed-W queue; there is no fused accumulating GEMM to turn off"),
+    "--no-persist-layer-norm": (_FLAG, "apex's persistent LayerNorm kernel is not used (LayerNorm is PyTorch's, "
+                                       "or apex's FusedLayerNorm; compiled with the layer under --torch-compile)"),
     "--no-async-tensor-model-parallel-allreduce": (_FLAG, "communication overlap detail"),
     "--tp-comm-overlap": (_FLAG, "communication overlap detail"),
     "--overlap-param-gather": (_FLAG, "updated parameter shards are all-gathered right after the step"),
@@ -66,6 +62,11 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--check-for-nan-in-loss-and-grad": (_FLAG, "the check is on by default (--no-check-for-nan-in-loss-and-grad "
                                                 "turns it off)"),
     "--accumulate-allreduce-grads-in-fp32": (_FLAG, "gradients are accumulated and reduced in fp32"),
+}
+
+# older flags that run as one of megareshard's own: flag -> (argparse kwargs, what it runs as); arguments.py maps them
+MAPPED: dict[str, tuple[dict[str, Any], str]] = {
+    "--use-flash-attn": (_FLAG, "runs as --attention-backend flash"),
 }
 
 # flags that name features megareshard does not have: flag -> (argparse kwargs, the feature)
@@ -119,6 +120,7 @@ NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--context-parallel-size": (_INT, 1, "context parallelism"),
     "--expert-model-parallel-size": (_INT, 1, "mixture of experts (expert parallelism)"),
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
+    "--cross-entropy-fusion-impl": (_STR, "native", "Transformer Engine's cross-entropy"),
 }
 
 
@@ -131,11 +133,10 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
     have = set(parser._option_string_actions)  # argparse keeps no public list of option strings
     group = parser.add_argument_group("Megatron-LM flags without effect or not built here",
                                       "accepted so Megatron-LM launch scripts run unchanged; see docs/megatron.md")
-    for table in (NO_EFFECT, NOT_BUILT):
+    for table, kind in ((NO_EFFECT, "no effect"), (NOT_BUILT, "refused"), (MAPPED, "older flag")):
         for flag, (kwargs, why) in table.items():
             if flag not in have:
-                group.add_argument(flag, dest=_dest(flag), help=f"{'no effect' if table is NO_EFFECT else 'refused'}"
-                                                                f": {why}", **kwargs)
+                group.add_argument(flag, dest=_dest(flag), help=f"{kind}: {why}", **kwargs)
     for flag, (kwargs, neutral, what) in NOT_BUILT_IF.items():
         if flag not in have:
             group.add_argument(flag, dest=_dest(flag), help=f"only {neutral} ({what} is not built)", **kwargs)

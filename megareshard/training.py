@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
+from .compile_config import CompileOptions, TorchCompileError, compile_enabled
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
@@ -51,7 +52,7 @@ from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_log_l
 
 
 #: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
-RunStopped = (CheckpointError, NonFiniteError)
+RunStopped = (CheckpointError, NonFiniteError, TorchCompileError)
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -209,6 +210,7 @@ class Trainer:
             self.model = spec.build_model(cfg, ctx, layouts[ctx.pp_rank()] if layouts is not None else None,
                                           num_stages=len(layouts) if layouts is not None else 1,
                                           seed=cfg.training.seed, device=self.device, **model_kwargs)
+        self.fast_path = self._fast_path()  # attention kernel, regional compilation (before the optimizer)
         t = cfg.training
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
         # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
@@ -232,6 +234,9 @@ class Trainer:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
                 print(self.pipeline.describe(), file=self.out, flush=True)
+        if ctx.rank == 0:
+            print(f"megareshard: fast path: {'; '.join(self.fast_path + [self.optimizer.implementation])}",
+                  file=self.out, flush=True)
         if self.forward_backward_fn is None:
             self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
         self._validate_data()
@@ -268,6 +273,36 @@ class Trainer:
                                              cfg.logging.tensorboard_log_interval)
 
     # ---- set-up ---------------------------------------------------------------------
+    def _fast_path(self) -> list[str]:
+        """The attention kernel (--attention-backend) and regional compilation (--torch-compile, on by default
+        on CUDA): set on the model, and said in one line each."""
+        cfg, lines = self.cfg, []
+        configure = getattr(self.model, "configure_attention", None)
+        if configure is not None:
+            lines += [f"attention {line}" for line in configure(self.local_micro_batch_size)]
+        self.compiled_regions: list[str] = []
+        if not compile_enabled(cfg.compile, self.device.type):
+            off = [flag for flag, on in (("--no-bias-gelu-fusion", cfg.model.bias_gelu_fusion),
+                                         ("--no-bias-swiglu-fusion", cfg.model.bias_swiglu_fusion),
+                                         ("--no-rope-fusion", cfg.model.apply_rope_fusion),
+                                         ("--no-masked-softmax-fusion", cfg.model.masked_softmax_fusion),
+                                         ("--no-bias-dropout-fusion", cfg.model.bias_dropout_fusion)) if not on]
+            lines.append("not compiled (--torch-compile is off" + (f"; {', '.join(off)} change nothing: nothing "
+                                                                   "is fused)" if off else ")"))
+            return lines
+        compile_regions = getattr(self.model, "compile_regions", None)
+        if compile_regions is None:
+            raise ConfigError(f"--torch-compile: the {self.model_spec.name} model has no regions to compile; pass "
+                              "--no-torch-compile")
+        delays = _may_delay_wgrad(cfg)
+        c = cfg.compile
+        opts = CompileOptions(c.torch_compile_backend, c.torch_compile_mode, traceable_linears=not delays)
+        self.compiled_regions = compile_regions(opts)
+        lines.append(f"torch.compile (backend {c.torch_compile_backend}, mode {c.torch_compile_mode}) of "
+                     f"{len(self.compiled_regions)} regions, compiled at the first iteration; linear layers "
+                     + ("outside them (weight gradients may be delayed)" if delays else "inside them"))
+        return lines
+
     def _resolve_vocab(self) -> None:
         """The vocabulary comes from the tokenizer (NullTokenizer: --vocab-size ids plus its eod)."""
         m, d = self.cfg.model, self.cfg.data
@@ -511,6 +546,7 @@ class Trainer:
                 res = self.train_step(self._microbatches(self.train_data, indices))
             elapsed = time.perf_counter() - start
             self.iteration += 1
+            self._report_compile_time(elapsed)
             if profiler is not None and self.iteration >= lg.profile_step_end:
                 self._stop_profiler(profiler)
                 profiler = None
@@ -555,6 +591,20 @@ class Trainer:
                   file=self.out, flush=True)
         self._show_activations()
         return self.records
+
+    def _report_compile_time(self, elapsed: float) -> None:
+        """With compiled regions: the first iteration's time (it compiles them), and after the second, how much of
+        it was compiling (the first iteration's time less the second's)."""
+        if not self.compiled_regions or not self.reporting or self.iteration > 2:
+            return
+        if self.iteration == 1:
+            self._first_iteration_s = elapsed
+            print(f" torch.compile: the first iteration took {elapsed:.1f} s, compiling included", file=self.out,
+                  flush=True)
+        elif hasattr(self, "_first_iteration_s"):
+            print(f" torch.compile: about {self._first_iteration_s - elapsed:.1f} s of the first iteration was "
+                  f"compiling (first {self._first_iteration_s:.2f} s, second {elapsed:.2f} s)", file=self.out,
+                  flush=True)
 
     def _start_profiler(self):
         """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""
@@ -691,6 +741,17 @@ class Trainer:
         self.metrics.close()
         self.tracker.finish()
         self.tensorboard.finish()
+
+
+def _may_delay_wgrad(cfg: Config) -> bool:
+    """Whether a weight gradient of this run may be delayed (then the linear layers stay outside compiled regions)."""
+    if cfg.pp == 1:
+        return False
+    from .pipeline.generators import REGISTRY
+
+    pl = cfg.pipeline
+    return bool(pl.delay_wgrad_compute or pl.pipeline_schedule_file is not None
+                or REGISTRY[pl.pipeline_schedule].zero_bubble)
 
 
 def _nothing_to_load(path: str) -> bool:
