@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from . import megatron_flags
 from .compile_config import CompileConfig, check_compile_config
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
-from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
+from .models.config import ModelConfig, check_model_shape, fusion_notes  # noqa: F401 (ModelConfig: re-exported)
 from .data.config import DataConfig
 from .parallel.config import ParallelConfig
 from .pipeline.config import PipelineConfig
@@ -470,6 +470,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
                           f"--profile-step-end {lg.profile_step_end}")
     check_compile_config(cfg.compile)
+    cfg.notes += [note for note in fusion_notes(m) if note not in cfg.notes]
     if cfg.checkpoint.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
                           "format, torch_dist (sharded, loadable into any layout)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..config_fields import ConfigError, config_field as _f
 
-__all__ = ["ModelConfig", "check_model_shape", "check_fusion_flags", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES",
+__all__ = ["ModelConfig", "check_model_shape", "check_fusion_flags", "fusion_notes", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES",
            "ATTENTION_BACKENDS", "KERNEL_FIELDS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -121,33 +121,41 @@ class ModelConfig:
 
 
 def check_fusion_flags(m: ModelConfig, *, as_flags: bool = True) -> None:
-    """Refuse a fusion switched off that the model does not have (one line, naming what it has instead).
+    """Refuse switching off the fusion of an architecture feature the model does not have.
 
-    Megatron-LM ignores such a flag (its ``bias_activation_fusion`` reads the flag of the activation in
-    use; ``apply_rope_fusion`` is cleared without rotary embeddings); here it is refused, because the
-    flag asks for a change the run cannot make. A model without linear biases keeps
-    ``--no-bias-gelu-fusion`` (the GELU alone then runs outside the compiled layer), as Megatron-LM does.
+    Megatron-LM ignores such a flag (its ``bias_activation_fusion`` reads the flag of the activation in use;
+    ``apply_rope_fusion`` is cleared without rotary embeddings). Here ``--no-bias-swiglu-fusion`` without
+    ``--swiglu`` and ``--no-rope-fusion`` without rotary embeddings are refused: they say the model was
+    meant to have that feature (no Megatron-LM launch script passes them so). Two other flags that change
+    nothing for some models are passed by Megatron-LM's own scripts as boilerplate (``--no-bias-gelu-fusion``
+    with ``--swiglu``, ``--no-masked-softmax-fusion`` with FlashAttention): those run, and the start-up line
+    says they change nothing (`fusion_notes`).
     """
     def n(field_name: str, flag: str) -> str:
         return flag if as_flags else field_name
 
     if not m.bias_swiglu_fusion and not m.swiglu:
         raise ConfigError(f"{n('bias_swiglu_fusion', '--no-bias-swiglu-fusion')} needs a SwiGLU MLP "
-                          f"({n('swiglu', '--swiglu')}): this model's MLP is GELU (there is --no-bias-gelu-fusion)")
-    if not m.bias_gelu_fusion and m.swiglu:
-        raise ConfigError(f"{n('bias_gelu_fusion', '--no-bias-gelu-fusion')} needs a GELU MLP: this model's MLP is "
-                          f"SwiGLU ({n('swiglu', '--swiglu')}; there is --no-bias-swiglu-fusion)")
+                          f"({n('swiglu', '--swiglu')}): this model's MLP is GELU (its switch is "
+                          "--no-bias-gelu-fusion)")
     if not m.apply_rope_fusion and m.position_embedding_type != "rope":
         raise ConfigError(f"{n('apply_rope_fusion', '--no-rope-fusion')} needs rotary embeddings "
                           f"({n('position_embedding_type', '--position-embedding-type')} rope): this model has "
                           f"{m.position_embedding_type} positions")
-    if not m.masked_softmax_fusion and m.attention_backend in ("flash", "fused"):
-        raise ConfigError(f"{n('masked_softmax_fusion', '--no-masked-softmax-fusion')} applies to the unfused and "
-                          f"local attention backends: {n('attention_backend', '--attention-backend')} "
-                          f"{m.attention_backend} computes the softmax inside its attention kernel")
     if m.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"{n('attention_backend', '--attention-backend')} must be one of "
                           f"{', '.join(ATTENTION_BACKENDS)}, got {m.attention_backend!r}")
+
+
+def fusion_notes(m: ModelConfig) -> list[str]:
+    """'--flag (why it changes nothing here)' for the fusion switches this model has no chain for."""
+    notes = []
+    if not m.bias_gelu_fusion and m.swiglu:
+        notes.append("--no-bias-gelu-fusion (the MLP is SwiGLU: its switch is --no-bias-swiglu-fusion)")
+    if not m.masked_softmax_fusion and m.attention_backend not in ("unfused", "local"):
+        notes.append(f"--no-masked-softmax-fusion (only the unfused and local attention backends have a separate "
+                     f"masked softmax; this run's is {m.attention_backend})")
+    return notes
 
 
 def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, *, as_flags: bool = True,
