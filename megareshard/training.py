@@ -29,10 +29,11 @@ import torch.distributed as dist
 
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
-from .compile_config import CompileOptions, TorchCompileError, compile_enabled
+from .compile_config import TorchCompileError
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
+from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import PeerFailure, RankInfo, Watchdog, preflight_rendezvous, rank_map_table, tp_placement_warnings
 from .launch.faults import faults_for, inject
@@ -210,7 +211,9 @@ class Trainer:
             self.model = spec.build_model(cfg, ctx, layouts[ctx.pp_rank()] if layouts is not None else None,
                                           num_stages=len(layouts) if layouts is not None else 1,
                                           seed=cfg.training.seed, device=self.device, **model_kwargs)
-        self.fast_path = self._fast_path()  # attention kernel, regional compilation (before the optimizer)
+        # attention kernel, cross-entropy, regional compilation (before the optimizer: norms may be swapped)
+        self.fast_path, self.compiled_regions = set_up_fast_path(self.model, cfg, self.device,
+                                                                 self.local_micro_batch_size, spec.name)
         t = cfg.training
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
         # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
@@ -273,36 +276,6 @@ class Trainer:
                                              cfg.logging.tensorboard_log_interval)
 
     # ---- set-up ---------------------------------------------------------------------
-    def _fast_path(self) -> list[str]:
-        """The attention kernel (--attention-backend) and regional compilation (--torch-compile, on by default
-        on CUDA): set on the model, and said in one line each."""
-        cfg, lines = self.cfg, []
-        configure = getattr(self.model, "configure_attention", None)
-        if configure is not None:
-            lines += [f"attention {line}" for line in configure(self.local_micro_batch_size)]
-        self.compiled_regions: list[str] = []
-        if not compile_enabled(cfg.compile, self.device.type):
-            off = [flag for flag, on in (("--no-bias-gelu-fusion", cfg.model.bias_gelu_fusion),
-                                         ("--no-bias-swiglu-fusion", cfg.model.bias_swiglu_fusion),
-                                         ("--no-rope-fusion", cfg.model.apply_rope_fusion),
-                                         ("--no-masked-softmax-fusion", cfg.model.masked_softmax_fusion),
-                                         ("--no-bias-dropout-fusion", cfg.model.bias_dropout_fusion)) if not on]
-            lines.append("not compiled (--torch-compile is off" + (f"; {', '.join(off)} change nothing: nothing "
-                                                                   "is fused)" if off else ")"))
-            return lines
-        compile_regions = getattr(self.model, "compile_regions", None)
-        if compile_regions is None:
-            raise ConfigError(f"--torch-compile: the {self.model_spec.name} model has no regions to compile; pass "
-                              "--no-torch-compile")
-        delays = _may_delay_wgrad(cfg)
-        c = cfg.compile
-        opts = CompileOptions(c.torch_compile_backend, c.torch_compile_mode, traceable_linears=not delays)
-        self.compiled_regions = compile_regions(opts)
-        lines.append(f"torch.compile (backend {c.torch_compile_backend}, mode {c.torch_compile_mode}) of "
-                     f"{len(self.compiled_regions)} regions, compiled at the first iteration; linear layers "
-                     + ("outside them (weight gradients may be delayed)" if delays else "inside them"))
-        return lines
-
     def _resolve_vocab(self) -> None:
         """The vocabulary comes from the tokenizer (NullTokenizer: --vocab-size ids plus its eod)."""
         m, d = self.cfg.model, self.cfg.data
@@ -741,17 +714,6 @@ class Trainer:
         self.metrics.close()
         self.tracker.finish()
         self.tensorboard.finish()
-
-
-def _may_delay_wgrad(cfg: Config) -> bool:
-    """Whether a weight gradient of this run may be delayed (then the linear layers stay outside compiled regions)."""
-    if cfg.pp == 1:
-        return False
-    from .pipeline.generators import REGISTRY
-
-    pl = cfg.pipeline
-    return bool(pl.delay_wgrad_compute or pl.pipeline_schedule_file is not None
-                or REGISTRY[pl.pipeline_schedule].zero_bubble)
 
 
 def _nothing_to_load(path: str) -> bool:

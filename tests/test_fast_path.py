@@ -320,6 +320,21 @@ def test_attention_backends_on_cpu():
         choose_attention_kernel("fused", shape=shape, dtype=torch.float32, device=cpu, dropout_p=0.0)
 
 
+def test_a_kernel_that_computes_wrong_attention_is_not_used(monkeypatch):
+    """auto (and an explicit choice on CUDA) checks each kernel against softmax(QKᵀ/√d)V in fp32 first."""
+    from megareshard.models import fusion
+
+    right = fusion.attention
+
+    def wrong_flash(q, k, v, *, kernel, **kw):
+        out = right(q, k, v, kernel=kernel, **kw)
+        return out * 1.5 if kernel == "flash" else out
+    monkeypatch.setattr(fusion, "attention", wrong_flash)
+    q, k, v = fusion._probe_inputs((2, 4, 2, 16, 8), torch.float32, torch.device("cpu"))
+    assert fusion._disagreement("sdpa", q, k, v) is None
+    assert "its output differs from softmax(QKᵀ/√d)V in fp32" in fusion._disagreement("flash", q, k, v)
+
+
 @pytest.mark.parametrize("backend", ["flash", "unfused", "local"])
 def test_attention_backends_train_like_auto(backend):
     """Every backend CPU can run computes the same loss and gradients as PyTorch's own choice."""
@@ -374,3 +389,20 @@ def test_inductor_on_cuda_matches_eager(llama):
     assert abs(l1 - l0) <= 1e-4 * abs(l0)
     for name, g in g0.items():
         assert (g1[name] - g).abs().max() <= 1e-4 * g.abs().max() + 1e-7, name
+
+
+def test_utransformer_compiled_matches_eager():
+    """The U-Transformer's blocks are GPT layers: compiled the same way (its resampling and head stay eager)."""
+    from megareshard.arguments import parse_model_args
+    from megareshard.training import pretrain
+
+    argv = ["--mock-data", "--vocab-size", "64", "--u-levels", "2", "--u-widths", "16,24", "--u-blocks-per-level",
+            "1", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu", "--cross-entropy-loss-fusion"]
+    runs = []
+    for extra in ([], COMPILED):
+        cfg, spec = parse_model_args("utransformer", argv + extra, world_size=1)
+        out = io.StringIO()
+        runs.append([r["loss"] for r in pretrain(cfg, out=out, model_spec=spec)])
+        assert ("of 4 regions" in out.getvalue()) == bool(extra), out.getvalue()  # 3 blocks + the CE chunks
+    assert runs[1] == pytest.approx(runs[0], rel=16 * U)

@@ -131,6 +131,7 @@ def compiled_cross_entropy_kernels(opts: CompileOptions):
     from ..tensor_parallel.fused_cross_entropy import CrossEntropyKernels, compiled_kernels
 
     prepare_compiler()
-    k = compiled_kernels(opts.backend, opts.mode)
+    # CUDA graphs (reduce-overhead) would copy every chunk, a view at a new address, into its static buffers
+    k = compiled_kernels(opts.backend, None if opts.mode == "reduce-overhead" else opts.mode)
     name = "the fused cross-entropy's chunks"
     return CrossEntropyKernels(guarded(k.stats, name, opts), guarded(k.grad, name, opts), k.name)

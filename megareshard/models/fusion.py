@@ -134,6 +134,26 @@ def _failure(kernel: str, q, k, v, dropout_p: float) -> str | None:
     return None
 
 
+def _disagreement(kernel: str, q, k, v) -> str | None:
+    """Why ``kernel`` is wrong here: its output or query gradient (one sample, no dropout) more than 5 % of the
+    largest value away from softmax(QKᵀ/√d)V written out in fp32 (bf16 rounding is under 1 %), or not finite;
+    None when it agrees."""
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    grad_out = torch.randn(q[:1].shape, device=q.device, generator=gen)
+    got = []
+    for kern, dtype in ((kernel, q.dtype), ("unfused", torch.float32)):
+        a, b, c = (t[:1].detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+        out = attention(a, b, c, kernel=kern)
+        out.backward(grad_out.to(out.dtype))
+        got.append((out.detach().float(), a.grad.float()))
+    (out, dq), (ref, ref_dq) = got
+    for what, x, r in (("output", out, ref), ("query gradient", dq, ref_dq)):
+        err = (x - r).abs().max().item()
+        if not torch.isfinite(x).all() or err > 0.05 * r.abs().max().item():
+            return f"its {what} differs from softmax(QKᵀ/√d)V in fp32 by {err:.3g} (largest value {r.abs().max():.3g})"
+    return None
+
+
 def _seconds(kernel: str, q, k, v, dropout_p: float, repeats: int = 5) -> float:
     """Median wall time of one forward and backward (synchronised), after two warm-up runs."""
     times = []
@@ -171,7 +191,10 @@ def _choose(backend: str, shape: tuple[int, int, int, int, int], dtype: torch.dt
         if kernel == "cudnn" and device.type != "cuda":
             raise ConfigError(f"--attention-backend fused is cuDNN's fused attention, which needs CUDA (device "
                               f"{device}); use flash, unfused or auto")
-        why = _failure(kernel, *_probe_inputs(shape, dtype, device), dropout_p)
+        q, k, v = _probe_inputs(shape, dtype, device)
+        why = _failure(kernel, q, k, v, dropout_p)
+        if why is None and device.type == "cuda":
+            why = _disagreement(kernel, q, k, v)
         if why is not None:
             raise ConfigError(f"--attention-backend {backend} cannot run this model's attention on {device} "
                               f"(batch, heads, key/value heads, sequence, head size {shape}, {dtype}, dropout "
@@ -181,7 +204,9 @@ def _choose(backend: str, shape: tuple[int, int, int, int, int], dtype: torch.dt
         choice = ("sdpa", f"--attention-backend auto on {device.type}: PyTorch's choice, not measured")
     else:
         q, k, v = _probe_inputs(shape, dtype, device)
-        timed = {c: _seconds(c, q, k, v, dropout_p) for c in AUTO_CANDIDATES if _failure(c, q, k, v, dropout_p) is None}
+        usable = [c for c in AUTO_CANDIDATES if _failure(c, q, k, v, dropout_p) is None
+                  and _disagreement(c, q, k, v) is None]
+        timed = {c: _seconds(c, q, k, v, dropout_p) for c in usable}
         if timed:
             best = min(timed, key=timed.get)
             table = ", ".join(f"{c} {1e3 * t:.2f} ms" for c, t in timed.items())

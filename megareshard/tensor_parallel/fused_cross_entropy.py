@@ -72,8 +72,11 @@ def _grad(logits: torch.Tensor, labels: torch.Tensor, row_max: torch.Tensor, sum
     """One chunk's gradient of the loss with respect to its logits: ``(softmax − onehot) · grad_loss``."""
     softmax = torch.exp(_shifted(logits, row_max, valid)) / sum_exp.unsqueeze(-1)
     local, outside = _local_labels(labels, start, logits.size(-1))
-    onehot = (~outside).to(softmax.dtype).unsqueeze(-1)
-    grad = softmax.scatter_add(-1, local.unsqueeze(-1), -onehot)
+    # softmax − 1 at the label, softmax − 0 elsewhere: the unfused version's scatter_add of −1, element-wise
+    # (so that a compiler fuses it with the exponential)
+    cols = torch.arange(logits.size(-1), device=logits.device)
+    onehot = ((cols == local.unsqueeze(-1)) & ~outside.unsqueeze(-1)).to(softmax.dtype)
+    grad = softmax - onehot
     return (grad * grad_loss.unsqueeze(-1).to(grad.dtype)).to(logits.dtype)
 
 
