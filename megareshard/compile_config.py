@@ -12,7 +12,7 @@ from typing import Any
 from .config_fields import ConfigError, config_field as _f
 
 __all__ = ["CompileConfig", "CompileOptions", "TorchCompileError", "COMPILE_MODES", "compile_enabled",
-           "check_compile_config"]
+           "check_compile_config", "compiler_failure"]
 
 #: torch.compile's modes (None: its default); reduce-overhead adds CUDA graphs
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -21,6 +21,16 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 class TorchCompileError(RuntimeError):
     """torch.compile could not compile a region of the model: the message names the region and the way out
     (``--no-torch-compile``). It stops the run in one line, like a failed checkpoint save."""
+
+
+def compiler_failure(e: BaseException) -> bool:
+    """Whether ``e`` is torch.compile's (dynamo's, or a backend's: BackendCompilerFailed, InductorError, ...)."""
+    import torch._dynamo.exc as exc
+
+    kinds = [exc.TorchDynamoException]
+    if hasattr(exc, "FailOnRecompileLimitHit"):  # not a TorchDynamoException
+        kinds.append(exc.FailOnRecompileLimitHit)
+    return isinstance(e, tuple(kinds))
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .arguments import Config, ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
-from .compile_config import TorchCompileError
+from .compile_config import TorchCompileError, compiler_failure
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
@@ -462,8 +462,16 @@ class Trainer:
                   f"(MEGARESHARD_INJECT_FAULT)", file=self.out, flush=True)
             inject(fault)
         with meter if meter is not None else contextlib.nullcontext():
-            loss = self.forward_backward_fn(self.model, microbatches, self.device,
-                                            scale_loss=self.optimizer.scale_loss)
+            try:
+                loss = self.forward_backward_fn(self.model, microbatches, self.device,
+                                                scale_loss=self.optimizer.scale_loss)
+            except Exception as e:  # a compiled region's backward compiled lazily (older torch) and failed
+                if not self.compiled_regions or isinstance(e, TorchCompileError) or not compiler_failure(e):
+                    raise
+                what = str(e).strip().splitlines()
+                raise TorchCompileError(f"torch.compile failed in the backward of a compiled region: "
+                                        f"{what[0] if what else type(e).__name__}; pass --no-torch-compile to run "
+                                        "without compiling") from e
         if not getattr(self.forward_backward_fn, "finalizes_grads", False):
             self.finalize_grads()
         elif self._grad_reduce_started:  # R actions started them: wait before the step

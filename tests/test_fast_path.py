@@ -289,8 +289,7 @@ def test_megatron_fusion_flags_take_effect():
     assert parse_args(_argv(1, ["--no-torch-compile"]), world_size=1).compile.torch_compile is False
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-bias-gelu-fusion"], ["--no-bias-dropout-fusion"],
-                                   LLAMA + ["--no-rope-fusion"], LLAMA + ["--no-bias-swiglu-fusion"],
+@pytest.mark.parametrize("flags", [[], ["--no-bias-gelu-fusion"], LLAMA + ["--no-bias-swiglu-fusion"],
                                    ["--attention-backend", "unfused", "--no-masked-softmax-fusion"]])
 def test_a_fusion_switched_off_runs_outside_the_compiled_layer(flags):
     """A compiled layer is one graph; a chain whose fusion is off splits it where the chain runs op by op (into

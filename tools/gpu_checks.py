@@ -40,6 +40,7 @@ is the allocator's peak over the timed iterations.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -369,6 +370,7 @@ def worker(spec_path: str, result_path: str) -> int:
             out.write(json.dumps(rec) + "\n")
             out.flush()
             torch._dynamo.reset()
+            gc.collect()  # compiled regions hold their modules in reference cycles
             if spec["device"] == "cuda":
                 torch.cuda.empty_cache()
     return 0

@@ -29,19 +29,10 @@ import torch
 from torch import nn
 
 from ..compile_boundary import prepare_graph_breaks
-from ..compile_config import CompileOptions, TorchCompileError
+from ..compile_config import CompileOptions, TorchCompileError, compiler_failure
 
 __all__ = ["compile_layers", "compile_function", "compiled_cross_entropy_kernels", "mark_linears_traceable",
            "plain_layer_norms", "prepare_compiler", "guarded"]
-
-
-def _compiler_failure(e: BaseException) -> bool:
-    import torch._dynamo.exc as exc
-
-    kinds = [exc.TorchDynamoException]  # dynamo's and the backends' (BackendCompilerFailed, InductorError, ...)
-    if hasattr(exc, "FailOnRecompileLimitHit"):  # not a TorchDynamoException
-        kinds.append(exc.FailOnRecompileLimitHit)
-    return isinstance(e, tuple(kinds))
 
 
 #: recompilations allowed per code object: a graph break inside a submodule (a collective in a linear layer)
@@ -74,7 +65,7 @@ def guarded(compiled: Callable, name: str, opts: CompileOptions) -> Callable:
         try:
             return compiled(*args, **kwargs)
         except Exception as e:
-            if not _compiler_failure(e):
+            if not compiler_failure(e):
                 raise
             what = str(e).strip().splitlines()
             raise TorchCompileError(f"torch.compile (backend {opts.backend_name}) failed on {name}: "
