@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from . import megatron_flags, plugins
+from .compile_config import CompileConfig, check_compile_config
 from .flag_checks import parse_known_strictly, refuse_repeated_flags
 from .config_fields import ConfigError, config_field as _f  # noqa: F401 (ConfigError: re-exported)
-from .models.config import ModelConfig, check_model_shape  # noqa: F401 (re-exported: every import site keeps working)
+from .models.config import ModelConfig, check_model_shape, fusion_notes  # noqa: F401 (ModelConfig: re-exported)
 from .data.config import DataConfig
 from .parallel.config import ParallelConfig
 from .pipeline.config import PipelineConfig
@@ -175,6 +176,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     #: Megatron-LM flags given that change nothing here, and flags mapped to megareshard's own ('--flag (why)')
     notes: list[str] = field(default_factory=list)
     #: what the validated flags resolve to on the run's world (`run_plan.resolve`, set by `validate`): every
@@ -209,7 +211,7 @@ class Config:
 _SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
              "memory": MemoryConfig, "training": TrainingConfig,
              "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig,
-             "checkpoint": CheckpointConfig}
+             "checkpoint": CheckpointConfig, "compile": CompileConfig}
 
 # old or alternative flag -> (its replacement, why)
 DEPRECATED = {
@@ -257,6 +259,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             if dest == "pipeline.pipeline_schedule":  # None = not given: it excludes --pipeline-schedule-file
                 group.add_argument(_flag(f), dest=dest, type=kind, default=None, help=f.metadata["help"]
                                    + f" (default {f.default})", choices=choices)
+            elif kind is bool and f.default is None:  # on, off, or None: decided later (--x / --no-x)
+                group.add_argument(_flag(f), dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                   help=f.metadata["help"])
             elif kind is bool:  # a field defaulting to True is switched off by its --no-... flag
                 group.add_argument(_flag(f), dest=dest, action="store_false" if f.default else "store_true",
                                    default=f.default, help=f.metadata["help"])
@@ -289,10 +294,17 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
                           "the file is the schedule; give one of them")
     if schedule is None:
         values["pipeline.pipeline_schedule"] = PipelineConfig.pipeline_schedule
+    mapped = []
+    if megatron_flags.given(ns, "--use-flash-attn"):  # Megatron-LM's older spelling
+        backend = values["model.attention_backend"]
+        if backend not in ("auto", "flash"):
+            raise ConfigError(f"--use-flash-attn and --attention-backend {backend} conflict: give one")
+        values["model.attention_backend"] = "flash"
+        mapped.append("--use-flash-attn (runs as --attention-backend flash)")
     kwargs = {}
     for section, cls in _SECTIONS.items():
         kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
-    notes = megatron_flags.no_effect_flags(ns)
+    notes = megatron_flags.no_effect_flags(ns) + mapped
     megatron_flags.apply_mapped_flags(ns, kwargs["model"], notes)  # old spellings of flags we have
     return Config(**kwargs, notes=notes)
 
@@ -523,6 +535,8 @@ def validate(cfg: Config, world_size: int) -> Config:
     if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
                           f"--profile-step-end {lg.profile_step_end}")
+    check_compile_config(cfg.compile)
+    cfg.notes += [note for note in fusion_notes(m) if note not in cfg.notes]
     if cfg.checkpoint.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
                           "format, torch_dist (sharded, loadable into any layout)")

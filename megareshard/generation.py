@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .checkpoint import CheckpointError, Piece, check_files, read_info, read_metadata, read_pieces, \
     resolve_checkpoint_dir
 from .models import GPTModel, ModelConfig
+from .models.config import KERNEL_FIELDS
 from .parallel import ParallelContext
 
 __all__ = ["read_model_weights", "load_for_generation", "generate_ids"]
@@ -30,7 +31,8 @@ def read_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     saved = info.get("model_config")
     if not saved:
         raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    # the architecture; the saved run's kernel choices (--attention-backend fused on a GPU, ...) are not this run's
+    known = {f.name for f in dataclasses.fields(ModelConfig)} - set(KERNEL_FIELDS)
     cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
     md = read_metadata(ckpt)
     check_files(ckpt, info, md)

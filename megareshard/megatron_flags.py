@@ -9,8 +9,8 @@ implements (``megareshard.arguments``):
   context parallelism, ...). A run that gives any of them stops with one message naming every one.
 * ``NOT_BUILT_IF``: flags whose neutral value is fine (``--context-parallel-size 1``) and any other
   value is a feature not built.
-* ``MAPPED``: Megatron-LM's old spellings of features megareshard has (``--use-rotary-position-embeddings``),
-  applied as Megatron-LM applies them; the run's first line names them.
+* ``MAPPED``: older spellings of what megareshard has, applied as Megatron-LM applies them
+  (``--use-rotary-position-embeddings``, ``--use-flash-attn``); the run's first line says what they became.
 
 A flag already defined by megareshard's own parser is never shadowed by these tables.
 """
@@ -30,18 +30,12 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--use-legacy-models": (_FLAG, "there is one model implementation"),
     "--transformer-impl": (dict(type=str, default=None, choices=("local", "transformer_engine")),
                            "layers are PyTorch modules"),
-    "--use-flash-attn": (_FLAG, "attention is PyTorch's scaled_dot_product_attention, which picks its "
-                                "flash kernel itself"),
-    "--attention-backend": (dict(type=str, default=None, choices=("flash", "fused", "unfused", "local", "auto")),
-                            "attention is PyTorch's scaled_dot_product_attention"),
-    "--no-masked-softmax-fusion": (_FLAG, "kernel fusion"),
-    "--masked-softmax-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-gelu-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-swiglu-fusion": (_FLAG, "kernel fusion"),
-    "--no-bias-dropout-fusion": (_FLAG, "kernel fusion"),
-    "--no-rope-fusion": (_FLAG, "kernel fusion"),
-    "--cross-entropy-loss-fusion": (_FLAG, "kernel fusion"),
-    "--no-gradient-accumulation-fusion": (_FLAG, "kernel fusion"),
+    "--masked-softmax-fusion": (_FLAG, "the masked softmax is fused by default (--no-masked-softmax-fusion "
+                                       "turns it off)"),
+    "--no-gradient-accumulation-fusion": (_FLAG, "weight gradients are accumulated by autograd, or added by the "
+                                                 "delayed-W queue; there is no fused accumulating GEMM to turn off"),
+    "--no-persist-layer-norm": (_FLAG, "apex's persistent LayerNorm kernel is not used (LayerNorm is PyTorch's, "
+                                       "or apex's FusedLayerNorm; compiled with the layer under --torch-compile)"),
     "--no-async-tensor-model-parallel-allreduce": (_FLAG, "communication overlap detail"),
     "--tp-comm-overlap": (_FLAG, "communication overlap detail"),
     "--overlap-param-gather": (_FLAG, "updated parameter shards are all-gathered right after the step"),
@@ -111,9 +105,10 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--add-qkv-bias": (_FLAG, "architecture: query/key/value biases only"),
     "--qk-layernorm": (_FLAG, "architecture: query/key normalization"),
 }
-# Megatron-LM's old spellings of features megareshard has, mapped as Megatron-LM's validate_args maps them:
-# flag -> (argparse kwargs, what it means)
+# Megatron-LM's old spellings of features megareshard has, mapped as Megatron-LM's validate_args maps them
+# (arguments.py and `apply_mapped_flags`): flag -> (argparse kwargs, what it means)
 MAPPED: dict[str, tuple[dict[str, Any], str]] = {
+    "--use-flash-attn": (_FLAG, "runs as --attention-backend flash"),
     "--use-rotary-position-embeddings": (_FLAG, "deprecated in Megatron-LM: sets --position-embedding-type rope"),
     "--no-position-embedding": (_FLAG, "deprecated in Megatron-LM: accepted with rotary embeddings only (which "
                                        "have no position-embedding table)"),
@@ -129,6 +124,7 @@ NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--context-parallel-size": (_INT, 1, "context parallelism"),
     "--expert-model-parallel-size": (_INT, 1, "mixture of experts (expert parallelism)"),
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
+    "--cross-entropy-fusion-impl": (_STR, "native", "Transformer Engine's cross-entropy"),
 }
 
 

@@ -33,9 +33,11 @@ from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
 from .checkpoint.lock import lock_save_dir
 from .checkpoint.megatron_load import load_into_model as load_megatron, megatron_checkpoint_dir
+from .compile_config import TorchCompileError, compiler_failure
 from .data.blended import build_blend
 from .data.blended import build_train_valid_test_datasets
 from .data.mock import MockGPTDataset
+from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
                      tp_placement_warnings)
@@ -56,7 +58,7 @@ from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_durat
 
 
 #: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
-RunStopped = (CheckpointError, NonFiniteError)
+RunStopped = (CheckpointError, NonFiniteError, TorchCompileError)
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -237,6 +239,9 @@ class Trainer:
             self.model = spec.build_model(cfg, ctx, layouts[ctx.pp_rank()] if layouts is not None else None,
                                           num_stages=len(layouts) if layouts is not None else 1,
                                           seed=cfg.training.seed, device=self.device, **model_kwargs)
+        # attention kernel, cross-entropy, regional compilation (before the optimizer: norms may be swapped)
+        self.fast_path, self.compiled_regions = set_up_fast_path(self.model, cfg, self.device,
+                                                                 self.local_micro_batch_size, spec.name)
         t = cfg.training
         # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
         # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
@@ -263,6 +268,9 @@ class Trainer:
                 self.forward_backward_fn = self.pipeline
             if ctx.rank == 0:
                 print(self.pipeline.describe(), file=self.out, flush=True)
+        if ctx.rank == 0:
+            print(f"megareshard: fast path: {'; '.join(self.fast_path + [self.optimizer.implementation])}",
+                  file=self.out, flush=True)
         if self.forward_backward_fn is None:
             self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
         self._phase("data", "building mock datasets" if cfg.data.mock_data else
@@ -501,8 +509,16 @@ class Trainer:
         for hook in self.step_hooks:
             hook(self, self.iteration + 1)
         with meter if meter is not None else contextlib.nullcontext():
-            loss = self.forward_backward_fn(self.model, microbatches, self.device,
-                                            scale_loss=self.optimizer.scale_loss)
+            try:
+                loss = self.forward_backward_fn(self.model, microbatches, self.device,
+                                                scale_loss=self.optimizer.scale_loss)
+            except Exception as e:  # a compiled region's backward compiled lazily (older torch) and failed
+                if not self.compiled_regions or isinstance(e, TorchCompileError) or not compiler_failure(e):
+                    raise
+                what = str(e).strip().splitlines()
+                raise TorchCompileError(f"torch.compile failed in the backward of a compiled region: "
+                                        f"{what[0] if what else type(e).__name__}; pass --no-torch-compile to run "
+                                        "without compiling") from e
         if not getattr(self.forward_backward_fn, "finalizes_grads", False):
             self.finalize_grads()
         elif self._grad_reduce_started:  # R actions started them: wait before the step
@@ -568,6 +584,7 @@ class Trainer:
                 res = self.train_step(self._microbatches(self.train_data, indices))
             elapsed = time.perf_counter() - start
             self.iteration += 1
+            self._report_compile_time(elapsed)
             if profiler is not None and self.iteration >= lg.profile_step_end:
                 self._stop_profiler(profiler)
                 profiler = None
@@ -638,6 +655,20 @@ class Trainer:
               f"{format_duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s); final lm loss "
               f"{last['loss']:.6E}" + (f", last validation lm loss {evals[-1]:.6E}" if evals else "")
               + f"; {totals['skipped']} skipped and {totals['nan']} nan iterations", file=self.out, flush=True)
+
+    def _report_compile_time(self, elapsed: float) -> None:
+        """With compiled regions: the first iteration's time (it compiles them), and after the second, how much of
+        it was compiling (the first iteration's time less the second's)."""
+        if not self.compiled_regions or not self.reporting or self.iteration > 2:
+            return
+        if self.iteration == 1:
+            self._first_iteration_s = elapsed
+            print(f" torch.compile: the first iteration took {elapsed:.1f} s, compiling included", file=self.out,
+                  flush=True)
+        elif hasattr(self, "_first_iteration_s"):
+            print(f" torch.compile: about {self._first_iteration_s - elapsed:.1f} s of the first iteration was "
+                  f"compiling (first {self._first_iteration_s:.2f} s, second {elapsed:.2f} s)", file=self.out,
+                  flush=True)
 
     def _start_profiler(self):
         """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 from ..config_fields import ConfigError, config_field as _f
 
-__all__ = ["ModelConfig", "check_model_shape", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES"]
+__all__ = ["ModelConfig", "check_model_shape", "check_fusion_flags", "fusion_notes", "NORMALIZATIONS", "POSITION_EMBEDDING_TYPES",
+           "ATTENTION_BACKENDS", "KERNEL_FIELDS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+#: Megatron-LM's ``AttnBackend`` values (megatron/core/transformer/enums.py)
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+#: fields that choose kernels, not the model: a checkpoint's model is the same whatever they were
+KERNEL_FIELDS = ("bias_gelu_fusion", "bias_swiglu_fusion", "apply_rope_fusion", "masked_softmax_fusion",
+                 "bias_dropout_fusion", "cross_entropy_loss_fusion", "attention_backend")
 
 
 def swiglu_ffn_hidden_size(hidden_size: int) -> int:
@@ -56,6 +62,25 @@ class ModelConfig:
                                                           "embedding's)")
     disable_bias_linear: bool = _f(False, "no biases in the attention and MLP linear layers")
     add_qkv_bias: bool = _f(False, "a bias in the query/key/value projection even with --disable-bias-linear")
+    # kernel choices (Megatron-LM's flags and defaults). A fusion is what --torch-compile fuses: turned off, its
+    # element-wise chain runs outside the compiled region, op by op (models/fusion.py)
+    bias_gelu_fusion: bool = _f(True, "fuse the MLP's fc1 bias and GELU in the compiled layer (off: run them op by "
+                                      "op, outside it)", flag="--no-bias-gelu-fusion")
+    bias_swiglu_fusion: bool = _f(True, "fuse SwiGLU's gating (silu(gate) · up) in the compiled layer (off: op by "
+                                        "op, outside it)", flag="--no-bias-swiglu-fusion")
+    apply_rope_fusion: bool = _f(True, "fuse the rotary embedding of queries and keys in the compiled layer (off: op "
+                                       "by op, outside it)", flag="--no-rope-fusion")
+    masked_softmax_fusion: bool = _f(True, "fuse the scaling, causal mask and softmax of the unfused/local attention "
+                                           "in the compiled layer (off: op by op, outside it)",
+                                     flag="--no-masked-softmax-fusion")
+    bias_dropout_fusion: bool = _f(True, "fuse the dropout and residual add after the attention and the MLP in the "
+                                         "compiled layer (off: op by op, outside it)", flag="--no-bias-dropout-fusion")
+    cross_entropy_loss_fusion: bool = _f(False, "fused vocabulary-parallel cross-entropy: chunked over tokens, it "
+                                                "never holds fp32 logits of the whole vocabulary (its chunks are "
+                                                "compiled with --torch-compile)")
+    attention_backend: str = _f("auto", "attention kernel: flash (FlashAttention), fused (cuDNN), unfused or local "
+                                        "(softmax(QKᵀ)V written out, no fused kernel), auto (CUDA: the fastest "
+                                        "measured at start-up; CPU: PyTorch's own choice)", choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -95,6 +120,44 @@ class ModelConfig:
     def tied_embeddings(self) -> bool:
         """Whether the output layer uses the word embedding's weight."""
         return not self.untie_embeddings_and_output_weights
+
+
+def check_fusion_flags(m: ModelConfig, *, as_flags: bool = True) -> None:
+    """Refuse switching off the fusion of an architecture feature the model does not have.
+
+    Megatron-LM ignores such a flag (its ``bias_activation_fusion`` reads the flag of the activation in use;
+    ``apply_rope_fusion`` is cleared without rotary embeddings). Here ``--no-bias-swiglu-fusion`` without
+    ``--swiglu`` and ``--no-rope-fusion`` without rotary embeddings are refused: they say the model was
+    meant to have that feature (no Megatron-LM launch script passes them so). Two other flags that change
+    nothing for some models are passed by Megatron-LM's own scripts as boilerplate (``--no-bias-gelu-fusion``
+    with ``--swiglu``, ``--no-masked-softmax-fusion`` with FlashAttention): those run, and the start-up line
+    says they change nothing (`fusion_notes`).
+    """
+    def n(field_name: str, flag: str) -> str:
+        return flag if as_flags else field_name
+
+    if not m.bias_swiglu_fusion and not m.swiglu:
+        raise ConfigError(f"{n('bias_swiglu_fusion', '--no-bias-swiglu-fusion')} needs a SwiGLU MLP "
+                          f"({n('swiglu', '--swiglu')}): this model's MLP is GELU (its switch is "
+                          "--no-bias-gelu-fusion)")
+    if not m.apply_rope_fusion and m.position_embedding_type != "rope":
+        raise ConfigError(f"{n('apply_rope_fusion', '--no-rope-fusion')} needs rotary embeddings "
+                          f"({n('position_embedding_type', '--position-embedding-type')} rope): this model has "
+                          f"{m.position_embedding_type} positions")
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"{n('attention_backend', '--attention-backend')} must be one of "
+                          f"{', '.join(ATTENTION_BACKENDS)}, got {m.attention_backend!r}")
+
+
+def fusion_notes(m: ModelConfig) -> list[str]:
+    """'--flag (why it changes nothing here)' for the fusion switches this model has no chain for."""
+    notes = []
+    if not m.bias_gelu_fusion and m.swiglu:
+        notes.append("--no-bias-gelu-fusion (the MLP is SwiGLU: its switch is --no-bias-swiglu-fusion)")
+    if not m.masked_softmax_fusion and m.attention_backend not in ("unfused", "local"):
+        notes.append(f"--no-masked-softmax-fusion (only the unfused and local attention backends have a separate "
+                     f"masked softmax; this run's is {m.attention_backend})")
+    return notes
 
 
 def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, *, as_flags: bool = True,
@@ -146,6 +209,7 @@ def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, 
                               f"{m.rotary_dim}: it must be an even number of at least 2")
     if m.norm_epsilon < 0:
         raise ConfigError(f"{n('norm_epsilon')} must be >= 0, got {m.norm_epsilon}")
+    check_fusion_flags(m, as_flags=as_flags)
     if sequence_parallel and tp > 1 and m.seq_length % tp:
         sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
         raise ConfigError(f"{sp_name} needs {n('seq_length')} {m.seq_length} divisible by {tp_name} {tp}")

@@ -26,15 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compile_boundary import outside_compiled_regions
 from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, RowParallelLinear, VocabParallelEmbedding,
                                WeightGradStore, padded_vocab_size, set_tensor_model_parallel_attributes,
                                vocab_parallel_cross_entropy)
+from ..tensor_parallel.fused_cross_entropy import CrossEntropyKernels, fused_vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import scaled_init_std
 from ..tensor_parallel.random import DEFAULT_STREAM, MODEL_PARALLEL_STREAM
 from .components import LayerNorm1P, RMSNorm, apply_rotary, gelu, rotary_cos_sin, swiglu
 from .config import ModelConfig, check_model_shape
+from . import fusion
+from .fusion import attention, configure_attention, residual_add
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
 __all__ = ["GPTModel", "check_gpt_config", "gpt_flops_per_token", "model_flops_per_iteration",
@@ -109,6 +113,29 @@ def _norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module
     return norm
 
 
+# Run eagerly inside a compiled layer (compile_boundary): dropout masks drawn from megareshard's RNG streams are
+# an eager run's, and recomputation's replay restores those streams.
+@outside_compiled_regions
+def _attention_with_dropout(streams: RNGStreams, q, k, v, kernel: str, p: float, fused_softmax: bool) -> torch.Tensor:
+    """Attention with dropout on the probabilities, drawn from this tp rank's stream (heads differ per rank)."""
+    with streams.fork(MODEL_PARALLEL_STREAM):
+        return attention(q, k, v, kernel=kernel, dropout_p=p, fused_softmax=fused_softmax)
+
+
+@outside_compiled_regions
+def _dropout_add(streams: RNGStreams, stream: str, out: torch.Tensor, residual: torch.Tensor, p: float) -> torch.Tensor:
+    """``residual + dropout(out)`` with the mask drawn from ``stream``."""
+    with streams.fork(stream):
+        out = F.dropout(out, p=p, training=True)
+    return residual_add(out, residual)
+
+
+@outside_compiled_regions
+def _recompute_core(core, q, k, v, streams: RNGStreams) -> torch.Tensor:
+    """Selective recomputation of the attention core."""
+    return recompute_checkpoint(core, q, k, v, streams=streams)
+
+
 class ParallelAttention(nn.Module):
     """Causal self-attention; this rank holds ``heads / tp`` query heads and ``groups / tp`` key/value
     heads (QKV column-, proj row-parallel).
@@ -131,6 +158,12 @@ class ParallelAttention(nn.Module):
         self.dropout = cfg.attention_dropout
         self.streams = streams
         self.recompute_core = False   # selective recomputation: GPTModel(recompute_granularity="selective")
+        self.backend = cfg.attention_backend
+        # the kernel run (models/fusion.py); flash, fused and auto on CUDA are checked and measured by
+        # GPTModel.configure_attention at start-up
+        self.kernel = {"flash": "flash", "fused": "cudnn", "unfused": "unfused", "local": "unfused"}.get(
+            cfg.attention_backend, "sdpa")
+        self.rope_fusion, self.masked_softmax_fusion = cfg.apply_rope_fusion, cfg.masked_softmax_fusion
         self.qkv = ColumnParallelLinear(h, (heads + 2 * groups) * d, ctx, bias=cfg.qkv_bias,
                                         sequence_parallel=sequence_parallel,
                                         init_method=_normal_init(seed, f"{prefix}.qkv.weight", cfg.init_method_std),
@@ -150,9 +183,10 @@ class ParallelAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads (groups), s, d]
         if self.rotary_dim:
             cos, sin = rotary_cos_sin(s, self.rotary_dim, self.rotary_base, device=q.device, dtype=q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            rotary = apply_rotary if self.rope_fusion else fusion.apply_rotary_unfused
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if self.recompute_core:
-            ctx = recompute_checkpoint(self._core, q, k, v, streams=self.streams)
+            ctx = _recompute_core(self._core, q, k, v, self.streams)
         else:
             ctx = self._core(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
@@ -162,14 +196,13 @@ class ParallelAttention(nn.Module):
         """softmax(QKᵀ/√d)V with dropout on the probabilities: the selectively recomputed part.
 
         Grouped-query attention: SDPA's ``enable_gqa`` shares key/value head ``j`` among query
-        heads ``j·heads/groups .. (j+1)·heads/groups - 1`` without copying K and V.
+        heads ``j·heads/groups .. (j+1)·heads/groups - 1`` without copying K and V. The kernel is
+        ``self.kernel`` (``--attention-backend``, models/fusion.py).
         """
         p = self.dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}
         if p > 0.0:
-            with self.streams.fork(MODEL_PARALLEL_STREAM):       # heads differ per tp rank
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            return _attention_with_dropout(self.streams, q, k, v, self.kernel, p, self.masked_softmax_fusion)
+        return attention(q, k, v, kernel=self.kernel, fused_softmax=self.masked_softmax_fusion)
 
 
 class ParallelMLP(nn.Module):
@@ -186,6 +219,7 @@ class ParallelMLP(nn.Module):
         super().__init__()
         h, f, bias = cfg.hidden_size, cfg.ffn_hidden_size, cfg.add_bias_linear
         self.swiglu, self.openai_gelu = cfg.swiglu, cfg.openai_gelu
+        self.bias_gelu_fusion, self.bias_swiglu_fusion = cfg.bias_gelu_fusion, cfg.bias_swiglu_fusion
 
         def column(name: str) -> ColumnParallelLinear:
             return ColumnParallelLinear(h, f, ctx, bias=bias, sequence_parallel=sequence_parallel,
@@ -203,9 +237,11 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             x = self.fc1_gate.map_input(x)
-            inner = swiglu(self.fc1_gate(x, input_mapped=True), self.fc1_up(x, input_mapped=True))
+            glu = swiglu if self.bias_swiglu_fusion else fusion.swiglu_unfused
+            inner = glu(self.fc1_gate(x, input_mapped=True), self.fc1_up(x, input_mapped=True))
         else:
-            inner = gelu(self.fc1(x), openai=self.openai_gelu)
+            act = gelu if self.bias_gelu_fusion else fusion.gelu_unfused
+            inner = act(self.fc1(x), openai=self.openai_gelu)
         return self.fc2(inner)
 
 
@@ -221,6 +257,7 @@ class TransformerLayer(nn.Module):
         self.streams = streams
         # replicated hidden states need identical masks on all tp ranks; sequence shards different ones
         self.dropout_stream = MODEL_PARALLEL_STREAM if sequence_parallel else DEFAULT_STREAM
+        self.bias_dropout_fusion = cfg.bias_dropout_fusion
         self.input_layernorm = _norm(cfg, sequence_parallel, device, dtype)
         self.attention = ParallelAttention(cfg, ctx, f"{prefix}.attention", seed, sequence_parallel, streams,
                                            device, dtype)
@@ -230,9 +267,8 @@ class TransformerLayer(nn.Module):
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0
         if p > 0.0:
-            with self.streams.fork(self.dropout_stream):
-                out = F.dropout(out, p=p, training=True)
-        return residual + out
+            return _dropout_add(self.streams, self.dropout_stream, out, residual, p)
+        return residual_add(out, residual) if self.bias_dropout_fusion else fusion.residual_add_unfused(out, residual)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._dropout_add(self.attention(self.input_layernorm(x)), x)
@@ -357,6 +393,11 @@ class GPTModel(nn.Module):
         self.recompute_granularity = recompute_granularity
         self.recompute_num_layers = configure_recompute(self.layers.values(), recompute_granularity,
                                                         recompute_num_layers)
+        # regional compilation (compile_regions): the compiled loss head, the cross-entropy's chunk kernels,
+        # and whether the linear layers were traced (then no weight gradient may be delayed)
+        self._head_call = None
+        self._ce_kernels: CrossEntropyKernels | None = None
+        self._linears_traced = False
 
     # ---- helpers ------------------------------------------------------------------------------
     def output_weight(self) -> torch.Tensor:
@@ -367,6 +408,10 @@ class GPTModel(nn.Module):
 
     def set_wgrad_store(self, store: WeightGradStore | None) -> None:
         """Attach (or detach, with None) a weight-gradient store to every linear layer."""
+        if store is not None and self._linears_traced:
+            raise RuntimeError("this stage was compiled with its linear layers traced, so no weight gradient can "
+                               "be delayed; compile it with traceable_linears=False for a schedule that delays "
+                               "weight gradients")
         for m in self.modules():
             if hasattr(m, "wgrad_store"):
                 m.wgrad_store = store
@@ -399,12 +444,42 @@ class GPTModel(nn.Module):
                 x = layer(x)
         if not self.post_process:
             return x
-        x = self.final_layernorm(x)
-        logits = self.output_layer(x, weight=self.output_weight())   # [s, b, V_pad/tp]
+        logits = (self._head_call or self._logits)(x)   # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size)
+        if self.cfg.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size,
+                                                      kernels=self._ce_kernels)
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size)
         return loss.t().contiguous()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The loss head's compiled part: the final norm and the output layer (the logits' vocabulary shard)."""
+        return self.output_layer(self.final_layernorm(x), weight=self.output_weight())
+
+    # ---- the fast path ------------------------------------------------------------------------
+    def configure_attention(self, micro_batch_size: int) -> list[str]:
+        """Check (flash, fused) or measure (auto on CUDA) the attention kernel at this stage's shape; returns
+        what each distinct layer shape runs and why (models/fusion.py)."""
+        return configure_attention(self.layers.values(), micro_batch_size, self.cfg.seq_length, self.device)
+
+    def compile_regions(self, opts) -> list[str]:
+        """Compile every Transformer layer and the loss head in place (models/compile.py, ``opts`` a
+        ``CompileOptions``); the fused cross-entropy's chunk kernels too. Returns the regions' names."""
+        from .compile import compile_function, compile_layers, compiled_cross_entropy_kernels, plain_layer_norms
+
+        plain_layer_norms(self)
+        names = compile_layers({f"layers.{i}": layer for i, layer in self.layers.items()}, opts)
+        self._linears_traced = opts.traceable_linears
+        if self.post_process:
+            self._head_call = compile_function(self._logits, "the loss head (final norm, output layer)", opts,
+                                               [self.output_layer])
+            names.append("head")
+            if self.cfg.cross_entropy_loss_fusion:
+                self._ce_kernels = compiled_cross_entropy_kernels(opts)
+                names.append("cross-entropy chunks")
+        return names
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------

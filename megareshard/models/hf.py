@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from ..config_fields import ConfigError
-from .config import ModelConfig, check_model_shape
+from .config import KERNEL_FIELDS, ModelConfig, check_model_shape
 
 __all__ = ["HFInteropError", "model_config_from_hf", "hf_config_from_model_config", "state_dict_from_hf",
            "state_dict_to_hf", "megatron_flags", "hf_model_type"]
@@ -189,8 +189,8 @@ def megatron_flags(cfg: ModelConfig) -> list[str]:
     default = ModelConfig()
     flags = []
     for f in dataclasses.fields(ModelConfig):
-        if f.name in ("seq_length", "make_vocab_size_divisible_by"):
-            continue   # the run's choice (seq_length up to max_position_embeddings with learned positions)
+        if f.name in ("seq_length", "make_vocab_size_divisible_by") or f.name in KERNEL_FIELDS:
+            continue   # the run's choice (seq_length up to max_position_embeddings with learned positions; kernels)
         value = getattr(cfg, f.name)
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

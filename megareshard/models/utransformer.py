@@ -69,6 +69,8 @@ from ..parallel import ParallelContext
 from ..tensor_parallel import (ColumnParallelLinear, RNGStreams, WeightGradStore, padded_vocab_size,
                                set_tensor_model_parallel_attributes, vocab_parallel_cross_entropy)
 from .config import ModelConfig
+from ..tensor_parallel.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from .fusion import configure_attention
 from .gpt import GPTEmbedding, TransformerLayer, _norm, param_init_generator
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
 
@@ -357,9 +359,35 @@ class UTransformerModel(nn.Module):
                                                         recompute_num_layers)
 
     def set_wgrad_store(self, store: WeightGradStore | None) -> None:
+        if store is not None and getattr(self, "_linears_traced", False):
+            raise RuntimeError("this stage was compiled with its linear layers traced, so no weight gradient can "
+                               "be delayed")
         for m in self.modules():
             if hasattr(m, "wgrad_store"):
                 m.wgrad_store = store
+
+    def configure_attention(self, micro_batch_size: int) -> list[str]:
+        """The attention kernel of every block at its level's sequence length (models/fusion.py)."""
+        lines: list[str] = []
+        for blk in self.plan.blocks[self.layer_range[0]:self.layer_range[1]]:
+            for line in configure_attention([self.layers[str(blk.index)]], micro_batch_size,
+                                            self.plan.seq(blk.level), self.device):
+                if line not in lines:
+                    lines.append(line)
+        return lines
+
+    def compile_regions(self, opts) -> list[str]:
+        """Compile every Transformer block in place (models/compile.py); the convolutions, resampling and the
+        loss head stay eager (the fused cross-entropy's chunk kernels are compiled)."""
+        from .compile import compile_layers, compiled_cross_entropy_kernels, plain_layer_norms
+
+        plain_layer_norms(self)
+        names = compile_layers({f"layers.{i}": layer for i, layer in self.layers.items()}, opts)
+        self._linears_traced = opts.traceable_linears
+        if self.post_process and self.cfg.cross_entropy_loss_fusion:
+            self._ce_kernels = compiled_cross_entropy_kernels(opts)
+            names.append("cross-entropy chunks")
+        return names
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, skips: dict[str, torch.Tensor] | None = None):
@@ -405,5 +433,9 @@ class UTransformerModel(nn.Module):
         logits = self.output_layer(x)                       # [s, b, V_pad/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size)
+        if self.cfg.cross_entropy_loss_fusion:
+            loss = fused_vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size,
+                                                      kernels=getattr(self, "_ce_kernels", None))
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ctx, vocab_size=self.vocab_size)
         return loss.t().contiguous()

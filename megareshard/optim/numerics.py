@@ -35,12 +35,15 @@ def first_nonfinite_grad(named_params: Iterable[tuple[str, torch.nn.Parameter]],
     ``master_grads`` (name -> fp32 gradient shard, ZeRO) is looked at where the parameter's own
     ``.grad`` was freed (ZeRO 2)."""
     master_grads = master_grads or {}
-    for name, p in named_params:
-        for g in (p.grad, master_grads.get(name)):
-            if g is None or not g.numel():
-                continue
-            if not bool(torch.isfinite(g).all()):
-                return name, "nan" if bool(torch.isnan(g).any()) else "inf"
+    grads = [(name, g) for name, p in named_params for g in (p.grad, master_grads.get(name))
+             if g is not None and g.numel()]
+    if not grads:
+        return None
+    # one flag per gradient computed on its device, then a single transfer (not one synchronisation per parameter)
+    finite = torch.stack([torch.isfinite(g).all().to(grads[0][1].device) for _, g in grads]).tolist()
+    for (name, g), ok in zip(grads, finite):
+        if not ok:
+            return name, "nan" if bool(torch.isnan(g).any()) else "inf"
     return None
 
 

@@ -58,7 +58,7 @@ from ..parallel.collectives import all_gather_into, reduce_scatter_into
 from .clip_grads import counts_in_grad_norm
 from .grad_scaler import LossScaler
 
-__all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "build_zero_optimizer"]
+__all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "adamw_kind", "build_zero_optimizer"]
 
 logger = logging.getLogger("megareshard")
 
@@ -72,6 +72,14 @@ def apex_fused_adam_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def adamw_kind(on_gpu: bool, apex_usable: bool) -> str:
+    """The AdamW implementation for the master shards: apex's FusedAdam when usable on a GPU, else PyTorch's
+    fused kernel on a GPU, PyTorch's foreach on a CPU (where fused AdamW is slower than foreach)."""
+    if on_gpu:
+        return "apex" if apex_usable else "fused"
+    return "foreach"
 
 
 @dataclass(frozen=True)
@@ -217,16 +225,25 @@ class ZeroOptimizer:
                        "weight_decay": weight_decay if d else 0.0, "decoupled": dec}
                       for dec in (False, True) for d in (True, False)]
         on_gpu = self.entries[0].param.is_cuda
-        if use_apex and on_gpu and apex_fused_adam_available():
+        self.kind = adamw_kind(on_gpu, use_apex and on_gpu and apex_fused_adam_available())
+        if self.kind == "apex":
             from apex.optimizers import FusedAdam
             self.inner = FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
         else:
-            self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=on_gpu or None,
-                                           foreach=None if on_gpu else True)
+            self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind == "fused" or None,
+                                           foreach=True if self.kind == "foreach" else None)
         self._hooks = []
         if overlap_grad_reduce:
             for e in self.entries:
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(self._make_hook(e)))
+
+    @property
+    def implementation(self) -> str:
+        """Which AdamW steps the shards, in words (the start-up line)."""
+        return {"apex": "optimizer step: apex's FusedAdam (one fused kernel)",
+                "fused": "optimizer step: PyTorch's fused AdamW (one fused kernel)",
+                "foreach": "optimizer step: PyTorch's foreach AdamW (multi-tensor ops)"}[self.kind] + \
+            f", ZeRO stage {self.stage}"
 
     # ---- torch.optim-like surface (LRScheduler sets param_groups[i]["lr"]) ---------------------
     @property

@@ -69,6 +69,17 @@ class ModelChunks(nn.Module):
         for m in self.chunks.values():
             m.set_wgrad_store(store)
 
+    def configure_attention(self, micro_batch_size: int) -> list[str]:
+        """Every chunk's attention kernel (the model's ``configure_attention``); one line per distinct choice."""
+        lines: list[str] = []
+        for m in self.chunks.values():
+            lines += [line for line in m.configure_attention(micro_batch_size) if line not in lines]
+        return lines
+
+    def compile_regions(self, opts) -> list[str]:
+        """Every chunk's compiled regions (the model's ``compile_regions``), named with their stage."""
+        return [f"stage {s} {name}" for s in self.stages for name in self.chunk(s).compile_regions(opts)]
+
     def forward(self, *args, **kwargs):  # pragma: no cover - the runtime calls chunk(stage)
         raise RuntimeError("ModelChunks is run by the pipeline runtime, one chunk (stage) at a time")
 

@@ -17,6 +17,9 @@ The linear core is ``LinearWithWeightGradStore``, an autograd Function whose bac
 computes the input gradient at once and the weight gradient either at once or, when the
 layer has a ``wgrad_store`` attached, later: it enqueues a closure that accumulates
 into ``param.grad`` (delayed weight gradients for zero-bubble style pipeline schedules).
+Inside a compiled region (``--torch-compile``) that Function runs eagerly, as a graph break
+(``compile_boundary``); a layer marked ``traceable`` (no weight gradient of the run is ever
+delayed) is a plain ``F.linear`` instead, which the compiler traces with its neighbours.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compile_boundary import outside_compiled_regions
 from ..parallel import ParallelContext
 from .mappings import (copy_to_tp_region, gather_from_sequence_parallel_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region,
@@ -176,9 +180,17 @@ class LinearWithWeightGradStore(torch.autograd.Function):
         return grad_x, None, None, None
 
 
+@outside_compiled_regions
 def linear_with_wgrad_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             owner: object) -> torch.Tensor:
     return LinearWithWeightGradStore.apply(x, weight, bias, owner)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner) -> torch.Tensor:
+    """The layer's product: traced ``F.linear`` when the layer is ``traceable``, else the delayable Function."""
+    if owner.traceable:
+        return F.linear(x, weight, bias)
+    return linear_with_wgrad_store(x, weight, bias, owner)
 
 
 # ---- layers --------------------------------------------------------------------------------
@@ -207,6 +219,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = output_size // tp
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel and tp > 1
         self.wgrad_store: WeightGradStore | None = None
+        self.traceable = False  # set by regional compilation when no weight gradient is ever delayed
         init_method = init_method or default_init()
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
@@ -240,7 +253,7 @@ class ColumnParallelLinear(nn.Module):
                              f"({self.output_size_per_partition}, {self.input_size})")
         if not input_mapped:
             x = self.map_input(x)
-        out = linear_with_wgrad_store(x, weight, self.bias, self)
+        out = _linear(x, weight, self.bias, self)
         return gather_from_tp_region(out, self.ctx) if self.gather_output else out
 
     def extra_repr(self) -> str:
@@ -275,6 +288,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = input_size // tp
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel and tp > 1
         self.wgrad_store: WeightGradStore | None = None
+        self.traceable = False  # set by regional compilation when no weight gradient is ever delayed
         init_method = init_method or default_init()
         self.weight = _shard_param(init_method((output_size, input_size)), ctx, 1, device, dtype)
         set_tensor_model_parallel_attributes(self.weight, True, 1)
@@ -287,7 +301,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.ctx)
-        partial = linear_with_wgrad_store(x, self.weight, None, self)
+        partial = _linear(x, self.weight, None, self)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.ctx)
         else:

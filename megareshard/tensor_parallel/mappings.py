@@ -23,12 +23,16 @@ touched, so single-process reference runs need no process group.
 
 Gathers and reduce-scatters are single flat-buffer collectives on gloo and NCCL alike
 (``parallel/collectives.py``): no all-reduce-then-slice fallback that would double traffic.
+
+Inside a compiled region (``--torch-compile``) every mapping with a collective runs eagerly, as a
+graph break (``compile_boundary``): the collectives keep the order the program issues them in.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..compile_boundary import outside_compiled_regions
 from ..parallel import ParallelContext
 from ..parallel.collectives import all_gather_into, reduce_scatter_into
 
@@ -150,30 +154,36 @@ class _ReduceScatterDim(torch.autograd.Function):
         return all_gather_dim(g, fctx.pctx, fctx.dim), None, None
 
 
+@outside_compiled_regions
+def _apply(fn, *args):
+    """``fn.apply(*args)``: a collective's autograd function, never traced into a compiled region."""
+    return fn.apply(*args)
+
+
 # ---- public mappings ----------------------------------------------------------------------
 def copy_to_tp_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Enter a tp region with a replicated input: identity forward, all-reduce of the gradient."""
-    return x if ctx.tp_size == 1 else _CopyToTP.apply(x, ctx)
+    return x if ctx.tp_size == 1 else _apply(_CopyToTP, x, ctx)
 
 
 def reduce_from_tp_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Leave a tp region by summing partial results: all-reduce forward, identity backward."""
-    return x if ctx.tp_size == 1 else _ReduceFromTP.apply(x, ctx)
+    return x if ctx.tp_size == 1 else _apply(_ReduceFromTP, x, ctx)
 
 
 def scatter_to_tp_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Keep this rank's chunk of the last dim; backward all-gathers the gradient."""
-    return x if ctx.tp_size == 1 else _ScatterDim.apply(x, ctx, x.dim() - 1)
+    return x if ctx.tp_size == 1 else _apply(_ScatterDim, x, ctx, x.dim() - 1)
 
 
 def gather_from_tp_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """All-gather the last dim (e.g. column-parallel output); backward keeps this rank's chunk."""
-    return x if ctx.tp_size == 1 else _GatherDim.apply(x, ctx, x.dim() - 1, False)
+    return x if ctx.tp_size == 1 else _apply(_GatherDim, x, ctx, x.dim() - 1, False)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Replicated ``[s, b, h]`` -> this rank's sequence chunk; backward all-gathers along s."""
-    return x if ctx.tp_size == 1 else _ScatterDim.apply(x, ctx, 0)
+    return x if ctx.tp_size == 1 else _apply(_ScatterDim, x, ctx, 0)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, ctx: ParallelContext,
@@ -186,9 +196,9 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, ctx: ParallelContext,
     """
     if ctx.tp_size == 1:
         return x
-    return _GatherDim.apply(x, ctx, 0, tensor_parallel_output_grad)
+    return _apply(_GatherDim, x, ctx, 0, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Partial sums ``[s, b, h]`` -> summed sequence chunk ``[s/tp, b, h]`` (row-parallel output)."""
-    return x if ctx.tp_size == 1 else _ReduceScatterDim.apply(x, ctx, 0)
+    return x if ctx.tp_size == 1 else _apply(_ReduceScatterDim, x, ctx, 0)

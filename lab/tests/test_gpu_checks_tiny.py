@@ -1,0 +1,38 @@
+"""lab.bench.gpu_checks's speed grid, run on CPU with --tiny: the machinery the GPU run uses (a worker process per
+model, every point on record, the FLOP count, the deadline), so that the lent GPU's run works the first time.
+Eager variants only here (the compiled path's correctness is tests/test_fast_path.py's)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from lab import ROOT, module_command
+
+
+def _gpu_checks(out, *args: str) -> dict:
+    p = subprocess.run(module_command("lab.bench.gpu_checks", ["--out", str(out), "--tiny", *args]), capture_output=True,
+                       text=True, timeout=600, cwd=ROOT, env=dict(os.environ, WANDB_MODE="disabled"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.load(open(os.path.join(out, "gpu_checks.json")))
+
+
+@pytest.mark.slow
+def test_tiny_speed_grid_records_every_point(tmp_path):
+    res = _gpu_checks(tmp_path / "a", "--models", "gpt-tiny", "--variants", "megareshard-eager,hf-eager",
+                      "--warmup", "1", "--iters", "1", "--deadline-s", "300")
+    assert res["ceilings"]["device"] == "cpu" and "Megatron-LM model FLOPs" in res["flop_formula"]
+    points = res["speed"]["points"]
+    assert [(p["model"], p["variant"], p["status"]) for p in points] == \
+        [("gpt-tiny", "megareshard-eager", "ok"), ("gpt-tiny", "hf-eager", "ok")], points
+    for p in points:
+        assert p["tokens_per_s"] > 0 and p["tflops"] > 0 and 0 < p["mfu_vs_peak"] < 1 and p["peak_mem_gib"] > 0
+        assert len(p["iter_s"]) == 2 and p["seq_length"] == 64 and p["global_batch"] == 4
+    # the same FLOP count for both (same shapes): TFLOP/s / tokens/s agree
+    a, b = (p["tflops"] / p["tokens_per_s"] for p in points)
+    assert a == pytest.approx(b, rel=1e-12)
+    assert points[0]["params"] == points[1]["params"]  # the same shapes: megareshard GPT-2 = transformers GPT2
+    skipped = _gpu_checks(tmp_path / "b", "--deadline-s", "0")["speed"]["points"]
+    assert len(skipped) == 6 and all(p["status"] == "skipped" for p in skipped)
