@@ -73,7 +73,10 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
 
 def _shard_param(full: torch.Tensor, ctx: ParallelContext, dim: int, device, dtype) -> nn.Parameter:
     local = split_dim(full, ctx, dim) if dim >= 0 else full
-    return nn.Parameter(local.to(device=device, dtype=dtype).contiguous())
+    local = local.to(device=device, dtype=dtype).contiguous()
+    if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+        local = local.clone()  # a slice of the full tensor: keep only this rank's part alive
+    return nn.Parameter(local)
 
 
 # ---- delayed weight gradients ------------------------------------------------------------
@@ -92,11 +95,14 @@ class WeightGradStore:
         self._queue.append(fn)
 
     def flush(self) -> int:
-        """Run every queued closure in FIFO order; returns how many ran."""
+        """Run every queued closure in FIFO order; returns how many ran. Without autograd: the saved inputs
+        still require grad, and a weight-gradient GEMM recorded would keep them (and build a graph) for
+        nothing."""
         n = 0
-        while self._queue:
-            self._queue.popleft()()
-            n += 1
+        with torch.no_grad():
+            while self._queue:
+                self._queue.popleft()()
+                n += 1
         return n
 
     def clear(self) -> None:
