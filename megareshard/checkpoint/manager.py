@@ -151,6 +151,24 @@ def _optimizer_entries(optimizer, model: torch.nn.Module, tp: int, tp_rank: int)
     return out
 
 
+def _param_shards(optimizer) -> dict[int, Any]:
+    """ZeRO-3 (``params_sharded``): parameter id -> its shard entry (``shard`` holds the parameter's rows, ``info``
+    their box); the model's own parameters hold no data between uses. Empty otherwise."""
+    if not getattr(optimizer, "params_sharded", False):
+        return {}
+    return {id(e.param): e for e in optimizer.entries}
+
+
+def _model_box(name: str, p: torch.Tensor, shards: dict[int, Any], tp: int, tp_rank: int):
+    """(tensor to save from / load into, its global shape, its global offset): the parameter's tp slice, or at
+    ZeRO-3 its shard's box (the tp slice's rows this dp rank holds)."""
+    e = shards.get(id(p))
+    if e is not None:
+        return e.shard, e.info.global_shape, e.info.global_offset
+    gs, go = _tp_box(p, tp, tp_rank)
+    return p, gs, go
+
+
 def _zero_stage(optimizer) -> int | None:
     if optimizer is None:
         return None
@@ -268,11 +286,12 @@ class CheckpointManager:
         ctx = self.ctx or model.ctx
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()
         pieces: dict[str, Piece] = {}
+        shards = _param_shards(optimizer)
         for name, p in model.named_parameters():
             if _canonical(name, p) != name:
                 continue                    # the tied copy: stored once, as the word embedding
-            gs, go = _tp_box(p, tp, tp_rank)
-            piece = _cut(p.detach(), gs, go, getattr(p, "unpadded_rows", None))
+            t, gs, go = _model_box(name, p, shards, tp, tp_rank)
+            piece = _cut(t.detach(), gs, go, getattr(p, "unpadded_rows", None))
             if piece is not None:
                 pieces[model_key(name)] = piece
         entries = _optimizer_entries(optimizer, model, tp, tp_rank)
@@ -419,12 +438,13 @@ class CheckpointManager:
             messages.append(f"{ckpt} has no optimizer state: the optimizer starts fresh (Adam moments zero)")
             want_optim = False
         requests: dict[str, Piece] = {}
-        model_targets = []        # (param, key, keep_rows)
+        model_targets = []        # (param or ZeRO-3 shard, key, piece)
+        shards = _param_shards(optimizer)
         for name, p in model.named_parameters():
             key = model_key(_canonical(name, p))
-            gs, go = _tp_box(p, tp, tp_rank)
-            piece = _cut(torch.empty(p.shape, dtype=p.dtype), gs, go, getattr(p, "unpadded_rows", None))
-            model_targets.append((p, key, piece))
+            t, gs, go = _model_box(name, p, shards, tp, tp_rank)
+            piece = _cut(torch.empty(t.shape, dtype=t.dtype), gs, go, getattr(p, "unpadded_rows", None))
+            model_targets.append((t, key, piece))
             if piece is not None:
                 requests[key] = piece
         entries = _optimizer_entries(optimizer, model, tp, tp_rank) if want_optim else []
@@ -549,7 +569,7 @@ class CheckpointManager:
                     p[:rows].copy_(piece.tensor)
                     p[rows:].zero_()
                 else:
-                    p.copy_(piece.tensor)
+                    p.copy_(piece.tensor.view(p.shape))
             for e, kinds in optim_targets:
                 new_state = {}
                 for kind, piece in kinds.items():
