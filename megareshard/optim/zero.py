@@ -63,7 +63,7 @@ logger = logging.getLogger("megareshard")
 
 #: gradient reductions a hook-driven stage (2 with overlap, 3) keeps in flight before it waits for the oldest:
 #: each holds its bucket's packed gradients, which would otherwise pile up over the microbatches
-MAX_INFLIGHT_REDUCTIONS = 4
+MAX_INFLIGHT_REDUCTIONS = 2  # planner/costs.py holds the same number
 
 
 def apex_fused_adam_available() -> bool:
