@@ -41,6 +41,9 @@ class MemoryConfig:
                                                        "keeps them from forward to backward instead (with pp > 1: "
                                                        "gathered once for the whole step, gradients reduced once)",
                                                  flag="--torch-fsdp2-no-reshard-after-forward")
+    zero3_param_persistence_threshold: int = _f(0, "ZeRO-3: layers of fewer parameters than this stay gathered for "
+                                                   "the whole step, their gradients reduced once (DeepSpeed's "
+                                                   "stage3_param_persistence_threshold, per layer; 0: none)")
     data_parallel_sharding_strategy: str | None = _f(
         None, "Megatron-FSDP's sharding: no_shard, optim, optim_grads, optim_grads_params = --zero-stage 0, 1, 2, 3",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
@@ -507,6 +510,9 @@ def _validate_zero(cfg: Config, world_size: int) -> None:
         mem.zero_stage = 3
         notes.append("--use-torch-fsdp2 runs as --zero-stage 3 (megareshard's own parameter sharding, which composes "
                      "with its pipeline and delayed weight gradients; see docs/design.md)")
+    if mem.zero3_param_persistence_threshold < 0 or (mem.zero3_param_persistence_threshold and mem.zero_stage != 3):
+        raise ConfigError(f"--zero3-param-persistence-threshold {mem.zero3_param_persistence_threshold} needs "
+                          f"--zero-stage 3 (got {mem.zero_stage}) and a count >= 0")
     if not mem.torch_fsdp2_reshard_after_forward and mem.zero_stage != 3:
         raise ConfigError(f"--torch-fsdp2-no-reshard-after-forward applies to sharded parameters (--zero-stage 3 or "
                           f"--use-torch-fsdp2), not --zero-stage {mem.zero_stage}")

@@ -2,7 +2,8 @@
 
 Two launches cover the compositions (each case ZeRO 0 and ZeRO 3 on the same data, in NCCL's checking mode):
 
-* 4 ranks: dp 4 (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism; pp 2 · dp 2 eager-1F1B
+* 4 ranks: dp 4 (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism (the stage module, under
+  the persistence threshold, gathered once per step, the layers per use); pp 2 · dp 2 eager-1F1B
   with delayed weight gradients and --overlap-grad-reduce (R actions); pp 2 · dp 2 1F1B in bf16 with full
   recomputation, keeping each stage's parameters gathered for the step (--torch-fsdp2-no-reshard-after-forward).
 * 8 ranks: tp 2 · pp 2 · dp 2 zbv (virtual stages, the tied embedding one Parameter on mesh 0) with sequence
@@ -41,7 +42,7 @@ BF16_ULP = 2.0 ** -8  # relative spacing of bf16 numbers (8 significant bits)
 # name: (tp, pp, flags of both runs, flags of the ZeRO-3 run only)
 CASES_4 = {
     "dp4 overlap": (1, 1, [], ["--overlap-grad-reduce"]),
-    "tp2 dp2 sp": (2, 1, ["--sequence-parallel"], []),
+    "tp2 dp2 sp persistence": (2, 1, ["--sequence-parallel"], ["--zero3-param-persistence-threshold", "3000"]),
     "pp2 dp2 eager-1f1b delayed-W overlap": (1, 2, ["--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute",
                                                     "--overlap-grad-reduce"], []),
     "pp2 dp2 1f1b bf16 recompute keep-for-step": (1, 2, ["--pipeline-schedule", "1f1b", "--bf16",
@@ -223,6 +224,7 @@ def test_zero3_per_stage_layouts(eight):
                                                    "--zero-stage 2"),
     (["--data-parallel-sharding-strategy", "optim", "--zero-stage", "2"], 4, "is ZeRO stage 1, but --zero-stage 2"),
     (["--torch-fsdp2-no-reshard-after-forward", "--zero-stage", "2"], 4, "not --zero-stage 2"),
+    (["--zero3-param-persistence-threshold", "100", "--zero-stage", "1"], 4, "needs --zero-stage 3 (got 1)"),
 ])
 def test_zero3_bad_combinations_refused_in_one_line(argv, world, needle):
     with pytest.raises(ConfigError) as e:
@@ -250,3 +252,23 @@ def test_zero3_needs_the_model_and_dp():
         ZeroOptimizer(lin.named_parameters(), ParallelContext.single_process(), stage=3)
     with pytest.raises(ValueError, match="dp is 1"):
         ZeroOptimizer(lin.named_parameters(), ParallelContext.single_process(), stage=3, module=lin)
+
+
+def test_planner_knows_zero3():
+    """Per device: ZeRO 3 holds about 1/dp of ZeRO 0's weights, gradients and optimizer state plus what a step
+    gathers; its forward and backward pay the per-layer collectives' fixed cost; no all-gather after the step."""
+    from megareshard.optim import zero
+    from megareshard.planner import costs
+    from tests.planner.test_planner import LLAMA_8B
+
+    assert costs.MAX_INFLIGHT_REDUCTIONS == zero.MAX_INFLIGHT_REDUCTIONS
+    c = costs.ClusterSpec(2, 8, 80.0, 989.0)
+    kw = dict(layers=16, first=False, last=False, tp=1, dp=8, micro_batch=1, sequence_parallel=False,
+              recompute=False, dp_crosses_hosts=True, dp_ring_edges_per_nic=1)
+    z = {k: costs.stage_costs(LLAMA_8B, c, zero=k, **kw) for k in range(4)}
+    layer = costs.layer_params(LLAMA_8B)
+    assert z[3].static_bytes < z[2].static_bytes < z[0].static_bytes
+    held = 2 * (2 * 0 + 3 * layer) + 4 * zero.MAX_INFLIGHT_REDUCTIONS * layer  # no stage module in a middle stage
+    assert z[3].static_bytes == pytest.approx(z[0].static_bytes / 8 + held, rel=1e-6)
+    assert z[3].forward_s > z[2].forward_s and z[3].backward_s > z[2].backward_s
+    assert z[3].dp_seconds < z[2].dp_seconds

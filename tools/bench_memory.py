@@ -12,13 +12,15 @@ Three parts, on gloo ranks (CPU), each rank a fresh process of ``tests.harness.r
   weights + gradients + optimizer state, with ZeRO 3's gathered layers and unsharded gradients, plus one
   microbatch's activations and the logits). Max over ranks.
 * ``time``: one launch at ``--time-dp`` builds every variant on the same model and data — ours at ZeRO 0,
-  1, 2, 3 (and 3 without resharding after forward), DeepSpeed at ZeRO 2 and 3 (its defaults, and ZeRO 3 with
-  ``stage3_param_persistence_threshold`` 0: every parameter sharded, as ours) — and runs their steps
+  1, 2, 3 (and 3 without resharding after forward, and 3 with DeepSpeed's default persistence threshold,
+  layers under 100 000 parameters kept for the step), DeepSpeed at ZeRO 2 and 3 (its defaults, and ZeRO 3
+  with ``stage3_param_persistence_threshold`` 0: every parameter sharded, as ours) — and runs their steps
   round-robin (step k of every variant, then step k+1), so a change of load on the shared cores hits all of
   them alike. A step is what the trainer does: per microbatch forward and backward, then the dp reduction,
   clipping and the optimizer step (DeepSpeed: ``engine(batch)``, ``engine.backward``, ``engine.step``).
   Reported: the median step over the steps after the first, and the ratios ours ZeRO 2 / DeepSpeed ZeRO 2,
-  ours ZeRO 3 / DeepSpeed ZeRO 3, ours ZeRO 3 / ours ZeRO 2.
+  ours ZeRO 3 / DeepSpeed ZeRO 3 (both everything sharded; both with the default persistence threshold;
+  ours everything sharded against DeepSpeed's default), ours ZeRO 3 / ours ZeRO 2.
 * ``pipeline``: pp 2 · dp ``--time-dp`` through the trainer (1F1B, and eager-1F1B with delayed weight
   gradients), ZeRO 2 beside ZeRO 3 gathering each layer per microbatch (the default) or keeping a stage's
   layers gathered for the step (``--torch-fsdp2-no-reshard-after-forward``), stepped round-robin: the
@@ -71,15 +73,14 @@ def _rss_bytes() -> int:
 class _Ours:
     """megareshard's GPT and ZeroOptimizer, stepped as the trainer steps them."""
 
-    def __init__(self, ctx, cfg, stage, reshard=True):
+    def __init__(self, ctx, cfg, stage, **zero3):
         from megareshard.arguments import ModelConfig
         from megareshard.models import GPTModel
         from megareshard.optim.zero import ZeroOptimizer
 
         self.model = GPTModel(ModelConfig(**cfg), ctx, seed=1)
         self.opt = ZeroOptimizer(self.model.named_parameters(), ctx, stage=stage, lr=LR, weight_decay=WD,
-                                 betas=BETAS, eps=EPS, module=self.model if stage == 3 else None,
-                                 reshard_after_forward=reshard)
+                                 betas=BETAS, eps=EPS, module=self.model if stage == 3 else None, **zero3)
 
     def step(self, mbs, meter=None):
         self.opt.zero_grad()
@@ -204,8 +205,10 @@ def memory_part(dps, stages, steps, cfg, run_ranks, ext):
 
 
 # ---- time --------------------------------------------------------------------------------------
+DS_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (elements)
 TIME_VARIANTS = [("megareshard", 0, {}), ("megareshard", 1, {}), ("megareshard", 2, {}), ("megareshard", 3, {}),
                  ("megareshard", 3, {"reshard_after_forward": False}),
+                 ("megareshard", 3, {"param_persistence_threshold": DS_PERSISTENCE}),
                  ("deepspeed", 2, {}), ("deepspeed", 3, {}), ("deepspeed", 3, {"stage3_param_persistence_threshold": 0})]
 
 
@@ -216,7 +219,7 @@ def _time_rank(rank, world_size, steps, cfg, ext_dir, with_ds):
         if impl == "deepspeed" and not with_ds:
             continue
         if impl == "megareshard":
-            v = _Ours(ctx, cfg, stage, reshard=extra.get("reshard_after_forward", True))
+            v = _Ours(ctx, cfg, stage, **extra)
         else:
             v = _DeepSpeed(ctx, cfg, stage, extra)
         variants.append(((impl, stage, extra), v, [], []))
@@ -247,10 +250,14 @@ def time_part(dp, steps, cfg, run_ranks, ext):
         return next((r["step_s"] for r in rows if r["impl"] == impl and r["zero"] == stage
                      and r["options"] == (options or {})), None)
 
+    # each ZeRO-3 against the other's with the same parameters sharded: every one (threshold 0), or those of
+    # DeepSpeed's default persistence threshold (ours per layer, DeepSpeed's per parameter)
     ratios = {"ours_zero2_over_deepspeed_zero2": (step("megareshard", 2), step("deepspeed", 2)),
-              "ours_zero3_over_deepspeed_zero3": (step("megareshard", 3), step("deepspeed", 3)),
               "ours_zero3_over_deepspeed_zero3_all_sharded": (
                   step("megareshard", 3), step("deepspeed", 3, {"stage3_param_persistence_threshold": 0})),
+              "ours_zero3_persistence_over_deepspeed_zero3_default": (
+                  step("megareshard", 3, {"param_persistence_threshold": DS_PERSISTENCE}), step("deepspeed", 3)),
+              "ours_zero3_over_deepspeed_zero3_default": (step("megareshard", 3), step("deepspeed", 3)),
               "ours_zero3_over_ours_zero2": (step("megareshard", 3), step("megareshard", 2))}
     ratios = {k: (a / b if a and b else None) for k, (a, b) in ratios.items()}
     return rows, ratios

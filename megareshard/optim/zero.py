@@ -87,7 +87,8 @@ class ZeroOptimizer:
     """AdamW over dp-sharded fp32 master weights (ZeRO stage 0, 1, 2 or 3). See the module docstring.
 
     Stage 3 takes the model as ``module`` (the parameters of ``named_params`` must be its own) and
-    ``reshard_after_forward`` / ``keep_params_for_step`` (see ``megareshard.optim.zero3``).
+    ``reshard_after_forward`` / ``keep_params_for_step`` / ``param_persistence_threshold`` (see
+    ``megareshard.optim.zero3``).
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], ctx: ParallelContext, *,
@@ -99,7 +100,8 @@ class ZeroOptimizer:
                  defer_grad_reduce: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  decoupled: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  use_apex: bool = False, module: torch.nn.Module | None = None,
-                 reshard_after_forward: bool = True, keep_params_for_step: bool = False) -> None:
+                 reshard_after_forward: bool = True, keep_params_for_step: bool = False,
+                 param_persistence_threshold: int = 0) -> None:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         if overlap_grad_reduce and stage not in (2, 3):
@@ -140,7 +142,8 @@ class ZeroOptimizer:
             from .zero3 import ParamSharder
 
             self.sharder = ParamSharder(self, module, reshard_after_forward=reshard_after_forward,
-                                        keep_params_for_step=keep_params_for_step)
+                                        keep_params_for_step=keep_params_for_step,
+                                        persistence_threshold=param_persistence_threshold)
             self.buckets = [b for u in self.sharder.units for b in u.reduce_buckets]
             rest = [e for e in self.entries if e.defer]
         else:
@@ -524,7 +527,8 @@ def build_zero_optimizer(model: torch.nn.Module, ctx: ParallelContext, training_
         kwargs.setdefault("decoupled", lambda name, p: "word_embeddings" in name or name.startswith("output_layer"))
     if memory_cfg.zero_stage == 3:
         reshard = getattr(memory_cfg, "torch_fsdp2_reshard_after_forward", True)
-        kwargs.update(module=model, reshard_after_forward=reshard, keep_params_for_step=pipeline and not reshard)
+        kwargs.update(module=model, reshard_after_forward=reshard, keep_params_for_step=pipeline and not reshard,
+                      param_persistence_threshold=getattr(memory_cfg, "zero3_param_persistence_threshold", 0))
     return ZeroOptimizer(model.named_parameters(), ctx, stage=memory_cfg.zero_stage, lr=t.lr,
                          weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                          loss_scaler=loss_scaler, **kwargs)

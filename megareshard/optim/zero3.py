@@ -42,7 +42,9 @@ When (hooks on each unit's module; ``holders`` counts who needs a unit; it is fr
 * ``keep_params_for_step`` (pipeline parallelism without resharding after forward): units stay gathered
   from their first use to the end of the stage's backward work (``end_step``, from the trainer's
   gradient reduction) and gradients accumulate unsharded until then: one all-gather and one
-  reduce-scatter per unit and step instead of two and one per microbatch.
+  reduce-scatter per unit and step instead of two and one per microbatch. ``persistence_threshold``
+  does the same for every unit of fewer elements (DeepSpeed's ``stage3_param_persistence_threshold``:
+  small units cost a collective's fixed time for few bytes).
 
 Every rank of a data-parallel group runs the same program, so the hooks fire — and the collectives are
 issued — in the same order on all of them (NCCL's rule; ``run_ranks(..., nccl_check=True)`` checks it).
@@ -95,7 +97,7 @@ class Unit:
     gathered."""
 
     __slots__ = ("name", "entries", "offsets", "seg", "dtype", "packed", "holders", "state", "recv", "work",
-                 "pinned", "reduce_buckets", "nbytes")
+                 "pinned", "reduce_buckets", "nbytes", "keep")
 
     def __init__(self, name: str, entries: list[ShardEntry]) -> None:
         self.name, self.entries = name, entries
@@ -110,6 +112,7 @@ class Unit:
         self.packed: torch.Tensor | None = None
         self.reduce_buckets: list[Bucket] = []
         self.nbytes = 0  # of the gathered parameters (padded storages)
+        self.keep = False  # gathered for the whole step (kept for the step, or under the persistence threshold)
 
 
 class _Hooked:
@@ -162,7 +165,7 @@ class ParamSharder:
     """The stage-3 half of a ``ZeroOptimizer``: units, their gathers and frees, the module hooks."""
 
     def __init__(self, opt: "ZeroOptimizer", module: nn.Module, *, reshard_after_forward: bool = True,
-                 keep_params_for_step: bool = False) -> None:
+                 keep_params_for_step: bool = False, persistence_threshold: int = 0) -> None:
         self.opt, self.ctx = opt, opt.ctx
         self.D = opt.shard_dp
         self.reshard_after_forward = reshard_after_forward
@@ -212,6 +215,7 @@ class ParamSharder:
         if missing:
             raise ValueError(f"ZeRO-3: parameters {missing[:5]} are not in the model given to the optimizer")
         for u in self.units:
+            u.keep = keep_params_for_step or sum(e.param.numel() for e in u.entries) < persistence_threshold
             self._lay_out(u)
             rest = [e for e in u.entries if not e.defer]
             if rest:
@@ -298,7 +302,7 @@ class ParamSharder:
     def _acquire(self, u: Unit) -> None:
         u.holders += 1
         self._ensure(u)
-        if self.keep_params_for_step and torch.is_grad_enabled():
+        if u.keep and torch.is_grad_enabled():
             u.pinned = True
 
     def _release(self, u: Unit) -> None:
@@ -408,7 +412,7 @@ class ParamSharder:
             for u in h.units:
                 self._release(u)
             call.held = False
-        if self.keep_params_for_step or not any(u.reduce_buckets for u in h.own):
+        if not any(u.reduce_buckets and not u.keep for u in h.own):
             return  # kept for the step: gradients accumulate, reduced at the step's end
         store = h.wgrad_store()
         if store is not None:  # delayed weight gradients: reduce right after the W work of this module
@@ -418,8 +422,9 @@ class ParamSharder:
 
     def _reduce(self, h: _Hooked) -> None:
         for u in h.own:
-            for b in u.reduce_buckets:
-                self.opt.launch_reduction(b)
+            if not u.keep:
+                for b in u.reduce_buckets:
+                    self.opt.launch_reduction(b)
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
