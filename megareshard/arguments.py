@@ -41,9 +41,9 @@ class MemoryConfig:
                                                        "keeps them from forward to backward instead (with pp > 1: "
                                                        "gathered once for the whole step, gradients reduced once)",
                                                  flag="--torch-fsdp2-no-reshard-after-forward")
-    zero3_param_persistence_threshold: int = _f(0, "ZeRO-3: layers of fewer parameters than this stay gathered for "
-                                                   "the whole step, their gradients reduced once (DeepSpeed's "
-                                                   "stage3_param_persistence_threshold, per layer; 0: none)")
+    zero3_param_persistence_threshold: int = _f(0, "ZeRO-3: parameters of fewer elements than this stay gathered "
+                                                   "for the whole step, their gradients reduced once (DeepSpeed's "
+                                                   "stage3_param_persistence_threshold; 0: none)")
     data_parallel_sharding_strategy: str | None = _f(
         None, "Megatron-FSDP's sharding: no_shard, optim, optim_grads, optim_grads_params = --zero-stage 0, 1, 2, 3",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))

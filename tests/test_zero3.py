@@ -2,8 +2,8 @@
 
 Two launches cover the compositions (each case ZeRO 0 and ZeRO 3 on the same data, in NCCL's checking mode):
 
-* 4 ranks: dp 4 (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism (the stage module, under
-  the persistence threshold, gathered once per step, the layers per use); pp 2 · dp 2 eager-1F1B
+* 4 ranks: dp 4 (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism (the parameters under the
+  persistence threshold gathered once per step, the others per use); pp 2 · dp 2 eager-1F1B
   with delayed weight gradients and --overlap-grad-reduce (R actions); pp 2 · dp 2 1F1B in bf16 with full
   recomputation, keeping each stage's parameters gathered for the step (--torch-fsdp2-no-reshard-after-forward).
 * 8 ranks: tp 2 · pp 2 · dp 2 zbv (virtual stages, the tied embedding one Parameter on mesh 0) with sequence
@@ -42,7 +42,7 @@ BF16_ULP = 2.0 ** -8  # relative spacing of bf16 numbers (8 significant bits)
 # name: (tp, pp, flags of both runs, flags of the ZeRO-3 run only)
 CASES_4 = {
     "dp4 overlap": (1, 1, [], ["--overlap-grad-reduce"]),
-    "tp2 dp2 sp persistence": (2, 1, ["--sequence-parallel"], ["--zero3-param-persistence-threshold", "3000"]),
+    "tp2 dp2 sp persistence": (2, 1, ["--sequence-parallel"], ["--zero3-param-persistence-threshold", "1000"]),
     "pp2 dp2 eager-1f1b delayed-W overlap": (1, 2, ["--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute",
                                                     "--overlap-grad-reduce"], []),
     "pp2 dp2 1f1b bf16 recompute keep-for-step": (1, 2, ["--pipeline-schedule", "1f1b", "--bf16",

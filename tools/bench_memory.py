@@ -12,8 +12,8 @@ Three parts, on gloo ranks (CPU), each rank a fresh process of ``tests.harness.r
   weights + gradients + optimizer state, with ZeRO 3's gathered layers and unsharded gradients, plus one
   microbatch's activations and the logits). Max over ranks.
 * ``time``: one launch at ``--time-dp`` builds every variant on the same model and data — ours at ZeRO 0,
-  1, 2, 3 (and 3 without resharding after forward, and 3 with DeepSpeed's default persistence threshold,
-  layers under 100 000 parameters kept for the step), DeepSpeed at ZeRO 2 and 3 (its defaults, and ZeRO 3
+  1, 2, 3 (and 3 without resharding after forward, and 3 with DeepSpeed's default persistence threshold:
+  parameters under 100 000 elements kept for the step), DeepSpeed at ZeRO 2 and 3 (its defaults, and ZeRO 3
   with ``stage3_param_persistence_threshold`` 0: every parameter sharded, as ours) — and runs their steps
   round-robin (step k of every variant, then step k+1), so a change of load on the shared cores hits all of
   them alike. A step is what the trainer does: per microbatch forward and backward, then the dp reduction,
@@ -251,7 +251,7 @@ def time_part(dp, steps, cfg, run_ranks, ext):
                      and r["options"] == (options or {})), None)
 
     # each ZeRO-3 against the other's with the same parameters sharded: every one (threshold 0), or those of
-    # DeepSpeed's default persistence threshold (ours per layer, DeepSpeed's per parameter)
+    # DeepSpeed's default persistence threshold
     ratios = {"ours_zero2_over_deepspeed_zero2": (step("megareshard", 2), step("deepspeed", 2)),
               "ours_zero3_over_deepspeed_zero3_all_sharded": (
                   step("megareshard", 3), step("deepspeed", 3, {"stage3_param_persistence_threshold": 0})),

@@ -43,8 +43,9 @@ When (hooks on each unit's module; ``holders`` counts who needs a unit; it is fr
   from their first use to the end of the stage's backward work (``end_step``, from the trainer's
   gradient reduction) and gradients accumulate unsharded until then: one all-gather and one
   reduce-scatter per unit and step instead of two and one per microbatch. ``persistence_threshold``
-  does the same for every unit of fewer elements (DeepSpeed's ``stage3_param_persistence_threshold``:
-  small units cost a collective's fixed time for few bytes).
+  does the same for the parameters of fewer elements, gathered in units of their own beside their
+  layer's (DeepSpeed's ``stage3_param_persistence_threshold``: a small parameter costs a collective's
+  fixed time for few bytes).
 
 Every rank of a data-parallel group runs the same program, so the hooks fire — and the collectives are
 issued — in the same order on all of them (NCCL's rule; ``run_ranks(..., nccl_check=True)`` checks it).
@@ -182,15 +183,18 @@ class ParamSharder:
         self.hooked: list[_Hooked] = []
 
         def make_units(name: str, params) -> list[Unit]:
-            by_dtype: dict[torch.dtype, list[ShardEntry]] = {}
+            # one unit per dtype; parameters under the persistence threshold in units of their own, kept
+            groups: dict[tuple[torch.dtype, bool], list[ShardEntry]] = {}
             for p in params:
                 e = entry_of.get(id(p))
                 if e is not None and id(p) not in owner:
-                    by_dtype.setdefault(p.dtype, []).append(e)
+                    groups.setdefault((p.dtype, p.numel() < persistence_threshold), []).append(e)
                     owner[id(p)] = None  # claimed (set below)
             out = []
-            for dtype, entries in by_dtype.items():
-                u = Unit(name if len(by_dtype) == 1 else f"{name}[{dtype}]", entries)
+            for (dtype, small), entries in groups.items():
+                u = Unit(name + (f" [{dtype}]" if len({d for d, _ in groups}) > 1 else "")
+                         + (" (persistent)" if small else ""), entries)
+                u.keep = keep_params_for_step or small
                 for e in entries:
                     owner[id(e.param)] = u
                 out.append(u)
@@ -215,7 +219,6 @@ class ParamSharder:
         if missing:
             raise ValueError(f"ZeRO-3: parameters {missing[:5]} are not in the model given to the optimizer")
         for u in self.units:
-            u.keep = keep_params_for_step or sum(e.param.numel() for e in u.entries) < persistence_threshold
             self._lay_out(u)
             rest = [e for e in u.entries if not e.defer]
             if rest:
