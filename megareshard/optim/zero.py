@@ -77,10 +77,11 @@ def apex_fused_adam_available() -> bool:
     return True
 
 
-def default_defer(name: str, p: torch.nn.Parameter) -> bool:
+def default_defer(name: str, p: torch.nn.Parameter, pipeline: bool = True) -> bool:
     """Gradients that get another all-reduce before the dp reduction: sequence-parallel parameters (over tp),
-    the tied word embedding and its output-layer copy (between the first and the last stage)."""
-    return bool(getattr(p, "sequence_parallel", False)) or "word_embeddings" in name or name.startswith("output_layer")
+    the tied word embedding and its output-layer copy (between the first and the last stage: ``pipeline``)."""
+    return bool(getattr(p, "sequence_parallel", False)) or (
+        pipeline and ("word_embeddings" in name or name.startswith("output_layer")))
 
 
 class ZeroOptimizer:
@@ -124,7 +125,7 @@ class ZeroOptimizer:
         self.last_step_skipped = False
         is_no_decay = is_no_decay or (lambda name, p: p.ndim < 2)
         # by default, gradients that get another all-reduce before the dp reduction never start early
-        defer_grad_reduce = defer_grad_reduce or default_defer
+        defer_grad_reduce = defer_grad_reduce or (lambda name, p: default_defer(name, p, ctx.pp_size > 1))
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()
         self.entries: list[ShardEntry] = []
         for name, p in named_params:
