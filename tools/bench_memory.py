@@ -18,7 +18,8 @@ Three parts, on gloo ranks (CPU), each rank a fresh process of ``tests.harness.r
   round-robin (step k of every variant, then step k+1), so a change of load on the shared cores hits all of
   them alike. A step is what the trainer does: per microbatch forward and backward, then the dp reduction,
   clipping and the optimizer step (DeepSpeed: ``engine(batch)``, ``engine.backward``, ``engine.step``).
-  Reported: the median step over the steps after the first, and the ratios ours ZeRO 2 / DeepSpeed ZeRO 2,
+  Reported: the median step over the steps after the first (and the CPU seconds a rank spends in it,
+  steadier than wall time on shared cores but blind to waiting), and the ratios ours ZeRO 2 / DeepSpeed ZeRO 2,
   ours ZeRO 3 / DeepSpeed ZeRO 3 (both everything sharded; both with the default persistence threshold;
   ours everything sharded against DeepSpeed's default), ours ZeRO 3 / ours ZeRO 2.
 * ``pipeline``: pp 2 · dp ``--time-dp`` through the trainer (1F1B, and eager-1F1B with delayed weight
@@ -222,14 +223,16 @@ def _time_rank(rank, world_size, steps, cfg, ext_dir, with_ds):
             v = _Ours(ctx, cfg, stage, **extra)
         else:
             v = _DeepSpeed(ctx, cfg, stage, extra)
-        variants.append(((impl, stage, extra), v, [], []))
+        variants.append(((impl, stage, extra), v, [], [], []))
     for mbs in _data(cfg, ctx.dp_rank(), steps):  # round-robin: step k of every variant, then step k+1
-        for _, v, times, losses in variants:
-            t0 = time.perf_counter()
+        for _, v, times, cpu, losses in variants:
+            t0, c0 = time.perf_counter(), time.process_time()
             losses.append(v.step(mbs))
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     return [{"impl": impl, "zero": stage, "options": extra, "step_s": statistics.median(times[1:] or times),
-             "final_loss": losses[-1]} for (impl, stage, extra), _, times, losses in variants]
+             "cpu_s": statistics.median(cpu[1:] or cpu), "final_loss": losses[-1]}
+            for (impl, stage, extra), _, times, cpu, losses in variants]
 
 
 def time_part(dp, steps, cfg, run_ranks, ext):
@@ -243,8 +246,9 @@ def time_part(dp, steps, cfg, run_ranks, ext):
               file=sys.stderr, flush=True)
     per_rank = run_ranks(_time_rank, dp, steps, cfg, ext, with_ds, timeout=3600)
     rows = []
-    for i, row in enumerate(per_rank[0]):
-        rows.append({**row, "step_s": max(r[i]["step_s"] for r in per_rank)})  # the slowest rank sets the step
+    for i, row in enumerate(per_rank[0]):  # the slowest rank sets the step; CPU seconds: the mean rank's
+        rows.append({**row, "step_s": max(r[i]["step_s"] for r in per_rank),
+                     "cpu_s": sum(r[i]["cpu_s"] for r in per_rank) / len(per_rank)})
 
     def step(impl, stage, options=None):
         return next((r["step_s"] for r in rows if r["impl"] == impl and r["zero"] == stage
@@ -260,6 +264,9 @@ def time_part(dp, steps, cfg, run_ranks, ext):
               "ours_zero3_over_deepspeed_zero3_default": (step("megareshard", 3), step("deepspeed", 3)),
               "ours_zero3_over_ours_zero2": (step("megareshard", 3), step("megareshard", 2))}
     ratios = {k: (a / b if a and b else None) for k, (a, b) in ratios.items()}
+    cpu = {r["impl"] + str(r["zero"]) + json.dumps(r["options"]): r["cpu_s"] for r in rows}
+    ratios["cpu_ours_zero2_over_deepspeed_zero2"] = (cpu.get("megareshard2{}", 0) / cpu["deepspeed2{}"]
+                                                     if cpu.get("deepspeed2{}") else None)
     return rows, ratios
 
 
@@ -361,7 +368,7 @@ def main() -> None:
                   "variants round-robin; slowest rank's median step")
             for r in rows:
                 print(f"  {r['impl']:<12} zero {r['zero']} {json.dumps(r['options']):<44} {r['step_s']:.4f} s  "
-                      f"loss {r['final_loss']:.4f}")
+                      f"CPU {r['cpu_s']:.4f} s  loss {r['final_loss']:.4f}")
             for k, v in ratios.items():
                 print(f"  {k}: {'-' if v is None else f'{v:.3f}'}")
     print(json.dumps(out))

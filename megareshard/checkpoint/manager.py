@@ -159,7 +159,7 @@ def _param_shards(optimizer) -> dict[int, Any]:
     return {id(e.param): e for e in optimizer.entries}
 
 
-def _model_box(name: str, p: torch.Tensor, shards: dict[int, Any], tp: int, tp_rank: int):
+def _model_box(p: torch.Tensor, shards: dict[int, Any], tp: int, tp_rank: int):
     """(tensor to save from / load into, its global shape, its global offset): the parameter's tp slice, or at
     ZeRO-3 its shard's box (the tp slice's rows this dp rank holds)."""
     e = shards.get(id(p))
@@ -290,7 +290,7 @@ class CheckpointManager:
         for name, p in model.named_parameters():
             if _canonical(name, p) != name:
                 continue                    # the tied copy: stored once, as the word embedding
-            t, gs, go = _model_box(name, p, shards, tp, tp_rank)
+            t, gs, go = _model_box(p, shards, tp, tp_rank)
             piece = _cut(t.detach(), gs, go, getattr(p, "unpadded_rows", None))
             if piece is not None:
                 pieces[model_key(name)] = piece
@@ -442,7 +442,7 @@ class CheckpointManager:
         shards = _param_shards(optimizer)
         for name, p in model.named_parameters():
             key = model_key(_canonical(name, p))
-            t, gs, go = _model_box(name, p, shards, tp, tp_rank)
+            t, gs, go = _model_box(p, shards, tp, tp_rank)
             piece = _cut(torch.empty(t.shape, dtype=t.dtype), gs, go, getattr(p, "unpadded_rows", None))
             model_targets.append((t, key, piece))
             if piece is not None:
