@@ -2,10 +2,11 @@
 
 Two launches cover the compositions (each case ZeRO 0 and ZeRO 3 on the same data, in NCCL's checking mode):
 
-* 4 ranks: dp 4 in fp16 with loss scaling (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism (the parameters under the
-  persistence threshold gathered once per step, the others per use); pp 2 · dp 2 eager-1F1B
-  with delayed weight gradients and --overlap-grad-reduce (R actions); pp 2 · dp 2 1F1B in bf16 with full
-  recomputation, keeping each stage's parameters gathered for the step (--torch-fsdp2-no-reshard-after-forward).
+* 4 ranks: dp 4 in fp16 with loss scaling (with --overlap-grad-reduce); tp 2 · dp 2 with sequence parallelism
+  (the parameters under the persistence threshold gathered once per step, the others per use); pp 2 · dp 2
+  eager-1F1B with delayed weight gradients, --overlap-grad-reduce (R actions) and an evaluation; pp 2 · dp 2
+  1F1B in bf16 with full recomputation, keeping each stage's parameters gathered for the step
+  (--torch-fsdp2-no-reshard-after-forward).
 * 8 ranks: tp 2 · pp 2 · dp 2 zbv (virtual stages, the tied embedding one Parameter on mesh 0) with sequence
   parallelism and --overlap-grad-reduce, saving a checkpoint; it resumes bitwise; it loads into ZeRO 1 at
   tp 1 · pp 1 · dp 8 and that back into ZeRO 3 at tp 2 · pp 2 · dp 2, each continuing the loss curve, and every
@@ -45,8 +46,9 @@ ULP = {"--bf16": 2.0 ** -7, "--fp16": 2.0 ** -10}  # relative spacing of the num
 CASES_4 = {
     "dp4 fp16 overlap": (1, 1, ["--fp16", "--initial-loss-scale", "1024"], ["--overlap-grad-reduce"]),
     "tp2 dp2 sp persistence": (2, 1, ["--sequence-parallel"], ["--zero3-param-persistence-threshold", "1000"]),
-    "pp2 dp2 eager-1f1b delayed-W overlap": (1, 2, ["--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute",
-                                                    "--overlap-grad-reduce"], []),
+    "pp2 dp2 eager-1f1b delayed-W overlap eval": (1, 2, ["--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute",
+                                                         "--overlap-grad-reduce", "--eval-interval", "2",
+                                                         "--eval-iters", "1"], []),
     "pp2 dp2 1f1b bf16 recompute keep-for-step": (1, 2, ["--pipeline-schedule", "1f1b", "--bf16",
                                                          "--recompute-granularity", "full"],
                                                   ["--torch-fsdp2-no-reshard-after-forward"]),
@@ -70,6 +72,7 @@ def _run(world, argv, full=True):
     recs = t.train()
     sharder = t.optimizer.sharder
     out = {"start": start, "steps": [(r["loss"], r["grad_norm"], r["lr"]) for r in recs],
+           "evals": [(i, r["eval_loss"]) for i, r in enumerate(recs, start=1) if "eval_loss" in r],
            "memory": recs[0]["memory_per_stage"] if recs and "memory_per_stage" in recs[0] else None,
            "gathers": sharder.gathers if sharder else None, "units": len(sharder.units) if sharder else None,
            "messages": t.loaded.messages if t.loaded else None, "params": None}
@@ -154,6 +157,10 @@ def _assert_close(ref, got, label, ulp=0.0, lowp_sums=0):
         per_elem = bounds[t] + (ulp * top if t else 0.0)
         tol = 2 * ref_norm * math.sqrt(n) * per_elem + 4 * (ulp or U) * abs(ref_loss)
         assert abs(loss - ref_loss) <= tol, (label, t, loss, ref_loss, tol)
+    assert [i for i, _ in got["evals"]] == [i for i, _ in ref["evals"]], label
+    for (i, ev), (_, ref_ev) in zip(got["evals"], ref["evals"]):  # evaluation after step i: parameters of step i
+        tol = 2 * ref["steps"][i - 1][1] * math.sqrt(n) * (bounds[i] + ulp * top) + 4 * (ulp or U) * abs(ref_ev)
+        assert abs(ev - ref_ev) <= tol, (label, "eval", i, ev, ref_ev, tol)
     for name, r in ref["params"].items():
         g = got["params"][name]
         if name.endswith("attention.qkv.bias"):  # the key bias: rounding noise that Adam turns into ±lr steps

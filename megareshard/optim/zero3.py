@@ -209,9 +209,8 @@ class ParamSharder:
             uses = list(dict.fromkeys(owner[id(p)] for p in root_params if id(p) in entry_of))
             h_root = _Hooked(root, uses, own_root, None)
             self.hooked.append(h_root)
-            for layer in layers:
-                name = next((n for n, p in layer.named_parameters()), "layer").rsplit(".", 2)[0]
-                own = make_units(f"layer {getattr(layer, 'index', name)}", list(layer.parameters()))
+            for i, layer in enumerate(layers):
+                own = make_units(f"stage module {r} layer {getattr(layer, 'index', i)}", list(layer.parameters()))
                 used = list(dict.fromkeys(owner[id(p)] for p in layer.parameters() if id(p) in entry_of))
                 if used:
                     self.hooked.append(_Hooked(layer, used, own, h_root))
