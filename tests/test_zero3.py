@@ -169,7 +169,8 @@ def _assert_close(ref, got, label, ulp=0.0, lowp_sums=0, evals=True):
         tol = 2 * ref_norm * math.sqrt(n) * per_elem + 4 * (ulp or U) * abs(ref_loss)
         assert abs(loss - ref_loss) <= tol, (label, t, loss, ref_loss, tol)
     assert not evals or [i for i, _ in got["evals"]] == [i for i, _ in ref["evals"]], label
-    for (i, ev), (_, ref_ev) in zip(got["evals"] if evals else [], ref["evals"]):  # evaluation after step i: parameters of step i
+    # an evaluation after step i sees the parameters of step i
+    for (i, ev), (_, ref_ev) in zip(got["evals"] if evals else [], ref["evals"]):
         tol = 2 * ref["steps"][i - 1][1] * math.sqrt(n) * (bounds[i] + ulp * top) + 4 * (ulp or U) * abs(ref_ev)
         assert abs(ev - ref_ev) <= tol, (label, "eval", i, ev, ref_ev, tol)
     for name, r in ref["params"].items():
@@ -273,7 +274,8 @@ def test_zero3_bad_combinations_refused_in_one_line(argv, world, needle):
 
 @pytest.mark.parametrize("argv,stage", [(["--use-torch-fsdp2"], 3), (["--zero-stage", "3"], 3),
                                         (["--data-parallel-sharding-strategy", "optim_grads_params"], 3),
-                                        (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], 2),
+                                        (["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                          "optim_grads"], 2),
                                         (["--use-custom-fsdp"], 0),
                                         (["--data-parallel-sharding-strategy", "optim"], 1)])
 def test_megatron_spellings_of_the_zero_stage(argv, stage):

@@ -210,7 +210,8 @@ DS_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_thresho
 TIME_VARIANTS = [("megareshard", 0, {}), ("megareshard", 1, {}), ("megareshard", 2, {}), ("megareshard", 3, {}),
                  ("megareshard", 3, {"reshard_after_forward": False}),
                  ("megareshard", 3, {"param_persistence_threshold": DS_PERSISTENCE}),
-                 ("deepspeed", 2, {}), ("deepspeed", 3, {}), ("deepspeed", 3, {"stage3_param_persistence_threshold": 0})]
+                 ("deepspeed", 2, {}), ("deepspeed", 3, {}),
+                 ("deepspeed", 3, {"stage3_param_persistence_threshold": 0})]
 
 
 def _time_rank(rank, world_size, steps, cfg, ext_dir, with_ds):

@@ -26,10 +26,10 @@ Stages (``stage`` argument):
 Master weights: when the model parameter is fp32, the master shard IS a view of the
 parameter's own rows (no copy; at stage 3 it is the parameter's shard); when it is bf16/fp16
 (mixed precision with low-precision parameters) the master is a separate fp32 copy of the shard
-and the model's rows (stage 3: its shard) are refreshed from it after every step. The inner optimizer is ``torch.optim.AdamW`` on the
-master shards (fused on GPU, foreach on CPU; apex ``FusedAdam`` when importable on GPU
-and asked for), with the decay / no-decay groups of ``build_adamw`` — so the step
-semantics are exactly AdamW's.
+and the model's rows (stage 3: its shard) are refreshed from it after every step. The inner
+optimizer is ``torch.optim.AdamW`` on the master shards (fused on GPU, foreach on CPU; apex
+``FusedAdam`` when importable on GPU and asked for), with the decay / no-decay groups of
+``build_adamw`` — so the step semantics are exactly AdamW's.
 
 Per iteration::
 
