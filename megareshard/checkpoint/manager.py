@@ -12,9 +12,9 @@ Both are collective over the world (every rank calls them). See ``format.py`` fo
 What a checkpoint holds: model weights (global names, tp slices — at ZeRO-3 each rank's row
 shard of them, the only copy it holds —, vocabulary unpadded; the tied output-layer copy of a
 last pipeline stage is not stored: it loads from the word embedding), optimizer state keyed by
-parameter name (fp32 master, Adam moments, step — ZeRO row chunks or full tp slices), LR scheduler, iteration, sampler (consumed samples),
-loss scaler, per-rank RNG (CPU, CUDA, tensor-parallel streams), W&B run id, the arguments
-and the layout it was saved in.
+parameter name (fp32 master, Adam moments, step — ZeRO row chunks or full tp slices), LR
+scheduler, iteration, sampler (consumed samples), loss scaler, per-rank RNG (CPU, CUDA,
+tensor-parallel streams), W&B run id, the arguments and the layout it was saved in.
 
 What loads exactly across a layout change (tp, pp, dp, ZeRO stage, world size, dtype of the
 parameters aside): every weight and every piece of optimizer state, bitwise; the iteration,
