@@ -4,8 +4,10 @@
 Three parts, on gloo ranks (CPU), each rank a fresh process of ``tests.harness.run_ranks``:
 
 * ``memory``: for every dp of ``--dps`` and every ZeRO stage of ``--stages``, one launch trains
-  ``--steps`` steps of the memory model (fp32, dp only). Per rank: the peak resident set size above the one
-  before the model was built (``ru_maxrss``: the process's own high-water mark, fragmentation included);
+  ``--steps`` steps of the memory model (fp32, dp only). Per rank, above the resident set before the model
+  was built: the resident set after the first step (the model's initialisation, which builds every full
+  tensor once, behind it) and its high-water mark over the later steps (Linux's ``VmHWM``, reset after the
+  first step: the process's real peak, the allocator's own slack included);
   the tensors that exist after a step (``megareshard.memory.memory_report``: parameters — at ZeRO 3 their
   shards —, gradients, optimizer state) and the activations saved over one step; at ZeRO 3 the most bytes
   of gathered parameters at once. Beside them the planner's prediction (``planner.costs.stage_costs``:
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -67,8 +68,19 @@ def _data(cfg, dp_rank, steps):
             for _ in range(steps)]
 
 
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def _proc_status(key: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> None:
+    """Set this process's resident high-water mark to what is resident now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 class _Ours:
@@ -160,15 +172,18 @@ def _memory_rank(rank, world_size, stage, steps, cfg, ext_dir):
     from megareshard.memory import ActivationMeter, memory_report
 
     ctx = _env(rank, world_size, ext_dir)
-    base = _rss_bytes()
+    base = _proc_status("VmRSS")
     ours = _Ours(ctx, cfg, stage)
     meter = ActivationMeter(exclude=ours.model.parameters(), exclude_live=ours.opt.gathered_ptrs)
-    losses = []
-    for i, mbs in enumerate(_data(cfg, ctx.dp_rank(), steps)):
-        losses.append(ours.step(mbs, meter if i == 0 else None))
+    data = _data(cfg, ctx.dp_rank(), max(steps, 2))
+    losses = [ours.step(data[0], meter)]  # the first step creates Adam's state; the model's init is behind us
+    rest = _proc_status("VmRSS") - base
+    _reset_peak_rss()
+    for mbs in data[1:]:
+        losses.append(ours.step(mbs))
     rep = memory_report(ours.model, ours.opt, meter.peak_bytes)
     sharder = ours.opt.sharder
-    return {"rss_peak": _rss_bytes() - base, **rep.to_dict(),
+    return {"rss_rest": rest, "rss_peak": _proc_status("VmHWM") - base, **rep.to_dict(),
             "gathered_peak": sharder.peak_bytes if sharder is not None else 0, "final_loss": losses[-1]}
 
 
@@ -348,11 +363,12 @@ def main() -> None:
             print(f"memory: GPT {mem_cfg['num_layers']}L h{mem_cfg['hidden_size']} V{mem_cfg['vocab_size']} s"
                   f"{mem_cfg['seq_length']}, micro-batch {MB} × {NMB}, fp32; MiB per rank, max over ranks")
             print(f"{'dp':>3}{'zero':>5}{'params':>9}{'grads':>9}{'optim':>9}{'p+g+o':>9}{'×zero0':>8}{'1/dp':>7}"
-                  f"{'gathered':>9}{'activ':>9}{'rss peak':>10}{'predicted':>10}")
+                  f"{'gathered':>9}{'activ':>9}{'rss rest':>10}{'rss peak':>10}{'predicted':>10}")
             for r in rows:
                 print(f"{r['dp']:>3}{r['zero']:>5}{mib(r['params'])}{mib(r['grads'])}{mib(r['optimizer'])}"
                       f"{mib(r['static'])}{r.get('static_over_zero0', float('nan')):>8.3f}{1 / r['dp']:>7.3f}"
-                      f"{mib(r['gathered_peak'])}{mib(r['activations'])} {mib(r['rss_peak'])} {mib(r['predicted'])}")
+                      f"{mib(r['gathered_peak'])}{mib(r['activations'])} {mib(r['rss_rest'])} {mib(r['rss_peak'])} "
+                      f"{mib(r['predicted'])}")
         if args.part in ("pipeline", "all"):
             rows = pipeline_part(args.time_dp, steps, time_cfg, run_ranks)
             out["pipeline"] = {"config": time_cfg, "pp": 2, "dp": args.time_dp, "rows": rows}
