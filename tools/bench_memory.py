@@ -7,7 +7,8 @@ Three parts, on gloo ranks (CPU), each rank a fresh process of ``tests.harness.r
   ``--steps`` steps of the memory model (fp32, dp only). Per rank, above the resident set before the model
   was built: the resident set after the first step (the model's initialisation, which builds every full
   tensor once, behind it) and its high-water mark over the later steps (Linux's ``VmHWM``, reset after the
-  first step: the process's real peak, the allocator's own slack included);
+  first step: the process's real peak), with glibc's malloc mapping blocks of 64 KiB and more on their own
+  (``MMAP_ENV``: otherwise the resident set follows the allocator's history, not the tensors);
   the tensors that exist after a step (``megareshard.memory.memory_report``: parameters — at ZeRO 3 their
   shards —, gradients, optimizer state) and the activations saved over one step; at ZeRO 3 the most bytes
   of gathered parameters at once. Beside them the planner's prediction (``planner.costs.stage_costs``:
@@ -339,6 +340,25 @@ def pipeline_part(dp, steps, cfg, run_ranks, microbatches=8):
     return rows
 
 
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+MMAP_BYTES = "65536"
+"""glibc's malloc keeps freed blocks in its heap (and, once a large block was freed, serves later ones from
+there too), so a process's resident set follows its allocation history, not its live tensors: ZeRO-3's gather
+and free of every layer then shows as growth. Blocks of 64 KiB and more mmapped (and unmapped when freed) make
+the resident set follow the tensors; it is read when a process starts, so the memory part runs in a child."""
+
+
+def _memory_in_child(args, ext) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", dir=ext) as f:
+        argv = [sys.executable, os.path.abspath(__file__), "--part", "memory", "--dps", args.dps, "--stages",
+                args.stages, "--steps", str(args.steps), "--json", f.name] + (["--tiny"] if args.tiny else [])
+        import subprocess
+
+        subprocess.run(argv, check=True, env={**os.environ, MMAP_ENV: MMAP_BYTES}, stdout=subprocess.DEVNULL)
+        with open(f.name) as g:
+            return json.load(g)["memory"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("memory", "time", "pipeline", "both", "all"), default="all",
@@ -356,10 +376,14 @@ def main() -> None:
     out = {"micro_batch": MB, "microbatches": NMB, "steps": steps}
     mib = lambda v: "-" if v is None else f"{v / 2 ** 20:9.2f}"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="mr-bench-ext-") as ext:
-        if args.part in ("memory", "both", "all"):
+        if args.part in ("memory", "both", "all") and MMAP_ENV not in os.environ:
+            out["memory"] = _memory_in_child(args, ext)
+        elif args.part in ("memory", "both", "all"):
             rows = memory_part([int(x) for x in args.dps.split(",")], [int(x) for x in args.stages.split(",")],
                                steps, mem_cfg, run_ranks, ext)
-            out["memory"] = {"config": mem_cfg, "rows": rows}
+            out["memory"] = {"config": mem_cfg, "rows": rows, "malloc_mmap_threshold": os.environ[MMAP_ENV]}
+        if "memory" in out:
+            rows = out["memory"]["rows"]
             print(f"memory: GPT {mem_cfg['num_layers']}L h{mem_cfg['hidden_size']} V{mem_cfg['vocab_size']} s"
                   f"{mem_cfg['seq_length']}, micro-batch {MB} × {NMB}, fp32; MiB per rank, max over ranks")
             print(f"{'dp':>3}{'zero':>5}{'params':>9}{'grads':>9}{'optim':>9}{'p+g+o':>9}{'×zero0':>8}{'1/dp':>7}"
