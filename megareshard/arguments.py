@@ -38,9 +38,28 @@ if TYPE_CHECKING:
 class MemoryConfig:
     """ZeRO, mixed precision and activation recomputation."""
 
-    zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients", choices=(0, 1, 2))
+    zero_stage: int = _f(0, "0: none, 1: shard optimizer state over dp, 2: also gradients, 3: also parameters "
+                            "(each layer gathered around its forward and backward)", choices=(0, 1, 2, 3))
     use_distributed_optimizer: bool = _f(False, "Megatron's distributed optimizer: shard the optimizer state over "
                                                 "dp and reduce-scatter gradients (= --zero-stage 1)")
+    use_torch_fsdp2: bool = _f(False, "Megatron-LM's PyTorch FSDP2: parameters, gradients and optimizer state "
+                                      "sharded over dp (= --zero-stage 3, megareshard's own parameter sharding: see "
+                                      "docs/design.md, ZeRO-3)")
+    torch_fsdp2_reshard_after_forward: bool = _f(True, "ZeRO-3: free each layer's gathered parameters after its "
+                                                       "forward and gather them again for its backward; the flag "
+                                                       "keeps them from forward to backward instead (with pp > 1: "
+                                                       "gathered once for the whole step, gradients reduced once)",
+                                                 flag="--torch-fsdp2-no-reshard-after-forward")
+    zero3_param_persistence_threshold: int = _f(0, "ZeRO-3: parameters of fewer elements than this stay gathered "
+                                                   "for the whole step, their gradients reduced once (DeepSpeed's "
+                                                   "stage3_param_persistence_threshold; 0: none)")
+    data_parallel_sharding_strategy: str | None = _f(
+        None, "Megatron-FSDP's sharding: no_shard, optim, optim_grads, optim_grads_params = --zero-stage 0, 1, 2, 3",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    use_custom_fsdp: bool = _f(False, "Megatron-FSDP (older name): the sharding of --data-parallel-sharding-strategy "
+                                      "(default no_shard), run as that --zero-stage")
+    use_megatron_fsdp: bool = _f(False, "Megatron-FSDP: the sharding of --data-parallel-sharding-strategy (default "
+                                        "no_shard), run as that --zero-stage")
     overlap_grad_reduce: bool = _f(False, "overlap the data-parallel gradient reduction with the backward. With "
                                           "pp > 1: each stage starts its reduction (all-reduce, or ZeRO's "
                                           "reduce-scatter) as an action right after its last backward, waited "
@@ -465,6 +484,7 @@ def validate(cfg: Config, world_size: int) -> Config:
                           "gradients fills the wait for a pipeline send, and one stage sends nothing")
     if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
         raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    _validate_zero(cfg, world_size)
     if mem.use_distributed_optimizer:
         if mem.zero_stage == 0:
             mem.zero_stage = 1
@@ -473,8 +493,8 @@ def validate(cfg: Config, world_size: int) -> Config:
             cfg.notes.append("--use-distributed-optimizer with --overlap-grad-reduce runs as --zero-stage 2 (the "
                              "same reduce-scatter into optimizer shards, issued per bucket during backward; full "
                              "gradients are freed as they are reduced)")
-    if mem.overlap_grad_reduce and mem.zero_stage != 2 and pp == 1:
-        raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 (got "
+    if mem.overlap_grad_reduce and mem.zero_stage not in (2, 3) and pp == 1:
+        raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 or 3 (got "
                           f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
                           "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
                           "ZeRO stage overlaps, through the pipeline's R action)")
@@ -548,6 +568,56 @@ def validate(cfg: Config, world_size: int) -> Config:
                       f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
                       f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
     return cfg
+
+
+#: Megatron-FSDP's --data-parallel-sharding-strategy values and the ZeRO stage each is
+SHARDING_STRATEGY_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _validate_zero(cfg: Config, world_size: int) -> None:
+    """Megatron's spellings of the ZeRO stage (FSDP2, Megatron-FSDP's sharding strategy) mapped onto
+    --zero-stage, and ZeRO-3's needs: more than one data-parallel rank in every stage."""
+    mem, notes = cfg.memory, cfg.notes
+    strategy = mem.data_parallel_sharding_strategy
+    fsdp = "--use-megatron-fsdp" if mem.use_megatron_fsdp else "--use-custom-fsdp" if mem.use_custom_fsdp else None
+    if strategy is not None or fsdp:
+        stage = SHARDING_STRATEGY_STAGE[strategy or "no_shard"]
+        spelled = f"--data-parallel-sharding-strategy {strategy}" if strategy else f"{fsdp} (sharding no_shard)"
+        if mem.zero_stage not in (0, stage):
+            raise ConfigError(f"{spelled} is ZeRO stage {stage}, but --zero-stage {mem.zero_stage} was given: give one")
+        if mem.use_torch_fsdp2 and stage != 3:
+            raise ConfigError(f"--use-torch-fsdp2 shards parameters (ZeRO stage 3) but {spelled} is stage {stage}")
+        mem.zero_stage = stage
+        notes.append(f"{spelled} runs as --zero-stage {stage}" + (f" ({fsdp} selects nothing more)" if fsdp else ""))
+    if mem.use_torch_fsdp2:
+        if mem.zero_stage not in (0, 3):
+            raise ConfigError(f"--use-torch-fsdp2 shards parameters (ZeRO stage 3), but --zero-stage {mem.zero_stage} "
+                              "was given: give one")
+        mem.zero_stage = 3
+        notes.append("--use-torch-fsdp2 runs as --zero-stage 3 (megareshard's own parameter sharding, which composes "
+                     "with its pipeline and delayed weight gradients; see docs/design.md)")
+    if mem.zero3_param_persistence_threshold < 0 or (mem.zero3_param_persistence_threshold and mem.zero_stage != 3):
+        raise ConfigError(f"--zero3-param-persistence-threshold {mem.zero3_param_persistence_threshold} needs "
+                          f"--zero-stage 3 (got {mem.zero_stage}) and a count >= 0")
+    if not mem.torch_fsdp2_reshard_after_forward and mem.zero_stage != 3:
+        raise ConfigError(f"--torch-fsdp2-no-reshard-after-forward applies to sharded parameters (--zero-stage 3 or "
+                          f"--use-torch-fsdp2), not --zero-stage {mem.zero_stage}")
+    if mem.zero_stage != 3:
+        return
+    if cfg.parallel.stage_layouts:
+        from .parallel.stage_topology import parse_stage_layouts
+
+        ones = [i for i, (_, d) in enumerate(parse_stage_layouts(cfg.parallel.stage_layouts)) if d < 2]
+        if ones:
+            raise ConfigError(f"--zero-stage 3 shards parameters over each stage's data-parallel ranks, but stage(s) "
+                              f"{', '.join(map(str, ones))} of --stage-layouts {cfg.parallel.stage_layouts} have dp 1: "
+                              "give every stage dp >= 2, or use --zero-stage 0-2")
+        return
+    dp = cfg.dp(world_size)
+    if dp < 2:
+        raise ConfigError(f"--zero-stage 3 shards parameters over data parallelism, but dp is {dp} (world size "
+                          f"{world_size} = tp {cfg.tp} × pp {cfg.pp} × dp {dp}): nothing to shard over; use "
+                          "--zero-stage 0-2, or more ranks")
 
 
 def _validate_schedule_file(cfg: Config, world_size: int) -> None:

@@ -81,8 +81,6 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--rampup-batch-size": (dict(nargs="*", default=None), "batch-size ramp-up"),
     "--microbatch-group-size-per-virtual-pipeline-stage": (_INT, "microbatch groups other than pp per virtual "
                                                                  "pipeline stage (interleaving groups by pp)"),
-    "--use-torch-fsdp2": (_FLAG, "FSDP2"),
-    "--use-custom-fsdp": (_FLAG, "Megatron FSDP"),
     "--mtp-num-layers": (_INT, "multi-token prediction"),
     "--multi-latent-attention": (_FLAG, "multi-latent attention"),
     "--spec": (dict(nargs="*", default=None), "custom layer specs"),

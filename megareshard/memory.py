@@ -49,13 +49,17 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class ActivationMeter:
     """Context manager measuring the activation memory of the forward passes run inside it.
 
-    ``exclude``: tensors (parameters) whose storages are not activations. After exit,
-    ``peak_bytes`` holds the measurement (see the module docstring for CPU vs CUDA).
+    ``exclude``: tensors (parameters) whose storages are not activations. ``exclude_live``: a set of
+    storage data pointers kept current by its owner (ZeRO-3's gathered parameters, whose storages come
+    and go), looked up when a tensor is saved. After exit, ``peak_bytes`` holds the measurement (see the
+    module docstring for CPU vs CUDA).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | str | None = None) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | str | None = None,
+                 exclude_live: set[int] | None = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude_live = exclude_live if exclude_live is not None else set()
         self._refs: dict[int, int] = {}    # storage -> saved tensors holding it
         self._bytes: dict[int, int] = {}
         self._live = 0
@@ -65,7 +69,7 @@ class ActivationMeter:
     def _add(self, t: torch.Tensor) -> int | None:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr in self._exclude or not st.nbytes():
+        if ptr in self._exclude or ptr in self._exclude_live or not st.nbytes():
             return None
         if self._refs.get(ptr, 0) == 0:
             self._bytes[ptr] = st.nbytes()
@@ -135,10 +139,14 @@ def memory_report(model: torch.nn.Module, optimizer=None, activations: int = 0) 
     """Measure parameters, gradients and optimizer state of ``model`` / ``optimizer`` now.
 
     ``optimizer``: a ``ZeroOptimizer`` (its fp32 masters that are not views of parameters,
-    Adam moments, and its shard gradients count) or a ``torch.optim`` optimizer (its state);
-    see ``optimizer_state_bytes`` for the moments of a step not taken yet.
+    Adam moments, and its shard gradients count; at ZeRO-3 the parameters' shards are the parameters,
+    whose own storages are empty between uses) or a ``torch.optim`` optimizer (its state); see
+    ``optimizer_state_bytes`` for the moments of a step not taken yet.
     """
     params = list(model.parameters())
+    if optimizer is not None and hasattr(optimizer, "param_tensors"):
+        params += optimizer.param_tensors()
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     grads = [p.grad for p in params]
     if optimizer is not None and hasattr(optimizer, "grad_tensors"):
         grads += optimizer.grad_tensors()

@@ -248,7 +248,7 @@ class Trainer:
         self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
                                               # pp > 1: the pipeline's R actions overlap instead (below)
                                               overlap_grad_reduce=mem.overlap_grad_reduce and cfg.pp == 1,
-                                              use_apex=self.device.type == "cuda")
+                                              use_apex=self.device.type == "cuda", pipeline=cfg.pp > 1)
         self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
         self.memory: list[MemoryReport] | None = None
         self._grad_reduce_started = False  # an R action started this step's dp reductions (--overlap-grad-reduce)
@@ -505,7 +505,8 @@ class Trainer:
     def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        meter = ActivationMeter(exclude=self.model.parameters(), device=self.device) if self.memory is None else None
+        meter = ActivationMeter(exclude=self.model.parameters(), device=self.device,  # ZeRO-3: gathered params
+                                exclude_live=self.optimizer.gathered_ptrs) if self.memory is None else None
         for hook in self.step_hooks:
             hook(self, self.iteration + 1)
         with meter if meter is not None else contextlib.nullcontext():

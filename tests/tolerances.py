@@ -37,12 +37,13 @@ def adam_step_bound(t: int, betas: tuple[float, float]) -> float:
     return (1 - b1) / (1 - b1 ** t) * math.sqrt((1 - b2 ** t) / (1 - b2)) * math.sqrt(sum(r ** k for k in range(t)))
 
 
-def element_error_bounds(lrs: Sequence[float], betas: tuple[float, float]) -> list[float]:
+def element_error_bounds(lrs: Sequence[float], betas: tuple[float, float], rho: float = RHO) -> list[float]:
     """Per-element parameter error bound before each step (index t: after t updates, so
-    [0] == 0) and, last, after all of them; `lrs` the learning rate of each step."""
+    [0] == 0) and, last, after all of them; `lrs` the learning rate of each step; `rho` the relative
+    error of the gradient elements (default `RHO`: fp32 sums in another order)."""
     out = [0.0]
     for t, lr in enumerate(lrs, start=1):
-        out.append(out[-1] + lr * RHO * adam_step_bound(t, betas))
+        out.append(out[-1] + lr * rho * adam_step_bound(t, betas))
     return out
 
 

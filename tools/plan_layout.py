@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "%(default)g, NVLink 4)")
     s = p.add_argument_group("search")
     s.add_argument("--micro-batch-sizes", default="1,2,4,8")
-    s.add_argument("--zero-stages", default="0,1,2")
+    s.add_argument("--zero-stages", default="0,1,2", help="comma list of 0-3 (3: parameters sharded too; its per-layer "
+                   "all-gathers make it slower per step, so --auto-layout takes it only when nothing else fits)")
     s.add_argument("--no-recompute", action="store_true", help="never consider full recomputation")
     s.add_argument("--schedules", default=None, help="comma list (default: every registered schedule; the table "
                    "marks those the runtime does not execute yet)")

@@ -9,12 +9,12 @@
 
 Both are collective over the world (every rank calls them). See ``format.py`` for the files.
 
-What a checkpoint holds: model weights (global names, tp slices, vocabulary unpadded; the
-tied output-layer copy of a last pipeline stage is not stored: it loads from the word
-embedding), optimizer state keyed by parameter name (fp32 master, Adam moments, step —
-ZeRO row chunks or full tp slices), LR scheduler, iteration, sampler (consumed samples),
-loss scaler, per-rank RNG (CPU, CUDA, tensor-parallel streams), W&B run id, the arguments
-and the layout it was saved in.
+What a checkpoint holds: model weights (global names, tp slices — at ZeRO-3 each rank's row
+shard of them, the only copy it holds —, vocabulary unpadded; the tied output-layer copy of a
+last pipeline stage is not stored: it loads from the word embedding), optimizer state keyed by
+parameter name (fp32 master, Adam moments, step — ZeRO row chunks or full tp slices), LR
+scheduler, iteration, sampler (consumed samples), loss scaler, per-rank RNG (CPU, CUDA,
+tensor-parallel streams), W&B run id, the arguments and the layout it was saved in.
 
 What loads exactly across a layout change (tp, pp, dp, ZeRO stage, world size, dtype of the
 parameters aside): every weight and every piece of optimizer state, bitwise; the iteration,
@@ -156,6 +156,24 @@ def _optimizer_entries(optimizer, model: torch.nn.Module, tp: int, tp_rank: int)
     return out
 
 
+def _param_shards(optimizer) -> dict[int, Any]:
+    """ZeRO-3 (``params_sharded``): parameter id -> its shard entry (``shard`` holds the parameter's rows, ``info``
+    their box); the model's own parameters hold no data between uses. Empty otherwise."""
+    if not getattr(optimizer, "params_sharded", False):
+        return {}
+    return {id(e.param): e for e in optimizer.entries}
+
+
+def _model_box(p: torch.Tensor, shards: dict[int, Any], tp: int, tp_rank: int):
+    """(tensor to save from / load into, its global shape, its global offset): the parameter's tp slice, or at
+    ZeRO-3 its shard's box (the tp slice's rows this dp rank holds)."""
+    e = shards.get(id(p))
+    if e is not None:
+        return e.shard, e.info.global_shape, e.info.global_offset
+    gs, go = _tp_box(p, tp, tp_rank)
+    return p, gs, go
+
+
 def _zero_stage(optimizer) -> int | None:
     if optimizer is None:
         return None
@@ -273,11 +291,12 @@ class CheckpointManager:
         ctx = self.ctx or model.ctx
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()
         pieces: dict[str, Piece] = {}
+        shards = _param_shards(optimizer)
         for name, p in model.named_parameters():
             if _canonical(name, p) != name:
                 continue                    # the tied copy: stored once, as the word embedding
-            gs, go = _tp_box(p, tp, tp_rank)
-            piece = _cut(p.detach(), gs, go, getattr(p, "unpadded_rows", None))
+            t, gs, go = _model_box(p, shards, tp, tp_rank)
+            piece = _cut(t.detach(), gs, go, getattr(p, "unpadded_rows", None))
             if piece is not None:
                 pieces[model_key(name)] = piece
         entries = _optimizer_entries(optimizer, model, tp, tp_rank)
@@ -429,12 +448,13 @@ class CheckpointManager:
             messages.append(f"{ckpt} has no optimizer state: the optimizer starts fresh (Adam moments zero)")
             want_optim = False
         requests: dict[str, Piece] = {}
-        model_targets = []        # (param, key, keep_rows)
+        model_targets = []        # (param or ZeRO-3 shard, key, piece)
+        shards = _param_shards(optimizer)
         for name, p in model.named_parameters():
             key = model_key(_canonical(name, p))
-            gs, go = _tp_box(p, tp, tp_rank)
-            piece = _cut(torch.empty(p.shape, dtype=p.dtype), gs, go, getattr(p, "unpadded_rows", None))
-            model_targets.append((p, key, piece))
+            t, gs, go = _model_box(p, shards, tp, tp_rank)
+            piece = _cut(torch.empty(t.shape, dtype=t.dtype), gs, go, getattr(p, "unpadded_rows", None))
+            model_targets.append((t, key, piece))
             if piece is not None:
                 requests[key] = piece
         entries = _optimizer_entries(optimizer, model, tp, tp_rank) if want_optim else []
@@ -552,7 +572,7 @@ class CheckpointManager:
                     p[:rows].copy_(piece.tensor)
                     p[rows:].zero_()
                 else:
-                    p.copy_(piece.tensor)
+                    p.copy_(piece.tensor.view(p.shape))
             for e, kinds in optim_targets:
                 new_state = {}
                 for kind, piece in kinds.items():

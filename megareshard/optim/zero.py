@@ -1,16 +1,8 @@
-"""ZeRO stages 0/1/2 as one optimizer wrapper, with fp32 master weights and loss scaling.
+"""ZeRO stages 0/1/2/3 as one optimizer wrapper, with fp32 master weights and loss scaling.
 
-Layout (FSDP2-style, per parameter). Every parameter ``p`` (this rank's tp slice) is
-viewed as ``rows × row_size`` with ``rows = p.shape[0]`` (a 0-d parameter is one row).
-Over the dp group of size ``D`` it is split along dim 0 into ``D`` chunks of
-``chunk = ceil(rows / D)`` rows (``torch.chunk`` semantics): dp rank ``r`` owns rows
-``[r·chunk, min((r+1)·chunk, rows))`` — the last ranks may own fewer rows, or none.
-In the communication buffers every chunk is padded with zero rows to ``chunk`` rows,
-so a bucket is ``D`` equal segments and one ``reduce_scatter_tensor`` /
-``all_gather_into_tensor`` moves it; the padding never reaches optimizer state. Each
-piece of optimizer state is therefore a regular box of the full parameter: global
-shape + offset along dim 0 (combined with the tp slice for the full-model view, see
-``ShardInfo``), which is what reshardable checkpoints need.
+Every parameter is sharded along its first dimension over dp (``zero_shards.py`` gives the layout
+and the buffers), so every piece of optimizer state, and at stage 3 the parameters themselves, is a
+regular box of the full tensor: what reshardable checkpoints need.
 
 Stages (``stage`` argument):
 
@@ -25,14 +17,19 @@ Stages (``stage`` argument):
   reduce-scatter of a bucket starts from a post-accumulate-grad hook as soon as all of
   its gradients are produced (every microbatch, accumulating into the shard), so full
   gradients never pile up during backward.
+* 3 — as 2, and the parameters too: between uses each parameter keeps only its rows (``shard``);
+  a layer's parameters are all-gathered just before its forward and again before its backward,
+  freed after, and its gradients reduce-scattered as soon as its backward (or its delayed weight
+  gradients) has produced them. ``megareshard.optim.zero3`` holds that mechanism; it needs the
+  model (``module``) to hook its layers. No all-gather follows the step: the next use gathers.
 
 Master weights: when the model parameter is fp32, the master shard IS a view of the
-parameter's own rows (no copy); when it is bf16/fp16 (mixed precision with low-precision
-parameters) the master is a separate fp32 copy of the shard and the model's rows are
-refreshed from it after every step. The inner optimizer is ``torch.optim.AdamW`` on the
-master shards (fused on GPU, foreach on CPU; apex ``FusedAdam`` when importable on GPU
-and asked for), with the decay / no-decay groups of ``build_adamw`` — so the step
-semantics are exactly AdamW's.
+parameter's own rows (no copy; at stage 3 it is the parameter's shard); when it is bf16/fp16
+(mixed precision with low-precision parameters) the master is a separate fp32 copy of the shard
+and the model's rows (stage 3: its shard) are refreshed from it after every step. The inner
+optimizer is ``torch.optim.AdamW`` on the master shards (fused on GPU, foreach on CPU; apex
+``FusedAdam`` when importable on GPU and asked for), with the decay / no-decay groups of
+``build_adamw`` — so the step semantics are exactly AdamW's.
 
 Per iteration::
 
@@ -45,10 +42,11 @@ Per iteration::
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from dataclasses import dataclass, asdict
-from typing import Callable, Iterable
+from dataclasses import asdict
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,10 +55,15 @@ from ..parallel import ParallelContext
 from ..parallel.collectives import all_gather_into, reduce_scatter_into
 from .clip_grads import counts_in_grad_norm
 from .grad_scaler import LossScaler
+from .zero_shards import Bucket, ShardEntry, ShardInfo, pack_grads, unpack_rows
 
 __all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "adamw_kind", "build_zero_optimizer"]
 
 logger = logging.getLogger("megareshard")
+
+#: gradient reductions a hook-driven stage (2 with overlap, 3) keeps in flight before it waits for the oldest:
+#: each holds its bucket's packed gradients, which would otherwise pile up over the microbatches
+MAX_INFLIGHT_REDUCTIONS = 2  # planner/costs.py holds the same number
 
 
 def apex_fused_adam_available() -> bool:
@@ -82,82 +85,20 @@ def adamw_kind(on_gpu: bool, apex_usable: bool) -> str:
     return "foreach"
 
 
-@dataclass(frozen=True)
-class ShardInfo:
-    """Where this rank's optimizer shard of one parameter lies.
-
-    ``local_shape``: the parameter on this rank (its tp slice). ``dp_offset``/``dp_rows``:
-    the shard's rows along dim 0 of ``local_shape``. ``global_shape``/``global_offset``/
-    ``shard_shape``: the same box in the FULL model tensor (tp slice composed with the dp
-    rows; for a vocab-parallel embedding the global shape includes the vocabulary padding).
-    """
-
-    name: str
-    local_shape: tuple[int, ...]
-    dp_offset: int
-    dp_rows: int
-    chunk_rows: int
-    shard_shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    decay: bool
-
-
-class _Entry:
-    """Book-keeping for one parameter."""
-
-    __slots__ = ("name", "param", "rows", "row_size", "chunk", "start", "stop", "master", "master_is_view",
-                 "info", "defer")
-
-    def __init__(self, name: str, param: torch.nn.Parameter, dp: int, dp_rank: int, tp: int, tp_rank: int,
-                 decay: bool) -> None:
-        self.name, self.param = name, param
-        shape = tuple(param.shape)
-        self.rows = shape[0] if shape else 1
-        self.row_size = param.numel() // self.rows if self.rows else 0
-        self.chunk = -(-self.rows // dp)
-        self.start = min(dp_rank * self.chunk, self.rows)
-        self.stop = min(self.start + self.chunk, self.rows)
-        n = self.stop - self.start
-        shard_shape = (n, *shape[1:]) if shape else (n,)
-        gshape, goff = list(shape) or [1], [0] * max(len(shape), 1)
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            d = param.partition_dim
-            goff[d] = tp_rank * gshape[d]
-            gshape[d] *= tp
-        goff[0] += self.start
-        self.info = ShardInfo(name, shape, self.start, n, self.chunk, shard_shape, tuple(gshape), tuple(goff), decay)
-        rows_view = param.detach().view(self.rows, self.row_size)[self.start:self.stop]
-        if param.dtype == torch.float32:
-            self.master = rows_view.view(shard_shape)       # shares the parameter's storage
-            self.master_is_view = True
-        else:
-            self.master = rows_view.float().view(shard_shape).clone()
-            self.master_is_view = False
-        self.defer = False
-
-    def param_rows(self) -> torch.Tensor:
-        return self.param.detach().view(self.rows, self.row_size)
-
-
-class _Bucket:
-    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched")
-
-    def __init__(self, entries: list[_Entry]) -> None:
-        self.entries = entries
-        self.offsets, off = [], 0
-        for e in entries:
-            self.offsets.append(off)
-            off += e.chunk * e.row_size
-        self.seg = off                      # elements per dp rank
-        self.dtype = entries[0].param.dtype
-        self.ready: set[int] = set()
-        self.defer = any(e.defer for e in entries)
-        self.launched = 0
+def default_defer(name: str, p: torch.nn.Parameter, pipeline: bool = True) -> bool:
+    """Gradients that get another all-reduce before the dp reduction: sequence-parallel parameters (over tp),
+    the tied word embedding and its output-layer copy (between the first and the last stage: ``pipeline``)."""
+    return bool(getattr(p, "sequence_parallel", False)) or (
+        pipeline and ("word_embeddings" in name or name.startswith("output_layer")))
 
 
 class ZeroOptimizer:
-    """AdamW over dp-sharded fp32 master weights (ZeRO stage 0, 1 or 2). See the module docstring."""
+    """AdamW over dp-sharded fp32 master weights (ZeRO stage 0, 1, 2 or 3). See the module docstring.
+
+    Stage 3 takes the model as ``module`` (the parameters of ``named_params`` must be its own) and
+    ``reshard_after_forward`` / ``keep_params_for_step`` / ``param_persistence_threshold`` (see
+    ``megareshard.optim.zero3``).
+    """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], ctx: ParallelContext, *,
                  stage: int = 1, lr: float = 1e-3, weight_decay: float = 0.0,
@@ -167,54 +108,70 @@ class ZeroOptimizer:
                  is_no_decay: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  defer_grad_reduce: Callable[[str, torch.nn.Parameter], bool] | None = None,
                  decoupled: Callable[[str, torch.nn.Parameter], bool] | None = None,
-                 use_apex: bool = False) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
-        if overlap_grad_reduce and stage != 2:
-            raise ValueError("overlap_grad_reduce needs ZeRO stage 2 (it frees each gradient once reduced; "
+                 use_apex: bool = False, module: torch.nn.Module | None = None,
+                 reshard_after_forward: bool = True, keep_params_for_step: bool = False,
+                 param_persistence_threshold: int = 0) -> None:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        if overlap_grad_reduce and stage not in (2, 3):
+            raise ValueError("overlap_grad_reduce needs ZeRO stage 2 or 3 (it frees each gradient once reduced; "
                              "stages 0/1 reduce once, in finish_grad_sync)")
+        if stage == 3 and module is None:
+            raise ValueError("ZeRO stage 3 needs the model (module=...): it gathers each layer's parameters around "
+                             "the layer's forward and backward")
+        if stage == 3 and ctx.dp_size < 2:
+            raise ValueError(f"ZeRO stage 3 shards parameters over data parallelism, but dp is {ctx.dp_size}")
         self.ctx, self.stage = ctx, stage
         self.dp = ctx.dp_size
         self.shard_dp = self.dp if stage >= 1 else 1
         self.shard_rank = ctx.dp_rank() if stage >= 1 else 0
         self.grad_reduce_dtype = grad_reduce_dtype
         self.loss_scaler = loss_scaler
-        self.overlap_grad_reduce = overlap_grad_reduce
+        # stage 3 reduces each layer's gradients from its hooks whatever the flag: the flag changes nothing there
+        self.overlap_grad_reduce = overlap_grad_reduce and stage == 2
         self.num_skipped_steps = 0
         self.last_step_skipped = False
         is_no_decay = is_no_decay or (lambda name, p: p.ndim < 2)
-        # by default, gradients that get another all-reduce before the dp reduction (sequence-parallel
-        # params over tp, the tied embedding across the first/last stage) never start early
-        defer_grad_reduce = defer_grad_reduce or (
-            lambda name, p: bool(getattr(p, "sequence_parallel", False)) or "word_embeddings" in name
-            or name.startswith("output_layer"))
+        # by default, gradients that get another all-reduce before the dp reduction never start early
+        defer_grad_reduce = defer_grad_reduce or (lambda name, p: default_defer(name, p, ctx.pp_size > 1))
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()
-        self.entries: list[_Entry] = []
+        self.entries: list[ShardEntry] = []
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            e = _Entry(name, p, self.shard_dp, self.shard_rank, tp, tp_rank, decay=not is_no_decay(name, p))
+            e = ShardEntry(name, p, self.shard_dp, self.shard_rank, tp, tp_rank, decay=not is_no_decay(name, p),
+                           sharded_params=stage == 3)
             e.defer = defer_grad_reduce(name, p)
             self.entries.append(e)
         if not self.entries:
             raise ValueError("ZeroOptimizer got no trainable parameters")
         self.by_name = {e.name: e for e in self.entries}
+        self.sharder = None
+        if stage == 3:  # units (one per layer): each one gather bucket and one reduce bucket (deferred: below)
+            from .zero3 import ParamSharder
+
+            self.sharder = ParamSharder(self, module, reshard_after_forward=reshard_after_forward,
+                                        keep_params_for_step=keep_params_for_step,
+                                        persistence_threshold=param_persistence_threshold)
+            self.buckets = [b for u in self.sharder.units for b in u.reduce_buckets]
+            rest = [e for e in self.entries if e.defer]
+        else:
+            self.buckets, rest = [], self.entries
         # buckets in reverse registration order (roughly the order backward produces gradients)
-        self.buckets: list[_Bucket] = []
-        current: list[_Entry] = []
+        current: list[ShardEntry] = []
         size = 0
         esize = torch.empty((), dtype=grad_reduce_dtype).element_size()
-        for e in reversed(self.entries):
-            nbytes = e.chunk * e.row_size * self.shard_dp * esize
+        for e in reversed(rest):
+            nbytes = e.seg * self.shard_dp * esize
             if current and (size + nbytes > bucket_bytes or e.param.dtype != current[0].param.dtype):
-                self.buckets.append(_Bucket(current))
+                self.buckets.append(Bucket(current))
                 current, size = [], 0
             current.append(e)
             size += nbytes
         if current:
-            self.buckets.append(_Bucket(current))
+            self.buckets.append(Bucket(current))
         self._bucket_of = {id(e): (bi, k) for bi, b in enumerate(self.buckets) for k, e in enumerate(b.entries)}
-        self._pending: list[tuple[_Bucket, torch.Tensor, object]] = []
+        self._pending: list[tuple[Bucket, torch.Tensor, object]] = []
 
         decay = [e.master for e in self.entries if e.info.decay]
         no_decay = [e.master for e in self.entries if not e.info.decay]
@@ -233,7 +190,7 @@ class ZeroOptimizer:
             self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=self.kind == "fused" or None,
                                            foreach=True if self.kind == "foreach" else None)
         self._hooks = []
-        if overlap_grad_reduce:
+        if self.overlap_grad_reduce:
             for e in self.entries:
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(self._make_hook(e)))
 
@@ -254,6 +211,17 @@ class ZeroOptimizer:
     def shard_infos(self) -> dict[str, ShardInfo]:
         return {e.name: e.info for e in self.entries}
 
+    @property
+    def params_sharded(self) -> bool:
+        """Stage 3: the model's parameters hold no data between uses; their rows live in ``entry.shard``."""
+        return self.sharder is not None
+
+    @property
+    def gathered_ptrs(self) -> set[int]:
+        """Data pointers of the parameter storages gathered right now (stage 3; a live set, for activation
+        meters to tell parameters from activations); empty below stage 3."""
+        return self.sharder.gathered_ptrs if self.sharder is not None else set()
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply by the loss scale (fp16); identity otherwise. Call on the loss before backward."""
         return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
@@ -263,17 +231,27 @@ class ZeroOptimizer:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pending:
+            raise RuntimeError("zero_grad with gradient reductions still in flight: call finish_grad_sync() first")
         for e in self.entries:
             e.param.grad = None
             e.master.grad = None
         for b in self.buckets:
             b.ready.clear()
             b.launched = 0
-        if self._pending:
-            raise RuntimeError("zero_grad with gradient reductions still in flight: call finish_grad_sync() first")
+
+    @contextlib.contextmanager
+    def full_params(self) -> Iterator[None]:
+        """Stage 3: every parameter gathered inside the block (inspection, export); nothing to do below stage 3.
+        Collective over the dp group."""
+        if self.sharder is None:
+            yield
+            return
+        with self.sharder.gathered():
+            yield
 
     # ---- gradient reduction -------------------------------------------------------------------
-    def _make_hook(self, entry: _Entry):
+    def _make_hook(self, entry: ShardEntry):
         def hook(param: torch.Tensor) -> None:
             bi, k = self._bucket_of[id(entry)]
             b = self.buckets[bi]
@@ -281,26 +259,20 @@ class ZeroOptimizer:
                 return
             b.ready.add(k)
             if len(b.ready) == len(b.entries):
-                self._launch(b)
+                self._launch(b, bounded=True)
         return hook
 
-    def _launch(self, b: _Bucket) -> None:
-        """Pack the bucket's local gradients (zero-padded chunks), start its async reduction."""
+    def _launch(self, b: Bucket, bounded: bool = False) -> None:
+        """Pack the bucket's local gradients (zero-padded chunks), start its async reduction. ``bounded`` (from
+        hooks, every microbatch): first wait for the oldest reductions beyond ``MAX_INFLIGHT_REDUCTIONS``."""
         D = self.shard_dp
-        flat = torch.zeros(D * b.seg, dtype=self.grad_reduce_dtype, device=b.entries[0].param.device)
-        grid = flat.view(D, b.seg)
-        for e, off in zip(b.entries, b.offsets):
-            g = e.param.grad
-            if g is None or e.row_size == 0:
-                continue
-            g2 = g.detach().reshape(e.rows, e.row_size)
-            region = grid[:, off:off + e.chunk * e.row_size].view(D, e.chunk, e.row_size)
-            for r in range(D):
-                lo, hi = r * e.chunk, min((r + 1) * e.chunk, e.rows)
-                if hi > lo:
-                    region[r, :hi - lo].copy_(g2[lo:hi])
-            if self.stage != 1:
-                e.param.grad = None         # stage 2 (and 0): the reduced buffer replaces it
+        if bounded:
+            while len(self._pending) >= MAX_INFLIGHT_REDUCTIONS:
+                self._retire_oldest()
+        flat = pack_grads(b, D, self.grad_reduce_dtype, b.entries[0].param.device)
+        if self.stage != 1:
+            for e in b.entries:
+                e.param.grad = None         # stages 0, 2, 3: the reduced buffer replaces it
         b.ready.clear()
         b.launched += 1
         if self.dp == 1:
@@ -312,27 +284,41 @@ class ZeroOptimizer:
             work = reduce_scatter_into(out, flat, group=self.ctx.dp_group, async_op=True)
         self._pending.append((b, out, work))
 
-    def _unpack(self, b: _Bucket, out: torch.Tensor) -> None:
+    def _retire_oldest(self) -> None:
+        b, out, work = self._pending.pop(0)
+        if work is not None:
+            work.wait()
+        self._unpack(b, out)
+
+    def _unpack(self, b: Bucket, out: torch.Tensor) -> None:
         if self.dp > 1:
             out.div_(self.dp)
         if self.loss_scaler is not None:
             out.mul_(self.loss_scaler.inv_scale)
         for e, off in zip(b.entries, b.offsets):
             n = e.stop - e.start
-            piece = out[off:off + e.chunk * e.row_size].view(e.chunk, e.row_size)[:n].view(e.master.shape)
+            piece = out[off:off + e.seg].view(e.chunk, e.row_size)[:n].view(e.master.shape)
             if e.master.grad is None:
                 e.master.grad = piece.to(torch.float32) if piece.dtype != torch.float32 else piece
             else:
                 e.master.grad.add_(piece)
 
+    def launch_reduction(self, b: Bucket) -> None:
+        """Start the reduction of ``b`` now if it holds gradients (ZeRO-3: a layer's backward finished)."""
+        if b.has_grads():
+            self._launch(b, bounded=True)
+
     def start_grad_sync(self, deferred: bool | None = None) -> None:
         """Launch the reduction of every bucket holding gradients not yet launched (non-blocking), in bucket
         order. ``deferred=False``: only the buckets free of parameters that get another reduction first
-        (sequence-parallel, tied embedding: ``defer_grad_reduce``); ``True``: only those; None: all."""
+        (sequence-parallel, tied embedding: ``defer_grad_reduce``); ``True``: only those; None: all.
+        At stage 3 this ends the step's use of the parameters: any layer kept gathered is freed first."""
+        if self.sharder is not None:
+            self.sharder.end_step()
         for b in self.buckets:
             if deferred is not None and b.defer != deferred:
                 continue
-            if any(e.param.grad is not None for e in b.entries) and (self.stage != 1 or b.launched == 0):
+            if b.has_grads() and (self.stage != 1 or b.launched == 0):
                 self._launch(b)
 
     def finish_grad_sync(self) -> None:
@@ -340,11 +326,8 @@ class ZeroOptimizer:
         dp-averaged, unscaled gradient (zeros for parameters that got none). Call once per iteration,
         after the last backward (under delayed weight gradients: after the stage's last W)."""
         self.start_grad_sync()
-        pending, self._pending = self._pending, []
-        for b, out, work in pending:
-            if work is not None:
-                work.wait()
-            self._unpack(b, out)
+        while self._pending:
+            self._retire_oldest()
         for e in self.entries:
             if e.master.grad is None:
                 e.master.grad = torch.zeros_like(e.master)
@@ -352,7 +335,7 @@ class ZeroOptimizer:
     def materialize_param_grads(self) -> None:
         """For inspection (tests, debugging): after ``finish_grad_sync``, put every local parameter's
         dp-averaged, unscaled gradient on ``param.grad`` in the parameter's dtype — all-gathering
-        the row shards over dp at stages 1/2. Costs a full gradient of memory; not for the hot path."""
+        the row shards over dp at stages 1/2/3. Costs a full gradient of memory; not for the hot path."""
         D = self.shard_dp
         for e in self.entries:
             grad = e.master.grad if e.master.grad is not None else torch.zeros_like(e.master)
@@ -409,9 +392,9 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """One AdamW step on the shards, then refresh the model parameters (all-gather for stage>=1).
-        With a loss scaler: an overflow anywhere skips the step on every rank, lowers the scale and
-        returns False."""
+        """One AdamW step on the shards, then refresh the model parameters (all-gather for stages 1/2; the
+        shards at stage 3). With a loss scaler: an overflow anywhere skips the step on every rank, lowers the
+        scale and returns False."""
         if self._pending:
             raise RuntimeError("step() with gradient reductions in flight: call finish_grad_sync() first")
         if self.loss_scaler is not None:
@@ -432,7 +415,13 @@ class ZeroOptimizer:
         return True
 
     def _refresh_params(self) -> None:
-        """Copy master shards into the model's rows (when not views) and all-gather over dp."""
+        """Copy master shards into the model's rows (when not views) and all-gather over dp; at stage 3 into the
+        parameters' shards, which the next use gathers."""
+        if self.sharder is not None:
+            for e in self.entries:
+                if not e.master_is_view:
+                    e.shard.copy_(e.master)
+            return
         for e in self.entries:
             if not e.master_is_view and e.stop > e.start:
                 e.param_rows()[e.start:e.stop].copy_(e.master.view(e.stop - e.start, e.row_size))
@@ -442,33 +431,34 @@ class ZeroOptimizer:
         pending = []
         for b in self.buckets:
             dev = b.entries[0].param.device
-            send = torch.zeros(b.seg, dtype=b.dtype, device=dev)
+            send = torch.empty(b.seg, dtype=b.dtype, device=dev)
             for e, off in zip(b.entries, b.offsets):
                 n = e.stop - e.start
                 if n:
                     send[off:off + n * e.row_size].copy_(e.param_rows()[e.start:e.stop].reshape(-1))
+                if n < e.chunk:  # padding: never read back, but defined bytes on the wire
+                    send[off + n * e.row_size:off + e.seg].zero_()
             recv = torch.empty(D * b.seg, dtype=b.dtype, device=dev)
-            pending.append((b, recv, all_gather_into(recv, send, group=self.ctx.dp_group,
-                                                                 async_op=True)))
+            pending.append((b, recv, all_gather_into(recv, send, group=self.ctx.dp_group, async_op=True)))
         for b, recv, work in pending:
             work.wait()
-            grid = recv.view(D, b.seg)
-            for e, off in zip(b.entries, b.offsets):
-                region = grid[:, off:off + e.chunk * e.row_size].view(D, e.chunk, e.row_size)
-                rows = e.param_rows()
-                for r in range(D):
-                    lo, hi = r * e.chunk, min((r + 1) * e.chunk, e.rows)
-                    if hi > lo and r != self.shard_rank:
-                        rows[lo:hi].copy_(region[r, :hi - lo])
+            unpack_rows(recv.view(D, b.seg), b, D, skip_rank=self.shard_rank)
 
     @torch.no_grad()
     def reload_master_from_model(self) -> None:
-        """After loading model weights into low-precision params: refresh the separate fp32 masters."""
+        """After loading model weights into low-precision params (stage 3: their shards): refresh the separate
+        fp32 masters."""
         for e in self.entries:
             if not e.master_is_view:
-                e.master.copy_(e.param_rows()[e.start:e.stop].reshape(e.master.shape))
+                src = e.shard if self.sharder is not None else e.param_rows()[e.start:e.stop]
+                e.master.copy_(src.reshape(e.master.shape))
 
     # ---- accounting -----------------------------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
+        """Stage 3: the parameters' shards held between uses (a parameter's own storage is empty then); none
+        below stage 3, where the model's parameters hold the data."""
+        return self.sharder.shard_buffers() if self.sharder is not None else []
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors that exist only for the optimizer: separate fp32 masters and the Adam state."""
         out = [e.master for e in self.entries if not e.master_is_view]
@@ -508,8 +498,8 @@ class ZeroOptimizer:
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Load a state dict of the SAME sharding (names and shard shapes must match); also writes the
-        masters into the model parameters and all-gathers them. Resharding to another layout is the
-        checkpoint layer's job (it uses ``shards`` / ``shard_infos``)."""
+        masters into the model parameters (stage 3: their shards) and all-gathers them. Resharding to another
+        layout is the checkpoint layer's job (it uses ``shards`` / ``shard_infos``)."""
         missing = [e.name for e in self.entries if e.name not in sd["state"]]
         if missing:
             raise KeyError(f"optimizer state lacks parameters {missing[:5]}{'…' if len(missing) > 5 else ''}")
@@ -540,14 +530,23 @@ class ZeroOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.sharder is not None:
+            self.sharder.remove_hooks()
 
 
 def build_zero_optimizer(model: torch.nn.Module, ctx: ParallelContext, training_cfg, memory_cfg,
-                         loss_scaler: LossScaler | None = None, **kwargs) -> ZeroOptimizer:
-    """The trainer's constructor: hyper-parameters from ``TrainingConfig``, stage from ``MemoryConfig``."""
+                         loss_scaler: LossScaler | None = None, *, pipeline: bool = False,
+                         **kwargs) -> ZeroOptimizer:
+    """The trainer's constructor: hyper-parameters from ``TrainingConfig``, stage from ``MemoryConfig``.
+    ``pipeline`` (pp > 1): at stage 3 without resharding after forward, a stage keeps its parameters gathered
+    for the whole step (``keep_params_for_step``)."""
     t = training_cfg
     if getattr(t, "decoupled_lr", None) is not None:  # Megatron's --decoupled-lr: the input embedding and output layer
         kwargs.setdefault("decoupled", lambda name, p: "word_embeddings" in name or name.startswith("output_layer"))
+    if memory_cfg.zero_stage == 3:
+        reshard = getattr(memory_cfg, "torch_fsdp2_reshard_after_forward", True)
+        kwargs.update(module=model, reshard_after_forward=reshard, keep_params_for_step=pipeline and not reshard,
+                      param_persistence_threshold=getattr(memory_cfg, "zero3_param_persistence_threshold", 0))
     return ZeroOptimizer(model.named_parameters(), ctx, stage=memory_cfg.zero_stage, lr=t.lr,
                          weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                          loss_scaler=loss_scaler, **kwargs)

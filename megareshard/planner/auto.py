@@ -86,8 +86,13 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
     try:
         best = plan_layouts(model, cluster, t.global_batch_size, micro_batches=mbs, schedules=names,
                             runtime_only=True, stats=stats)[0]
-    except PlanError as e:
-        raise ConfigError(f"--auto-layout: {e}") from None
+    except PlanError:  # nothing fits with ZeRO 0-2: shard the parameters too (slower per step, never chosen else)
+        try:
+            stats.clear()
+            best = plan_layouts(model, cluster, t.global_batch_size, micro_batches=mbs, schedules=names,
+                                runtime_only=True, stats=stats, zero_stages=(0, 1, 2, 3))[0]
+        except PlanError as e:
+            raise ConfigError(f"--auto-layout: {e}") from None
     if best.stage_layouts:
         p.stage_layouts = best.stage_layouts
         p.tensor_model_parallel_size = 1

@@ -37,7 +37,9 @@ Every formula is per device and per microbatch of ``b`` samples of ``s`` tokens:
   the other passes over the gradients (non-finite check, bucket packing, norm): the parameters a device holds
   × `ClusterSpec.grad_pass_s_per_param`.
 * memory: bf16 weights (2 B/param), fp32 gradients (4), fp32 master weights (4) and Adam
-  moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2 —;
+  moments (8) — the latter two divided by dp under ZeRO ≥ 1, gradients too under ZeRO 2, everything
+  under ZeRO 3 plus what a step holds gathered (`_zero3`, which also adds its per-layer all-gathers and
+  reduce-scatters to the forward and backward) —;
   activations per layer and microbatch ``34·s·b·h/tp`` bytes with sequence parallelism and
   ``s·b·h·(10 + 24/tp)`` without (Korthikanti et al., with a fused attention that keeps no
   score matrix), ``2·s·b·h`` (/tp with sequence parallelism) under full recomputation; times
@@ -49,6 +51,10 @@ import math
 from dataclasses import dataclass
 
 from ..resharding.network import NetworkModel
+
+MAX_INFLIGHT_REDUCTIONS = 2
+"""`optim.zero.MAX_INFLIGHT_REDUCTIONS` (the planner imports no torch): gradient reductions a ZeRO-3 rank keeps in
+flight, each holding one layer's packed fp32 gradients."""
 
 __all__ = ["ModelShape", "ClusterSpec", "StageCosts", "stage_costs", "mesh_dp_seconds", "layer_params", "layer_flops",
            "collective_latency", "tp_collectives_latency", "end_collectives", "wgrad_share", "dp_reduction_latency",
@@ -320,6 +326,46 @@ def mesh_dp_seconds(c: ClusterSpec, stages: list[StageCosts], dp: int, crosses_h
             + dp_reduction_latency(c, sum(st.params for st in stages), dp, crosses_hosts))
 
 
+def _zero3(m: ModelShape, c: ClusterSpec, per_dev: int, layers: int, tp: int, dp: int, layer_f: float,
+           recompute: bool, crosses: bool, edges_per_nic: int, opt_bytes: int) -> dict[str, float]:
+    """ZeRO-3 (parameters sharded over dp; `optim.zero3`'s default, gathered per layer and microbatch) on one
+    device: memory, the extra seconds of a microbatch's forward and backward, the reduction after the step.
+
+    Memory: weights, gradients and optimizer state all 1/dp, plus what a step holds gathered at once — the
+    stage module's own parameters (embedding, final norm, output layer: kept from a microbatch's forward to
+    its backward), a layer and the next one prefetched, one layer's unsharded gradients, the gradients of
+    the stage module's parameters, kept unsharded until the step's end (the tied embedding's all-reduce
+    between the first and last stage, and sequence parallelism's over tp, come first), and the packed fp32
+    gradients of the reductions in flight (`optim.zero.MAX_INFLIGHT_REDUCTIONS` layers).
+    Time: each layer's all-gather (compute dtype, ring (dp−1)/dp of its bytes) is prefetched behind the
+    previous layer's forward; in backward its all-gather again and its fp32 reduce-scatter behind the layer's
+    backward: only what exceeds the compute shows, plus every collective's fixed cost (issuing it, which no
+    compute hides). The stage module's gather adds to the forward (it is the first thing a stage runs).
+    After the step: the reduce-scatter of the stage module's gradients; no all-gather (the next use gathers).
+    """
+    layer_p = layer_params(m) // tp
+    root_p = max(0, per_dev - layers * layer_p)
+
+    def seconds(nbytes: float) -> float:
+        one_way = _ring(dp, nbytes) / 2  # an all-gather or a reduce-scatter: (dp−1)/dp of the bytes
+        if crosses:
+            return one_way * edges_per_nic / c.ring_nic_Bps(dp)
+        return one_way / c.intra_Bps
+
+    lat = collective_latency(c, dp, crosses, steps_per_rank=1)
+    ag, rs = seconds(m.dtype_bytes * layer_p), seconds(4 * layer_p)
+    layer_b = c.backward_factor * layer_f + (layer_f if recompute else 0.0)
+    forward = layers * (max(0.0, ag + lat - layer_f) + c.collective_latency_s) + seconds(m.dtype_bytes * root_p) + lat
+    backward = layers * (max(0.0, ag + rs + 2 * lat - layer_b) + 2 * c.collective_latency_s)
+    # gathered: the stage module's parameters and two layers; unsharded gradients (the parameters' dtype): the
+    # stage module's and one layer's; packed for their reduce-scatter (fp32): the reductions in flight
+    held = m.dtype_bytes * (2 * root_p + (min(2, layers) + 1) * layer_p) + 4 * MAX_INFLIGHT_REDUCTIONS * layer_p
+    static = (m.dtype_bytes + 4 + opt_bytes) * per_dev // dp + held
+    nic = _ring(dp, 4 * root_p) / 2 * edges_per_nic if crosses else 0
+    return {"static": static, "forward": forward, "backward": backward, "dp_s": seconds(4 * root_p) + lat,
+            "nic": nic}
+
+
 def _ring(n: int, nbytes: float) -> float:
     return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
 
@@ -374,6 +420,12 @@ def stage_costs(m: ModelShape, c: ClusterSpec, *, layers: int, first: bool, last
         nic = 0
         dp_s = ring / c.intra_Bps
     dp_s += dp_reduction_latency(c, per_dev, dp, dp_crosses_hosts)
+    if zero >= 3 and dp > 1:
+        z3 = _zero3(m, c, per_dev, layers, tp, dp, layer_fwd / tp / c.flops + c.layer_overhead_s, recompute,
+                    dp_crosses_hosts, dp_ring_edges_per_nic, opt_bytes)
+        static, dp_s, nic = z3["static"], z3["dp_s"], z3["nic"]
+        f += z3["forward"]
+        bwd += z3["backward"]
     return StageCosts(forward_s=f, backward_s=bwd, params=per_dev, static_bytes=int(static),
                       activation_bytes_per_mb=int(act_mb), extra_bytes=int(extra),
                       tp_bytes_per_mb=int(4 * layers * _ring(tp, act)) + end_bytes, dp_seconds=dp_s,

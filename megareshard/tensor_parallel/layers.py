@@ -98,11 +98,14 @@ class WeightGradStore:
         self._queue.append(fn)
 
     def flush(self) -> int:
-        """Run every queued closure in FIFO order; returns how many ran."""
+        """Run every queued closure in FIFO order; returns how many ran. Without autograd: the saved inputs
+        still require grad, and a weight-gradient GEMM recorded would keep them (and build a graph) for
+        nothing."""
         n = 0
-        while self._queue:
-            self._queue.popleft()()
-            n += 1
+        with torch.no_grad():
+            while self._queue:
+                self._queue.popleft()()
+                n += 1
         return n
 
     def clear(self) -> None:
