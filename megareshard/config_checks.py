@@ -1,0 +1,515 @@
+"""Validation of a parsed configuration, once, before anything is built: every constraint with the numbers in its
+message (``ConfigError``), Megatron's derived defaults filled in (the global batch, ``--zero-stage`` from
+``--use-distributed-optimizer``, recomputation's layer count, ...), and the resolved run plan set
+(``cfg.plan``, `run_plan.resolve`). `arguments.parse_args` calls `validate`; a configuration built or changed
+in code is checked by calling it again (validating twice gives the same answer).
+"""
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import TYPE_CHECKING
+
+from . import run_plan
+from .compile_config import check_compile_config
+from .config_fields import ConfigError
+from .models.config import check_model_shape, fusion_notes
+from .parallel.topology import TopologyError, parse_order
+from .pipeline.schedules import schedule_names
+from .resharding.strategies import get_strategy, strategy_names
+
+if TYPE_CHECKING:  # annotations only: the command-line module imports this one
+    from .arguments import CheckpointConfig, Config, TrainingConfig
+    from .data.config import DataConfig
+
+__all__ = ["validate", "resolve_virtual_stages", "SHARDING_STRATEGY_STAGE"]
+
+
+def validate(cfg: Config, world_size: int) -> Config:
+    """Check every constraint before anything is built, once: fills Megatron's derived defaults (global batch,
+    --zero-stage from --use-distributed-optimizer, ...) and resolves the run plan (``cfg.plan``)."""
+    auto_layout = None if cfg.plan is None else cfg.plan.auto_layout
+    if cfg.parallel.auto_layout and cfg.plan is None:
+        from .planner.auto import apply_auto_layout  # the planner chooses the layout flags first
+
+        auto_layout = apply_auto_layout(cfg, world_size)
+    m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
+    pl, mem = cfg.pipeline, cfg.memory
+    positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+                ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+                ("--micro-batch-size", t.micro_batch_size),
+                ("--log-interval", lg.log_interval), ("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)]
+    for name, value in positive:
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:  # every rank refuses, not just the reporter
+        raise ConfigError(f"--wandb-project {lg.wandb_project} needs the wandb package, which is not installed: "
+                          "pip install wandb, or drop --wandb-project")
+    for flag, name, names in (("--pipeline-schedule", pl.pipeline_schedule, schedule_names()),
+                              ("--reshard-strategy", pl.reshard_strategy, strategy_names())):
+        if name not in names:  # argparse checked a parsed flag; a config built or changed in code is checked here
+            raise ConfigError(f"unknown {flag} {name!r}; available: {', '.join(names)}")
+    tp, pp = cfg.tp, cfg.pp
+    if p.stage_layouts:
+        _validate_stage_layouts(cfg, world_size)  # sets --pipeline-model-parallel-size from the entries
+        pp = cfg.pp
+    elif world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
+                          f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = cfg.dp(world_size)
+    if not p.stage_layouts:  # per-stage layouts checked each stage's tp above
+        check_model_shape(m, tp, p.sequence_parallel)
+    for name, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    if p.sequence_parallel and tp == 1 and not p.stage_layouts:
+        warnings.warn("--sequence-parallel with --tensor-model-parallel-size 1 shards nothing; "
+                      "it has no effect", stacklevel=2)
+    if pp > 1 and not get_strategy(pl.reshard_strategy).carries_data and not t.check_for_nan_in_loss_and_grad:
+        warnings.warn(f"--reshard-strategy {pl.reshard_strategy} carries no data: stage inputs are undefined, "
+                      "so the loss is meaningless (a communication bound for benchmarks)", stacklevel=2)
+    elif pp > 1 and not get_strategy(pl.reshard_strategy).carries_data:
+        raise ConfigError(f"--reshard-strategy {pl.reshard_strategy} carries no data, so stage inputs are undefined "
+                          "and the loss may be NaN, which --check-for-nan-in-loss-and-grad (on by default) stops on; "
+                          "it is a benchmark's bound, not training: add --no-check-for-nan-in-loss-and-grad")
+    if p.rank_order is not None:
+        try:
+            parse_order(p.rank_order)
+        except TopologyError as e:
+            raise ConfigError(f"--rank-order: {e}") from None
+    if p.nproc_per_node is not None and (p.nproc_per_node < 1 or world_size % p.nproc_per_node):
+        raise ConfigError(f"world size {world_size} is not a multiple of --nproc-per-node {p.nproc_per_node}")
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"global batch {t.global_batch_size} is not divisible by micro batch "
+                          f"{t.micro_batch_size} × dp {dp} = {t.micro_batch_size * dp}")
+    _validate_schedule(t)
+    if t.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {t.clip_grad}")
+    _validate_data(cfg)
+    if pp > m.num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every "
+                          "pipeline stage needs at least one Transformer layer")
+    vpp = resolve_virtual_stages(cfg, world_size)  # stages per rank: 1, or the virtual stages (sets the schedule)
+    stages = pp * vpp
+    what = f"--pipeline-model-parallel-size {pp}" if vpp == 1 else f"pp {pp} × {vpp} virtual stages = {stages}"
+    if pl.num_layers_per_stage is not None:
+        try:
+            per_stage = [int(x) for x in pl.num_layers_per_stage.split(",")]
+        except ValueError:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage!r} must be comma-separated "
+                              "integers, one per pipeline stage") from None
+        if len(per_stage) != stages or sum(per_stage) != m.num_layers or min(per_stage) < 1:
+            raise ConfigError(f"--num-layers-per-stage {pl.num_layers_per_stage} must give {stages} positive numbers "
+                              f"(one per stage, {what}) adding up to --num-layers {m.num_layers}")
+    elif m.num_layers % stages:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by {what}; give --num-layers-per-stage "
+                          "for an uneven split")
+    if pl.delay_wgrad_compute and pp == 1:
+        raise ConfigError("--delay-wgrad-compute needs --pipeline-model-parallel-size > 1: delaying weight "
+                          "gradients fills the wait for a pipeline send, and one stage sends nothing")
+    if pl.reshard_chunks is not None and pl.reshard_chunks < 1:
+        raise ConfigError(f"--reshard-chunks must be at least 1, got {pl.reshard_chunks}")
+    _validate_zero(cfg, world_size)
+    if mem.use_distributed_optimizer:
+        if mem.zero_stage == 0:
+            mem.zero_stage = 1
+        if mem.overlap_grad_reduce and mem.zero_stage == 1 and pp == 1:
+            mem.zero_stage = 2
+            cfg.notes.append("--use-distributed-optimizer with --overlap-grad-reduce runs as --zero-stage 2 (the "
+                             "same reduce-scatter into optimizer shards, issued per bucket during backward; full "
+                             "gradients are freed as they are reduced)")
+    if mem.overlap_grad_reduce and mem.zero_stage not in (2, 3) and pp == 1:
+        raise ConfigError(f"--overlap-grad-reduce needs --use-distributed-optimizer or --zero-stage 2 or 3 (got "
+                          f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
+                          "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
+                          "ZeRO stage overlaps, through the pipeline's R action)")
+    if pl.pipeline_recv_posting == "early" and t.device == "cuda":
+        raise ConfigError("--pipeline-recv-posting early needs gloo (--device cpu): on NCCL a receive posted early on "
+                          "a communicator that also carries sends queues in front of them (use auto, mixed or grouped)")
+    if pl.pipeline_schedule_file is not None:
+        _validate_schedule_file(cfg, world_size)
+    if mem.checkpoint_activations:
+        if mem.recompute_activations or mem.recompute_granularity == "selective":
+            raise ConfigError("--checkpoint-activations (every layer) conflicts with selective recomputation")
+        mem.recompute_granularity = "full"
+        cfg.notes.append("--checkpoint-activations runs as --recompute-granularity full")
+    if mem.bf16 and mem.fp16:
+        raise ConfigError("--bf16 and --fp16 conflict: choose one")
+    if mem.loss_scale is not None and not mem.fp16:
+        raise ConfigError(f"--loss-scale {mem.loss_scale} only applies with --fp16 (bf16 and fp32 need no scaling)")
+    if mem.fp16:
+        for name, value in (("--loss-scale", mem.loss_scale), ("--initial-loss-scale", mem.initial_loss_scale),
+                            ("--min-loss-scale", mem.min_loss_scale)):
+            if value is not None and not 0 < value < float("inf"):
+                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if mem.loss_scale_window < 1 or mem.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window {mem.loss_scale_window} and --hysteresis {mem.hysteresis} must "
+                              "be at least 1")
+    if mem.recompute_activations and mem.recompute_granularity == "full":
+        raise ConfigError("--recompute-activations (selective) conflicts with --recompute-granularity full: "
+                          "choose one")
+    if mem.recompute_activations:
+        mem.recompute_granularity = "selective"
+    if mem.recompute_num_layers is not None and mem.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-num-layers {mem.recompute_num_layers} needs --recompute-granularity full")
+    if mem.recompute_granularity == "full" and mem.recompute_num_layers is None:
+        mem.recompute_num_layers = m.num_layers // pp
+    d.split = d.split.strip("'\"")  # Megatron scripts pass "--split '99,1,0'" through word splitting
+    parts = d.split.split(",")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        raise ConfigError(f"--split {d.split!r} must be comma-separated numbers such as 969,30,1") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {d.split!r} must be 1 to 3 non-negative numbers with a positive sum")
+    minutes = cfg.launch.distributed_timeout_minutes
+    if minutes is not None:
+        if minutes <= 0:
+            raise ConfigError(f"--distributed-timeout-minutes must be positive, got {minutes}")
+        if cfg.launch.comm_timeout not in (600.0, minutes * 60):
+            raise ConfigError(f"--distributed-timeout-minutes {minutes} and --comm-timeout {cfg.launch.comm_timeout} "
+                              "disagree: give one")
+        cfg.launch.comm_timeout = minutes * 60.0
+    if cfg.launch.preflight_timeout <= 0 or cfg.launch.comm_timeout <= 0:
+        raise ConfigError(f"--preflight-timeout {cfg.launch.preflight_timeout} and --comm-timeout "
+                          f"{cfg.launch.comm_timeout} must be positive seconds")
+    if (lg.eval_interval is not None and lg.eval_interval < 0) or lg.eval_iters < 0:
+        raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
+    if lg.tensorboard_log_interval < 1:
+        raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")
+    if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
+        raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
+                          f"--profile-step-end {lg.profile_step_end}")
+    check_compile_config(cfg.compile)
+    cfg.notes += [note for note in fusion_notes(m) if note not in cfg.notes]
+    if cfg.checkpoint.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
+                          "format, torch_dist (sharded, loadable into any layout)")
+    _validate_checkpoint(cfg.checkpoint)
+    cfg.plan = run_plan.resolve(cfg, world_size, auto_layout)
+    m = cfg.plan.num_microbatches
+    if pp > 1 and m < pp:
+        warnings.warn(f"{m} microbatch(es) for {pp} pipeline stages: the bubble is at least "
+                      f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
+                      f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
+    return cfg
+
+
+#: Megatron-FSDP's --data-parallel-sharding-strategy values and the ZeRO stage each is
+SHARDING_STRATEGY_STAGE = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _validate_zero(cfg: Config, world_size: int) -> None:
+    """Megatron's spellings of the ZeRO stage (FSDP2, Megatron-FSDP's sharding strategy) mapped onto
+    --zero-stage, and ZeRO-3's needs: more than one data-parallel rank in every stage."""
+    mem, notes = cfg.memory, cfg.notes
+    strategy = mem.data_parallel_sharding_strategy
+    fsdp = "--use-megatron-fsdp" if mem.use_megatron_fsdp else "--use-custom-fsdp" if mem.use_custom_fsdp else None
+    if strategy is not None or fsdp:
+        stage = SHARDING_STRATEGY_STAGE[strategy or "no_shard"]
+        spelled = f"--data-parallel-sharding-strategy {strategy}" if strategy else f"{fsdp} (sharding no_shard)"
+        if mem.zero_stage not in (0, stage):
+            raise ConfigError(f"{spelled} is ZeRO stage {stage}, but --zero-stage {mem.zero_stage} was given: give one")
+        if mem.use_torch_fsdp2 and stage != 3:
+            raise ConfigError(f"--use-torch-fsdp2 shards parameters (ZeRO stage 3) but {spelled} is stage {stage}")
+        mem.zero_stage = stage
+        notes.append(f"{spelled} runs as --zero-stage {stage}" + (f" ({fsdp} selects nothing more)" if fsdp else ""))
+    if mem.use_torch_fsdp2:
+        if mem.zero_stage not in (0, 3):
+            raise ConfigError(f"--use-torch-fsdp2 shards parameters (ZeRO stage 3), but --zero-stage {mem.zero_stage} "
+                              "was given: give one")
+        mem.zero_stage = 3
+        notes.append("--use-torch-fsdp2 runs as --zero-stage 3 (megareshard's own parameter sharding, which composes "
+                     "with its pipeline and delayed weight gradients; see docs/design.md)")
+    if mem.zero3_param_persistence_threshold < 0 or (mem.zero3_param_persistence_threshold and mem.zero_stage != 3):
+        raise ConfigError(f"--zero3-param-persistence-threshold {mem.zero3_param_persistence_threshold} needs "
+                          f"--zero-stage 3 (got {mem.zero_stage}) and a count >= 0")
+    if not mem.torch_fsdp2_reshard_after_forward and mem.zero_stage != 3:
+        raise ConfigError(f"--torch-fsdp2-no-reshard-after-forward applies to sharded parameters (--zero-stage 3 or "
+                          f"--use-torch-fsdp2), not --zero-stage {mem.zero_stage}")
+    if mem.zero_stage != 3:
+        return
+    if cfg.parallel.stage_layouts:
+        from .parallel.stage_topology import parse_stage_layouts
+
+        ones = [i for i, (_, d) in enumerate(parse_stage_layouts(cfg.parallel.stage_layouts)) if d < 2]
+        if ones:
+            raise ConfigError(f"--zero-stage 3 shards parameters over each stage's data-parallel ranks, but stage(s) "
+                              f"{', '.join(map(str, ones))} of --stage-layouts {cfg.parallel.stage_layouts} have dp 1: "
+                              "give every stage dp >= 2, or use --zero-stage 0-2")
+        return
+    dp = cfg.dp(world_size)
+    if dp < 2:
+        raise ConfigError(f"--zero-stage 3 shards parameters over data parallelism, but dp is {dp} (world size "
+                          f"{world_size} = tp {cfg.tp} × pp {cfg.pp} × dp {dp}): nothing to shard over; use "
+                          "--zero-stage 0-2, or more ranks")
+
+
+def _validate_schedule_file(cfg: Config, world_size: int) -> None:
+    """--pipeline-schedule-file: the flags it cannot go with, then the file itself against pp and the
+    microbatch count (its stage graph is checked against the model's when the runtime is built)."""
+    pl, path = cfg.pipeline, cfg.pipeline.pipeline_schedule_file
+    if cfg.pp == 1:
+        raise ConfigError(f"--pipeline-schedule-file {path} needs --pipeline-model-parallel-size > 1")
+    if pl.delay_wgrad_compute:
+        raise ConfigError(f"--delay-wgrad-compute conflicts with --pipeline-schedule-file {path}: the file says "
+                          "where weight gradients run (write I and W actions instead of B)")
+    if cfg.parallel.auto_layout:
+        raise ConfigError(f"--auto-layout chooses the schedule itself; drop --pipeline-schedule-file {path} "
+                          "(or drop --auto-layout)")
+    from .pipeline.schedule_io import load_schedule_file
+
+    load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=cfg.num_microbatches(world_size),
+                       overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
+
+
+def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
+    """Virtual pipeline stages per rank (1: none) from Megatron-LM's flags, checked against the schedule.
+
+    Megatron-LM's meaning: ``--num-layers-per-virtual-pipeline-stage N`` gives ``layers / pp / N``
+    chunks per rank, ``--num-virtual-stages-per-pipeline-rank`` (older: ``--virtual-pipeline-model-
+    parallel-size``) gives the count; one of them at most; 1 means no virtual stages; several mean the
+    interleaved schedule, so a one-stage-per-rank schedule runs as its interleaved twin
+    (`ScheduleKind.interleaved_twin`: 1f1b as interleaved-1f1b, eager-1f1b as eager-interleaved-1f1b).
+    A kind with its own count (zbv: 2) holds exactly that many stages per rank. Sets only the schedule (the
+    flags stay as given, so validating twice gives the same answer; `pipeline.stage.virtual_stages` reads the
+    count back); the microbatch count must be a multiple of pp where the kind says so (the interleaved ones).
+    """
+    from .pipeline.schedules import get_schedule, schedule_names
+
+    pl, pp, m = cfg.pipeline, cfg.pp, cfg.model
+    given = [(f, v) for f, v in (("--num-layers-per-virtual-pipeline-stage", pl.num_layers_per_virtual_pipeline_stage),
+                                 ("--virtual-pipeline-model-parallel-size", pl.virtual_pipeline_model_parallel_size),
+                                 ("--num-virtual-stages-per-pipeline-rank", pl.num_virtual_stages_per_pipeline_rank))
+             if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{given[0][0]} {given[0][1]} and {given[1][0]} {given[1][1]} conflict: give one")
+    for f, v in given:
+        if v < 1:
+            raise ConfigError(f"{f} must be at least 1, got {v}")
+    vpp = None
+    if given and given[0][0] == "--num-layers-per-virtual-pipeline-stage":
+        n = given[0][1]
+        if m.num_layers % (pp * n):
+            raise ConfigError(f"--num-layers {m.num_layers} is not divisible into virtual stages of "
+                              f"--num-layers-per-virtual-pipeline-stage {n} on --pipeline-model-parallel-size {pp} "
+                              f"({m.num_layers} / ({pp} × {n}) is not an integer)")
+        vpp = m.num_layers // (pp * n)
+    elif given:
+        vpp = given[0][1]
+    vpp = None if vpp == 1 else vpp
+    name = pl.pipeline_schedule
+    kind = get_schedule(name)
+    if vpp is not None and kind.stages_per_mesh == 1:
+        if kind.interleaved_twin is not None:
+            new = kind.interleaved_twin
+            cfg.notes.append(f"{given[0][0]} {given[0][1]} ({vpp} virtual stages per rank) runs --pipeline-schedule "
+                             f"{name} as {new} (Megatron-LM interleaves whenever there are virtual stages)")
+            pl.pipeline_schedule = name = new
+            kind = get_schedule(name)
+        else:
+            several = [n for n in schedule_names() if get_schedule(n).stages_per_mesh != 1]
+            raise ConfigError(f"--pipeline-schedule {name} holds one stage per rank but {given[0][0]} "
+                              f"{given[0][1]} asks for {vpp} virtual stages per rank; use "
+                              f"{', '.join(several[:-1])} or {several[-1]}")
+    if kind.stages_per_mesh is not None and kind.stages_per_mesh > 1:
+        if vpp is not None and vpp != kind.stages_per_mesh:
+            raise ConfigError(f"--pipeline-schedule {name} holds exactly {kind.stages_per_mesh} stages per rank (its "
+                              f"placement), but {given[0][0]} {given[0][1]} asks for {vpp}")
+        vpp = kind.stages_per_mesh
+    elif kind.stages_per_mesh is None and vpp is None:
+        raise ConfigError(f"--pipeline-schedule {name} interleaves virtual stages: give "
+                          "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank (>= 2)")
+    if vpp is not None and pp < 2:
+        raise ConfigError(f"virtual pipeline stages ({vpp} per rank, --pipeline-schedule {name}) need "
+                          f"--pipeline-model-parallel-size >= 2, got {pp}")
+    t = cfg.training
+    if kind.microbatch_multiple_of_pp and t.global_batch_size is not None:
+        mbs = t.global_batch_size // (t.micro_batch_size * cfg.dp(world_size))
+        if mbs % pp:
+            raise ConfigError(f"--pipeline-schedule {name}: {mbs} microbatches (global batch {t.global_batch_size} / "
+                              f"(micro batch {t.micro_batch_size} × dp {cfg.dp(world_size)})) are not a multiple of "
+                              f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
+                              "chunks in groups of pp")
+    return vpp or 1
+
+
+def _validate_schedule(t: "TrainingConfig") -> None:
+    """Iterations or samples (one of each pair), Megatron's warm-up and decay rules; fills --train-iters."""
+    for a, b, x, y in (("--train-iters", "--train-samples", t.train_iters, t.train_samples),
+                       ("--lr-decay-iters", "--lr-decay-samples", t.lr_decay_iters, t.lr_decay_samples),
+                       ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples", t.lr_wsd_decay_iters,
+                        t.lr_wsd_decay_samples)):
+        if x is not None and y is not None:
+            raise ConfigError(f"{a} {x} and {b} {y} conflict: count the schedule in iterations or in samples")
+    for name, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
+                        ("--lr-decay-iters", t.lr_decay_iters), ("--lr-decay-samples", t.lr_decay_samples)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if t.train_samples is not None:
+        if t.train_samples < t.global_batch_size:
+            raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
+                              f"({t.global_batch_size} samples)")
+        t.train_iters = t.train_samples // t.global_batch_size
+    elif t.train_iters is None:
+        t.train_iters = 100
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"learning rates must satisfy 0 <= --min-lr <= --lr and --lr > 0, got "
+                          f"--lr {t.lr}, --min-lr {t.min_lr}")
+    if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {t.decoupled_min_lr} needs --decoupled-lr")
+    if t.decoupled_lr is not None:
+        low = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+        if t.decoupled_lr <= 0 or low < 0 or low > t.decoupled_lr:
+            raise ConfigError(f"decoupled learning rates must satisfy 0 <= minimum <= --decoupled-lr and "
+                              f"--decoupled-lr > 0, got --decoupled-lr {t.decoupled_lr}, minimum {low}")
+    for name, value in (("--lr-warmup-iters", t.lr_warmup_iters), ("--lr-warmup-samples", t.lr_warmup_samples),
+                        ("--lr-warmup-init", t.lr_warmup_init)):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    if t.lr_warmup_fraction is not None and not 0.0 <= t.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {t.lr_warmup_fraction}")
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
+        raise ConfigError(f"--lr-warmup-fraction {t.lr_warmup_fraction} conflicts with --lr-warmup-iters "
+                          f"{t.lr_warmup_iters} / --lr-warmup-samples {t.lr_warmup_samples}: give one")
+    if t.lr_warmup_iters and t.lr_warmup_samples:
+        raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} and --lr-warmup-samples {t.lr_warmup_samples} "
+                          "conflict: give one")
+    if t.lr_decay_iters is None and t.lr_decay_samples is None:
+        if t.train_samples is not None:
+            t.lr_decay_samples = t.train_samples
+        else:
+            t.lr_decay_iters = t.train_iters
+    from .optim.lr_scheduler import schedule_from_config
+
+    sched = schedule_from_config(t)
+    if sched.warmup_steps > sched.decay_steps and t.lr_decay_style != "constant":
+        what = "--lr-warmup-iters" if t.lr_warmup_iters else "--lr-warmup-samples"
+        raise ConfigError(f"{what} {t.lr_warmup_iters or t.lr_warmup_samples} is longer than the decay "
+                          f"(--lr-decay-iters {t.lr_decay_iters}, --lr-decay-samples {t.lr_decay_samples}): "
+                          f"{sched.warmup_steps} warm-up samples > {sched.decay_steps} decay samples")
+    if t.lr_decay_style == "WSD" and sched.wsd_decay_steps is None:
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+
+
+def _validate_data(cfg: "Config") -> None:
+    """One data source; blends parse; a tokenizer (or --vocab-size) for real data."""
+    from .data.blended import parse_blend
+
+    d, m = cfg.data, cfg.model
+    _read_data_args_files(d)
+    split_paths = [p for p in (d.train_data_path, d.valid_data_path, d.test_data_path) if p]
+    if d.mock_data and (d.data_path or split_paths):
+        given = d.data_path or split_paths[0]
+        raise ConfigError(f"--mock-data and --data-path {' '.join(given)} conflict: use one of them")
+    if d.data_path and split_paths:
+        raise ConfigError("--data-path conflicts with --train-data-path/--valid-data-path/--test-data-path: "
+                          "give one blend split by --split, or one per split")
+    if split_paths and not d.train_data_path:
+        raise ConfigError("--valid-data-path/--test-data-path need --train-data-path")
+    if not d.mock_data and not d.data_path and not split_paths:
+        raise ConfigError("no training data: give --data-path PREFIX (with a tokenizer) or --mock-data")
+    for flag, value in (("--data-path", d.data_path), ("--train-data-path", d.train_data_path),
+                        ("--valid-data-path", d.valid_data_path), ("--test-data-path", d.test_data_path)):
+        if value:
+            try:
+                parse_blend(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+    has_tokenizer = d.tokenizer_type is not None or d.tokenizer_model or d.vocab_file or d.merge_file
+    if d.mock_data and m.vocab_size is None and not has_tokenizer:
+        raise ConfigError("--mock-data needs --vocab-size (there is no tokenizer to take it from)")
+    if d.tokenizer_type == "NullTokenizer" and m.vocab_size is None:
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if (d.data_path or split_paths) and not has_tokenizer and m.vocab_size is None:
+        given = " ".join(d.data_path or d.train_data_path)
+        raise ConfigError(f"--data-path {given} needs a tokenizer (--tokenizer-type with --tokenizer-model, or "
+                          "--vocab-file and --merge-file) or --vocab-size")
+
+
+def _read_data_args_files(d: "DataConfig") -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths read from files, as Megatron-LM does."""
+    import json
+
+    if d.data_args_path:
+        if d.data_path:
+            raise ConfigError("--data-args-path and --data-path conflict: give one")
+        try:
+            with open(d.data_args_path, encoding="utf-8") as f:
+                d.data_path = f.read().split()
+        except OSError as e:
+            raise ConfigError(f"--data-args-path {d.data_args_path}: {e.strerror}") from None
+        d.data_args_path = None
+    if d.per_split_data_args_path:
+        if d.train_data_path or d.valid_data_path or d.test_data_path:
+            raise ConfigError("--per-split-data-args-path conflicts with --train/valid/test-data-path: give one")
+        try:
+            with open(d.per_split_data_args_path, encoding="utf-8") as f:
+                per_split = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: {e.strerror}") from None
+        except ValueError as e:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: not JSON ({e})") from None
+        if not isinstance(per_split, dict) or not set(per_split) <= {"train", "valid", "test"}:
+            raise ConfigError(f"--per-split-data-args-path {d.per_split_data_args_path}: expected an object with "
+                              "'train', 'valid' and 'test' keys")
+        for key in ("train", "valid", "test"):
+            value = per_split.get(key)
+            if isinstance(value, str):
+                value = value.split()
+            setattr(d, f"{key}_data_path", [str(v) for v in value] if value else None)
+        d.per_split_data_args_path = None
+
+
+def _validate_checkpoint(ck: "CheckpointConfig") -> None:
+    for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    needs_save = [flag for flag, on in (("--save-interval", ck.save_interval is not None),
+                                        ("--exit-signal-handler", ck.exit_signal_handler),
+                                        ("--async-save", ck.async_save)) if on]
+    if needs_save and not ck.save:
+        raise ConfigError(f"{', '.join(needs_save)} need(s) --save DIR (where the checkpoint goes)")
+    needs_load = [flag for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
+                                        ("--no-load-rng", ck.no_load_rng)) if on]
+    if needs_load and not ck.load:
+        raise ConfigError(f"{', '.join(needs_load)} only appl(y/ies) with --load DIR")
+
+
+def _validate_stage_layouts(cfg: "Config", world_size: int) -> None:
+    """--stage-layouts: one tpNdpM entry per stage, ranks adding up to the world, shapes divisible per stage."""
+    from .parallel.stage_topology import parse_stage_layouts
+
+    p, m = cfg.parallel, cfg.model
+    try:
+        layouts = parse_stage_layouts(p.stage_layouts)
+    except TopologyError as e:
+        raise ConfigError(str(e)) from None
+    n = len(layouts)
+    if p.pipeline_model_parallel_size not in (1, n):
+        raise ConfigError(f"--stage-layouts {p.stage_layouts} has {n} entries but --pipeline-model-parallel-size is "
+                          f"{p.pipeline_model_parallel_size}: give one entry per pipeline stage")
+    if p.tensor_model_parallel_size != 1:
+        raise ConfigError(f"--tensor-model-parallel-size {p.tensor_model_parallel_size} conflicts with --stage-layouts "
+                          f"{p.stage_layouts}: each stage's tp comes from its entry")
+    if p.rank_order is not None:
+        raise ConfigError(f"--rank-order {p.rank_order} conflicts with --stage-layouts: stages sit on consecutive "
+                          "rank blocks with tp innermost")
+    total = sum(t * d for t, d in layouts)
+    if total != world_size:
+        parts = " + ".join(f"{t}×{d}" for t, d in layouts)
+        raise ConfigError(f"--stage-layouts {p.stage_layouts}: the stages need {parts} = {total} ranks but the world "
+                          f"size is {world_size}")
+    p.pipeline_model_parallel_size = n
+    max_dp = max(d for _, d in layouts)
+    for i, (t, d) in enumerate(layouts):
+        if max_dp % d:
+            raise ConfigError(f"--stage-layouts {p.stage_layouts}: stage {i}'s dp {d} does not divide the largest dp "
+                              f"{max_dp}, so it cannot take an equal share of every global microbatch "
+                              f"(--micro-batch-size {cfg.training.micro_batch_size} × {max_dp} samples)")
+        try:
+            check_model_shape(m, t, p.sequence_parallel, tp_name=f"stage {i}'s tp")
+        except ConfigError as e:
+            raise ConfigError(f"--stage-layouts {p.stage_layouts}: {e}") from None
