@@ -90,6 +90,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lab import env_with_root, module_command
+from lab.bench.physical_bound import refill_s
 from lab.bench import pipeline_grid  # the grid's tables and picture
 import lab.signal  # noqa: F401 (registers the `signal` bound these benchmarks run)
 from lab.cluster.pacing import calibrate_pace, needed_kinds, pacer, parse_pace  # no torch import
@@ -538,6 +539,7 @@ def _worker(a: argparse.Namespace) -> int:
             trainer.forward_backward_fn = step
             if dist.is_initialized():
                 dist.barrier()
+                time.sleep(refill_s(a.nic_gbps))  # every configuration starts with full token buckets
             measure = r == 0 and skip > 0  # the activation meter slows a step: only in an untimed round
             if measure:
                 trainer.memory = None  # train_step measures activations (collective) when it has none

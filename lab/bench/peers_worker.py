@@ -19,6 +19,7 @@ from typing import Any
 from lab.bench import bench_pipeline as bp
 from lab.bench import peers_report as rep
 from lab.cluster.pacing import calibrate_pace, pacer, parse_pace
+from lab.bench.physical_bound import refill_s
 
 METHOD = "eager-1f1b+broadcast+dw"
 INTERLEAVED_V = 2  # virtual stages per rank of the interleaved kinds (--num-virtual-stages-per-pipeline-rank)
@@ -299,6 +300,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
     peaks = [0] * len(parts)
     spans = [0.0] * len(parts)
     warm: list[Any] = []
+    refill = refill_s(a.nic_gbps)
     for r in range(rounds):
         if pace == "auto" and r == a.warmup:
             box: list[Any] = [None]
@@ -320,6 +322,7 @@ def run_worker(a: argparse.Namespace) -> dict[str, Any] | None:
             p.zero()
             meter = LifetimeMeter(exclude=p.params()) if r == a.warmup - 1 else None
             dist.barrier()
+            time.sleep(refill)  # every participant starts with full token buckets (physical_bound.refill_s)
             t0, w0 = time.perf_counter(), time.time()
             if meter is not None:
                 with meter:

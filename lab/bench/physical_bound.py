@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 __all__ = ["PhysicalBound", "physical_bound", "compute_per_mesh", "critical_path_ms", "nic_ms", "wire_ms",
-           "uniform_side_bytes", "fill", "TBF_BURST_BYTES"]
+           "uniform_side_bytes", "fill", "TBF_BURST_BYTES", "refill_s"]
 
 TBF_BURST_BYTES = 256 * 1024
 """The emulated NICs' token bucket (``lab/cluster/emulate_cluster.py``: ``tc tbf ... burst 256kb``; tc reads
@@ -82,6 +82,14 @@ def nic_ms(side_bytes_per_mb: Mapping[str, float], microbatches: int, gbps: floa
 def wire_ms(nbytes: float, gbps: float, burst_bytes: float = TBF_BURST_BYTES) -> float:
     """The least time one transfer of `nbytes` (its busiest NIC side) takes: a burst at once, the rest at rate."""
     return max(0.0, nbytes - burst_bytes) * 8 / (gbps * 1e9) * 1e3
+
+
+def refill_s(gbps: float, burst_bytes: float = TBF_BURST_BYTES) -> float:
+    """Seconds an idle NIC takes to refill its token bucket: every participant of a benchmark waits this long
+    (with a tenth more) after the barrier that starts its step, so that each starts with full buckets, as the
+    bound assumes. Without it a participant that follows one whose last transfers emptied the buckets starts
+    up to a burst behind one that follows a participant sending placeholder bytes (the signal bound)."""
+    return 1.1 * burst_bytes * 8 / (gbps * 1e9)
 
 
 def critical_path_ms(schedule: Any, costs: Any, wire: Mapping[str, float], microbatches: int) -> float:

@@ -108,3 +108,12 @@ def test_peers_verdict_says_when_the_target_is_physically_out_of_reach():
     recs[1]["ms_per_iter"] = 600.0  # faster than its own physical bound: void, never torch's best
     sm = rep.fill_ratios(recs, None)
     assert recs[1]["void"] and sm["torch_best"] is None
+
+
+def test_refill_is_one_burst_at_the_rate_with_a_margin():
+    from lab.bench.physical_bound import TBF_BURST_BYTES, refill_s
+
+    # 256 KiB at 10 Mbit/s: 0.2097 s of line time; a tenth more so the bucket is surely full
+    assert refill_s(0.01) == pytest.approx(1.1 * TBF_BURST_BYTES * 8 / 1e7)
+    assert 0.23 < refill_s(0.01) < 0.231
+    assert refill_s(1.0) == pytest.approx(refill_s(0.01) / 100)
