@@ -11,6 +11,7 @@ seconds for a measured trace and cost units (a forward takes --cost-f) for a sim
     python tools/plot_schedule.py --compare --schedule 1f1b eager-1f1b eager-1f1b+dw \\
         --stages 4 --microbatches 8 --comm 1 -o cmp.png
     python tools/plot_schedule.py --trace trace.json -o measured.png
+    python tools/plot_schedule.py --trace ours.json torch.json -o both.png     # stacked, one time axis each
     python tools/plot_schedule.py --schedule-file my_schedule.csv --comm 0.5 -o mine.png
 
 A schedule name may end in ``+dw`` (delayed weight gradients for that one);
@@ -63,7 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="leave the receiving stage's NIC out of the model (only the sender's NIC is a bottleneck)")
     p.add_argument("--skip", nargs=2, type=int, action="append", default=[], metavar=("SRC", "DST"),
                    help="add a skip edge SRC->DST (repeatable)")
-    p.add_argument("--trace", type=Path, help="draw a measured trace (JSON) instead of simulating")
+    p.add_argument("--trace", type=Path, nargs="+",
+                   help="draw measured traces (JSON) instead of simulating; several are stacked in one figure")
     p.add_argument("--schedule-file", type=Path,
                    help="simulate the schedule written in this file (--pipeline-schedule-file's forms) instead")
     p.add_argument("--compare", action="store_true", help="stack every --schedule in one figure")
@@ -74,8 +76,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def build_timelines(args: argparse.Namespace) -> list[Timeline]:
     if args.trace is not None:
-        records = json.loads(args.trace.read_text())
-        return [Timeline.from_trace(records, name=args.trace.stem)]
+        return [Timeline.from_trace(json.loads(t.read_text()), name=t.stem if len(args.trace) == 1 else
+                                    f"{t.parent.name}/{t.stem}") for t in args.trace]
     names = args.schedule if args.compare else args.schedule[:1]
     graph = PipelineGraph(args.stages, tuple(tuple(e) for e in args.skip))
     costs = Costs(f=args.cost_f, b=args.cost_b, i=args.cost_i, w=args.cost_w,

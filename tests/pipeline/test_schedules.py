@@ -331,3 +331,11 @@ def test_plot_schedule_tool_writes_png(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "makespan" in r.stdout and out2.exists()
+    # several traces stack in one figure, each named by its folder and file
+    other = tmp_path / "b" / "trace.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps(simulate(generate("1f1b", 2, 2)).to_trace()))
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_schedule.py"), "--trace", str(trace), str(other),
+                        "--json", "-o", str(tmp_path / "both.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [row["name"] for row in json.loads(r.stdout)] == [f"{tmp_path.name}/trace", "b/trace"]
