@@ -4,8 +4,8 @@
     python -m lab.bench.gpu_report docs/results/gpu_h200_fast_path.json docs/results/gpu_h200_fast_path_rerun.json \
         --plot docs/img/gpu_fast_path.png
 
-One run or several of the same grid (reruns on the same card): the table gives each model and variant per run
-(tokens/s, TFLOP/s, MFU against the datasheet peak and the measured matrix-product rate, the ratio to
+One run or several of the same grid (reruns on the same card): the table gives each model and variant, each
+cell the runs in order (tokens/s, TFLOP/s, MFU against the datasheet peak and the measured matrix-product rate, the ratio to
 transformers + torch.compile of the same run, peak memory, compile seconds); the picture plots each variant's
 tokens/s relative to transformers + torch.compile, one marker per run, beside the MFU against the datasheet peak.
 """
@@ -28,23 +28,26 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def table(runs: list[dict]) -> str:
-    rows = ["| model | variant | run | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs HF compile | peak GiB | "
-            "compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per model and variant; with several runs each cell gives them in order, "run 1 / run 2"."""
+    rows = ["| model | variant | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs HF compile | peak GiB | "
+            "compile s |", "|---|---|---|---|---|---|---|---|---|"]
     models = list(dict.fromkeys(p["model"] for run in runs for p in run["points"]))
+    cell = {"tokens_per_s": "{:.0f}", "tflops": "{:.0f}", "vs_hf_compile": "{:.3f}", "compile_s": "{:.0f}"}
     for model in models:
         for variant in ORDER:
-            for i, run in enumerate(runs, 1):
-                for r in run["points"]:
-                    if r["model"] != model or r["variant"] != variant:
-                        continue
-                    if r.get("status") != "ok":
-                        rows.append(f"| {model} | {variant} | {i} | {r.get('status')}: {r.get('error', '')} "
-                                    "| | | | | | |")
-                        continue
-                    vs = f"{r['vs_hf_compile']:.2f}×" if r.get("vs_hf_compile") else "-"
-                    rows.append(f"| {model} | {variant} | {i} | {r['tokens_per_s']:.0f} | {r['tflops']:.0f} | "
-                                f"{100 * r['mfu_vs_peak']:.1f}% | {100 * r['mfu_vs_measured']:.1f}% | {vs} | "
-                                f"{r['peak_mem_gib']:.1f} | {r['compile_s']:.0f} |")
+            recs = [next((r for r in run["points"] if r["model"] == model and r["variant"] == variant), None)
+                    for run in runs]
+            if any(r is None or r.get("status") != "ok" for r in recs):
+                why = "; ".join(f"run {i}: {r.get('status')} {r.get('error', '')}".strip() if r else f"run {i}: absent"
+                                for i, r in enumerate(recs, 1) if r is None or r.get("status") != "ok")
+                rows.append(f"| {model} | {variant} | {why} | | | | | | |")
+                continue
+
+            def both(key: str, fmt: str = "{:.0f}", scale: float = 1.0) -> str:
+                return " / ".join(fmt.format(r[key] * scale) if r.get(key) is not None else "-" for r in recs)
+            rows.append(f"| {model} | {variant} | {both('tokens_per_s')} | {both('tflops')} | "
+                        f"{both('mfu_vs_peak', '{:.1f}', 100)} % | {both('mfu_vs_measured', '{:.1f}', 100)} % | "
+                        f"{both('vs_hf_compile', '{:.3f}')} | {recs[0]['peak_mem_gib']:.1f} | {both('compile_s')} |")
     return "\n".join(rows)
 
 

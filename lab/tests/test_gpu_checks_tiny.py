@@ -36,3 +36,22 @@ def test_tiny_speed_grid_records_every_point(tmp_path):
     assert points[0]["params"] == points[1]["params"]  # the same shapes: megareshard GPT-2 = transformers GPT2
     skipped = _gpu_checks(tmp_path / "b", "--deadline-s", "0")["speed"]["points"]
     assert len(skipped) == 6 and all(p["status"] == "skipped" for p in skipped)
+
+
+def test_report_puts_reruns_side_by_side_and_names_what_did_not_run(tmp_path):
+    import json
+
+    from lab.bench import gpu_report
+
+    def run(path, tok, status="ok"):
+        pts = [{"model": "gpt-tiny", "variant": v, "status": status if v == "hf-compile" else "ok",
+                "tokens_per_s": tok * k, "tflops": 1.0, "mfu_vs_peak": 0.5, "mfu_vs_measured": 0.6,
+                "vs_hf_compile": k, "peak_mem_gib": 1.0, "compile_s": 2.0, "error": "boom"}
+               for v, k in (("megareshard-eager", 0.5), ("megareshard-fast", 1.25), ("hf-compile", 1.0))]
+        path.write_text(json.dumps({"ceilings": {"device": "cpu"}, "peak_tflops": 1.0, "speed": {"points": pts}}))
+        return str(path)
+
+    text = gpu_report.table(gpu_report.load([run(tmp_path / "a.json", 100), run(tmp_path / "b.json", 200, "failed")]))
+    rows = [r for r in text.splitlines() if r.startswith("| gpt-tiny")]
+    assert rows[1].startswith("| gpt-tiny | megareshard-fast | 125 / 250 |") and "1.250 / 1.250" in rows[1]
+    assert "run 2: failed boom" in rows[2] and "run 1" not in rows[2]
