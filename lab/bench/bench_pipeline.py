@@ -62,7 +62,10 @@ critical path — the largest; a measurement below it is void) at every point.
 ``--pace auto`` emulates one dedicated device per rank: after the (unpaced) warm-up rounds,
 every F/B/I/W of a stage is given a fixed wall time — a quantile of its warm-up durations ×
 a margin, the same for every configuration — and an action that finishes early sleeps the
-rest. Without it, ranks that share a few CPU cores lend a stage's core to the other stages
+rest. The durations are the signal configurations' where they cover every kind (their 1-byte
+transfers leave a compute action's tp collective nothing to wait for; a real transfer at a low
+rate makes one tp rank wait inside it for its partner's input, which would count network time as
+compute), else every configuration's. Without it, ranks that share a few CPU cores lend a stage's core to the other stages
 while it waits for the network, which hides communication under *any* schedule and is
 what no GPU stage can do. Compute then costs the same in every configuration and only
 communication and scheduling differ; actions that outlast their budget are counted
@@ -479,6 +482,13 @@ def _worker(a: argparse.Namespace) -> int:
 
     kinds = needed_kinds(c.dw for c in configs)
     pace = parse_pace(a.pace, warmup=a.warmup, quantile=a.pace_quantile, margin=a.pace_margin, needed=kinds)
+    # --pace auto calibrates on the signal configurations where they cover every kind: their transfers are 1 byte,
+    # so their compute actions do not absorb a tp partner's wait for its input, as real transfers' do at low rates
+    calib = [i for i, c in enumerate(configs) if c.strategy == "signal"]
+    if not calib or not set(kinds) <= set(needed_kinds(configs[i].dw for i in calib)):
+        calib = list(range(len(configs)))
+    if pace == "auto":
+        say("[bench_pipeline] --pace auto calibrates on " + ", ".join(configs[i].name for i in calib))
     stage = ctx.pp_rank()
     budgets: list[dict[str, float]] | None = None
 
@@ -553,7 +563,8 @@ def _worker(a: argparse.Namespace) -> int:
                 overruns[i, 0] += st.get("pace_overruns", 0)
                 overruns[i, 1] += st.get("pace_overrun_us", 0)
         if pace == "auto" and r < a.warmup:
-            warm += [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
+            traces = [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
+            warm += [traces[i] for i in calib]
         if dist.is_initialized():
             mx = times[:, r].clone()
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
