@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from .checkpoint import CheckpointError, Piece, check_files, read_info, read_metadata, read_pieces, \
-    resolve_checkpoint_dir
+from .checkpoint import CheckpointError, read_full_model, read_info, resolve_checkpoint_dir
 from .models import GPTModel, ModelConfig
 from .models.config import KERNEL_FIELDS
 from .parallel import ParallelContext
@@ -34,13 +31,7 @@ def read_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     # the architecture; the saved run's kernel choices (--attention-backend fused on a GPU, ...) are not this run's
     known = {f.name for f in dataclasses.fields(ModelConfig)} - set(KERNEL_FIELDS)
     cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-    md = read_metadata(ckpt)
-    check_files(ckpt, info, md)
-    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
-               for k, v in md.state_dict_metadata.items()
-               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
-    read_pieces(ckpt, tensors, [], no_dist=True)
-    return cfg, {k[len("model."):]: p.tensor for k, p in tensors.items()}
+    return cfg, read_full_model(ckpt, info)
 
 
 def load_for_generation(path: str, device: str | torch.device = "cpu") -> tuple[GPTModel, ModelConfig]:

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
 
 from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, check_files, metadata_summary,  # noqa: E402
-                                    read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
+                                    read_full_model, read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
                                     write_checkpoint)
 from megareshard.checkpoint.detect import check_destination  # noqa: E402
 from megareshard.checkpoint.lock import busy_message, try_lock_dir  # noqa: E402
@@ -316,13 +316,7 @@ def _model_tensors(path: str) -> tuple[str, dict, ModelConfig, dict]:
     if not info.get("model_config"):
         raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
     cfg = _model_config_from_dict(info["model_config"])
-    md = read_metadata(ckpt)
-    check_files(ckpt, info, md)
-    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
-               for k, v in md.state_dict_metadata.items()
-               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
-    read_pieces(ckpt, tensors, [], no_dist=True)
-    return ckpt, info, cfg, {k[len("model."):]: p.tensor for k, p in tensors.items()}
+    return ckpt, info, cfg, read_full_model(ckpt, info)
 
 
 def import_megatron(src: str, out_dir: str, vocab_size: int | None = None, force: bool = False):

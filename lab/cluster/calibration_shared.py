@@ -219,15 +219,3 @@ def _rank_sum(value: float) -> float:
     box = torch.tensor([float(value)], dtype=torch.float64)
     dist.all_reduce(box)
     return float(box.item())
-
-
-def _rank_sum(value: float) -> float:
-    """The sum over every rank (every rank calls it); without a process group: the value."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(box)
-    return float(box.item())

@@ -21,12 +21,11 @@ top level, as `ClusterSpec` fields; `read_cluster` converts them).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megareshard.pipeline.meshes import stage_mesh
-from megareshard.planner.cluster_file import cluster_from_json, cluster_to_json
+from megareshard.planner.cluster_file import cluster_from_json, cluster_to_json, read_cluster_json
 from megareshard.planner.costs import ClusterSpec, ModelShape
 from megareshard.planner.terms import TermInput, TermStep
 
@@ -202,14 +201,7 @@ def read_cluster(data: Any, path: str, hosts: int | None = None, devices_per_hos
 
 def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | None = None) -> EmulatedCluster:
     """`read_cluster` of the file at `path`."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cluster file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"cluster file {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    return read_cluster(data, path, hosts, devices_per_host)
+    return read_cluster(read_cluster_json(path), path, hosts, devices_per_host)
 
 
 def write_cluster(em: EmulatedCluster, measured: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -6,10 +6,10 @@ inspects, exports (one consolidated, unpadded state dict) and imports checkpoint
 """
 from .format import (CHECKPOINT_JSON, FORMAT_VERSION, KILL_ENV, LATEST_FILE, CheckpointError, Piece,
                      check_files, iteration_dirname, metadata_summary, read_info, read_metadata, read_pieces,
-                     resolve_checkpoint_dir, write_checkpoint)
+                     read_full_model, resolve_checkpoint_dir, write_checkpoint)
 from .manager import ARCHITECTURE_FIELDS, CheckpointManager, LoadResult, describe_layout, model_key, optim_key
 
 __all__ = ["CheckpointManager", "LoadResult", "CheckpointError", "Piece", "FORMAT_VERSION", "CHECKPOINT_JSON",
            "LATEST_FILE", "KILL_ENV", "ARCHITECTURE_FIELDS", "check_files", "iteration_dirname",
-           "metadata_summary", "read_info", "read_metadata", "read_pieces", "resolve_checkpoint_dir",
+           "metadata_summary", "read_info", "read_metadata", "read_pieces", "read_full_model", "resolve_checkpoint_dir",
            "write_checkpoint", "describe_layout", "model_key", "optim_key"]

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_JSON", "LATEST_FILE", "CheckpointError", "Piece", "iteration_dirname",
            "write_checkpoint", "resolve_checkpoint_dir", "read_info", "read_metadata", "check_files",
-           "read_pieces", "fsync_dir", "KILL_ENV", "verify_checksum_share", "file_crc32"]
+           "read_pieces", "read_full_model", "fsync_dir", "KILL_ENV", "verify_checksum_share", "file_crc32"]
 
 FORMAT_VERSION = 1
 CHECKPOINT_JSON = "checkpoint.json"
@@ -545,6 +545,18 @@ def read_pieces(ckpt_dir: str, tensors: dict[str, Piece], objects: Iterable[str]
     except BaseException as e:   # CheckpointException derives from BaseException
         raise CheckpointError(f"reading checkpoint {ckpt_dir} failed: {type(e).__name__}: {e}") from None
     return {k: state[k] for k in objects}
+
+
+def read_full_model(ckpt_dir: str, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's weights of a checkpoint as full tensors by name (without the ``model.`` prefix), read in
+    this process alone after the files are checked against `info`."""
+    md = read_metadata(ckpt_dir)
+    check_files(ckpt_dir, info, md)
+    tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+               for k, v in md.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata) and k.startswith("model.")}
+    read_pieces(ckpt_dir, tensors, [], no_dist=True)
+    return {k[len("model."):]: p.tensor for k, p in tensors.items()}
 
 
 def metadata_summary(metadata: Metadata) -> dict[str, dict[str, Any]]:

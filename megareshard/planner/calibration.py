@@ -426,7 +426,7 @@ def calibrate(model: ModelShape, micro_batch: int, devices_per_host: int, device
     quadruple = {k: rank_median(quadruple[k]) for k in keys}
     # forward CPU time = fixed + per-sample part, fitted to the three micro batches (a difference of two small
     # timings swung the per-sample part 1.0-2.1× between calibrations of one model, and four times the micro
-    # batch extrapolated from it measured 0.85× its prediction: run 57)
+    # batch extrapolated from it measured 0.85× its prediction)
     fixed_cpu, scaling_cpu = fit_fixed_and_scaling([(1, layer["forward_cpu_s"]), (2, double["forward_cpu_s"]),
                                                     (4, quadruple["forward_cpu_s"])])
     layer |= {"double_micro_batch": double, "quadruple_micro_batch": quadruple,

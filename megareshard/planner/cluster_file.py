@@ -10,7 +10,7 @@ from typing import Any
 
 from .costs import ClusterSpec
 
-__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_from_json", "cluster_to_json"]
+__all__ = ["CLUSTER_FORMAT", "load_cluster", "cluster_from_json", "cluster_to_json", "read_cluster_json"]
 
 CLUSTER_FORMAT = "megareshard-cluster/1"
 _FIELDS = tuple(f.name for f in dataclasses.fields(ClusterSpec))
@@ -30,14 +30,18 @@ def load_cluster(path: str, hosts: int | None = None, devices_per_host: int | No
 
     Raises ValueError (one line, the file and the field) on a missing file, another format or a value that
     is not a positive number."""
+    return cluster_from_json(read_cluster_json(path), path, hosts, devices_per_host)
+
+
+def read_cluster_json(path: str) -> dict[str, Any]:
+    """The JSON of a cluster file; ValueError (one line, the file) if it cannot be read or is not JSON."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise ValueError(f"cluster file {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"cluster file {path}: not JSON ({e.msg} at line {e.lineno})") from None
-    return cluster_from_json(data, path, hosts, devices_per_host)
 
 
 def cluster_from_json(data: Any, path: str, hosts: int | None = None,

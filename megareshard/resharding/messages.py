@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .strategies import get_strategy
-from .wire import Msg as _Msg
+from .wire import Msg as _Msg, by_host
 
 ORDERS = ("plan", "concurrent")
 DEFAULT_ORDER = "concurrent"
@@ -85,11 +85,8 @@ def rotate_receivers(remote: Sequence[int], host_of: dict[int, int], turns: dict
     (`turns`, updated): a strategy sends a host's share to its first receiver listed (the broadcast chain's head,
     which fans out to the others), so successive tasks enter a host through successive devices instead of all
     through its first one. Pure and the same on every rank: call it in execution order."""
-    by_host: dict[int, list[int]] = {}
-    for r in remote:
-        by_host.setdefault(host_of[r], []).append(r)
     out: list[int] = []
-    for h, rs in by_host.items():
+    for h, rs in by_host(remote, host_of).items():
         k = turns.get(h, 0) % len(rs)
         out += rs[k:] + rs[:k]
         turns[h] = turns.get(h, 0) + 1

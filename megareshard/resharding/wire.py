@@ -5,10 +5,10 @@ model (`network.py`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Msg", "TaskCost", "SEND", "RECV", "INTRA"]
+__all__ = ["Msg", "TaskCost", "SEND", "RECV", "INTRA", "by_host"]
 
 SEND, RECV, INTRA = 0, 1, 2  # NIC directions / resources of a host
 
@@ -51,3 +51,11 @@ class TaskCost:
         nic = self.nic_bytes / nic_Bps
         intra = self.intra_bytes / intra_Bps
         return (max(nic, intra) if self.pipelined else nic + intra) + latency_s
+
+
+def by_host(ranks: Iterable[int], host_of: Mapping[int, int]) -> dict[int, list[int]]:
+    """`ranks` grouped by host, each host's in the order given, hosts in order of first appearance."""
+    out: dict[int, list[int]] = {}
+    for r in ranks:
+        out.setdefault(host_of[r], []).append(r)
+    return out

@@ -5,20 +5,18 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ..spec import split_bounds
-from ..wire import Msg, TaskCost
+from ..wire import Msg, TaskCost, by_host
 from .base import Strategy, register_strategy
 
 
 def messages(numel: int, sender: int, remote: Sequence[int], host_of: Mapping[int, int], chunks: int) -> list[Msg]:
     if not remote:
         return []
-    by_host: dict[int, list[int]] = {}
-    for r in remote:
-        by_host.setdefault(host_of[r], []).append(r)
-    local = by_host.pop(host_of[sender], [])  # the sender's own host: served by the sender itself
+    hosts = by_host(remote, host_of)
+    local = hosts.pop(host_of[sender], [])  # the sender's own host: served by the sender itself
     msgs = [Msg(sender, r, 0, numel, False) for r in local]
-    for h in sorted(by_host):
-        rs = by_host[h]
+    for h in sorted(hosts):
+        rs = hosts[h]
         pieces = split_bounds(numel, len(rs))
         for r, (a, b) in zip(rs, pieces):
             msgs.append(Msg(sender, r, a, b, False))

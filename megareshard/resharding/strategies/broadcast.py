@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..spec import split_bounds
-from ..wire import Msg, TaskCost
+from ..wire import Msg, TaskCost, by_host
 from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,12 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
 def messages(numel: int, sender: int, remote: Sequence[int], host_of: Mapping[int, int], chunks: int) -> list[Msg]:
     if not remote:
         return []
-    by_host: dict[int, list[int]] = {}
-    for r in remote:
-        by_host.setdefault(host_of[r], []).append(r)
-    local = by_host.pop(host_of[sender], [])  # the sender is the head of its own host
-    hosts = sorted(by_host)
-    heads = [by_host[h][0] for h in hosts]
+    groups = by_host(remote, host_of)
+    local = groups.pop(host_of[sender], [])  # the sender is the head of its own host
+    hosts = sorted(groups)
+    heads = [groups[h][0] for h in hosts]
     msgs: list[Msg] = []
     for a, b in split_bounds(numel, max(1, min(chunks, numel))):
         prev = sender
@@ -33,7 +31,7 @@ def messages(numel: int, sender: int, remote: Sequence[int], host_of: Mapping[in
             msgs.append(Msg(prev, head, a, b, prev != sender))
             prev = head
         for h, head in zip(hosts, heads):
-            msgs.extend(Msg(head, r, a, b, True) for r in by_host[h][1:])
+            msgs.extend(Msg(head, r, a, b, True) for r in groups[h][1:])
     return msgs
 
 
