@@ -614,7 +614,10 @@ def writers_trial(workdir: str, quick: bool, *, second: bool = True, kill: bool 
     timeout = comm_timeout(quick)
     ck = os.path.join(workdir, "ck")
     base = model_args(quick) + ["--comm-timeout", str(timeout), "--save", ck, "--load", ck]
-    a = torchrun(base + ["--train-iters", "100000", "--save-interval", "5"], 2, workdir, "job-a")
+    # after its first save A only has to stay alive: its ranks turn stragglers (lab.chaos.faults 'slow') and leave the
+    # CPU to B's start-up
+    a = torchrun(base + ["--train-iters", "100000", "--save-interval", "5"], 2, workdir, "job-a",
+                 env={"MEGARESHARD_INJECT_FAULT": "slow@0:6,slow@1:6"})
     out: dict[str, Any] = {}
     try:
         t_saved = a.wait_line(r"saved iteration 5 ", 600)

@@ -8,7 +8,8 @@ pipeline transfers or its share of the gradient reductions. Only the first attem
 job (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) injects: the restarted job must run clean.
 
 Kinds: ``kill`` (SIGKILL itself: a crash, an OOM kill), ``stop`` (SIGSTOP itself: a stalled
-process, a hung driver; it never resumes). Preemption is not injected from inside: a SIGTERM
+process, a hung driver; it never resumes), ``slow`` (from that iteration on, every step first sleeps
+``SLOW_STEP_S``: a straggler; a job that must stay alive while another starts beside it leaves it the CPU). Preemption is not injected from inside: a SIGTERM
 comes from outside (``lab/chaos/chaos_ranks.py`` signals the launch script).
 
 Unset (or not imported), it costs nothing.
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from megareshard.plugins import register_step_hook
 
 ENV = "MEGARESHARD_INJECT_FAULT"
-KINDS = ("kill", "stop")
+KINDS = ("kill", "stop", "slow")
+SLOW_STEP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,11 @@ def inject_hook(trainer: Any, iteration: int) -> None:
     """The trainer step hook: do this rank's fault of `iteration`, if any (its peers are inside the iteration's
     pipeline or reductions, waiting for it)."""
     rank = trainer.ctx.rank
-    fault = faults_for(rank).get(iteration)
+    faults = faults_for(rank)
+    if any(kind == "slow" and it <= iteration for it, kind in faults.items()):
+        time.sleep(SLOW_STEP_S)
+        return
+    fault = faults.get(iteration)
     if fault is not None:
         print(f" rank {rank}: injecting fault '{fault}' in iteration {iteration} ({ENV})", file=trainer.out,
               flush=True)
