@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,17 +65,32 @@ def _run_single(args, tmp_path):
                           timeout=120, env=env, cwd=tmp_path)
 
 
-def test_bad_input_is_reported(data, tmp_path):
-    p = _run_single(_args(data, "--vocab-size", "999", "--train-iters", "1"), tmp_path)
-    assert p.returncode == 2 and "--vocab-size 999 differs from the vocabulary of tokenizer" in p.stderr
-    p = _run_single(_args(data, "--global-batch-size", "7", "--train-iters", "1"), tmp_path)
-    assert p.returncode == 2 and "global batch 7 is not divisible by micro batch 2 × dp 1" in p.stderr
+def _main_here(args, capsys) -> tuple[int, str]:
+    """pretrain_gpt.py's main in this process (each start of a Python that imports torch costs ~4 s of a 2-core
+    machine): its exit code and what it wrote to stderr. For the errors found before any process group exists."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import pretrain_gpt
+    finally:
+        sys.path.remove(str(ROOT))
+    capsys.readouterr()
+    code = pretrain_gpt.main(args)
+    assert not torch.distributed.is_initialized()
+    return code, capsys.readouterr().err
+
+
+def test_bad_input_is_reported(data, tmp_path, capsys):
+    code, err = _main_here(_args(data, "--vocab-size", "999", "--train-iters", "1"), capsys)
+    assert code == 2 and "--vocab-size 999 differs from the vocabulary of tokenizer" in err and len(err.splitlines()) == 1
+    code, err = _main_here(_args(data, "--global-batch-size", "7", "--train-iters", "1"), capsys)
+    assert code == 2 and "global batch 7 is not divisible by micro batch 2 × dp 1" in err
     # a dataset made with a bigger tokenizer than the model's
-    p = _run_single(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-                     "--data-path", str(data / "text"), "--vocab-size", "100", "--train-iters", "1", "--lr-warmup-iters", "0",
-                     "--device", "cpu"], tmp_path)
+    code, err = _main_here(["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length",
+                            "32", "--data-path", str(data / "text"), "--vocab-size", "100", "--train-iters", "1",
+                            "--lr-warmup-iters", "0", "--device", "cpu"], capsys)
     # (found at start-up by the data validation, which names the file and the offset: tests/reliability)
-    assert p.returncode == 2 and "is outside the vocabulary [0, 100)" in p.stderr and "text.bin: token id" in p.stderr
+    assert code == 2 and "is outside the vocabulary [0, 100)" in err and "text.bin: token id" in err
+    # as a script: the process's exit code and stderr
     p = _run_single(_args(data, "--train-iters", "1", "--data-path", str(tmp_path / "missing")), tmp_path)
     assert p.returncode != 0 and "missing" in p.stderr
 
