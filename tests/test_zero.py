@@ -1,6 +1,7 @@
 """ZeRO stages 1 and 2 reproduce stage 0 (AdamW + GradAverager) in fp32; sharded state is 1/dp.
 
-One launch per layout (dp2, dp4, tp2·dp2 with sequence parallelism) runs every variant on
+One launch per layout (dp4, tp2·dp2 with sequence parallelism; dp 2 alone ran here too until session 21: the
+tp 2 · dp 2 launch shards over dp 2) runs every variant on
 the same data: the reference (``build_adamw`` + ``GradAverager`` + ``clip_grad_norm_``)
 and ``ZeroOptimizer`` at stages 0, 1, 2 and 2 with overlapped (hook-driven) reduction, 10
 iterations, 2 microbatches per iteration, gradient clipping active.
@@ -192,8 +193,7 @@ def _check(results, dp, tp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tp,sp", [(2, 1, False), (4, 1, False), (4, 2, True)],
-                         ids=["dp2", "dp4", "tp2-dp2-sp"])
+@pytest.mark.parametrize("world,tp,sp", [(4, 1, False), (4, 2, True)], ids=["dp4", "tp2-dp2-sp"])
 def test_zero_matches_stage0(world, tp, sp):
     results = run_ranks(_layout, world, tp, sp, timeout=180)
     _check(results, world // tp, tp)
