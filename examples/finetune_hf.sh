@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fine-tune a Hugging Face Llama in tp 2 · pp 2 · dp 2 and give it back to transformers, all local:
+# Fine-tune a Hugging Face Llama in tp 2 · pp 2 · dp 2 (LAYOUT, NPROC) and give it back to transformers, all local:
 #   1. a tiny random LlamaForCausalLM and its BPE tokenizer are made with transformers (no hub access);
 #   2. a corpus is tokenized with that tokenizer (tools/preprocess_data.py, --tokenizer-type HuggingFaceTokenizer);
 #   3. tools/checkpoint_util.py import-hf turns the model into a megareshard checkpoint (and prints its flags);
