@@ -1,4 +1,4 @@
-"""examples/finetune_hf.sh end to end: a local tiny Llama imported, fine-tuned in tp 2 · pp 2 with the loss falling,
+"""examples/finetune_hf.sh end to end: a local tiny Llama imported, fine-tuned in parallel with the loss falling,
 exported, reloaded by transformers, and the same greedy continuation from both. The test runs it on 2 processes,
 tp 2 (the example's default is 8, tp 2 · pp 2 · dp 2): each rank's start-up costs the suite seconds on 2 cores, and an
 imported Llama's relayouts into pp, dp (and ZeRO) are tested in tests/checkpoint/test_llama_checkpoint.py."""

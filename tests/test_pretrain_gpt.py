@@ -81,7 +81,8 @@ def _main_here(args, capsys) -> tuple[int, str]:
 
 def test_bad_input_is_reported(data, tmp_path, capsys):
     code, err = _main_here(_args(data, "--vocab-size", "999", "--train-iters", "1"), capsys)
-    assert code == 2 and "--vocab-size 999 differs from the vocabulary of tokenizer" in err and len(err.splitlines()) == 1
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--vocab-size 999 differs from the vocabulary of tokenizer" in err
     code, err = _main_here(_args(data, "--global-batch-size", "7", "--train-iters", "1"), capsys)
     assert code == 2 and "global batch 7 is not divisible by micro batch 2 × dp 1" in err
     # a dataset made with a bigger tokenizer than the model's

@@ -9,8 +9,9 @@ job (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) injects: the restarted job must 
 
 Kinds: ``kill`` (SIGKILL itself: a crash, an OOM kill), ``stop`` (SIGSTOP itself: a stalled
 process, a hung driver; it never resumes), ``slow`` (from that iteration on, every step first sleeps
-``SLOW_STEP_S``: a straggler; a job that must stay alive while another starts beside it leaves it the CPU). Preemption is not injected from inside: a SIGTERM
-comes from outside (``lab/chaos/chaos_ranks.py`` signals the launch script).
+``SLOW_STEP_S``: a straggler; a job that must stay alive while another starts beside it leaves it the CPU).
+Preemption is not injected from inside: a SIGTERM comes from outside (``lab/chaos/chaos_ranks.py`` signals the
+launch script).
 
 Unset (or not imported), it costs nothing.
 """
