@@ -181,3 +181,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         body = "\n".join(f"----- rank {r} -----\n{msg}" for r, msg in failed.items())
         raise RankFailure(f"{head}\n{body}")
     return [outcomes[r].value for r in range(world_size)]
+
+
+def _pretrain_rank(rank: int, world: int, argv: list[str], log: str) -> int:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # what pretrain_gpt.py reads besides the process group
+    fd = os.open(log.format(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from pretrain_gpt import main
+
+    return main(list(argv))
+
+
+def run_pretrain(argv: list[str], world: int, log: str, timeout: float = 600.0,
+                 env: dict[str, str] | None = None) -> list[Any]:
+    """``pretrain_gpt.py argv`` on ``world`` forked ranks (what torchrun's workers run, without a torchrun and a
+    fresh interpreter per rank: seconds of imports each on 2 cores); rank r's stdout and stderr go to
+    ``log.format(r)``. Returns each rank's exit code; raises ``RankFailure`` as `run_ranks` does."""
+    return run_ranks(_pretrain_rank, world, list(argv), log, timeout=timeout,
+                     env={"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), **(env or {})})

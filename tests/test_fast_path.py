@@ -8,13 +8,13 @@ on CUDA). The arithmetic is then the eager run's up to the order in which a few 
 summed (a traced linear's backward, a tensor used twice), so compiled and eager runs are compared with the
 bounds of tests/tolerances.py, which cover exactly that (on this machine they agree bitwise).
 
-Two launches (NCCL's rules checked) train a configuration each, eagerly and compiled. On 8 ranks (tp 2 · pp 2 ·
-dp 2): zbv (virtual stages, delayed weight gradients: the linear layers stay outside the compiled regions) with
-selective recomputation, ZeRO 2, sequence parallelism, the fused cross-entropy and the Llama-style options; the
-same launch checks the fused cross-entropy on tp-2 vocabulary shards. On 4 ranks (tp 2 · pp 2: every rank
-compiles its own graphs, so 8 ranks on 2 cores cost twice the compile time for no property that dp adds here):
-plain 1F1B with the linear layers compiled between the tensor-parallel collectives, full recomputation and
-dropout (drawn eagerly from the RNG streams, so the masks are the eager run's).
+One 4-rank launch (NCCL's rules checked) trains two configurations, each eagerly and compiled (every rank compiles
+its own graphs, so ranks beyond the four a property needs cost the suite compile time for nothing). On tp 2 · pp 2:
+zbv (virtual stages, delayed weight gradients: the linear layers stay outside the compiled regions) with selective
+recomputation, sequence parallelism, the fused cross-entropy and the Llama-style options; the same launch checks the
+fused cross-entropy on tp-2 vocabulary shards. On tp 2 · dp 2: the linear layers compiled between the
+tensor-parallel collectives, with ZeRO 2 (its gradient hooks fire on what the compiled backward produced), full
+recomputation and dropout (drawn eagerly from the RNG streams, so the masks are the eager run's).
 """
 from __future__ import annotations
 
@@ -39,30 +39,28 @@ ITERS = 2
 LR = 3e-3
 LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
-CONFIGS = {
-    "zbv (delayed W), selective recomputation, ZeRO 2, sp, fused CE, Llama-style":
-        ["--pipeline-schedule", "zbv", "--recompute-activations", "--zero-stage", "2", "--sequence-parallel",
-         "--cross-entropy-loss-fusion", *LLAMA],
-    "1f1b, linear layers compiled, full recomputation, dropout":
-        ["--pipeline-schedule", "1f1b", "--recompute-granularity", "full",
-         "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+WORLD = 4  # one launch trains every configuration (each on its own layout of the 4 ranks)
+CONFIGS = {  # name: (tp, pp, flags)
+    "zbv (delayed W), selective recomputation, sp, fused CE, Llama-style":
+        (2, 2, ["--pipeline-schedule", "zbv", "--recompute-activations", "--sequence-parallel",
+                "--cross-entropy-loss-fusion", *LLAMA]),
+    "linear layers compiled, ZeRO 2, full recomputation, dropout":
+        (2, 1, ["--zero-stage", "2", "--recompute-granularity", "full",
+                "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]),
 }
-WORLDS = dict(zip(CONFIGS, (8, 4)))  # the launch that trains each configuration
-CE_WORLD = 8  # the launch that also checks the fused cross-entropy on tp-2 vocabulary shards
 COMPILED = ["--torch-compile", "--torch-compile-backend", "aot_eager"]
 
 
-def _argv(world: int, extra: list[str]) -> list[str]:
+def _argv(tp: int, pp: int, extra: list[str]) -> list[str]:
     return ["--mock-data", "--vocab-size", "250", "--num-layers", "4", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--train-iters", str(ITERS), "--lr", str(LR), "--min-lr", "3e-4", "--lr-warmup-iters", "1",
-            "--device", "cpu", "--seed", "5", "--tensor-model-parallel-size", "2" if world > 1 else "1",
-            "--pipeline-model-parallel-size", "2" if world > 1 else "1", "--hidden-dropout", "0",
-            "--attention-dropout", "0", *extra]
+            "--device", "cpu", "--seed", "5", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--hidden-dropout", "0", "--attention-dropout", "0", *extra]
 
 
-def _train(world: int, extra: list[str]):
-    cfg = parse_args(_argv(world, extra), world_size=world)
+def _train(world: int, tp: int, pp: int, extra: list[str]):
+    cfg = parse_args(_argv(tp, pp, extra), world_size=world)
     ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp)) if world > 1 else \
         ParallelContext.single_process()
     out = io.StringIO()
@@ -104,24 +102,21 @@ def _ce_on_tp_shards(rank: int, ctx: ParallelContext) -> list[float]:
 
 
 def _launch(rank: int, world: int):
-    ce = []
-    if world == CE_WORLD:
-        ctx = ParallelContext.create(Topology(world, tp=2, pp=2))
-        ce = _ce_on_tp_shards(rank, ctx)
-        ctx.destroy()
+    ctx = ParallelContext.create(Topology(world, tp=2, pp=2))
+    ce = _ce_on_tp_shards(rank, ctx)
+    ctx.destroy()
     runs = {}
-    for name, extra in CONFIGS.items():
-        if WORLDS[name] == world:
-            eager = _train(world, extra)
-            compiled = _train(world, extra + COMPILED)
-            runs[name] = (eager[:3], compiled[:4])
+    for name, (tp, pp, extra) in CONFIGS.items():
+        eager = _train(world, tp, pp, extra)
+        compiled = _train(world, tp, pp, extra + COMPILED)
+        runs[name] = (eager[:3], compiled[:4])
     return ce, runs
 
 
 @pytest.fixture(scope="module")
 def launch():
-    """{world: per-rank (ce, runs)} of both launches."""
-    return {w: run_ranks(_launch, w, timeout=900, nccl_check=True) for w in sorted(set(WORLDS.values()))}
+    """Per-rank (ce, runs) of the launch."""
+    return run_ranks(_launch, WORLD, timeout=900, nccl_check=True)
 
 
 def _assert_close_runs(eager, compiled, label):
@@ -145,15 +140,15 @@ def _assert_close_runs(eager, compiled, label):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_compiled_reproduces_eager_tp2_pp2(launch, name):
-    for rank, (_, runs) in enumerate(launch[WORLDS[name]]):
+def test_compiled_reproduces_eager_on_4_ranks(launch, name):
+    for rank, (_, runs) in enumerate(launch):
         eager, compiled = runs[name]
         _assert_close_runs(eager, compiled, f"rank {rank}, {name}")
 
 
 @pytest.mark.slow
 def test_fused_cross_entropy_on_tp_shards(launch):
-    for rank, (ce, _) in enumerate(launch[CE_WORLD]):
+    for rank, (ce, _) in enumerate(launch):
         # the same operations per element as the unfused version: a few roundings of fp32 apart at most
         assert max(ce) <= 16 * U, (rank, ce)
 
@@ -202,7 +197,7 @@ def test_fused_cross_entropy_compiled_kernels():
 
 
 def _gpt(extra=(), **model_kw):
-    cfg = parse_args(_argv(1, list(extra)), world_size=1)
+    cfg = parse_args(_argv(1, 1, list(extra)), world_size=1)
     return GPTModel(cfg.model, ParallelContext.single_process(), seed=9, **model_kw), cfg
 
 
@@ -260,7 +255,7 @@ def test_compile_failure_is_one_line_from_the_entry_point(capsys):
     def _failing(gm, example_inputs):  # noqa: ARG001
         raise RuntimeError("no kernels today")
 
-    argv = _argv(1, ["--torch-compile", "--torch-compile-backend", "megareshard_test_failing", "--train-iters", "1"])
+    argv = _argv(1, 1, ["--torch-compile", "--torch-compile-backend", "megareshard_test_failing", "--train-iters", "1"])
     rc = run_entry_point("pretrain_gpt.py", lambda: pretrain(parse_args(argv, world_size=1), out=io.StringIO()))
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "layers.0" in err and "--no-torch-compile" in err, err
@@ -276,12 +271,12 @@ def test_compile_failure_is_one_line_from_the_entry_point(capsys):
 ])
 def test_bad_fast_path_flags_are_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError, match=message) as e:
-        parse_args(_argv(1, extra), world_size=1)
+        parse_args(_argv(1, 1, extra), world_size=1)
     assert "\n" not in str(e.value)
 
 
 def test_megatron_fusion_flags_take_effect():
-    cfg = parse_args(_argv(1, ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--cross-entropy-loss-fusion",
+    cfg = parse_args(_argv(1, 1, ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--cross-entropy-loss-fusion",
                                "--use-flash-attn"]), world_size=1)
     m = cfg.model
     assert (m.bias_gelu_fusion, m.bias_dropout_fusion, m.cross_entropy_loss_fusion, m.attention_backend) == \
@@ -289,11 +284,11 @@ def test_megatron_fusion_flags_take_effect():
     assert not any(n.startswith(("--no-bias-gelu-fusion", "--cross-entropy-loss-fusion")) for n in cfg.notes)
     assert "--use-flash-attn (runs as --attention-backend flash)" in cfg.notes
     # switches Megatron-LM's own scripts pass where they change nothing run, named as such
-    notes = parse_args(_argv(1, LLAMA + ["--no-bias-gelu-fusion", "--attention-backend", "flash",
+    notes = parse_args(_argv(1, 1, LLAMA + ["--no-bias-gelu-fusion", "--attention-backend", "flash",
                                          "--no-masked-softmax-fusion"]), world_size=1).notes
     assert [n.split(" ")[0] for n in notes] == ["--no-bias-gelu-fusion", "--no-masked-softmax-fusion"], notes
-    assert parse_args(_argv(1, []), world_size=1).compile.torch_compile is None  # decided by the device
-    assert parse_args(_argv(1, ["--no-torch-compile"]), world_size=1).compile.torch_compile is False
+    assert parse_args(_argv(1, 1, []), world_size=1).compile.torch_compile is None  # decided by the device
+    assert parse_args(_argv(1, 1, ["--no-torch-compile"]), world_size=1).compile.torch_compile is False
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-bias-gelu-fusion"], LLAMA + ["--no-bias-swiglu-fusion"],
@@ -383,7 +378,7 @@ def test_inductor_on_cuda_matches_eager(llama):
     extra = (LLAMA if llama else []) + ["--cross-entropy-loss-fusion"]
     out = []
     for compiled in (False, True):
-        cfg = parse_args(_argv(1, extra + ["--device", "cuda"]), world_size=1)
+        cfg = parse_args(_argv(1, 1, extra + ["--device", "cuda"]), world_size=1)
         model = GPTModel(cfg.model, ParallelContext.single_process(), seed=9, device=cuda)
         model.configure_attention(2)
         if compiled:

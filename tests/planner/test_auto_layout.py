@@ -1,17 +1,14 @@
 """--auto-layout: the trainers take their layout from the planner, start and train."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megareshard.arguments import ConfigError, parse_args
+from tests.harness import run_pretrain
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--mock-data", "--vocab-size", "256", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
          "4", "--seq-length", "32", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3",
          "--lr-warmup-iters", "1"]
@@ -36,15 +33,13 @@ def test_flags_come_from_the_planner_and_hand_degrees_are_refused() -> None:
 
 @pytest.mark.slow
 def test_auto_layout_starts_and_trains(tmp_path) -> None:
-    env = dict(os.environ, WANDB_MODE="disabled", TMPDIR=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(ROOT / "pretrain_gpt.py"), *[a for a in MODEL if a not in ("--train-iters", "20")], *CLUSTER,
-         "--train-iters", "4", "--log-interval", "1",  # (a command line refuses a flag given twice)
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    """pretrain_gpt.py on 4 forked ranks (torchrun's own start is tests/test_pretrain_gpt.py's)."""
+    argv = [*[a for a in MODEL if a not in ("--train-iters", "20")], *CLUSTER,
+            "--train-iters", "4", "--log-interval", "1",  # (a command line refuses a flag given twice)
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--device", "cpu"]
+    log = str(tmp_path / "rank{}.log")
+    assert run_pretrain(argv, 4, log, timeout=300, env={"WANDB_MODE": "disabled"}) == [0] * 4
+    out = "".join(Path(log.format(r)).read_text() for r in range(4))
     m = re.search(r"auto layout: tp(\d+) pp(\d+) dp(\d+)", out)
     assert m and int(m[1]) * int(m[2]) * int(m[3]) == 4, out
     assert f"tp {m[1]} × dp {m[3]} × pp {m[2]}" in out, out
