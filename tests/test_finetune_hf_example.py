@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="the test extra installs transformers
 
 @pytest.mark.slow
 def test_finetune_hf_example(tmp_path) -> None:
-    env = dict(os.environ, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="12", DOCS="60", NPROC="2",
+    env = dict(os.environ, RUN_DIR=str(tmp_path / "run"), TRAIN_ITERS="6", DOCS="60", NPROC="2",
                LAYOUT="--tensor-model-parallel-size 2", TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "examples" / "finetune_hf.sh")], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)

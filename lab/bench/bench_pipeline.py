@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the records (a JSON list) here")
     p.add_argument("--plot", default=None, help="bar chart PNG of ms/iteration per configuration")
     p.add_argument("--trace-dir", default=None, help="write each configuration's measured timeline here")
+    p.add_argument("--trace-every-round", action="store_true",
+                   help="with --trace-dir: also every timed round's timeline, CONFIG.roundK.json (K from 1), written "
+                        "between rounds (a round's spread can then be read off its own timeline)")
     p.add_argument("--compare", default="1f1b+allgather,eager-1f1b+broadcast+dw",
                    help="two (or more) configurations for --compare-plot")
     p.add_argument("--compare-plot", default=None, help="PNG: their timelines (last round) stacked")
@@ -294,6 +297,8 @@ def check_args(a: argparse.Namespace, world: int | None = None) -> list[BenchCon
         raise ValueError(f"{world} ranks are not divisible by tp {a.tp} × pp {a.pp}")
     if a.iters < 1 or a.warmup < 0 or a.microbatches < 1:
         raise ValueError("--iters must be >= 1, --warmup >= 0, --microbatches >= 1")
+    if a.trace_every_round and not a.trace_dir:
+        raise ValueError("--trace-every-round writes into --trace-dir: give one")
     parse_pace(a.pace, warmup=a.warmup, quantile=a.pace_quantile, margin=a.pace_margin,
                needed=needed_kinds(c.dw for c in configs))
     return configs
@@ -565,6 +570,10 @@ def _worker(a: argparse.Namespace) -> int:
         if pace == "auto" and r < a.warmup:
             traces = [gather_trace(ctx, rt.last_trace) for rt in runtimes]  # collective
             warm += [traces[i] for i in calib]
+        if a.trace_dir and a.trace_every_round and r >= skip:  # collective, between the timed steps
+            traces = [gather_trace(ctx, rt.last_trace) for rt in runtimes]
+            if rank == 0:
+                write_round_traces(a.trace_dir, configs, traces, r + 1 - skip)
         if dist.is_initialized():
             mx = times[:, r].clone()
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
@@ -1107,6 +1116,16 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 def _physical_cell(r: dict[str, Any]) -> str:
     pb = r.get("physical")
     return "-" if not pb else f"{pb['bound_ms']:.0f} ({pb['binding']})"
+
+
+def write_round_traces(trace_dir: str, configs: Sequence[BenchConfig],
+                       traces: Sequence[list[dict[str, Any]] | None], k: int) -> None:
+    from megareshard.pipeline.runtime import write_trace
+
+    os.makedirs(trace_dir, exist_ok=True)
+    for c, tr in zip(configs, traces):
+        if tr:
+            write_trace(os.path.join(trace_dir, f"{c.name}.round{k}.json"), tr)
 
 
 def finish(a: argparse.Namespace, records: list[dict[str, Any]], traces: Sequence[list[dict[str, Any]] | None],

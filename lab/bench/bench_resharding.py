@@ -38,12 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 
 import torch  # noqa: E402
@@ -254,11 +255,49 @@ def run_config(case: NamedCase, strategy: str, scheduler: str, args: argparse.Na
     dist.all_reduce(have)
     rec.repeats = times
     rec.seconds = statistics.median(times)
+    if args.trace_dir:
+        traced_run(args, plan, local, rec, src, dst)
     rec.ratio_to_bound = rec.seconds / lb if lb > 0 and strategy != "signal" else None  # signal: 1 B/task
     hosts_used = len(set(src.host_ids()) | set(dst.host_ids()))
     if have.item() >= hosts_used:
         rec.measured_nic_bytes = int(tx.item()) // args.repeat
     return rec
+
+
+def traced_run(args: argparse.Namespace, plan: Any, local: torch.Tensor | None, rec: Record, src: Mesh,
+               dst: Mesh) -> None:
+    """One more run of `plan`, traced (collective); rank 0 writes the timeline with what explains it: each task's
+    bytes, sender and receivers, the ranks' hosts, the run's time beside the median untraced one and the bound.
+    The ranks share one clock (CLOCK_MONOTONIC) only where they share a machine, as on the emulated cluster."""
+    import torch.distributed as dist
+
+    from megareshard.resharding.executor import Resharder
+
+    res = Resharder(plan, args.torch_dtype, order=rec.order, trace=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = res.start(local)
+    handle.wait()
+    dist.barrier()
+    traced_s = time.perf_counter() - t0
+    events: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(events, handle.trace)
+    if dist.get_rank() != 0:
+        return
+    hosts = {r: src.host_of(r) for r in src.flat_ranks}
+    hosts.update({r: dst.host_of(r) for r in dst.flat_ranks})
+    doc = {"case": rec.case, "strategy": rec.strategy, "scheduler": rec.scheduler,
+           "scheduler_used": rec.scheduler_used, "order": rec.order,
+           "seconds_median_untraced": rec.seconds, "seconds_traced": traced_s, "lower_bound_s": rec.lower_bound_s,
+           "predicted_s": rec.predicted_s, "nic_gbps": args.nic_gbps, "host_of_rank": hosts,
+           "tasks": [{"pos": pos, "task": t.index, "bytes": t.nbytes, "sender": t.sender,
+                      "receivers": list(t.receivers), "chunks": t.chunks} for pos, t in enumerate(plan.tasks)],
+           "events": sorted((e for per in events for e in per), key=lambda e: e["t_post"])}
+    os.makedirs(args.trace_dir, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9.+-]+", "_", f"{rec.case}_{rec.strategy}_{rec.scheduler}_{rec.order}")
+    path = Path(args.trace_dir, f"{name}.json")
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"# traced run: {path} ({traced_s:.4f}s traced, {rec.seconds:.4f}s untraced median)", flush=True)
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -395,6 +434,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--plot", help="write a bar chart here (PNG; needs matplotlib)")
     ap.add_argument("--markdown", help="write the results as a markdown table here")
+    ap.add_argument("--trace-dir", default=None,
+                    help="after each configuration's timed runs, one more run traced (gloo; every wire operation's "
+                         "post and completion, lab/bench/reshard_timeline.py draws it): CASE_STRATEGY_SCHEDULER_ORDER"
+                         ".json here (other characters as _); the timed runs are not traced")
     args = ap.parse_args(argv)
     if not (args.case or args.suite or args.shape):
         ap.error("say what to run: --case N, --suite paper|one-to-many, or --shape with the meshes/specs")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,15 @@ FIELDS = {"config", "schedule", "strategy", "delay_wgrad", "mode", "ms_per_iter"
           "tokens_per_s", "speedup_vs_baseline", "signal_config", "signal_ms", "signal_fraction",
           "best_signal_fraction", "transfer_model_ms", "transfer_nic_bytes", "action_ms", "pp", "tp", "dp",
           "microbatches", "nic_gbps"}
+
+
+def _tool(argv: list[str], capsys) -> SimpleNamespace:
+    """The tool's main() in this process (what its command line runs, without seconds of imports in a fresh
+    interpreter): returncode, stdout, stderr."""
+    capsys.readouterr()
+    code = bp.main(argv)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def _env() -> dict[str, str]:
@@ -78,11 +88,10 @@ def test_pace_parsing_and_calibration():
     assert s1 == {"F": pytest.approx(0.025)}
 
 
-def test_simulate_needs_no_processes(tmp_path):
+def test_simulate_needs_no_processes(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    r = subprocess.run([*TOOL, "--simulate", "--nic-gbps", "0.1", "--cost-f", "20",
-                        "--json", str(out), "--trace-dir", str(tmp_path / "tr")],
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    r = _tool(["--simulate", "--nic-gbps", "0.1", "--cost-f", "20", "--json", str(out), "--trace-dir",
+               str(tmp_path / "tr")], capsys)
     assert r.returncode == 0, r.stderr
     recs = json.loads(out.read_text())
     by = {x["config"]: x for x in recs}
@@ -108,7 +117,8 @@ def test_torchrun_two_configs(tmp_path):
            "--micro-batch-size", "1", "--microbatches", "3", "--vocab-size", "64",
            # two real configurations and one signal run (--no-signal: not one per schedule, to stay small)
            "--configs", "1f1b+sendrecv,eager-1f1b+broadcast+dw,1f1b+signal", "--no-signal",
-           "--iters", "2", "--warmup", "1", "--json", str(out), "--trace-dir", str(tmp_path / "tr"), "--timeout", "120",
+           "--iters", "2", "--warmup", "1", "--json", str(out), "--trace-dir", str(tmp_path / "tr"), "--trace-every-round",
+           "--timeout", "120",
            "--pace", "auto", "--baseline", "1f1b+sendrecv"]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -134,6 +144,10 @@ def test_torchrun_two_configs(tmp_path):
     assert all(v is not None for v in base["action_ms"]["F"])
     assert set(by["eager-1f1b+broadcast+dw"]["action_ms"]) >= {"F", "I", "W"}
     trace = json.loads((tmp_path / "tr" / "eager-1f1b+broadcast+dw.json").read_text())
+    # --trace-every-round: each timed round's own timeline, the last one the run's trace
+    rounds = sorted(p.name for p in (tmp_path / "tr").glob("1f1b+sendrecv.round*.json"))
+    assert rounds == ["1f1b+sendrecv.round1.json", "1f1b+sendrecv.round2.json"], rounds
+    assert json.loads((tmp_path / "tr" / "eager-1f1b+broadcast+dw.round2.json").read_text()) == trace
     assert {t["kind"] for t in trace} >= {"F", "I", "W", "SEND_F", "SEND_B"}
     assert base["transfer_nic_bytes"] == 2 * by["eager-1f1b+broadcast+dw"]["transfer_nic_bytes"]
     # paced compute: budgets per stage from the warm-up, the same for every configuration, and
@@ -148,11 +162,10 @@ def test_torchrun_two_configs(tmp_path):
                     assert ms is None or ms >= 0.99 * pace[s][kind], (x["config"], kind, s, ms, pace[s])
 
 
-def test_simulate_utransformer_has_skip_edges(tmp_path):
+def test_simulate_utransformer_has_skip_edges(tmp_path, capsys):
     out = tmp_path / "u.json"
-    r = subprocess.run([*TOOL, "--simulate", "--model", "utransformer", "--nic-gbps", "0.2",
-                        "--configs", "1f1b+allgather,eager-1f1b+broadcast+dw", "--json", str(out)],
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    r = _tool(["--simulate", "--model", "utransformer", "--nic-gbps", "0.2",
+               "--configs", "1f1b+allgather,eager-1f1b+broadcast+dw", "--json", str(out)], capsys)
     assert r.returncode == 0, r.stderr
     recs = json.loads(out.read_text())
     edges = set(recs[0]["edge_model_ms"])
@@ -307,14 +320,13 @@ def test_grid_flags_and_point_command():
     assert bp.estimate_point_s(recs, a, 30.0) == pytest.approx(30.0 + (2 + 1 + 4) * 3.0)
 
 
-def test_from_json_redraws_the_grid(tmp_path):
+def test_from_json_redraws_the_grid(tmp_path, capsys):
     grid = _grid([_point(80, _times(200.0, 110.0)), _point(40, _times(200.0, 80.0)),
                   _point(20, _times(400.0, 300.0), status="stopped")])
     src = tmp_path / "pipeline_grid_gpt.json"
     src.write_text(json.dumps(grid))
     png = tmp_path / "grid.png"
-    r = subprocess.run([*TOOL, "--from-json", str(src), "--plot", str(png)], env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = _tool(["--from-json", str(src), "--plot", str(png)], capsys)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "| NIC Mbit/s | run | 1f1b+allgather ms |" in out
@@ -327,18 +339,16 @@ def test_from_json_redraws_the_grid(tmp_path):
     assert json.loads(src.read_text()) == grid  # read, not rewritten
 
 
-def test_grid_dry_run_runs_nothing(tmp_path):
+def test_grid_dry_run_runs_nothing(tmp_path, capsys):
     """--grid --dry-run: one command per point and the simulator's wall-time estimate; no cluster, no files."""
-    r = subprocess.run([*TOOL, "--grid", "--dry-run", "--rates", "20,80", "--models", "gpt",
-                        "--cost-f", "20", "--results-dir", str(tmp_path / "res"), "--img-dir", str(tmp_path / "img")],
-                       env=_env(), capture_output=True, text=True, timeout=180)
+    r = _tool(["--grid", "--dry-run", "--rates", "20,80", "--models", "gpt", "--cost-f", "20",
+               "--results-dir", str(tmp_path / "res"), "--img-dir", str(tmp_path / "img")], capsys)
     assert r.returncode == 0, r.stderr
     cmds = [x for x in r.stdout.splitlines() if "lab.cluster.emulate_cluster" in x]
     assert len(cmds) == 2 and "--nic-rate 20000kbit" in cmds[0] and "--nic-rate 80000kbit" in cmds[1]
     assert "# whole grid: about" in r.stdout
     assert not (tmp_path / "res").exists() and not (tmp_path / "img").exists()
-    r = subprocess.run([*TOOL, "--grid", "--dry-run", "--models", "bert"], env=_env(),
-                       capture_output=True, text=True, timeout=60)
+    r = _tool(["--grid", "--dry-run", "--models", "bert"], capsys)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--models 'bert'" in r.stderr
 
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +19,16 @@ FIELDS = {"case", "strategy", "scheduler", "seconds", "nic_bytes", "lower_bound_
           "speedup_vs_sendrecv", "predicted_s"}
 
 
+def _tool(argv: list[str], capsys) -> SimpleNamespace:
+    """The tool's main() in this process (--simulate starts no process group): returncode, stdout, stderr."""
+    from lab.bench import bench_resharding
+
+    capsys.readouterr()
+    code = bench_resharding.main(argv)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -25,12 +36,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_simulate_paper_suite(tmp_path):
+def test_simulate_paper_suite(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    r = subprocess.run([*TOOL, "--simulate", "--suite", "paper", "--scale", "0.001",
-                        "--devices-per-host", "2", "--nic-gbps", "1", "--strategy", "sendrecv,broadcast",
-                        "--scheduler", "naive,auto", "--json", str(out)],
-                       env=_env(), capture_output=True, text=True, timeout=300)
+    r = _tool(["--simulate", "--suite", "paper", "--scale", "0.001", "--devices-per-host", "2", "--nic-gbps", "1",
+               "--strategy", "sendrecv,broadcast", "--scheduler", "naive,auto", "--json", str(out)], capsys)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = json.loads(out.read_text())
     assert len(recs) == 9 * 2 * 2 and all(FIELDS <= set(x) for x in recs)
@@ -54,7 +63,8 @@ def test_torchrun_both_orders_with_calibration(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "lab.bench.bench_resharding",
            "--shape", "8,6,4", "--src-mesh", "1x2", "--src-spec", "S0,R,R", "--dst-mesh", "1x2", "--dst-spec",
            "R,S0,R", "--procs-per-host", "2", "--strategy", "sendrecv,broadcast", "--scheduler", "auto",
-           "--order", "plan,concurrent", "--repeat", "2", "--calibrate-mb", "1", "--json", str(out)]
+           "--order", "plan,concurrent", "--repeat", "2", "--calibrate-mb", "1", "--json", str(out),
+           "--trace-dir", str(tmp_path / "tr")]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -68,15 +78,28 @@ def test_torchrun_both_orders_with_calibration(tmp_path):
         assert x["seconds"] > 0 and len(x["repeats"]) == 2
         # predicted with the measured goodput (printed rounded to 1 Mbit/s), not the nominal rate
         assert abs(x["model_nic_gbps"] * 1e3 - goodput_mbit) <= 0.5, (x["model_nic_gbps"], goodput_mbit)
+    # --trace-dir: one traced run per configuration, both orders; every wire operation from both ends, the
+    # sender's and receiver's hosts apart; drawn by lab/bench/reshard_timeline.py
+    traces = sorted((tmp_path / "tr").iterdir())
+    docs = [json.loads(p.read_text()) for p in traces]
+    assert sorted((d["strategy"], d["order"]) for d in docs) == sorted((x["strategy"], x["order"]) for x in recs)
+    doc = docs[0]
+    hosts = {int(r): h for r, h in doc["host_of_rank"].items()}
+    sends = sorted((e["rank"], e["peer"], e["task"]) for e in doc["events"] if e["side"] == "send")
+    assert sends and sends == sorted((e["peer"], e["rank"], e["task"]) for e in doc["events"] if e["side"] == "recv")
+    assert all(hosts[e["rank"]] != hosts[e["peer"]] and e["t_post"] <= e["t_done"] for e in doc["events"])
+    from lab.bench import reshard_timeline
+
+    assert reshard_timeline.main([str(traces[0]), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").stat().st_size > 0
 
 
-def test_simulate_prints_the_chunk_count_per_case(tmp_path):
+def test_simulate_prints_the_chunk_count_per_case(tmp_path, capsys):
     """One sender to 1..4 hosts: every broadcast task's K is the model's choice, printed; the
     many-host cases pipeline (K > 1) and stay within 1.15x the NIC lower bound."""
     out = tmp_path / "sim.json"
-    r = subprocess.run([*TOOL, "--simulate", "--suite", "one-to-many", "--scale", "0.015625",
-                        "--strategy", "broadcast,sendrecv", "--scheduler", "auto", "--json", str(out)],
-                       env=_env(), capture_output=True, text=True, timeout=300)
+    r = _tool(["--simulate", "--suite", "one-to-many", "--scale", "0.015625", "--strategy", "broadcast,sendrecv",
+               "--scheduler", "auto", "--json", str(out)], capsys)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = json.loads(out.read_text())
     multi = [x for x in recs if x["strategy"] == "broadcast" and x["case"].startswith("inter:")]

@@ -66,8 +66,11 @@ operations in the same order; one thread drives a communicator.
   stream, and gating the next one on it would need a CUDA-event poll per transfer, which is
   not built — "plan" raises there rather than silently running "concurrent".
 
-With ``trace=True`` every `plan`-mode run records, per (task, NIC side) this rank used, when
-its wire operations were posted and when they completed (``handle.trace``). Don't modify
+With ``trace=True`` (gloo) a run records in ``handle.trace`` when its wire operations were posted and when
+they completed: in `plan` order one record per (task, NIC side) this rank used; in `concurrent` order one per
+wire operation (``peer`` added), each waited by a thread of its own so that its completion time is its own
+(gloo marks a transfer complete only inside ``wait()``, and waiting in issue order would date each by the
+slowest before it) — a timeline for diagnosis, whose threads cost the run time. Don't modify
 ``local_src`` before ``wait()`` (contiguous slices of it are sent without a copy).
 """
 
@@ -107,6 +110,8 @@ class _Run:
     token_works: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
     failed: threading.Event = field(default_factory=threading.Event)
     trace: list[dict[str, Any]] = field(default_factory=list)
+    watchers: list[threading.Thread] = field(default_factory=list)  # concurrent order, trace=True: one per wire op
+    unwatched: list[tuple[list[Any], dict[str, Any]]] = field(default_factory=list)  # inline ops until issued
 
 
 class ReshardHandle:
@@ -128,11 +133,11 @@ class ReshardHandle:
         self._bufs = bufs
         self.pending = pending  # (communicator key, operations) issued inline by post()
         self._done = False
-        self.trace = run.trace  # plan order with trace=True: filled by the stream threads
+        self.trace = run.trace  # trace=True: filled by the stream threads (plan) or the watchers (concurrent)
 
     @property
     def _works(self) -> list[Any]:
-        return [w for w, _ in self._run.works]
+        return [entry[0] for entry in self._run.works]
 
     def post(self) -> None:
         """Issue this run's pending operations (one group per communicator); nothing if already posted."""
@@ -149,9 +154,9 @@ class ReshardHandle:
         if errors:
             raise RuntimeError(f"rank {self._owner.rank}: resharding ({self._owner.name}) failed") from errors[0]
         for entry in self._run.works:
-            if not entry[1]:  # gloo counts completions: a second wait() on a work blocks forever
-                entry[0].wait()
-                entry[1] = True
+            Resharder._await(entry)
+        for t in self._run.watchers:  # each has set its event: ends at once (joined before any teardown)
+            t.join()
         for view, buf in self._copies:
             view.copy_(buf.view(view.shape))
         self._done = True
@@ -173,6 +178,8 @@ def post_together(handles: Sequence[ReshardHandle]) -> None:
         h.pending = []
     for group, ops in by_key.values():
         issue(group, ops)
+    for h in handles:
+        h._owner._watch_issued(h._run)
 
 
 # ---------------------------------------------------------------------------------- Resharder
@@ -201,6 +208,9 @@ class Resharder:
         backend = dist.get_backend(group)
         if backend not in strat.backends:
             raise ValueError(f"strategy {strat.name!r} runs on {', '.join(sorted(strat.backends))}, not {backend}")
+        if trace and self._nccl:
+            raise ValueError("trace=True is gloo-only: a transfer's completion is a CPU-side event there; on NCCL it "
+                             "happens on the GPU stream (a CUDA-event poll per transfer, not built)")
         if order == "plan" and self._nccl:
             raise ValueError("order='plan' is gloo-only: it gates each host NIC side on the CPU-side completion of "
                              "the previous transfer, which on NCCL happens on the GPU stream (a CUDA-event poll per "
@@ -212,6 +222,7 @@ class Resharder:
         self.group = group
         self.order = order
         self.trace = bool(trace)
+        self._watching = self.trace and order == "concurrent"  # trace=True in concurrent order: watcher threads
         self.rank = dist.get_rank(group) if group is not None else dist.get_rank()
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
         self.shape = tuple(int(s) for s in plan.shape)
@@ -477,10 +488,12 @@ class Resharder:
         me = self.rank
         ops: list[Op] = []
 
-        def add(kind: str, flat: Any, peer: int, label: str) -> None:
+        def add(kind: str, flat: Any, peer: int, label: str, p: _TaskProgram | None = None) -> None:
             entry = [None, False]
             run.works.append(entry)
             ops.append(Op(kind, flat, self._global(peer), label, entry))
+            if self._watching and p is not None and self._host_of[me] != self._host_of[peer]:
+                run.unwatched.append((entry, self._wire_record(p, kind, peer)))
 
         for rt in rts:
             p = rt.prog
@@ -490,13 +503,13 @@ class Resharder:
                 continue
             for j, m in enumerate(p.msgs):
                 if m.dst == me:
-                    add("recv", recv_flat[m.start:m.stop], m.src, f"{self.name}#{n}/t{p.index}/m{j}")
+                    add("recv", recv_flat[m.start:m.stop], m.src, f"{self.name}#{n}/t{p.index}/m{j}", p)
         for rt in rts:
             p = rt.prog
             send_flat = flats[p.pos][1]
             for j, m in enumerate(p.msgs):
                 if m.src == me:  # never a forward: this rank would drive the communicator from its stream
-                    add("send", send_flat[m.start:m.stop], m.dst, f"{self.name}#{n}/t{p.index}/m{j}")
+                    add("send", send_flat[m.start:m.stop], m.dst, f"{self.name}#{n}/t{p.index}/m{j}", p)
         return ops
 
     def _flats(self, rt: _RankTask, local_src: torch.Tensor | None, out: torch.Tensor | None,
@@ -528,19 +541,61 @@ class Resharder:
         self._label(n, p, j)
         entry = [dist.irecv(flat[m.start:m.stop], src=self._global(m.src), group=group), False]
         run.works.append(entry)
+        if self._watching and self._host_of[m.src] != self._host_of[m.dst]:
+            self._watch(run, entry, self._wire_record(p, "recv", m.src))
         return entry
 
     def _send(self, group: Any, run: _Run, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
         self._label(n, p, j)
         entry = [dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), group=group), False]
         run.works.append(entry)
+        if self._watching and self._host_of[m.src] != self._host_of[m.dst]:
+            self._watch(run, entry, self._wire_record(p, "send", m.dst))
         return entry
 
     @staticmethod
     def _await(entry: list[Any]) -> None:
-        if not entry[1]:
+        """Wait for one operation; gloo counts completions (a second wait() on a work blocks forever), so a work
+        a watcher waits (entry[2], its event) is waited through the watcher."""
+        if len(entry) > 2:
+            entry[2].wait()
+            if len(entry) > 3:  # the watcher's wait() raised: raise it here
+                raise entry[3]
+        elif not entry[1]:
             entry[0].wait()
             entry[1] = True
+
+    # ------------------------------------------------------------------ concurrent-order trace (gloo)
+    def _wire_record(self, p: _TaskProgram, kind: str, peer: int) -> dict[str, Any]:
+        return {"pos": p.pos, "task": p.index, "rank": self.rank, "host": self._host_of[self.rank],
+                "side": kind, "peer": peer}
+
+    def _watch(self, run: _Run, entry: list[Any], rec: dict[str, Any]) -> None:
+        """Wait for this issued operation on a thread of its own and record when it completed."""
+        done = threading.Event()
+        rec["t_post"] = time.monotonic()
+        entry.append(done)
+
+        def wait() -> None:
+            try:
+                entry[0].wait()
+                rec["t_done"] = time.monotonic()
+                run.trace.append(rec)
+            except BaseException as e:  # raised where the run waits through this watcher
+                entry.append(e)
+            finally:
+                entry[1] = True
+                done.set()
+
+        t = threading.Thread(target=wait, name=f"{self.name}-trace", daemon=True)
+        run.watchers.append(t)
+        t.start()
+
+    def _watch_issued(self, run: _Run) -> None:
+        """Watch the inline operations `post_together` has just issued."""
+        for entry, rec in run.unwatched:
+            self._watch(run, entry, rec)
+        run.unwatched.clear()
 
     def _item(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
         """Concurrent order (gloo): every receive of these tasks, then the sends in global message order."""

@@ -14,6 +14,7 @@ import functools
 import random
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -40,10 +41,11 @@ def _global(shape, dtype=torch.float32) -> torch.Tensor:
 
 
 def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, scheduler, chunks=None,
-                dtype=torch.float32, label="", order="plan", trace=None) -> list[str]:
+                dtype=torch.float32, label="", order="plan", trace=None, ctrace=None) -> list[str]:
     """Plan, build, run; returns this rank's failure messages (empty when correct).
 
-    With `trace` (a list), a plan-order run appends (plan summary, this rank's trace) to it.
+    With `trace` (a list), the run is traced and a plan-order run appends (plan summary, this rank's trace) to
+    it; a concurrent-order run appends them to `ctrace`.
     """
     plan = plan_resharding(shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy=strategy,
                            scheduler=scheduler, itemsize=torch.empty(0, dtype=dtype).element_size(),
@@ -62,8 +64,8 @@ def _check_once(rank, shape, src_mesh, src_spec, dst_mesh, dst_spec, strategy, s
     pending = sum(not w.is_completed() for w in handle._works)
     if pending:
         return [f"{tag}: {pending} operations still in flight after wait()"]
-    if trace is not None and order == "plan":
-        trace.append((_plan_summary(plan, label), handle.trace))
+    if trace is not None:
+        (trace if order == "plan" else ctrace).append((_plan_summary(plan, label), handle.trace))
     if dst_sl is None:
         return [] if out is None else [f"{tag}: expected None, got a tensor"]
     if out is None:
@@ -101,10 +103,11 @@ def _paper_meshes(n: int) -> tuple[Mesh, ShardingSpec, Mesh, ShardingSpec]:
     raise AssertionError(f"case {n} does not fit {WORLD} ranks")
 
 
-def _worker_paper(rank: int, world: int) -> tuple[list[str], list]:
+def _worker_paper(rank: int, world: int) -> tuple[list[str], list, list]:
     torch.manual_seed(0)
     fails: list[str] = []
     traces: list = []
+    ctraces: list = []
     shape = (8, 6, 4)
     for n in range(1, 10):
         sm, ss, dm, ds = _paper_meshes(n)
@@ -114,8 +117,8 @@ def _worker_paper(rank: int, world: int) -> tuple[list[str], list]:
                     if order == "concurrent" and scheduler in ("loadbalance", "greedy"):
                         continue  # the concurrent executor ignores the order; two schedulers suffice
                     fails += _check_once(rank, shape, sm, ss, dm, ds, strategy, scheduler, label=f"case {n}",
-                                         order=order, trace=traces)
-    return fails, traces
+                                         order=order, trace=traces, ctrace=ctraces)
+    return fails, traces, ctraces
 
 
 @functools.lru_cache(maxsize=1)
@@ -300,7 +303,7 @@ def test_nic_side_chains() -> None:
 @pytest.mark.slow
 def test_paper_cases_all_strategies_and_schedulers() -> None:
     t0 = time.monotonic()
-    fails = [f for fails, _ in _paper_results() for f in fails]
+    fails = [f for fails, _, _ in _paper_results() for f in fails]
     assert not fails, "\n".join(fails[:20])
     print(f"paper cases: {time.monotonic() - t0:.1f}s")
 
@@ -310,7 +313,7 @@ def test_plan_order_one_task_per_nic_side_in_plan_order() -> None:
     """Per host NIC side, the traced tasks are exactly the planner's, follow plan order and
     do not overlap: each starts (wire operations posted) after the previous one completed
     on every rank of the host that used the side."""
-    per_rank = [traces for _, traces in _paper_results()]
+    per_rank = [traces for _, traces, _ in _paper_results()]
     n_runs = len(per_rank[0])
     assert n_runs == 9 * 3 * 4 and all(len(t) == n_runs for t in per_rank)
     checked = 0
@@ -336,6 +339,27 @@ def test_plan_order_one_task_per_nic_side_in_plan_order() -> None:
                     f"{spans[a][1] - spans[b][0]:.6f}s before position {a} finished"
                 checked += 1
     assert checked > 100  # most cases put several tasks on some NIC side
+
+
+@pytest.mark.slow
+def test_concurrent_order_trace_records_every_wire_operation_on_both_ends() -> None:
+    """Concurrent order, trace=True (each wire operation waited by a watcher thread): every wire message is
+    recorded once by its sender and once by its receiver, on exactly the plan's host NIC sides, posted before
+    it completed; and the run's data is right (test_paper_cases_all_strategies_and_schedulers)."""
+    per_rank = [ctraces for _, _, ctraces in _paper_results()]
+    n_runs = len(per_rank[0])
+    assert n_runs == 9 * 3 * 2 and all(len(t) == n_runs for t in per_rank)
+    for k in range(n_runs):
+        summary = per_rank[0][k][0]
+        events = [e for rank_traces in per_rank for e in rank_traces[k][1]]
+        label = summary["label"]
+        want = {(h, side, pos) for pos, sides in enumerate(summary["sides"]) for h, side in map(tuple, sides)}
+        got = {(e["host"], SEND_SIDE if e["side"] == "send" else RECV_SIDE, e["pos"]) for e in events}
+        assert got == want, f"{label}: traced NIC sides differ from the plan's"
+        sends = Counter((e["rank"], e["peer"], e["task"]) for e in events if e["side"] == "send")
+        recvs = Counter((e["peer"], e["rank"], e["task"]) for e in events if e["side"] == "recv")
+        assert sends == recvs, f"{label}: sends and receives recorded differ"
+        assert all(e["t_post"] <= e["t_done"] for e in events), label
 
 
 @pytest.mark.slow
