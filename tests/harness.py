@@ -52,7 +52,7 @@ class RankFailure(AssertionError):
     """One or more ranks raised, crashed or timed out; the message holds every rank's story."""
 
 
-def _child(rank: int, world_size: int, store_path: str, stack_path: str,
+def _child(rank: int, world_size: int, store_path: str | None, stack_path: str,
            payload: bytes, sys_path: list[str], env: dict[str, str], queue) -> None:
     sys.path[:] = sys_path
     os.environ.update(env)
@@ -64,6 +64,9 @@ def _child(rank: int, world_size: int, store_path: str, stack_path: str,
 
         torch.set_num_threads(1)
         fn, args, kwargs = pickle.loads(payload)
+        if store_path is None:  # run_ranks(init_group=False): the function makes its own process group, if any
+            queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
+            return
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         from megareshard.parallel import nccl_check
@@ -89,17 +92,21 @@ class _Outcome:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: dict[str, str] | None = None, nccl_check: bool = False, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, nccl_check: bool = False, init_group: bool = True,
+              **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     Returns the list of per-rank return values. Raises ``RankFailure`` with every rank's
     traceback (and the stacks of ranks that were still running) if any rank fails or the
     whole run exceeds ``timeout`` seconds. With ``nccl_check=True`` every rank runs in
     NCCL's checking mode (``megareshard.parallel.nccl_check``: tags forced to 0, every
-    operation recorded) and the run fails if the records break NCCL's rules.
+    operation recorded) and the run fails if the records break NCCL's rules. With ``init_group=False`` no
+    process group is made: `fn` starts its own (a launcher's rendezvous under test).
     """
     if not 1 <= world_size <= 16:
         raise ValueError(f"world_size {world_size} is outside 1..16")
+    if nccl_check and not init_group:
+        raise ValueError("nccl_check needs the process group run_ranks makes (init_group=True)")
     if nccl_check:
         from megareshard.parallel.nccl_check import ENV, check_logs
 
@@ -119,7 +126,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         procs = []
         for rank in range(world_size):
             p = ctx.Process(target=_child, name=f"rank{rank}",
-                            args=(rank, world_size, store_path, os.path.join(tmp, f"stack{rank}"),
+                            args=(rank, world_size, store_path if init_group else None,
+                                  os.path.join(tmp, f"stack{rank}"),
                                   payload, list(sys.path), child_env, queue), daemon=True)
             p.start()
             procs.append(p)

@@ -2,11 +2,7 @@
 import io
 import os
 import socket
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,70 +10,59 @@ from megareshard.launch import RankInfo, Watchdog, rank_map_table, tp_placement_
 from megareshard.parallel import Topology
 from tests.harness import RankFailure, run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-
-WORKER = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
-    from megareshard.launch import preflight_rendezvous
-    infos = preflight_rendezvous("gloo", timeout_s=float(sys.argv[1]), comm_timeout_s=30)
-    t = torch.ones(1); dist.all_reduce(t)
-    print("joined", len(infos), int(t.item()), flush=True)
-    dist.destroy_process_group()
-""")
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(ranks, world, timeout_s, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    port = _free_port()
-    procs = []
-    for r in ranks:
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(subprocess.Popen([sys.executable, str(script), str(timeout_s)], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        if r == ranks[0]:
-            time.sleep(0.3)  # let the store's host come up first
-    outs = []
+def _join(i: int, n: int, ranks: list[int], world: int, port: int, timeout_s: float) -> tuple[bool, str]:
+    """Rank ``ranks[i]`` of ``world`` as torchrun starts it (its environment), through the pre-flight rendezvous
+    and one all-reduce: (joined, what it says)."""
+    import torch
+    import torch.distributed as dist
+
+    from megareshard.launch import PreflightError, preflight_rendezvous
+
+    os.environ.update(RANK=str(ranks[i]), WORLD_SIZE=str(world), LOCAL_RANK=str(ranks[i]), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if i > 0:
+        time.sleep(0.3)  # let the store's host come up first
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=60)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            p.kill()
-    return outs
+        infos = preflight_rendezvous("gloo", timeout_s=timeout_s, comm_timeout_s=30)
+    except PreflightError as e:
+        return False, str(e)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return True, f"joined {len(infos)} {int(t.item())}"
 
 
-def test_all_ranks_join(tmp_path):
-    for code, out, err in _launch([0, 1, 2], 3, 20, tmp_path):
-        assert code == 0, err
-        assert "joined 3 3" in out
+def _launch(ranks, world, timeout_s):
+    """The ranks forked from the test harness's server (torch imported once), each making its own process
+    group."""
+    return run_ranks(_join, len(ranks), ranks, world, _free_port(), timeout_s, init_group=False, timeout=60)
 
 
-def test_missing_rank_is_named_not_a_hang(tmp_path):
+def test_all_ranks_join():
+    for ok, said in _launch([0, 1, 2], 3, 20):
+        assert ok and said == "joined 3 3", said
+
+
+def test_missing_rank_is_named_not_a_hang():
     start = time.monotonic()
-    outs = _launch([0, 1], 3, 3, tmp_path)
+    outs = _launch([0, 1], 3, 3)
     assert time.monotonic() - start < 30
-    for code, _, err in outs:
-        assert code != 0
-        assert "1 of 3 ranks did not join within 3s: missing ranks 2" in err, err[-2000:]
-        assert "joined: " in err
+    for ok, said in outs:
+        assert not ok
+        assert "1 of 3 ranks did not join within 3s: missing ranks 2" in said and "joined: " in said, said
 
 
 @pytest.mark.slow
-def test_missing_store_host_is_named(tmp_path):
-    outs = _launch([1], 2, 3, tmp_path)
-    code, _, err = outs[0]
-    assert code != 0 and "could not reach the rendezvous store" in err, err[-2000:]
+def test_missing_store_host_is_named():
+    ((ok, said),) = _launch([1], 2, 3)
+    assert not ok and "could not reach the rendezvous store" in said, said
 
 
 def test_rank_map_and_tp_placement():

@@ -53,7 +53,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ls = lanes(doc)
     tasks = sorted({t["pos"] for t in doc["tasks"]})
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(11, 0.5 * len(ls) + 1.6))
+    fig, ax = plt.subplots(figsize=(13, 0.5 * len(ls) + 1.6))
     for y, ((host, side), evs) in enumerate(ls.items()):
         ranks = sorted({e["rank"] for e in evs})
         h = 0.8 / len(ranks)
@@ -70,7 +70,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_title(f"{doc['case']} {doc['strategy']}/{doc['scheduler']} ({doc['scheduler_used']}) {doc['order']}: "
                  f"{doc['seconds_traced']:.3f} s traced, {doc['seconds_median_untraced']:.3f} s untraced median, "
                  f"bound {doc['lower_bound_s']:.3f} s at {doc['nic_gbps']:g} Gbit/s")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

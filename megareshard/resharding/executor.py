@@ -78,108 +78,25 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.nccl_check import set_label
-from .streams import CommStreams, GroupKey, Op, issue
+from .handle import ReshardHandle, RunState, await_entry, post_together
 from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _contains, _Msg, _RankTask,
                        _relative, _shape, _TaskProgram, build_messages, comm_key, nic_side_chains,
                        rotate_receivers)
 from .spec import local_slices
+from .streams import CommStreams, GroupKey, Op
 from .strategies import get_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
 
 __all__ = ["Resharder", "ReshardHandle", "CommStreams", "post_together"]
-
-
-# ---------------------------------------------------------------------------------- one run
-@dataclass
-class _Run:
-    """State shared by one run's stream items on this rank."""
-
-    works: list[list[Any]] = field(default_factory=list)  # [work, waited]: wait() waits the others
-    side_done: dict[tuple[int, int], threading.Event] = field(default_factory=dict)  # plan: (pos, side)
-    tokens_posted: threading.Event = field(default_factory=threading.Event)
-    token_works: dict[tuple[int, int], list[list[Any]]] = field(default_factory=dict)
-    failed: threading.Event = field(default_factory=threading.Event)
-    trace: list[dict[str, Any]] = field(default_factory=list)
-    watchers: list[threading.Thread] = field(default_factory=list)  # concurrent order, trace=True: one per wire op
-    unwatched: list[tuple[list[Any], dict[str, Any]]] = field(default_factory=list)  # inline ops until issued
-
-
-class ReshardHandle:
-    """An in-flight resharding run; `wait()` returns the destination shard (or None).
-
-    A run started with ``post=False`` holds its inline operations unissued (``pending``): `post` issues them,
-    `post_together` issues several runs' at once (one group per communicator), and `wait` issues whatever is
-    still pending before waiting."""
-
-    def __init__(self, owner: "Resharder", out: torch.Tensor | None, run: _Run, items: list[Any],
-                 copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[Any],
-                 bufs: dict[int, torch.Tensor] | None, pending: list[tuple[GroupKey, list[Op]]]) -> None:
-        self._owner = owner
-        self._out = out
-        self._run = run
-        self._items = items
-        self._copies = copies  # (destination view, flat receive buffer) after the data is in
-        self._keep = keep  # send payloads must live until the sends complete
-        self._bufs = bufs
-        self.pending = pending  # (communicator key, operations) issued inline by post()
-        self._done = False
-        self.trace = run.trace  # trace=True: filled by the stream threads (plan) or the watchers (concurrent)
-
-    @property
-    def _works(self) -> list[Any]:
-        return [entry[0] for entry in self._run.works]
-
-    def post(self) -> None:
-        """Issue this run's pending operations (one group per communicator); nothing if already posted."""
-        post_together([self])
-
-    def wait(self) -> torch.Tensor | None:
-        if self._done:
-            return self._out
-        if self.pending:
-            self.post()
-        for it in self._items:
-            it.done.wait()
-        errors = [it.error for it in self._items if it.error is not None]
-        if errors:
-            raise RuntimeError(f"rank {self._owner.rank}: resharding ({self._owner.name}) failed") from errors[0]
-        for entry in self._run.works:
-            Resharder._await(entry)
-        for t in self._run.watchers:  # each has set its event: ends at once (joined before any teardown)
-            t.join()
-        for view, buf in self._copies:
-            view.copy_(buf.view(view.shape))
-        self._done = True
-        self._keep.clear()
-        if self._bufs is not None:
-            self._owner._release(self._bufs)
-            self._bufs = None
-        return self._out
-
-
-def post_together(handles: Sequence[ReshardHandle]) -> None:
-    """Issue the pending operations of `handles` from this thread: per communicator one group holding every
-    handle's operations on it, in the order the handles are given (on each communicator the operations
-    between two ranks pair in issue order: give receives in the order their sender sends them)."""
-    by_key: dict[GroupKey, tuple[Any, list[Op]]] = {}
-    for h in handles:
-        for key, ops in h.pending:
-            by_key.setdefault(key, (h._owner._group_of[key], []))[1].extend(ops)
-        h.pending = []
-    for group, ops in by_key.values():
-        issue(group, ops)
-    for h in handles:
-        h._owner._watch_issued(h._run)
 
 
 # ---------------------------------------------------------------------------------- Resharder
@@ -451,7 +368,7 @@ class Resharder:
             bufs = self._pool.pop() if self._pool else self._new_buffers()
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         keep: list[Any] = []
-        run = _Run()
+        run = RunState()
         n = self._runs
         self._runs += 1
         flats = {rt.prog.pos: self._flats(rt, local_src, out, bufs, copies, keep) for rt in self._mine}
@@ -482,7 +399,7 @@ class Resharder:
             handle.post()
         return handle
 
-    def _inline_ops(self, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> list[Op]:
+    def _inline_ops(self, rts: list[_RankTask], flats: dict, run: RunState, n: int) -> list[Op]:
         """This rank's operations on one communicator it does not forward on, in the order a stream would
         issue them: every receive, then the sends in global message order (or the task's broadcast)."""
         me = self.rank
@@ -537,7 +454,7 @@ class Resharder:
     def _label(self, n: int, p: _TaskProgram, j: int) -> None:
         set_label(f"{self.name}#{n}/t{p.index}/m{j}")
 
-    def _recv(self, group: Any, run: _Run, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
+    def _recv(self, group: Any, run: RunState, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
         self._label(n, p, j)
         entry = [dist.irecv(flat[m.start:m.stop], src=self._global(m.src), group=group), False]
         run.works.append(entry)
@@ -545,7 +462,7 @@ class Resharder:
             self._watch(run, entry, self._wire_record(p, "recv", m.src))
         return entry
 
-    def _send(self, group: Any, run: _Run, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
+    def _send(self, group: Any, run: RunState, n: int, p: _TaskProgram, j: int, m: _Msg, flat: Any) -> list[Any]:
         self._label(n, p, j)
         entry = [dist.isend(flat[m.start:m.stop], dst=self._global(m.dst), group=group), False]
         run.works.append(entry)
@@ -553,24 +470,14 @@ class Resharder:
             self._watch(run, entry, self._wire_record(p, "send", m.dst))
         return entry
 
-    @staticmethod
-    def _await(entry: list[Any]) -> None:
-        """Wait for one operation; gloo counts completions (a second wait() on a work blocks forever), so a work
-        a watcher waits (entry[2], its event) is waited through the watcher."""
-        if len(entry) > 2:
-            entry[2].wait()
-            if len(entry) > 3:  # the watcher's wait() raised: raise it here
-                raise entry[3]
-        elif not entry[1]:
-            entry[0].wait()
-            entry[1] = True
+    _await = staticmethod(await_entry)
 
     # ------------------------------------------------------------------ concurrent-order trace (gloo)
     def _wire_record(self, p: _TaskProgram, kind: str, peer: int) -> dict[str, Any]:
         return {"pos": p.pos, "task": p.index, "rank": self.rank, "host": self._host_of[self.rank],
                 "side": kind, "peer": peer}
 
-    def _watch(self, run: _Run, entry: list[Any], rec: dict[str, Any]) -> None:
+    def _watch(self, run: RunState, entry: list[Any], rec: dict[str, Any]) -> None:
         """Wait for this issued operation on a thread of its own and record when it completed."""
         done = threading.Event()
         rec["t_post"] = time.monotonic()
@@ -591,13 +498,13 @@ class Resharder:
         run.watchers.append(t)
         t.start()
 
-    def _watch_issued(self, run: _Run) -> None:
+    def _watch_issued(self, run: RunState) -> None:
         """Watch the inline operations `post_together` has just issued."""
         for entry, rec in run.unwatched:
             self._watch(run, entry, rec)
         run.unwatched.clear()
 
-    def _item(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+    def _item(self, group: Any, rts: list[_RankTask], flats: dict, run: RunState, n: int) -> None:
         """Concurrent order (gloo): every receive of these tasks, then the sends in global message order."""
         if self._nccl:
             self._item_nccl(group, rts, flats, run, n)
@@ -624,7 +531,7 @@ class Resharder:
         finally:
             set_label(None)
 
-    def _item_nccl(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+    def _item_nccl(self, group: Any, rts: list[_RankTask], flats: dict, run: RunState, n: int) -> None:
         """NCCL: broadcasts as one collective each; otherwise one batch of the direct receives and sends,
         then (after a GPU-stream wait for the data) one batch of the forwards and their receives. Batching
         (ncclGroupStart/End) lets a rank's receive and send on one communicator progress together; issued
@@ -671,7 +578,7 @@ class Resharder:
             set_label(None)
 
     # ------------------------------------------------------------------ plan order (gloo)
-    def _tokens(self, run: _Run, n: int) -> None:
+    def _tokens(self, run: RunState, n: int) -> None:
         """The token communicator's thread: post every token receive of the run, then send each token
         as soon as its (task, side) is done here, in the receivers' (task, side) order."""
         g = self._token_group
@@ -700,7 +607,7 @@ class Resharder:
     def _token_buf(self) -> torch.Tensor:
         return torch.empty(1, dtype=torch.uint8, device=self._device)
 
-    def _gate(self, rt: _RankTask, side: int, run: _Run) -> None:
+    def _gate(self, rt: _RankTask, side: int, run: RunState) -> None:
         """Wait until the previous task on this host's NIC `side` is done on every rank that used it."""
         if side not in rt.gate:
             return
@@ -716,7 +623,7 @@ class Resharder:
         if run.failed.is_set():
             raise RuntimeError("another stream of this run failed")
 
-    def _done(self, rt: _RankTask, side: int, run: _Run, t_post: float) -> None:
+    def _done(self, rt: _RankTask, side: int, run: RunState, t_post: float) -> None:
         ev = run.side_done.get((rt.prog.pos, side))
         if ev is not None:
             ev.set()
@@ -725,7 +632,7 @@ class Resharder:
                               "host": self._host_of[self.rank], "side": "send" if side == SEND_SIDE else "recv",
                               "t_post": t_post, "t_done": time.monotonic()})
 
-    def _item_plan(self, group: Any, rts: list[_RankTask], flats: dict, run: _Run, n: int) -> None:
+    def _item_plan(self, group: Any, rts: list[_RankTask], flats: dict, run: RunState, n: int) -> None:
         try:
             for rt in rts:
                 self._task_plan(group, rt, flats, run, n)
@@ -737,7 +644,7 @@ class Resharder:
         finally:
             set_label(None)
 
-    def _task_plan(self, group: Any, rt: _RankTask, flats: dict, run: _Run, n: int) -> None:
+    def _task_plan(self, group: Any, rt: _RankTask, flats: dict, run: RunState, n: int) -> None:
         """One task: intra-host receives at once; wire receives after the receive gate; sends after the
         send gate; forwards as their data arrives; each NIC side released when this rank is done with it."""
         me, host = self.rank, self._host_of
