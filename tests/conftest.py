@@ -1,4 +1,5 @@
-"""Fixtures shared by test files."""
+"""Fixtures shared by test files, and the order the suite runs its files in."""
+import json
 import subprocess
 import sys
 import sysconfig
@@ -12,14 +13,28 @@ STDLIB_FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py",
                                           "glob.py", "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
 
 
+# seconds each file's tests took in a fresh-clone CI run (tests/update_durations.py writes it): only the order uses it
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with a `slow` test first, each file's tests together, otherwise in collection order: with two
-    workers taking whole files (tests/run.sh: ``--dist loadfile --no-loadscope-reorder``) the long files start
-    at once and the short ones fill the end, instead of one long file running alone at the end (xdist's own
-    order, most tests first, started the one-test fine-tune example last). The order is the same on every
-    worker, as xdist requires."""
+    """Longest files first, each file's tests together: with two workers taking whole files (tests/run.sh:
+    ``--dist loadfile --no-loadscope-reorder``) a worker that finishes a file takes the next longest, so the
+    two end close together instead of one long file running alone at the end (xdist's own order, most tests
+    first, started the one-test fine-tune example last). A file's time comes from tests/durations.json (a CI
+    run's; files not in it go after those in it, those with a `slow` test first). The order is the same on
+    every worker, as xdist requires."""
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: a file's tests stay together
+
+    def key(item):
+        rel = item.path.relative_to(ROOT).as_posix() if item.path.is_relative_to(ROOT) else str(item.path)
+        return -float(seconds.get(rel, 0.0)), item.path not in slow_files
+
+    items.sort(key=key)  # stable: a file's tests stay together
 
 
 @pytest.fixture(scope="session")
