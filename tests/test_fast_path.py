@@ -61,8 +61,7 @@ def _argv(tp: int, pp: int, extra: list[str]) -> list[str]:
 
 def _train(world: int, tp: int, pp: int, extra: list[str]):
     cfg = parse_args(_argv(tp, pp, extra), world_size=world)
-    ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp)) if world > 1 else \
-        ParallelContext.single_process()
+    ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp))
     out = io.StringIO()
     trainer = Trainer(cfg, ctx, torch.device("cpu"), out=out)
     records = trainer.train()

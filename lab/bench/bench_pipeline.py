@@ -573,7 +573,7 @@ def _worker(a: argparse.Namespace) -> int:
         if a.trace_dir and a.trace_every_round and r >= skip:  # collective, between the timed steps
             traces = [gather_trace(ctx, rt.last_trace) for rt in runtimes]
             if rank == 0:
-                write_round_traces(a.trace_dir, configs, traces, r + 1 - skip)
+                write_traces(a.trace_dir, configs, traces, f".round{r + 1 - skip}")
         if dist.is_initialized():
             mx = times[:, r].clone()
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
@@ -1118,14 +1118,15 @@ def _physical_cell(r: dict[str, Any]) -> str:
     return "-" if not pb else f"{pb['bound_ms']:.0f} ({pb['binding']})"
 
 
-def write_round_traces(trace_dir: str, configs: Sequence[BenchConfig],
-                       traces: Sequence[list[dict[str, Any]] | None], k: int) -> None:
+def write_traces(trace_dir: str, configs: Sequence[BenchConfig], traces: Sequence[list[dict[str, Any]] | None],
+                 suffix: str = "") -> None:
+    """Each configuration's trace as ``CONFIG{suffix}.json`` in `trace_dir` (configurations without one: none)."""
     from megareshard.pipeline.runtime import write_trace
 
     os.makedirs(trace_dir, exist_ok=True)
     for c, tr in zip(configs, traces):
         if tr:
-            write_trace(os.path.join(trace_dir, f"{c.name}.round{k}.json"), tr)
+            write_trace(os.path.join(trace_dir, f"{c.name}{suffix}.json"), tr)
 
 
 def finish(a: argparse.Namespace, records: list[dict[str, Any]], traces: Sequence[list[dict[str, Any]] | None],
@@ -1135,12 +1136,7 @@ def finish(a: argparse.Namespace, records: list[dict[str, Any]], traces: Sequenc
         write_json(a.json, records)
         print(f"[bench_pipeline] records: {a.json}", file=sys.stderr)
     if a.trace_dir:
-        from megareshard.pipeline.runtime import write_trace
-
-        os.makedirs(a.trace_dir, exist_ok=True)
-        for c, tr in zip(configs, traces):
-            if tr:
-                write_trace(os.path.join(a.trace_dir, f"{c.name}.json"), tr)
+        write_traces(a.trace_dir, configs, traces)
         print(f"[bench_pipeline] traces: {a.trace_dir}/CONFIG.json (tools/plot_schedule.py --trace FILE -o X.png)",
               file=sys.stderr)
     if a.plot:

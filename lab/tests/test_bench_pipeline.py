@@ -15,6 +15,7 @@ from lab import ROOT, module_command  # noqa: F401
 TOOL = module_command("lab.bench.bench_pipeline")
 
 from lab.bench import bench_pipeline as bp
+from lab.tests import run_main
 
 FIELDS = {"config", "schedule", "strategy", "delay_wgrad", "mode", "ms_per_iter", "ms_q1", "ms_q3", "ms_all",
           "tokens_per_s", "speedup_vs_baseline", "signal_config", "signal_ms", "signal_fraction",
@@ -23,12 +24,7 @@ FIELDS = {"config", "schedule", "strategy", "delay_wgrad", "mode", "ms_per_iter"
 
 
 def _tool(argv: list[str], capsys) -> SimpleNamespace:
-    """The tool's main() in this process (what its command line runs, without seconds of imports in a fresh
-    interpreter): returncode, stdout, stderr."""
-    capsys.readouterr()
-    code = bp.main(argv)
-    out = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run_main(bp.main, argv, capsys)
 
 
 def _env() -> dict[str, str]:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab import ROOT, module_command  # noqa: F401
+from lab.tests import run_main
 TOOL = module_command("lab.bench.bench_resharding")
 
 # the record fields the issue names (benchmarks and external tools read them)
@@ -20,13 +21,10 @@ FIELDS = {"case", "strategy", "scheduler", "seconds", "nic_bytes", "lower_bound_
 
 
 def _tool(argv: list[str], capsys) -> SimpleNamespace:
-    """The tool's main() in this process (--simulate starts no process group): returncode, stdout, stderr."""
+    """--simulate starts no process group: the tool runs in this process."""
     from lab.bench import bench_resharding
 
-    capsys.readouterr()
-    code = bench_resharding.main(argv)
-    out = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return run_main(bench_resharding.main, argv, capsys)
 
 
 def _env() -> dict[str, str]:

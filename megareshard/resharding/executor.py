@@ -470,8 +470,6 @@ class Resharder:
             self._watch(run, entry, self._wire_record(p, "send", m.dst))
         return entry
 
-    _await = staticmethod(await_entry)
-
     # ------------------------------------------------------------------ concurrent-order trace (gloo)
     def _wire_record(self, p: _TaskProgram, kind: str, peer: int) -> dict[str, Any]:
         return {"pos": p.pos, "task": p.index, "rank": self.rank, "host": self._host_of[self.rank],
@@ -524,7 +522,7 @@ class Resharder:
                     if m.src != me:
                         continue
                     if m.forward:  # wait for the data to forward (blocks this communicator's thread only)
-                        self._await(recv_of[(p.pos, m.start, m.stop)])
+                        await_entry(recv_of[(p.pos, m.start, m.stop)])
                         self._send(group, run, n, p, j, m, recv_flat)
                     else:
                         self._send(group, run, n, p, j, m, send_flat)
@@ -619,7 +617,7 @@ class Resharder:
         if others:
             run.tokens_posted.wait()
             for entry in run.token_works.get((rt.prog.pos, side), []):
-                self._await(entry)
+                await_entry(entry)
         if run.failed.is_set():
             raise RuntimeError("another stream of this run failed")
 
@@ -671,14 +669,14 @@ class Resharder:
         # sends and forwards in global message order; a forward's data came in an earlier message
         for j, m in enumerate(p.msgs):
             if m.dst == me and id(m) in wire:
-                self._await(recv_of[(m.start, m.stop)])
+                await_entry(recv_of[(m.start, m.stop)])
                 wire_left -= 1
                 if wire_left == 0:
                     self._done(rt, RECV_SIDE, run, t_recv)
             if m.src != me:
                 continue
             if m.forward:
-                self._await(recv_of[(m.start, m.stop)])
+                await_entry(recv_of[(m.start, m.stop)])
                 entry = self._send(group, run, n, p, j, m, recv_flat)
             else:
                 entry = self._send(group, run, n, p, j, m, send_flat)
@@ -686,7 +684,7 @@ class Resharder:
                 wire_sent.append(entry)
         if rt.wire_sends or rt.wire_fwds:
             for entry in wire_sent:
-                self._await(entry)
+                await_entry(entry)
             self._done(rt, SEND_SIDE, run, t_send)
         elif (p.pos, SEND_SIDE) in run.side_done:
             run.side_done[(p.pos, SEND_SIDE)].set()
