@@ -76,6 +76,7 @@ def _child(rank: int, world_size: int, store_path: str | None, stack_path: str,
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             nccl_check.dump()
+            _leave_together(store, rank, world_size)
             try:
                 dist.destroy_process_group()
             except Exception:
@@ -83,6 +84,21 @@ def _child(rank: int, world_size: int, store_path: str | None, stack_path: str,
         queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including DCP's BaseException subclasses
         queue.put((rank, False, traceback.format_exc()))
+
+
+def _leave_together(store, rank: int, world_size: int) -> None:
+    """Destroy the process group only once every rank is done with it. ``init_process_group`` can return on one
+    rank while a peer is still connecting to it (gloo's full mesh), so a rank whose function communicates
+    nothing could otherwise close its sockets under that peer's handshake ("Connection closed by peer"). Through
+    the store, not a collective: it adds nothing to the NCCL checking mode's records, and a rank that failed
+    got here too; a rank that never comes (a crash, a hang) is waited for 10 s at most."""
+    from datetime import timedelta
+
+    store.set(f"harness/left/{rank}", "1")
+    try:
+        store.wait([f"harness/left/{r}" for r in range(world_size)], timedelta(seconds=10))
+    except Exception:
+        pass
 
 
 @dataclass
