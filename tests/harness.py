@@ -217,7 +217,11 @@ def _pretrain_rank(rank: int, world: int, argv: list[str], log: str) -> int:
         sys.path.insert(0, root)
     from pretrain_gpt import main
 
-    return main(list(argv))
+    try:
+        return main(list(argv))
+    finally:  # a forked rank ends in os._exit: what Python still buffers would never reach the log
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def run_pretrain(argv: list[str], world: int, log: str, timeout: float = 600.0,

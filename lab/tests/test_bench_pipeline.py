@@ -1,4 +1,4 @@
-"""lab/bench/bench_pipeline.py: configuration parsing, the simulator mode, and one tiny torchrun launch."""
+"""lab/bench/bench_pipeline.py: configuration parsing, the simulator mode, and one tiny 4-rank run."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from lab import ROOT, module_command  # noqa: F401
 TOOL = module_command("lab.bench.bench_pipeline")
 
 from lab.bench import bench_pipeline as bp
-from lab.tests import run_main
+from lab.tests import run_as_torchrun, run_main
 
 FIELDS = {"config", "schedule", "strategy", "delay_wgrad", "mode", "ms_per_iter", "ms_q1", "ms_q3", "ms_all",
           "tokens_per_s", "speedup_vs_baseline", "signal_config", "signal_ms", "signal_fraction",
@@ -105,10 +105,12 @@ def test_simulate_needs_no_processes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_torchrun_two_configs(tmp_path):
-    """4 ranks = 2 'hosts' × (tp 2), pp 2, tiny shapes: JSON fields, traces, signal reported as a fraction."""
+def test_two_configs_on_4_ranks(tmp_path):
+    """4 ranks = 2 'hosts' × (tp 2), pp 2, tiny shapes: JSON fields, traces, signal reported as a fraction. The
+    ranks are forked with torchrun's environment (a fresh interpreter per worker costs ~4.5 CPU-s of imports on
+    2 cores); the tool's own torchrun launch is test_the_tool_starts_torchrun_on_itself's."""
     out = tmp_path / "run.json"
-    cmd = [*TOOL, "--nproc", "4", "--procs-per-host", "2", "--tp", "2", "--pp", "2",
+    cmd = ["--nproc", "4", "--procs-per-host", "2", "--tp", "2", "--pp", "2",
            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
            "--micro-batch-size", "1", "--microbatches", "3", "--vocab-size", "64",
            # two real configurations and one signal run (--no-signal: not one per schedule, to stay small)
@@ -116,8 +118,8 @@ def test_torchrun_two_configs(tmp_path):
            "--iters", "2", "--warmup", "1", "--json", str(out), "--trace-dir", str(tmp_path / "tr"), "--trace-every-round",
            "--timeout", "120",
            "--pace", "auto", "--baseline", "1f1b+sendrecv"]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ranks = run_as_torchrun("lab.bench.bench_pipeline", cmd, 4)
+    assert [r.returncode for r in ranks] == [0] * 4, ranks[0].stderr[-3000:]
     recs = json.loads(out.read_text())
     by = {x["config"]: x for x in recs}
     assert set(by) == {"1f1b+sendrecv", "eager-1f1b+broadcast+dw", "1f1b+signal"}
@@ -269,6 +271,33 @@ def test_stopped_run_keeps_its_partial_numbers():
     assert bp.point_from_run(40.0, 0, done, None, 9.0, 4)["status"] == "complete"
     # exit 0 without the final records (killed between two writes) is not complete
     assert bp.point_from_run(40.0, 0, partial, None, 9.0, 4)["status"] == "stopped"
+
+
+def test_the_tool_starts_torchrun_on_itself(tmp_path, monkeypatch):
+    """Outside torchrun the tool starts ``torchrun --standalone`` on itself, the arguments in the environment; a
+    failing launch marks what the worker wrote as stopped, with the exit code."""
+    started = []
+
+    class FakeTorchrun:
+        def __init__(self, cmd, env, start_new_session):
+            started.append((cmd, env, start_new_session))
+
+        def wait(self, timeout):
+            return 3
+
+    for k in ("RANK", "WORLD_SIZE", bp.ENV_ARGV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(bp.subprocess, "Popen", FakeTorchrun)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps([{"config": "1f1b+sendrecv", "status": "running", "rounds_done": 1}]))
+    argv = ["--nproc", "4", "--procs-per-host", "2", "--tp", "2", "--pp", "2", "--json", str(path)]
+    assert bp.main(argv) == 3
+    (cmd, env, own_session), = started
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+                       "lab.bench.bench_pipeline"] and own_session
+    assert json.loads(env[bp.ENV_ARGV]) == argv and env["OMP_NUM_THREADS"] == "1"
+    rec, = json.loads(path.read_text())
+    assert rec["status"] == "stopped" and rec["stop_reason"] == "exit code 3"
 
 
 def test_a_stopped_launch_marks_its_json(tmp_path):

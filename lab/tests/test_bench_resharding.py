@@ -1,18 +1,15 @@
-"""lab/bench/bench_resharding.py: the model-only mode and one tiny torchrun launch (hosts as labels)."""
+"""lab/bench/bench_resharding.py: the model-only mode and one tiny 4-rank run (hosts as labels)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from lab import ROOT, module_command  # noqa: F401
-from lab.tests import run_main
+from lab.tests import run_as_torchrun, run_main
 TOOL = module_command("lab.bench.bench_resharding")
 
 # the record fields the issue names (benchmarks and external tools read them)
@@ -25,13 +22,6 @@ def _tool(argv: list[str], capsys) -> SimpleNamespace:
     from lab.bench import bench_resharding
 
     return run_main(bench_resharding.main, argv, capsys)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def test_simulate_paper_suite(tmp_path, capsys):
@@ -54,17 +44,17 @@ def test_simulate_paper_suite(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_torchrun_both_orders_with_calibration(tmp_path):
-    """4 ranks = 2 'hosts' × 2 on this machine: checked runs under both orders, the JSON records,
-    and a calibrated model (the goodput of one message host 0 -> host 1)."""
+def test_4_ranks_both_orders_with_calibration(tmp_path):
+    """4 ranks = 2 'hosts' × 2 on this machine (forked with torchrun's environment): checked runs under both
+    orders, the JSON records, and a calibrated model (the goodput of one message host 0 -> host 1)."""
     out = tmp_path / "run.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "lab.bench.bench_resharding",
-           "--shape", "8,6,4", "--src-mesh", "1x2", "--src-spec", "S0,R,R", "--dst-mesh", "1x2", "--dst-spec",
+    cmd = ["--shape", "8,6,4", "--src-mesh", "1x2", "--src-spec", "S0,R,R", "--dst-mesh", "1x2", "--dst-spec",
            "R,S0,R", "--procs-per-host", "2", "--strategy", "sendrecv,broadcast", "--scheduler", "auto",
            "--order", "plan,concurrent", "--repeat", "2", "--calibrate-mb", "1", "--json", str(out),
            "--trace-dir", str(tmp_path / "tr")]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ranks = run_as_torchrun("lab.bench.bench_resharding", cmd, 4, timeout=240)
+    assert [x.returncode for x in ranks] == [0] * 4, ranks[0].stdout[-3000:] + ranks[0].stderr[-3000:]
+    r = ranks[0]
     recs = json.loads(out.read_text())
     assert {(x["strategy"], x["order"]) for x in recs} == {(s, o) for s in ("sendrecv", "broadcast")
                                                            for o in ("plan", "concurrent")}

@@ -2,10 +2,10 @@
 
 Why it looks like this:
 
-* **Built once, collectively, in one global order.** `Resharder` construction is
-  collective over the default group (it agrees on rank 0's plan), so every rank builds
-  every edge's two resharders — even ranks in neither mesh — in sorted edge order,
-  forward before backward. Nothing is created lazily (lazy communicators in
+* **Built once, collectively, in one global order.** Every rank plans every edge's two
+  resharders and agrees on rank 0's plans in one collective over the default group
+  (`agree_on_orders`), then builds them all — even ranks in neither mesh — in sorted edge
+  order, forward before backward (construction creates communicators: collective too). Nothing is created lazily (lazy communicators in
   rank-dependent order are a classic pipeline deadlock).
 * **One set of communicators for the job.** Every resharder shares one `CommStreams`, so
   tasks with the same (participants, forwarders) — the same dp slice of an edge every
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from ..resharding import plan_resharding
-from ..resharding.executor import CommStreams, ReshardHandle, Resharder
+from ..resharding.executor import CommStreams, ReshardHandle, Resharder, agree_on_orders
 from ..model_spec.graph import Edge, EdgeTensor, PipelineGraph  # EdgeTensor: re-exported
 
 __all__ = ["EdgeShapeError", "EdgeTensor", "EdgeComm", "plan_edges", "communicator_keys", "shared_mesh_pairs",
@@ -172,11 +172,13 @@ def build_edge_comms(graph: PipelineGraph, decls: Sequence[EdgeTensor], *, strat
     mesh = list(placement) if placement is not None else list(range(graph.num_stages))
     by_edge = {d.edge: d for d in decls}
     built: dict[Edge, list[Resharder]] = {}
-    for e, direction, plan in plan_edges(graph, decls, strategy=strategy, scheduler=scheduler, chunks=chunks,
-                                         time_budget_s=time_budget_s, skip=skip):
+    plans = plan_edges(graph, decls, strategy=strategy, scheduler=scheduler, chunks=chunks,
+                       time_budget_s=time_budget_s, skip=skip)
+    orders = agree_on_orders([plan for _, _, plan in plans])  # one collective for every edge
+    for (e, direction, plan), order in zip(plans, orders):
         sender = mesh[e.src] if direction == "F" else mesh[e.dst]
         apart = frozenset((mesh[e.src], mesh[e.dst])) in split
         built.setdefault(e, []).append(Resharder(plan, by_edge[e].dtype, group=group, streams=streams,
-                                                 name=f"edge{e}{direction}",
+                                                 name=f"edge{e}{direction}", agreed_order=order,
                                                  key_suffix=(("from mesh", sender),) if apart else ()))
     return {e: EdgeComm(by_edge[e], f, b) for e, (f, b) in built.items()}

@@ -96,7 +96,32 @@ from .strategies import get_strategy
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ReshardingPlan
 
-__all__ = ["Resharder", "ReshardHandle", "CommStreams", "post_together"]
+__all__ = ["Resharder", "ReshardHandle", "CommStreams", "agree_on_orders", "post_together"]
+
+
+def agree_on_orders(plans: list["ReshardingPlan"]) -> list[list[tuple[int, int | None]]]:
+    """Rank 0's task order and senders for each plan, on every rank: one object all-gather over the default
+    group for all of them (collective; a pipeline agrees on every edge's plans at once, not one collective per
+    `Resharder`). Schedulers with a time budget (dfs) may decide differently on different ranks; executing
+    different orders would deadlock, so rank 0's decisions win. A plan for a different problem on some rank is
+    an error on every rank, naming both."""
+    def desc(plan):
+        return (tuple(int(s) for s in plan.shape), repr(plan.src_mesh), str(plan.src_spec), repr(plan.dst_mesh),
+                str(plan.dst_spec), plan.strategy,
+                sorted((t.index, tuple((s.start, s.stop) for s in t.slice)) for t in plan.tasks))
+
+    mine = [(desc(p), [(t.index, t.sender) for t in p.tasks]) for p in plans]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for r, theirs in enumerate(gathered):
+        if len(theirs) != len(mine):
+            raise ValueError(f"rank {r} agreed on {len(theirs)} resharding plans, rank 0 on {len(gathered[0])}")
+        for i, ((d, _), (d0, _)) in enumerate(zip(theirs, gathered[0])):
+            if d != d0:
+                raise ValueError(f"rank {r} built its Resharder from a plan for a different problem than rank 0 "
+                                 f"(rank 0: shape {d0[0]} {d0[2]} -> {d0[4]} {d0[5]}; "
+                                 f"rank {r}: shape {d[0]} {d[2]} -> {d[4]} {d[5]})")
+    return [list(order) for _, order in gathered[0]]
 
 
 # ---------------------------------------------------------------------------------- Resharder
@@ -112,7 +137,8 @@ class Resharder:
 
     def __init__(self, plan: "ReshardingPlan", dtype: torch.dtype, *,
                  group: Any = None, sync_plan: bool = True, order: str | None = None, trace: bool = False,
-                 streams: CommStreams | None = None, name: str = "", key_suffix: tuple = ()) -> None:
+                 streams: CommStreams | None = None, name: str = "", key_suffix: tuple = (),
+                 agreed_order: list[tuple[int, int | None]] | None = None) -> None:
         order = DEFAULT_ORDER if order is None else order
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -148,7 +174,10 @@ class Resharder:
             raise ValueError(f"the meshes use rank {max(all_ranks)} but the process group has {world} ranks")
         self.streams = streams if streams is not None else CommStreams.shared()
         self.name = name or f"reshard{self.streams.next_index()}"  # the same on every rank: constructed in one order
-        task_order = self._agree_on_order(plan) if sync_plan else [(t.index, t.sender) for t in plan.tasks]
+        if agreed_order is not None:  # agreed by the caller, for many plans in one collective (agree_on_orders)
+            task_order = list(agreed_order)
+        else:
+            task_order = agree_on_orders([plan])[0] if sync_plan else [(t.index, t.sender) for t in plan.tasks]
 
         self._src_region = local_slices(self.shape, plan.src_mesh, plan.src_spec, self.rank)
         self._dst_region = local_slices(self.shape, plan.dst_mesh, plan.dst_spec, self.rank)
@@ -283,26 +312,6 @@ class Resharder:
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def _agree_on_order(self, plan: "ReshardingPlan") -> list[tuple[int, int | None]]:
-        """Use rank 0's task order and senders on every rank.
-
-        Schedulers with a time budget (dfs) may decide differently on different ranks;
-        executing different orders would deadlock, so rank 0's decisions win. A plan for a
-        different problem on some rank is an error on every rank.
-        """
-        desc = (self.shape, repr(plan.src_mesh), str(plan.src_spec), repr(plan.dst_mesh),
-                str(plan.dst_spec), plan.strategy, sorted((t.index, tuple((s.start, s.stop) for s in t.slice))
-                                                          for t in plan.tasks))
-        mine = (desc, [(t.index, t.sender) for t in plan.tasks])
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        for r, (d, _) in enumerate(gathered):
-            if d != gathered[0][0]:
-                raise ValueError(f"rank {r} built its Resharder from a plan for a different problem than rank 0 "
-                                 f"(rank 0: shape {gathered[0][0][0]} {gathered[0][0][2]} -> {gathered[0][0][4]} "
-                                 f"{gathered[0][0][5]}; rank {r}: shape {d[0]} {d[2]} -> {d[4]} {d[5]})")
-        return list(gathered[0][1])
 
     def _pick_device(self) -> torch.device:
         if self._nccl:

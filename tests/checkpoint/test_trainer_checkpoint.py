@@ -30,23 +30,28 @@ TARGETS = [("tp1_pp4_dp2_z0", 1, 4, 0), ("tp4_pp1_dp2_z2", 4, 1, 2), ("tp1_pp1_d
 ITERS = 4  # the source saves at 3; each target loads that and trains iteration 4, compared with the source's
 
 
-def _trainer(argv, world):
+def _trainer(argv, world, last_save: int | None = None):
+    """A Trainer of MODEL + argv; with ``last_save`` N it saves no checkpoint after iteration N (the save at the end
+    of training that Megatron-LM makes, and these tests never read: seconds of an 8-rank launch on 2 cores)."""
     cfg = parse_args(MODEL + ["--nproc-per-node", str(world)] + argv, world_size=world)
     ctx, _ = build_context(cfg, world)
-    return Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+    t = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+    if last_save is not None:
+        t.save_checkpoint = lambda: None if t.iteration > last_save else Trainer.save_checkpoint(t)
+    return t
 
 
 def _layouts(rank: int, world: int, root: str):
     torch.set_num_threads(1)
     out = {}
     src = _trainer(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
-                    "--train-iters", str(ITERS), "--save", f"{root}/src", "--save-interval", "3"], world)
+                    "--train-iters", str(ITERS), "--save", f"{root}/src", "--save-interval", "3"], world, last_save=3)
     out["src"] = [r["loss"] for r in src.train()]
     src.close()
     for name, tp, pp, zero in TARGETS:
         t = _trainer(["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                       "--zero-stage", str(zero), "--train-iters", str(ITERS), "--load", f"{root}/src/iter_0000003",
-                      "--save", f"{root}/{name}"], world)
+                      "--save", f"{root}/{name}"], world, last_save=3)
         start = t.iteration
         t.save_checkpoint()                      # right after loading: must equal the source's iteration 3
         losses = [r["loss"] for r in t.train()]
@@ -145,7 +150,7 @@ def _stage_layouts(rank: int, world: int, root: str):
     torch.set_num_threads(1)
     per = ["--pipeline-model-parallel-size", "2", "--stage-layouts", "tp1dp4,tp2dp2", "--hidden-dropout", "0.1",
            "--attention-dropout", "0.1", "--train-iters", "5", "--zero-stage", "1"]  # resumed: iterations 4 and 5
-    src = _trainer(per + ["--save", f"{root}/src", "--save-interval", "3"], world)
+    src = _trainer(per + ["--save", f"{root}/src", "--save-interval", "3"], world, last_save=3)
     ref = [r["loss"] for r in src.train()]
     src.close()
     same = _trainer(per + ["--load", f"{root}/src/iter_0000003"], world)
