@@ -67,16 +67,21 @@ ZBV = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2
 STAGE_LAYOUTS = ["--pipeline-model-parallel-size", "2", "--stage-layouts", "tp1dp4,tp2dp2"]
 
 
-def _trainer(world, argv):
+def _trainer(world, argv, last_save=None):
+    """A Trainer of MODEL + argv; with ``last_save`` N it saves no checkpoint after iteration N (the end-of-training
+    save, which these tests never read: seconds of an 8-rank launch on 2 cores)."""
     cfg = parse_args(MODEL + ["--nproc-per-node", str(world)] + list(argv), world_size=world)
     ctx, _ = build_context(cfg, world)
-    return Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+    t = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+    if last_save is not None:
+        t.save_checkpoint = lambda: None if t.iteration > last_save else Trainer.save_checkpoint(t)
+    return t
 
 
-def _run(world, argv, full=True):
+def _run(world, argv, full=True, last_save=None):
     """Train; return the records' (loss, grad norm, lr), the full parameters, the first iteration's memory
     per stage, the all-gathers issued and the units of this rank (ZeRO-3)."""
-    t = _trainer(world, argv)
+    t = _trainer(world, argv, last_save)
     start = t.iteration
     recs = t.train()
     sharder = t.optimizer.sharder
@@ -110,18 +115,19 @@ def _eight(rank, world, root):
     torch.set_num_threads(1)
     out = {"zbv0": _run(world, ZBV + ["--zero-stage", "0", "--train-iters", str(ZBV_STEPS)]),
            "zbv3": _run(world, ZBV + ["--use-torch-fsdp2", "--train-iters", str(ZBV_STEPS), "--save", f"{root}/src",
-                                      "--save-interval", "2"])}
+                                      "--save-interval", "2"], last_save=2)}
     src = f"{root}/src/iter_0000002"
     out["resume"] = _run(world, ZBV + ["--use-torch-fsdp2", "--train-iters", str(ZBV_STEPS), "--load", src])
     t = _trainer(world, ["--zero-stage", "1", "--train-iters", str(ZBV_STEPS), "--load", src, "--save",
-                         f"{root}/z1"])
+                         f"{root}/z1"], last_save=2)
     t.save_checkpoint()  # right after loading: the source's iteration-2 state, re-sliced
     out["z1"] = {"start": 2, "steps": [(r["loss"], r["grad_norm"], r["lr"]) for r in t.train()],
                  "messages": t.loaded.messages}
     t.close()
     t.release_communicators()
     t = _trainer(world, ZBV + ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters",
-                               str(ZBV_STEPS), "--load", f"{root}/z1/iter_0000002", "--save", f"{root}/back"])
+                               str(ZBV_STEPS), "--load", f"{root}/z1/iter_0000002", "--save", f"{root}/back"],
+                 last_save=2)
     t.save_checkpoint()
     out["back"] = {"start": t.iteration, "steps": [(r["loss"], r["grad_norm"], r["lr"]) for r in t.train()],
                    "messages": t.loaded.messages}

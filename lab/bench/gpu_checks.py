@@ -457,7 +457,7 @@ def table(recs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="directory for gpu_checks.json and the logs")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="datasheet dense bf16 peak per device")
@@ -473,7 +473,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per variant (the first compiles)")
     p.add_argument("--iters", type=int, default=4, help="timed iterations per variant")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.worker:
         return worker(*a.worker)
     if not a.out:

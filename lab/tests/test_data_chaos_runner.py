@@ -1,22 +1,21 @@
 """lab/chaos/chaos.py end to end on one cheap data fault: a real 2-process torchrun job, the table, the JSON.
 (Each data fault's trial is lab/chaos/chaos_data.py's; a zero blend weight's refusal is
-tests/reliability/test_data_validation.py's.)"""
+tests/reliability/test_data_validation.py's.) The runner itself runs in the test process (its own interpreter
+would cost seconds of imports); the trial's job is real torchrun."""
 import json
-import subprocess
-import sys
-from pathlib import Path
+import tempfile
 
 import pytest
 
-from lab import ROOT, module_command  # noqa: F401
+from lab.chaos import chaos
+from lab.tests import run_main
 
 
 @pytest.mark.slow
-def test_chaos_runner_table_and_json(tmp_path):
+def test_chaos_runner_table_and_json(tmp_path, capsys, monkeypatch):
     out = tmp_path / "chaos.json"
-    p = subprocess.run([*module_command("lab.chaos.chaos"), "--quick", "--trials", "1", "--only",
-                        "token-beyond-vocab", "--json", str(out)], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the trial's work directory goes
+    p = run_main(chaos.main, ["--quick", "--trials", "1", "--only", "token-beyond-vocab", "--json", str(out)], capsys)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0].startswith("| fault") and "detected" in lines[0] and "data lost" in lines[0], p.stdout
