@@ -1,10 +1,11 @@
 """ZeRO stages 1 and 2 reproduce stage 0 (AdamW + GradAverager) in fp32; sharded state is 1/dp.
 
-One launch per layout (dp4, tp2·dp2 with sequence parallelism; dp 2 alone ran here too until session 21: the
-tp 2 · dp 2 launch shards over dp 2) runs every variant on
+One 4-rank launch runs both layouts (dp4, tp2·dp2 with sequence parallelism; dp 2 alone ran here too until
+session 21: the tp 2 · dp 2 layout shards over dp 2), each every variant on
 the same data: the reference (``build_adamw`` + ``GradAverager`` + ``clip_grad_norm_``)
-and ``ZeroOptimizer`` at stages 0, 1, 2 and 2 with overlapped (hook-driven) reduction, 10
-iterations, 2 microbatches per iteration, gradient clipping active.
+and ``ZeroOptimizer`` at stages 0, 1, 2 and 2 with overlapped (hook-driven) reduction, 5
+iterations (10 until session 23: the bounds grow with the steps, what they prove does not), 2 microbatches per
+iteration, gradient clipping active.
 
 The variants reduce gradients in other orders (buckets, reduce-scatter, per-microbatch
 reduction), so they agree to rounding, not bitwise; the tolerances follow from the
@@ -32,7 +33,7 @@ from megareshard.tensor_parallel import sync_sequence_parallel_grads
 from tests.harness import run_ranks
 from tests.tolerances import RHO, U, element_error_bounds
 
-STEPS = 10
+STEPS = 5
 LR, WD, BETAS, EPS, CLIP = 1e-2, 0.1, (0.9, 0.95), 1e-8, 0.5
 VOCAB, SEQ, MB, NMB = 50, 8, 2, 2
 
@@ -192,11 +193,23 @@ def _check(results, dp, tp):
             assert count_ok and value_ok, name
 
 
+LAYOUTS = {"dp4": (1, False), "tp2-dp2-sp": (2, True)}  # name: (tp, sequence parallel) on 4 ranks
+
+
+def _both(rank, world_size):
+    return {name: _layout(rank, world_size, tp, sp) for name, (tp, sp) in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return run_ranks(_both, 4, timeout=300)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tp,sp", [(4, 1, False), (4, 2, True)], ids=["dp4", "tp2-dp2-sp"])
-def test_zero_matches_stage0(world, tp, sp):
-    results = run_ranks(_layout, world, tp, sp, timeout=180)
-    _check(results, world // tp, tp)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_zero_matches_stage0(launched, name):
+    tp = LAYOUTS[name][0]
+    _check([r[name] for r in launched], 4 // tp, tp)
 
 
 def _resume(rank, world_size):
