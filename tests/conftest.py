@@ -22,19 +22,25 @@ def pytest_collection_modifyitems(config, items):
     ``--dist loadfile --no-loadscope-reorder``) a worker that finishes a file takes the next longest, so the
     two end close together instead of one long file running alone at the end (xdist's own order, most tests
     first, started the one-test fine-tune example last). A file's time comes from tests/durations.json (a CI
-    run's; files not in it go after those in it, those with a `slow` test first). The order is the same on
-    every worker, as xdist requires."""
+    run's; files not in it go after those in it, those with a `slow` test first). Files marked `waits` go right
+    after the longest one. The order is the same on every worker, as xdist requires."""
     try:
         seconds = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         seconds = {}
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    waiting = {item.path for item in items if item.get_closest_marker("waits")}
 
     def key(item):
         rel = item.path.relative_to(ROOT).as_posix() if item.path.is_relative_to(ROOT) else str(item.path)
         return -float(seconds.get(rel, 0.0)), item.path not in slow_files
 
     items.sort(key=key)  # stable: a file's tests stay together
+    # files marked `waits` (timeouts, missing peers: a fraction of a core) right after the longest file, so
+    # they run on one worker while that file's ranks take both cores, instead of beside a one-core file late
+    first = [it for it in items if it.path == items[0].path] if items else []
+    rest = [it for it in items[len(first):] if it.path not in waiting]
+    items[:] = first + [it for it in items[len(first):] if it.path in waiting] + rest
 
 
 @pytest.fixture(scope="session")

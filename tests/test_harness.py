@@ -5,6 +5,8 @@ import torch.distributed as dist
 
 from tests.harness import RankFailure, run_ranks
 
+pytestmark = pytest.mark.waits  # timeouts and hung ranks: seconds of waiting (tests/conftest.py)
+
 
 def _allreduce(rank, world_size, scale):
     t = torch.tensor([float(rank)]) * scale

@@ -10,6 +10,8 @@ from megareshard.launch import RankInfo, Watchdog, rank_map_table, tp_placement_
 from megareshard.parallel import Topology
 from tests.harness import RankFailure, run_ranks
 
+pytestmark = pytest.mark.waits  # rendezvous timeouts: seconds of waiting (tests/conftest.py)
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

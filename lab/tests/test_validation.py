@@ -15,6 +15,7 @@ from lab.validation.validation import (ACTION_SLACK_S, BLIND, FRESH, GRID, GRIDS
                                             spearman, summarize)
 from tests.harness import run_ranks
 
+pytestmark = pytest.mark.waits  # paced runs: mostly sleeping (tests/conftest.py)
 DATA = Path(__file__).resolve().parent / "data"
 """Recorded validation runs (docs/results/planner_validation_run*.json until they left the tree), each cut to the
 point its test replays: run 94's gpt-squat 2 × 2, run 96's gpt-tall 2 × 2, run 105's (the newest blind run's)

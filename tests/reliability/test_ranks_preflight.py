@@ -12,6 +12,8 @@ from megareshard.launch.preflight import PreflightError
 
 from ._ranks import chaos_ranks
 
+pytestmark = pytest.mark.waits  # nodes that never come: seconds of waiting (tests/conftest.py)
+
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_missing_node_is_named_by_the_launch_script(tmp_path, rdzv):
