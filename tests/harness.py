@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -205,6 +206,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         body = "\n".join(f"----- rank {r} -----\n{msg}" for r, msg in failed.items())
         raise RankFailure(f"{head}\n{body}")
     return [outcomes[r].value for r in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for a rendezvous the ranks make themselves: ``init_group=False``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _pretrain_rank(rank: int, world: int, argv: list[str], log: str) -> int:

@@ -1,21 +1,15 @@
 """Pre-flight rendezvous (missing ranks named, not a hang), rank map, placement check, watchdog."""
 import io
 import os
-import socket
 import time
 
 import pytest
 
 from megareshard.launch import RankInfo, Watchdog, rank_map_table, tp_placement_warnings
 from megareshard.parallel import Topology
-from tests.harness import RankFailure, run_ranks
+from tests.harness import RankFailure, free_port, run_ranks
 
 pytestmark = pytest.mark.waits  # rendezvous timeouts: seconds of waiting (tests/conftest.py)
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _join(i: int, n: int, ranks: list[int], world: int, port: int, timeout_s: float) -> tuple[bool, str]:
@@ -44,7 +38,7 @@ def _join(i: int, n: int, ranks: list[int], world: int, port: int, timeout_s: fl
 def _launch(ranks, world, timeout_s):
     """The ranks forked from the test harness's server (torch imported once), each making its own process
     group."""
-    return run_ranks(_join, len(ranks), ranks, world, _free_port(), timeout_s, init_group=False, timeout=60)
+    return run_ranks(_join, len(ranks), ranks, world, free_port(), timeout_s, init_group=False, timeout=60)
 
 
 def test_all_ranks_join():

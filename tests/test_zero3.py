@@ -32,6 +32,7 @@ import torch
 from megareshard.arguments import ConfigError, parse_args
 from megareshard.tensor_parallel import gather_full_state_dict
 from megareshard.training import Trainer, build_context
+from tests.checkpoint._helpers import no_saves_after
 from tests.harness import run_ranks
 from tests.tolerances import RHO, U, element_error_bounds
 
@@ -68,14 +69,11 @@ STAGE_LAYOUTS = ["--pipeline-model-parallel-size", "2", "--stage-layouts", "tp1d
 
 
 def _trainer(world, argv, last_save=None):
-    """A Trainer of MODEL + argv; with ``last_save`` N it saves no checkpoint after iteration N (the end-of-training
-    save, which these tests never read: seconds of an 8-rank launch on 2 cores)."""
+    """A Trainer of MODEL + argv; with ``last_save`` N it saves nothing after iteration N (`no_saves_after`)."""
     cfg = parse_args(MODEL + ["--nproc-per-node", str(world)] + list(argv), world_size=world)
     ctx, _ = build_context(cfg, world)
     t = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
-    if last_save is not None:
-        t.save_checkpoint = lambda: None if t.iteration > last_save else Trainer.save_checkpoint(t)
-    return t
+    return t if last_save is None else no_saves_after(t, last_save)
 
 
 def _run(world, argv, full=True, last_save=None):

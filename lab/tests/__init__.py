@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 from types import SimpleNamespace
 from typing import Callable, Sequence
 
@@ -34,10 +33,8 @@ def run_as_torchrun(module: str, argv: list[str], world: int, timeout: float = 1
     """``torchrun --nproc-per-node world -m module argv``'s workers, forked from the test harness's server with
     torchrun's environment (each making its own process group, as a worker does) instead of a launcher and a
     fresh interpreter per rank (~4.5 CPU-s of imports each on 2 cores). Each rank's returncode, stdout, stderr."""
-    from tests.harness import run_ranks
+    from tests.harness import free_port, run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     return [SimpleNamespace(returncode=c, stdout=o, stderr=e)
-            for c, o, e in run_ranks(_torchrun_rank, world, module, argv, port, init_group=False, timeout=timeout)]
+            for c, o, e in run_ranks(_torchrun_rank, world, module, argv, free_port(), init_group=False,
+                                     timeout=timeout)]

@@ -5,8 +5,9 @@ Why it looks like this:
 * **Built once, collectively, in one global order.** Every rank plans every edge's two
   resharders and agrees on rank 0's plans in one collective over the default group
   (`agree_on_orders`), then builds them all — even ranks in neither mesh — in sorted edge
-  order, forward before backward (construction creates communicators: collective too). Nothing is created lazily (lazy communicators in
-  rank-dependent order are a classic pipeline deadlock).
+  order, forward before backward (construction creates communicators: collective too).
+  Nothing is created lazily (lazy communicators in rank-dependent order are a classic
+  pipeline deadlock).
 * **One set of communicators for the job.** Every resharder shares one `CommStreams`, so
   tasks with the same (participants, forwarders) — the same dp slice of an edge every
   microbatch, or both directions of an edge between two single ranks — share one

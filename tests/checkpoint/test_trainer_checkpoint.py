@@ -17,7 +17,7 @@ from megareshard.arguments import parse_args
 from megareshard.training import Trainer, build_context
 from tests.harness import run_ranks
 
-from ._helpers import load_tool
+from ._helpers import load_tool, no_saves_after
 
 MODEL = ["--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "16",
@@ -31,14 +31,11 @@ ITERS = 4  # the source saves at 3; each target loads that and trains iteration 
 
 
 def _trainer(argv, world, last_save: int | None = None):
-    """A Trainer of MODEL + argv; with ``last_save`` N it saves no checkpoint after iteration N (the save at the end
-    of training that Megatron-LM makes, and these tests never read: seconds of an 8-rank launch on 2 cores)."""
+    """A Trainer of MODEL + argv; with ``last_save`` N it saves nothing after iteration N (`no_saves_after`)."""
     cfg = parse_args(MODEL + ["--nproc-per-node", str(world)] + argv, world_size=world)
     ctx, _ = build_context(cfg, world)
     t = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
-    if last_save is not None:
-        t.save_checkpoint = lambda: None if t.iteration > last_save else Trainer.save_checkpoint(t)
-    return t
+    return t if last_save is None else no_saves_after(t, last_save)
 
 
 def _layouts(rank: int, world: int, root: str):

@@ -10,6 +10,8 @@ import pytest
 from megareshard.launch.node_preflight import node_preflight
 from megareshard.launch.preflight import PreflightError
 
+from tests.harness import free_port
+
 from ._ranks import chaos_ranks
 
 pytestmark = pytest.mark.waits  # nodes that never come: seconds of waiting (tests/conftest.py)
@@ -36,7 +38,7 @@ def _node(results, rank, nnodes, port, rdzv, timeout=20.0):
 
 @pytest.mark.parametrize("rdzv", ["static", "c10d"])
 def test_nodes_that_all_join_pass_and_duplicates_are_refused(rdzv):
-    port = _free_port()
+    port = free_port()
     results = {}
     threads = [threading.Thread(target=_node, args=(results, r, 3, port, rdzv)) for r in (2, 0, 1)]
     for t in threads:
@@ -47,7 +49,7 @@ def test_nodes_that_all_join_pass_and_duplicates_are_refused(rdzv):
         results
     if rdzv == "c10d":  # two nodes claiming node rank 0: the second is refused by name
         dup = {}
-        port = _free_port()
+        port = free_port()
         first = threading.Thread(target=lambda: dup.update(a=_try(0, 2, port, rdzv)))
         first.start()
         first.join(0.5)
@@ -55,12 +57,6 @@ def test_nodes_that_all_join_pass_and_duplicates_are_refused(rdzv):
         first.join(60)
         assert "node rank 0 is taken twice" in str(dup["b"]), dup
         assert "missing node rank 1" in str(dup["a"]), dup
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _try(rank, nnodes, port, rdzv, timeout=3.0):
