@@ -22,14 +22,13 @@ save and padding rows are zero-filled on load.
 Non-tensor state (iteration, scheduler, sampler, loss scaler, arguments, W&B run id, ...) is
 one pickled DCP object ``common``; per-rank RNG states are objects ``rng.rank<r>``.
 
-The two planners here are the only DCP extension: they take a side table
-``key -> (global_shape, global_offset)`` for the local tensors and emit/consume the
-corresponding chunk; everything else is DCP's default behaviour, so a checkpoint is also
+The two planners (``dcp_io.py``, imported on the first save or load) are the only DCP
+extension: they take a side table ``key -> (global_shape, global_offset)`` for the local
+tensors and emit/consume the corresponding chunk; everything else is DCP's default behaviour, so a checkpoint is also
 readable with plain ``dcp.load`` into full tensors in one process without a process group.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -37,18 +36,13 @@ import signal
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
-                                                          create_read_items_for_chunk_list)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["FORMAT_VERSION", "CHECKPOINT_JSON", "LATEST_FILE", "CheckpointError", "Piece", "iteration_dirname",
            "write_checkpoint", "resolve_checkpoint_dir", "read_info", "read_metadata", "check_files",
@@ -104,72 +98,6 @@ def _maybe_kill(point: str) -> None:
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if name == point and me == int(rank or 0):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ---- planners ------------------------------------------------------------------------------
-class _PieceSavePlanner(DefaultSavePlanner):
-    """Default planner whose tensors in ``boxes`` are written as chunks of a global tensor."""
-
-    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.boxes = boxes
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = []
-        for item in plan.items:
-            box = self.boxes.get(item.index.fqn)
-            if box is not None:
-                t = self.state_dict[item.index.fqn]
-                offsets = torch.Size(box[1])
-                item = WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
-                                 tensor_data=TensorWriteData(
-                                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                                     properties=TensorProperties.create_from_tensor(t),
-                                     size=torch.Size(box[0])))
-            items.append(item)
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.boxes:
-            return self.state_dict[index.fqn]
-        return super().lookup_object(index)
-
-
-class _PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads each tensor in ``boxes`` as the chunk at its offset of the saved global tensor;
-    other tensors are read whole; objects are unpickled into the state dict."""
-
-    def __init__(self, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=False)
-        self.boxes = boxes
-
-    def create_local_plan(self) -> LoadPlan:
-        requests = []
-        md_all = self.metadata.state_dict_metadata
-        for fqn, obj in self.state_dict.items():
-            if fqn not in md_all:
-                raise RuntimeError(f"missing key in checkpoint: {fqn}")
-            md = md_all[fqn]
-            if isinstance(md, BytesStorageMetadata):
-                requests.append(_create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0))
-                continue
-            gshape, offset = self.boxes.get(fqn, (tuple(obj.shape), (0,) * obj.dim()))
-            if tuple(md.size) != tuple(gshape):
-                raise RuntimeError(f"{fqn}: saved global shape {tuple(md.size)} != expected {tuple(gshape)}")
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=obj.size())
-            requests += create_read_items_for_chunk_list(fqn, md, [chunk])
-        return LoadPlan(requests)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
-
-
-class _Writer(FileSystemWriter):
-    def finish(self, metadata: Metadata, results) -> None:
-        _maybe_kill("before_metadata")
-        super().finish(metadata, results)
 
 
 # ---- files ---------------------------------------------------------------------------------
@@ -231,13 +159,14 @@ def write_checkpoint(root: str, iteration: int, pieces: dict[str, Piece], object
     state: dict[str, Any] = {k: p.tensor.detach() for k, p in pieces.items()}
     state.update(objects)
     need = sum(p.tensor.numel() * p.tensor.element_size() for p in pieces.values())  # this rank's tensor bytes
+    from .dcp_io import save_pieces   # DCP (and DTensor under it) loads with the first save or load
     error: str | None = None
     full: tuple[int, str] | None = None   # (rank, file) of a write that found the disk full
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # DCP's "single process" notice
-            dcp.save(state, storage_writer=_Writer(tmp, single_file_per_rank=True, sync_files=True),
-                     planner=_PieceSavePlanner(boxes), process_group=process_group, no_dist=not distributed)
+            save_pieces(state, tmp, boxes, process_group=process_group, no_dist=not distributed,
+                        before_metadata=lambda: _maybe_kill("before_metadata"))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:   # CheckpointException (a BaseException) on every rank when any rank failed
@@ -490,8 +419,9 @@ def read_metadata(ckpt_dir: str) -> Metadata:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing: the DCP metadata of {ckpt_dir} was never written (interrupted "
                               "save?) or was deleted")
+    from .dcp_io import read_metadata as dcp_metadata
     try:
-        return FileSystemReader(ckpt_dir).read_metadata()
+        return dcp_metadata(ckpt_dir)
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from None
 
@@ -535,11 +465,11 @@ def read_pieces(ckpt_dir: str, tensors: dict[str, Piece], objects: Iterable[str]
     for k in objects:
         state[k] = None
     boxes = {k: (p.global_shape, p.offset) for k, p in tensors.items()}
+    from .dcp_io import load_pieces
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), planner=_PieceLoadPlanner(boxes),
-                     process_group=process_group, no_dist=no_dist)
+            load_pieces(state, ckpt_dir, boxes, process_group=process_group, no_dist=no_dist)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:   # CheckpointException derives from BaseException
@@ -550,6 +480,7 @@ def read_pieces(ckpt_dir: str, tensors: dict[str, Piece], objects: Iterable[str]
 def read_full_model(ckpt_dir: str, info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model's weights of a checkpoint as full tensors by name (without the ``model.`` prefix), read in
     this process alone after the files are checked against `info`."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     md = read_metadata(ckpt_dir)
     check_files(ckpt_dir, info, md)
     tensors = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
@@ -561,6 +492,7 @@ def read_full_model(ckpt_dir: str, info: dict[str, Any]) -> dict[str, torch.Tens
 
 def metadata_summary(metadata: Metadata) -> dict[str, dict[str, Any]]:
     """key -> {"kind": "tensor"/"object", "shape", "dtype", "chunks", "bytes"}."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     out = {}
     for k, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):

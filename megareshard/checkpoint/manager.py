@@ -53,7 +53,6 @@ from ..data.tokenizer import tokenizer_record
 from ..tensor_parallel.random import RNGStreams
 from .format import (FORMAT_VERSION, CheckpointError, Piece, check_files, prepare_tmp_dir, read_info,
                      read_metadata, read_pieces, resolve_checkpoint_dir, verify_checksum_share, write_checkpoint)
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["CheckpointManager", "LoadResult", "ARCHITECTURE_FIELDS", "model_key", "optim_key"]
 
@@ -415,6 +414,8 @@ class CheckpointManager:
         the returned iteration is 0 and the RNG is not loaded. ``no_load_optim``: fresh optimizer,
         everything else restored. ``no_load_rng``: keep this run's RNG seeds.
         """
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # DCP loads with the first load
+
         self.wait()
         ctx = self.ctx or model.ctx
         tp, tp_rank = ctx.tp_size, ctx.tp_rank()

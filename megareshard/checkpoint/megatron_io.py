@@ -29,14 +29,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
-                                                          create_read_items_for_chunk_list)
 
 from .format import CheckpointError
 from .megatron import LAYERS, TRACKER_FILE, Source, megatron_box, refused_key
@@ -149,32 +141,6 @@ def find_megatron_checkpoint(path: str) -> str | None:
 
 
 # ---- reading ----------------------------------------------------------------------------------------
-class _BoxLoadPlanner(DefaultLoadPlanner):
-    """Reads boxes of stored tensors into request tensors (several boxes of one stored tensor allowed) and
-    the raw bytes of stored objects (never unpickled)."""
-
-    def __init__(self, requests: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]], objects: list[str]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        self.requests, self.object_keys, self.raw = requests, objects, {}
-
-    def create_local_plan(self) -> LoadPlan:
-        md = self.metadata.state_dict_metadata
-        items = []
-        for rid, (fqn, offset, size) in self.requests.items():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(size))
-            for it in create_read_items_for_chunk_list(fqn, md[fqn], [chunk]):
-                items.append(dataclasses.replace(it, dest_index=dataclasses.replace(it.dest_index, fqn=rid)))
-        for fqn in self.object_keys:
-            items.append(_create_read_item_for_byteio(MetadataIndex(fqn), 0, MetadataIndex(fqn), 0, 0))
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
-
-    def load_bytes(self, read_item, value) -> None:
-        self.raw[read_item.dest_index.fqn] = value.read()
-
-
 class MegatronCheckpoint:
     """One Megatron-LM checkpoint (an iteration directory): its format (``torch_dist`` or ``torch``), saved
     arguments (a dict), iteration and tensors.
@@ -230,8 +196,11 @@ class MegatronCheckpoint:
         md_path = os.path.join(self.path, ".metadata")
         if not os.path.exists(md_path):
             raise CheckpointError(f"{md_path} is missing: the save of {self.path} did not finish")
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        from .dcp_io import read_metadata
         try:
-            self.metadata = FileSystemReader(self.path).read_metadata()
+            self.metadata = read_metadata(self.path)
         except Exception as e:
             raise CheckpointError(f"{md_path} is corrupt: {type(e).__name__}: {e}") from None
         self.shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in self.metadata.state_dict_metadata.items()
@@ -275,19 +244,20 @@ class MegatronCheckpoint:
 
     def _read_dcp(self, requests: dict[str, tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]],
                   objects: list[str], no_dist: bool) -> dict[str, bytes]:
-        planner = _BoxLoadPlanner({rid: r[:3] for rid, r in requests.items()}, objects)
+        from .dcp_io import load_boxes
         state = {rid: r[3] for rid, r in requests.items()}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dcp.load(state, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=no_dist)
+                raw = load_boxes(state, self.path, {rid: r[:3] for rid, r in requests.items()}, objects,
+                                 no_dist=no_dist)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:      # DCP's CheckpointException is a BaseException
             text = str(e).strip().splitlines()
             raise CheckpointError(f"reading {self.path} failed: {type(e).__name__}: "
                                   f"{text[-1] if text else ''}") from None
-        return planner.raw
+        return raw
 
     # -- torch (per-rank files)
     def _file(self, key: tuple[int, int]) -> dict[str, Any]:
@@ -467,11 +437,10 @@ def write_torch_dist(root: str, iteration: int, tensors: dict[str, torch.Tensor]
     os.makedirs(tmp)
     state: dict[str, Any] = {k: v.contiguous() for k, v in tensors.items()}
     state.update(objects)
+    from .dcp_io import save_whole
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                 no_dist=True)
+        save_whole(state, tmp)
     torch.save(common, os.path.join(tmp, "common.pt"))
     with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
