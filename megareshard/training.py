@@ -711,11 +711,12 @@ class Trainer:
         records: list[dict[str, Any]] = []
         if self.pipeline is not None and self.records and self.memory is not None:
             measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
-            simulated = memory_view.simulated_inflight(self.pipeline, self.plan.num_microbatches)
-            nbytes = [m.activations for m in self.memory]
-            if self.reporting:
-                print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
-            records = memory_view.memory_records(nbytes, measured, simulated)
+            if self.reporting or self.cfg.pipeline.pipeline_trace is not None:  # where the numbers are shown
+                simulated = memory_view.simulated_inflight(self.pipeline, self.plan.num_microbatches)
+                nbytes = [m.activations for m in self.memory]
+                if self.reporting:
+                    print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
+                records = memory_view.memory_records(nbytes, measured, simulated)
         self._write_trace(records)
 
     def _write_trace(self, memory: list[dict[str, Any]] = ()) -> None:

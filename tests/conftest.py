@@ -1,6 +1,8 @@
 """Fixtures shared by test files, and the order the suite runs its files in."""
 import json
+import os
 import subprocess
+import time
 import sys
 import sysconfig
 from pathlib import Path
@@ -13,17 +15,40 @@ STDLIB_FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py",
                                           "glob.py", "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
 
 
-# seconds each file's tests took in a fresh-clone CI run (tests/update_durations.py writes it): only the order uses it
+# CPU-seconds each file's tests used in a serial run (tests/update_durations.py writes it): only the order uses it
 DURATIONS = ROOT / "tests" / "durations.json"
+# a serial run (-n 0) with MEGARESHARD_TEST_CPU=FILE appends each test's CPU-seconds (the whole machine's, so
+# its ranks and tools count too) to FILE, for tests/update_durations.py
+CPU_CENSUS = os.environ.get("MEGARESHARD_TEST_CPU")
+
+
+def _busy_seconds() -> float:
+    """CPU-seconds the machine has been busy (all cores, /proc/stat)."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_CENSUS:
+        yield
+        return
+    busy, start = _busy_seconds(), time.monotonic()
+    yield
+    with open(CPU_CENSUS, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"id": item.nodeid, "cpu": round(_busy_seconds() - busy, 2),
+                            "wall": round(time.monotonic() - start, 2)}) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest files first, each file's tests together: with two workers taking whole files (tests/run.sh:
-    ``--dist loadfile --no-loadscope-reorder``) a worker that finishes a file takes the next longest, so the
+    """Costliest files first, each file's tests together: with two workers taking whole files (tests/run.sh:
+    ``--dist loadfile --no-loadscope-reorder``) a worker that finishes a file takes the next costliest, so the
     two end close together instead of one long file running alone at the end (xdist's own order, most tests
-    first, started the one-test fine-tune example last). A file's time comes from tests/durations.json (a CI
-    run's; files not in it go after those in it, those with a `slow` test first). Files marked `waits` go right
-    after the longest one. The order is the same on every worker, as xdist requires."""
+    first, started the one-test fine-tune example last). A file's cost is its CPU-seconds in
+    tests/durations.json (files not in it go after those in it, those with a `slow` test first): on 2 cores
+    the files whose ranks take both cores come first. Files marked `waits` go one after each of the costliest
+    files. The order is the same on every worker, as xdist requires."""
     try:
         seconds = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
@@ -36,11 +61,16 @@ def pytest_collection_modifyitems(config, items):
         return -float(seconds.get(rel, 0.0)), item.path not in slow_files
 
     items.sort(key=key)  # stable: a file's tests stay together
-    # files marked `waits` (timeouts, missing peers: a fraction of a core) right after the longest file, so
-    # they run on one worker while that file's ranks take both cores, instead of beside a one-core file late
-    first = [it for it in items if it.path == items[0].path] if items else []
-    rest = [it for it in items[len(first):] if it.path not in waiting]
-    items[:] = first + [it for it in items[len(first):] if it.path in waiting] + rest
+    # files marked `waits` (timeouts, missing peers: a fraction of a core) go one after each of the longest
+    # files, so each runs on one worker while a long file's ranks take both cores, instead of beside one
+    # another (both cores idle) or beside a one-core file late in the run
+    files: dict[Path, list] = {}
+    for it in items:
+        files.setdefault(it.path, []).append(it)
+    busy = [f for f in files if f not in waiting]
+    waits = [f for f in files if f in waiting]
+    order = [f for pair in zip(busy, waits) for f in pair] + busy[len(waits):] + waits[len(busy):]
+    items[:] = [it for f in order for it in files[f]]
 
 
 @pytest.fixture(scope="session")

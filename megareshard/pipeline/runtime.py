@@ -272,6 +272,7 @@ class PipelineRuntime:
         self.last_trace: list[dict[str, Any]] = []
         self.last_stats: dict[str, int] = {}
         self._programs: dict[tuple[int, bool, bool], list[Action]] = {}
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._plans: dict[tuple[int, bool, bool], PostingPlan] = {}
         self._free_outputs = _can_free_outputs()
 
@@ -332,7 +333,13 @@ class PipelineRuntime:
 
     def training_schedule(self, num_microbatches: int) -> Schedule:
         """Every mesh's lowered training program: the schedule file's or the generated one, with R actions
-        when a gradient-reduction handler is registered; validated."""
+        when a gradient-reduction handler is registered; validated (once per microbatch count)."""
+        key = (num_microbatches, self.grad_reduce_handler is not None)
+        if key not in self._schedules:
+            self._schedules[key] = self._training_schedule(num_microbatches)
+        return self._schedules[key]
+
+    def _training_schedule(self, num_microbatches: int) -> Schedule:
         if self.schedule_file is not None:
             sched = self.schedule_file
             if sched.num_microbatches != num_microbatches:
