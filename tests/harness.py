@@ -10,8 +10,8 @@
 
 Why it looks like this (measured on the 2-core development machines): importing torch in 8 fresh processes costs
 ~7 s on 2 cores, and a plain ``fork`` of a parent that already ran an OpenMP matmul
-hangs. So children come from a *forkserver* that imported torch and the trainer (with DCP: another
-~1.3 s per process) once and never computes: every launch is a cheap fork of a clean process. Rendezvous goes through a
+hangs. So children come from a *forkserver* that imported torch, the trainer and DCP (another ~1.3 s per
+process) once and never computes: every launch is a cheap fork of a clean process. Rendezvous goes through a
 ``FileStore`` in a temp dir (no port races between concurrent test runs).
 
 On failure every rank's traceback is shown; ranks still running when another rank
@@ -36,8 +36,10 @@ from typing import Any, Callable
 _CTX = None
 # what a rank imports anyway, imported once in the forkserver instead of in every rank: torch._dynamo alone
 # (torch.optim's first optimizer imports it) costs a rank 0.7 s, ~2.5 s of an 8-rank launch on 2 cores
+# (and DCP, which the trainer imports only on its first save or load: 1.2 s per checkpointing rank)
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "torch.profiler", "numpy.random",
-            "megareshard", "megareshard.training", "megareshard.models.gpt", "megareshard.models.utransformer"]
+            "megareshard", "megareshard.training", "megareshard.models.gpt", "megareshard.models.utransformer",
+            "megareshard.checkpoint.dcp_io"]
 
 
 def _context():

@@ -57,7 +57,6 @@ stage tp0 dp0) holds it.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -69,6 +68,7 @@ from ..config_fields import ConfigError
 from ..parallel import ParallelContext
 from ..tensor_parallel import WeightGradStore
 from ..resharding.executor import post_together
+from .backward import can_free_outputs, run_backward, run_backward_many, safe_to_free
 from .comm import EdgeComm, EdgeTensor, build_edge_comms, shared_mesh_pairs
 from .generators import forward_only, generate
 from .grad_reduce import has_grad_reduce, insert_grad_reduce
@@ -77,6 +77,7 @@ from .posting import PostingPlan, check_nccl, plan_posting, split_pairs
 from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
 from .stage import StageLayout
+from .traces import gather_trace, write_trace
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
@@ -102,62 +103,6 @@ def resolve_recv_posting(value: str, backend: str) -> str:
     return value
 
 _K = ActionKind
-
-
-def _run_backward_many(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """`_run_backward` for a stage with several outgoing edges (chain + skip tensors), in one pass."""
-    if len(outs) == 1:
-        _run_backward(outs[0], grads[0])
-        return
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:  # pragma: no cover
-        torch.autograd.backward(list(outs), list(grads))
-        return
-    engine.run_backward(tuple(outs), tuple(grads), False, False, (), True, True)
-
-
-def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Backward that accepts an output whose data was freed (only its graph is left).
-
-    ``torch.autograd.backward`` compares the gradient's shape with ``out.shape``, which is
-    ``(1,)`` once the data is freed; the engine itself checks against the shape recorded
-    in the graph, so call it directly (what Megatron's ``custom_backward`` does).
-    """
-    if grad is None:
-        out.backward()
-        return
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:  # pragma: no cover - outputs are then never freed (see _safe_to_free)
-        torch.autograd.backward(out, grad)
-        return
-    engine.run_backward((out,), (grad,), False, False, (), True, True)
-
-
-def _can_free_outputs() -> bool:
-    return getattr(torch.autograd.Variable, "_execution_engine", None) is not None
-
-
-def _safe_to_free(t: torch.Tensor) -> bool:
-    """True when no autograd node of ``t`` saved ``t`` itself (then backward never reads its data).
-
-    The GPT's stage output is a residual add (saves nothing), but a model whose last op
-    saves its result (e.g. ``tanh``) must keep it: check instead of assuming.
-    """
-    fn = t.grad_fn
-    if fn is None or t._base is not None:
-        return False
-    ptr = t.untyped_storage().data_ptr()
-    for name in dir(fn):
-        if not name.startswith("_saved_"):
-            continue
-        try:
-            v = getattr(fn, name)
-        except Exception:
-            continue
-        for x in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr:
-                return False
-    return True
 
 
 @dataclass
@@ -274,7 +219,7 @@ class PipelineRuntime:
         self._programs: dict[tuple[int, bool, bool], list[Action]] = {}
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._plans: dict[tuple[int, bool, bool], PostingPlan] = {}
-        self._free_outputs = _can_free_outputs()
+        self._free_outputs = can_free_outputs()
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -591,7 +536,7 @@ class PipelineRuntime:
         st.stats["freed_before_backward"] += int((stage, mb) in st.freed)
         if stage == self.num_stages - 1:
             out = outs[None]
-            _run_backward(st.scale_loss(out) if st.scale_loss is not None else out, None)
+            run_backward(st.scale_loss(out) if st.scale_loss is not None else out, None)
         else:
             edges = self._out[stage]
             try:
@@ -600,7 +545,7 @@ class PipelineRuntime:
                 raise RuntimeError(f"stage {stage}: backward of mb {mb} before the gradient of its output(s) "
                                    f"{', '.join(map(str, edges))} arrived") from None
             grads = [g * self._grad_scale[e] if e in self._grad_scale else g for e, g in zip(edges, grads)]
-            _run_backward_many([outs[e] for e in edges], grads)
+            run_backward_many([outs[e] for e in edges], grads)
         if delay:
             model.set_wgrad_store(None)
         grads = {}
@@ -632,7 +577,7 @@ class PipelineRuntime:
                 del st.outputs[(a.stage, mb)]
             # free the data of the chain output only: a skip output may be saved by a later op of
             # this stage (or be the very same tensor as another edge's output)
-            free = (st.train and self._free_outputs and e.is_chain and _safe_to_free(out)
+            free = (st.train and self._free_outputs and e.is_chain and safe_to_free(out)
                     and not any(t is out for other, t in outs.items() if other != e))
             h = self.comms[e].send_forward(out, mb, post=False)
             st.sends[a.key] = _PendingSend(h, out, "F", mb, e, time.time(), free=free)
@@ -690,31 +635,3 @@ class PipelineRuntime:
                       "peer": self.placement[s.edge.dst if s.direction == "F" else s.edge.src]}
             for h in st.send_done:
                 h(record)
-
-
-# ---- traces -------------------------------------------------------------------------------------
-def gather_trace(ctx: ParallelContext, trace: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """Collect each stage's trace (from its tp0 dp0 rank) on global rank 0, times from 0.
-
-    Collective over the default group. Returns the merged trace on rank 0, None elsewhere.
-    """
-    mine = trace if ctx.tp_rank() == 0 and ctx.dp_rank() == 0 else []
-    if not dist.is_initialized():
-        gathered = [mine]
-    else:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        if dist.get_rank() != 0:
-            return None
-    recs = [r for part in gathered for r in (part or [])]
-    if not recs:
-        return []
-    t0 = min(r["start"] for r in recs)
-    return sorted(({**r, "start": r["start"] - t0, "end": r["end"] - t0} for r in recs),
-                  key=lambda r: (r["stage"], r["start"]))
-
-
-def write_trace(path: str, records: list[dict[str, Any]]) -> None:
-    """JSON list for ``tools/plot_schedule.py --trace``."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(records, f)
