@@ -42,5 +42,5 @@ def test_emulated_cluster_example_end_to_end(stdlib_text, tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "rank map" in out and "r0[pp0 tp0 dp0] r1[pp0 tp1 dp0]" in out  # tp inside a host
     assert "2 hosts × 2 ranks" in out and "tokens/s" in out
-    assert f"{prefix}h0" in out  # the example named its namespaces as asked
+    assert f"[{prefix}h0]" in out and f"[{prefix}h1]" in out  # ranks ran in both hosts' namespaces, named as asked
     assert not _namespaces(prefix), "the example left network namespaces behind"
