@@ -61,9 +61,8 @@ def pytest_collection_modifyitems(config, items):
         return -float(seconds.get(rel, 0.0)), item.path not in slow_files
 
     items.sort(key=key)  # stable: a file's tests stay together
-    # files marked `waits` (timeouts, missing peers: a fraction of a core) go one after each of the longest
-    # files, so each runs on one worker while a long file's ranks take both cores, instead of beside one
-    # another (both cores idle) or beside a one-core file late in the run
+    # a waiting file (timeouts, missing peers: a fraction of a core) runs on one worker while a costly file's ranks
+    # take both cores, not beside another waiting file (both cores idle) or a one-core file late in the run
     files: dict[Path, list] = {}
     for it in items:
         files.setdefault(it.path, []).append(it)

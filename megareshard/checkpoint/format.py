@@ -24,8 +24,9 @@ one pickled DCP object ``common``; per-rank RNG states are objects ``rng.rank<r>
 
 The two planners (``dcp_io.py``, imported on the first save or load) are the only DCP
 extension: they take a side table ``key -> (global_shape, global_offset)`` for the local
-tensors and emit/consume the corresponding chunk; everything else is DCP's default behaviour, so a checkpoint is also
-readable with plain ``dcp.load`` into full tensors in one process without a process group.
+tensors and emit/consume the corresponding chunk; everything else is DCP's default
+behaviour, so a checkpoint is also readable with plain ``dcp.load`` into full tensors in
+one process without a process group.
 """
 from __future__ import annotations
 
