@@ -396,7 +396,7 @@ def _validate_schedule(t: "TrainingConfig") -> None:
 
 def _validate_data(cfg: "Config") -> None:
     """One data source; blends parse; a tokenizer (or --vocab-size) for real data."""
-    from .data.blended import parse_blend
+    from .data.config import parse_blend
 
     d, m = cfg.data, cfg.model
     _read_data_args_files(d)

@@ -40,7 +40,7 @@ def resolve_vocab(cfg: Any):
 
 def dataset_prefixes(d: Any) -> list[str]:
     """Every dataset prefix the data flags name (blends parsed, each prefix once)."""
-    from .data.blended import parse_blend
+    from .data.config import parse_blend
 
     prefixes: list[str] = []
     for values in (d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path):

@@ -41,7 +41,7 @@ from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
                      tp_placement_warnings)
-from .inputs import resolve_vocab
+from .inputs import dataset_prefixes, resolve_vocab
 from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
@@ -351,14 +351,10 @@ class Trainer:
         d, ctx = self.cfg.data, self.ctx
         if d.mock_data:
             return
-        from .data.blended import parse_blend
         from .data.indexed_dataset import IndexedDataset
         from .data.validate import check_not_empty, check_token_range, chunk_count
 
-        prefixes = []
-        for values in (d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path):
-            if values:
-                prefixes += [p for p in parse_blend(values)[0] if p not in prefixes]
+        prefixes = dataset_prefixes(d)
         found = None
         try:
             for prefix in prefixes:

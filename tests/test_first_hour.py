@@ -208,16 +208,25 @@ def test_no_position_embedding_without_rope_is_refused_as_in_megatron():
         parse_args(["--mock-data", "--vocab-size", "64", "--no-position-embedding"] + TINY, world_size=1)
 
 
-def test_help_answers_without_torch_and_names_the_values():
-    code = ("import runpy, sys; sys.argv = ['pretrain_gpt.py', '--help']\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit:\n    pass\n"
+def test_help_and_validate_only_answer_without_torch(stdlib_text):
+    """--help, and --validate-only on a real tokenizer and dataset (the launch scripts' check before torchrun), in
+    a fresh interpreter that never imports torch: the launch scripts' one-line answer comes in a fraction of a
+    second, not after torch's seconds of start-up."""
+    data = ["--data-path", str(stdlib_text / "text"), "--tokenizer-model", str(stdlib_text / "tok.model"),
+            "--global-batch-size", "8", "--validate-only"] + TINY
+    code = ("import runpy, sys\n"
+            "for argv in (['--help'], sys.argv[1:]):\n"
+            "    sys.argv = ['pretrain_gpt.py'] + argv\n"
+            "    try:\n        runpy.run_path(sys.argv[0], run_name='__main__')\n    except SystemExit as e:\n"
+            "        print('exit', e.code)\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    p = subprocess.run([sys.executable, "-c", code, *data], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.rstrip().endswith("NO TORCH"), p.stdout[-500:]
+    assert p.stdout.rstrip().endswith("exit 0\nNO TORCH"), p.stdout[-500:]
     assert "--num-layers N " in p.stdout and "--lr LR " in p.stdout and "--save SAVE " in p.stdout
     assert "MODEL." not in p.stdout and "MEGATRON." not in p.stdout and "TRAINING." not in p.stdout
+    assert "arguments valid for 2 rank(s)" in p.stdout and "vocab_size=800" in p.stdout, p.stdout[-500:]
 
 
 def _tool(name: str):

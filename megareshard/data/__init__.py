@@ -27,7 +27,9 @@ def _module_of(name: str) -> str:
         return "indexed_dataset"
     if name in ("GPTDataset", "split_documents"):
         return "gpt_dataset"
-    if name in ("BlendedDataset", "build_blend", "parse_blend", "build_train_valid_test_datasets"):
+    if name == "parse_blend":
+        return "config"
+    if name in ("BlendedDataset", "build_blend", "build_train_valid_test_datasets"):
         return "blended"
     if name == "MockGPTDataset":
         return "mock"

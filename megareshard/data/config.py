@@ -2,7 +2,9 @@
 `arguments`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..config_fields import config_field as _f
 
@@ -34,3 +36,39 @@ class DataConfig:
                                      "vocabulary size, not empty; one chunked pass over the tokens shared by the "
                                      "ranks); --no-data-validation skips the token pass for huge corpora",
                                flag="--no-data-validation")
+
+
+def parse_blend(values: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """(prefixes, weights or None) of ``PREFIX`` / ``W1 P1 W2 P2 ...`` / ``P1 P2 ...``."""
+    values = list(values)
+    if not values:
+        raise ValueError("no dataset prefix given")
+    if len(values) == 1:
+        return values, None
+
+    def number(x: str) -> float | None:
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    if number(values[0]) is None:  # prefixes only
+        numeric = [v for v in values if number(v) is not None]
+        if numeric:
+            raise ValueError(f"{' '.join(values)}: mixes prefixes with numbers; give W1 PREFIX1 W2 PREFIX2 ...")
+        return values, None
+    if len(values) % 2:
+        raise ValueError(f"{' '.join(values)}: a weighted blend is pairs W1 PREFIX1 W2 PREFIX2 ..., got "
+                         f"{len(values)} values")
+    weights = [number(w) for w in values[0::2]]
+    prefixes = values[1::2]
+    bad = [values[2 * i] for i, w in enumerate(weights) if w is None or w < 0 or not math.isfinite(w)]
+    if bad:
+        raise ValueError(f"weights must be non-negative numbers, got {', '.join(bad)}")
+    if sum(weights) <= 0:
+        raise ValueError(f"weights {weights} add up to 0")
+    zero = [prefixes[i] for i, w in enumerate(weights) if w == 0]
+    if zero:
+        raise ValueError(f"weight 0 for {', '.join(zero)}: a dataset with no share of the blend is never read; "
+                         "remove it or give it a positive weight")
+    return prefixes, [float(w) for w in weights]

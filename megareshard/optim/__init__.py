@@ -1,10 +1,14 @@
 """Optimizer pieces: AdamW parameter groups, learning-rate schedule, model-parallel gradient clipping."""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
-from .clip_grads import clip_grad_norm_, global_grad_norm
 from .lr_scheduler import LRScheduler, WarmupCosine
+
+if TYPE_CHECKING:
+    import torch
+
+    from .clip_grads import clip_grad_norm_, global_grad_norm
 
 
 def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float],
@@ -13,6 +17,8 @@ def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: t
 
     Uses PyTorch's fused (GPU) or foreach implementation; apex's FusedAdam is not needed for that.
     """
+    import torch
+
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -24,3 +30,13 @@ def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: t
 
 
 __all__ = ["LRScheduler", "WarmupCosine", "build_adamw", "clip_grad_norm_", "global_grad_norm"]
+
+
+def __getattr__(name: str) -> Any:
+    """The gradient-clipping functions, imported on first use: the argument checks import the learning-rate
+    schedule from this package without loading torch (``pretrain_gpt.py --validate-only`` answers in a second)."""
+    if name in ("clip_grad_norm_", "global_grad_norm"):
+        from . import clip_grads
+
+        return getattr(clip_grads, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

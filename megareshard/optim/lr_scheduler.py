@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only a type here: parse_args validates the schedule without loading torch
+    import torch
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
