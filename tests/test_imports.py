@@ -218,6 +218,21 @@ def test_the_product_never_imports_the_lab(graph):
     assert any("megareshard" in names for names in lab_imports.values())
 
 
+def test_tools_import_the_package_not_one_another():
+    """A user tool is a script on the package: what two tools share lives in ``megareshard`` (a tool that imported
+    another would need that tool's directory on ``sys.path``: the hidden second package the wall removed)."""
+    tools = sorted((ROOT / "tools").glob("*.py"))
+    names = {p.stem for p in tools}
+    assert {"preprocess_data", "train_tokenizer"} <= names
+    offenders = []
+    for path in tools:
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            offenders += [f"{path.name} imports {m}" for m in mods
+                          if m.split(".")[0] in names or m.split(".")[0] == "tools"]
+    assert offenders == []
+
+
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
     """The same checks on a made-up package with one cycle and one forbidden path: both are found."""
     pkg = tmp_path / "toy"

@@ -32,19 +32,15 @@ import numpy as np
 
 try:
     from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
+    from megareshard.data.input_files import expand_inputs
     from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
     from megareshard.tracking import format_duration
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
+    from megareshard.data.input_files import expand_inputs
     from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
     from megareshard.tracking import format_duration
-
-try:
-    from train_tokenizer import expand_inputs  # same directory (on sys.path when run as a script)
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_tokenizer import expand_inputs
 
 _BATCH_BYTES = 1 << 20  # documents are sent to workers in batches of about this much text
 

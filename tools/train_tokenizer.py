@@ -18,7 +18,6 @@ keeping their newlines, so pieces can learn newline+indent patterns common in co
 from __future__ import annotations
 
 import argparse
-import glob
 import io
 import json
 import os
@@ -28,28 +27,12 @@ import time
 from typing import Iterator, Sequence
 
 try:
+    from megareshard.data.input_files import expand_inputs
     from megareshard.data.tokenizer import EOD_PIECE, LOSSLESS_TRAINER_KWARGS, SPECIAL_IDS
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megareshard.data.input_files import expand_inputs
     from megareshard.data.tokenizer import EOD_PIECE, LOSSLESS_TRAINER_KWARGS, SPECIAL_IDS
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Files named by ``patterns`` (plain paths, globs with ** allowed, or directories)."""
-    files: list[str] = []
-    for pat in patterns:
-        if os.path.isdir(pat):
-            matches = sorted(p for p in glob.glob(os.path.join(pat, "**", "*"), recursive=True) if os.path.isfile(p))
-        elif any(c in pat for c in "*?["):
-            matches = sorted(p for p in glob.glob(pat, recursive=True) if os.path.isfile(p))
-        else:
-            if not os.path.isfile(pat):
-                raise FileNotFoundError(f"input file not found: {pat!r}")
-            matches = [pat]
-        if not matches:
-            raise FileNotFoundError(f"input pattern {pat!r} matched no files")
-        files.extend(matches)
-    return files
 
 
 def read_documents(path: str, json_key: str) -> Iterator[str]:
