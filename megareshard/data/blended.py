@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .config import parse_blend  # noqa: F401  (re-exported: the blends' spec is parsed where the flags are)
+from .config import parse_blend  # the blends' spec is parsed with the data flags (and without torch)
 from .gpt_dataset import GPTDataset, split_documents
 from .indexed_dataset import IndexedDataset
 

@@ -10,37 +10,30 @@ import torch
 __all__ = ["run_backward", "run_backward_many", "can_free_outputs", "safe_to_free"]
 
 
+# the autograd engine, called directly: it checks a gradient against the shape recorded in the graph, not against
+# the output's (``(1,)`` once its data is freed); without it outputs are never freed (`can_free_outputs`)
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+
+
 def run_backward_many(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """`run_backward` for a stage with several outgoing edges (chain + skip tensors), in one pass."""
-    if len(outs) == 1:
-        run_backward(outs[0], grads[0])
-        return
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:  # pragma: no cover
+    """Backward from outputs whose data may be freed (only their graph is left), in one pass: a stage with several
+    outgoing edges (chain + skip tensors) gives all of them (what Megatron's ``custom_backward`` does for one)."""
+    if _ENGINE is None:  # pragma: no cover - outputs are then never freed
         torch.autograd.backward(list(outs), list(grads))
         return
-    engine.run_backward(tuple(outs), tuple(grads), False, False, (), True, True)
+    _ENGINE.run_backward(tuple(outs), tuple(grads), False, False, (), True, True)
 
 
 def run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Backward that accepts an output whose data was freed (only its graph is left).
-
-    ``torch.autograd.backward`` compares the gradient's shape with ``out.shape``, which is
-    ``(1,)`` once the data is freed; the engine itself checks against the shape recorded
-    in the graph, so call it directly (what Megatron's ``custom_backward`` does).
-    """
+    """`run_backward_many` for one output; ``grad`` None: ``out`` is the loss."""
     if grad is None:
         out.backward()
         return
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if engine is None:  # pragma: no cover - outputs are then never freed (see safe_to_free)
-        torch.autograd.backward(out, grad)
-        return
-    engine.run_backward((out,), (grad,), False, False, (), True, True)
+    run_backward_many((out,), (grad,))
 
 
 def can_free_outputs() -> bool:
-    return getattr(torch.autograd.Variable, "_execution_engine", None) is not None
+    return _ENGINE is not None
 
 
 def safe_to_free(t: torch.Tensor) -> bool:
