@@ -68,6 +68,7 @@ from megareshard.checkpoint.manager import describe_layout  # noqa: E402
 from megareshard.checkpoint.megatron import args_from_model_config, to_megatron  # noqa: E402
 from megareshard.checkpoint.megatron_io import write_torch_dist  # noqa: E402
 from megareshard.checkpoint.megatron_load import open_checked, read_full  # noqa: E402
+from megareshard.checkpoint.safe_pickle import load_torch  # noqa: E402
 from megareshard.models import hf as hf_map  # noqa: E402
 from megareshard.models.config import ModelConfig  # noqa: E402
 
@@ -176,7 +177,9 @@ def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_on
     """A fresh checkpoint (``out_dir/iter_N``, ``out_dir/latest``) from an exported or plain state dict."""
     writable_destination(out_dir, force)
     try:
-        data = torch.load(in_path, map_location="cpu", weights_only=True)
+        data = load_torch(in_path)          # as data: nothing in the file runs (megareshard/checkpoint/safe_pickle.py)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read {in_path}: {type(e).__name__}: {e}") from None
     if not isinstance(data, dict):

@@ -50,7 +50,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from lab import ROOT
@@ -230,15 +229,16 @@ def run_to_end(jobs: list[Job], timeout: float) -> list[int | None]:
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 def checkpoint_tensors(ckpt_dir: str) -> dict[str, Any]:
-    """Every tensor of a checkpoint directory, read in this process (DCP without a process group)."""
+    """Every tensor of a checkpoint directory, read in this process (DCP without a process group), as data."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with tempfile.TemporaryDirectory(prefix="mr-chaos-") as tmp:
-        path = os.path.join(tmp, "state.pt")
-        dcp_to_torch_save(ckpt_dir, path)
-        state = torch.load(path, weights_only=False)
-    return {k: v for k, v in state.items() if torch.is_tensor(v)}
+    from megareshard.checkpoint.format import Piece, read_metadata, read_pieces
+
+    pieces = {k: Piece(torch.empty(tuple(v.size), dtype=v.properties.dtype), tuple(v.size), (0,) * len(v.size))
+              for k, v in read_metadata(ckpt_dir).state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    read_pieces(ckpt_dir, pieces, [], no_dist=True)
+    return {k: p.tensor for k, p in pieces.items()}
 
 
 def bitwise_diff(a_dir: str, b_dir: str) -> str | None:

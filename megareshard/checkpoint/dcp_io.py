@@ -8,25 +8,113 @@ the trainer: DCP imports DTensor, over a second of start-up that a run which nev
 * ``load_boxes``: Megatron-LM's ``torch_dist`` files, several boxes of one stored tensor into request tensors, and
   the raw bytes of stored objects (never unpickled).
 * ``save_whole``: a plain single-process DCP save (the ``torch_dist`` export).
+
+Every read goes through ``DataOnlyReader``: DCP's file reader, except that the ``.metadata`` pickle, the stored
+objects and the tensor items are unpickled by ``safe_pickle`` (DCP's own reader calls ``pickle.load`` and
+``torch.load(weights_only=False)``, which run whatever a planted ``__reduce__`` names).
 """
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+                                                   MetadataIndex, StorageMeta, TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
                                                           create_read_items_for_chunk_list)
 
+from .format import CheckpointError
+from .safe_pickle import load_plain, load_torch
+
 Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 
-__all__ = ["save_pieces", "load_pieces", "load_boxes", "save_whole", "read_metadata"]
+__all__ = ["save_pieces", "load_pieces", "load_boxes", "save_whole", "read_metadata", "DataOnlyReader"]
+
+
+class DataOnlyReader(FileSystemReader):
+    """DCP's file reader with every pickle read as data (``safe_pickle``): the ``.metadata``, the stored objects
+    (through ``load_bytes`` of the planners below, which ask ``object_source``) and the tensor items. Items
+    written through a storage transform (compression, an extension) are refused: megareshard and Megatron-LM
+    write none, and their readers would be code named by the file. The metadata is read once, by the first
+    ``read_metadata`` (``_reader`` calls it before DCP does, so a refusal is ours, not a DCP warning with a
+    traceback)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self) -> Metadata:     # no **kwargs: DCP then never falls back to per-rank metadata files
+        if self._metadata is not None:
+            return self._metadata
+        path = os.path.join(str(self.path), ".metadata")
+        with open(path, "rb") as f:
+            metadata = load_plain(f, path)
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self._metadata = metadata
+        return metadata
+
+    def object_source(self, index: MetadataIndex) -> str:
+        """The file holding the stored item ``index`` and its key, for messages."""
+        return f"{os.path.join(str(self.path), self.storage_data[index].relative_path)} (item {index.fqn})"
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            path = os.path.join(str(self.path), rel)
+            with open(path, "rb") as stream:
+                for req in items:
+                    info = self.storage_data[req.storage_index]
+                    if getattr(info, "transform_descriptors", None):
+                        raise CheckpointError(f"{path} (item {req.storage_index.fqn}) was written through storage "
+                                              f"transforms {list(info.transform_descriptors)}, which megareshard "
+                                              "does not read")
+                    stream.seek(info.offset)
+                    data = io.BytesIO(stream.read(info.length))
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, data)
+                        continue
+                    tensor = load_torch(data, self.object_source(req.storage_index))
+                    if not isinstance(tensor, torch.Tensor):
+                        raise CheckpointError(f"{self.object_source(req.storage_index)} holds a "
+                                              f"{type(tensor).__name__} where a tensor was recorded")
+                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                        tensor = tensor.narrow(dim, start, length)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise CheckpointError(f"{self.object_source(req.storage_index)}: a stored box of "
+                                              f"{tuple(tensor.size())} where {tuple(target.size())} was recorded")
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _reader(path: str) -> DataOnlyReader:
+    reader = DataOnlyReader(path)
+    reader.read_metadata()
+    return reader
+
+
+def _load_object(planner, read_item, value: io.BytesIO) -> Any:
+    """A stored object of ``planner``'s load, read as data (DCP's default ``load_bytes`` unpickles anything)."""
+    reader = planner.reader
+    return load_torch(value, reader.object_source(read_item.storage_index))
 
 
 class _PieceSavePlanner(DefaultSavePlanner):
@@ -87,6 +175,9 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn]
 
+    def load_bytes(self, read_item, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = _load_object(self, read_item, value)
+
 
 class _BoxLoadPlanner(DefaultLoadPlanner):
     """Reads boxes of stored tensors into request tensors (several boxes of one stored tensor allowed) and
@@ -137,8 +228,9 @@ def save_pieces(state: dict[str, Any], path: str, boxes: Boxes, *, process_group
 
 def load_pieces(state: dict[str, Any], path: str, boxes: Boxes, *, process_group=None, no_dist: bool) -> None:
     """Fill ``state``'s tensors (their boxes) and objects from ``path``: collective unless ``no_dist``."""
-    dcp.load(state, storage_reader=FileSystemReader(path), planner=_PieceLoadPlanner(boxes),
-             process_group=process_group, no_dist=no_dist)
+    planner = _PieceLoadPlanner(boxes)
+    planner.reader = _reader(path)
+    dcp.load(state, storage_reader=planner.reader, planner=planner, process_group=process_group, no_dist=no_dist)
 
 
 def load_boxes(state: dict[str, torch.Tensor], path: str,
@@ -147,7 +239,7 @@ def load_boxes(state: dict[str, torch.Tensor], path: str,
     """Fill each request tensor ``state[rid]`` with the box ``requests[rid]`` = (stored key, offset, size); returns
     the raw bytes of the stored ``objects``."""
     planner = _BoxLoadPlanner(requests, objects)
-    dcp.load(state, storage_reader=FileSystemReader(path), planner=planner, no_dist=no_dist)
+    dcp.load(state, storage_reader=_reader(path), planner=planner, no_dist=no_dist)
     return planner.raw
 
 
@@ -158,5 +250,5 @@ def save_whole(state: dict[str, Any], path: str) -> None:
 
 
 def read_metadata(path: str) -> Metadata:
-    """The DCP metadata of the checkpoint directory ``path`` (DCP's own errors propagate)."""
-    return FileSystemReader(path).read_metadata()
+    """The DCP metadata of the checkpoint directory ``path``, read as data (a refusal or a read error propagates)."""
+    return DataOnlyReader(path).read_metadata()

@@ -423,6 +423,8 @@ def read_metadata(ckpt_dir: str) -> Metadata:
     from .dcp_io import read_metadata as dcp_metadata
     try:
         return dcp_metadata(ckpt_dir)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt: {type(e).__name__}: {e}") from None
 
@@ -474,6 +476,9 @@ def read_pieces(ckpt_dir: str, tensors: dict[str, Piece], objects: Iterable[str]
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:   # CheckpointException derives from BaseException
+        inner = _first_failure(e)[1]
+        if isinstance(inner, CheckpointError):        # a refused pickle, a recorded shape not stored: our line
+            raise CheckpointError(str(inner)) from None
         raise CheckpointError(f"reading checkpoint {ckpt_dir} failed: {type(e).__name__}: {e}") from None
     return {k: state[k] for k in objects}
 

@@ -9,15 +9,13 @@ A Megatron-LM checkpoint root holds ``latest_checkpointed_iteration.txt`` (an it
 * ``torch``: ``mp_rank_TT[_PPP]/model_optim_rng.pt`` per tensor/pipeline-parallel rank, memory-mapped;
   a tensor is assembled from the ranks' slices.
 
-Pickled objects (``args``, ``common.pt``) are read by an unpickler that builds tensors, containers,
-``argparse.Namespace`` and numbers, and turns every other class it is asked for (Megatron's enums,
-Transformer Engine's objects) into an inert stand-in: nothing from the file runs. Every problem is one
+Pickled objects (``args``, ``common.pt``, the per-rank files) are read as data by ``safe_pickle``: tensors,
+containers, ``argparse.Namespace`` and numbers are built, Megatron's and Transformer Engine's classes become
+inert records, and any other class is refused: nothing from the file runs. Every problem is one
 ``CheckpointError`` line naming the file and, where there is one, the tensor.
 """
 from __future__ import annotations
 
-import argparse
-import collections
 import dataclasses
 import io
 import json
@@ -30,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .format import CheckpointError
+from .format import CheckpointError, _first_failure
+from .safe_pickle import load_torch
 from .megatron import LAYERS, TRACKER_FILE, Source, megatron_box, refused_key
 
 __all__ = ["find_megatron_checkpoint", "MegatronCheckpoint", "write_torch_dist", "load_pickle"]
@@ -43,58 +42,12 @@ FP8_STATE_MARKERS = (b"amax_history_fwd", b"scale_fwd", b"scale_bwd")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-# ---- unpickling without running anything from the file --------------------------------------------
-class Opaque:
-    """Stand-in for a class the file names but this reader does not build (an enum, a config object)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__module__}.{type(self).__name__} {self.args!r}>"
-
-
-_ALLOWED = {("collections", "OrderedDict"): collections.OrderedDict, ("argparse", "Namespace"): argparse.Namespace,
-            ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
-            ("builtins", "complex"): complex, ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
-            ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-            ("torch._utils", "_rebuild_tensor_v3"): getattr(torch._utils, "_rebuild_tensor_v3", None),
-            ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
-            ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
-        if found is not None:
-            return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "_codecs" and name == "encode":
-            import _codecs
-            return _codecs.encode
-        if module.split(".")[0] == "numpy" and name in ("_reconstruct", "ndarray", "dtype", "scalar"):
-            return super().find_class(module, name)        # numpy arrays (RNG states): data, not code
-        return type(name, (Opaque,), {"__module__": module})
-
-
-class _SafePickle:
-    """A ``pickle_module`` for ``torch.load``: its Unpickler builds nothing but data."""
-
-    Unpickler = _Unpickler
-    load = staticmethod(pickle.load)
-    __name__ = "megareshard_safe_pickle"
-
-
 def load_pickle(path: str, *, mmap: bool = False) -> Any:
-    """``torch.load`` of a Megatron-LM file with the data-only unpickler (tensors memory-mapped with ``mmap``)."""
+    """``torch.load`` of a Megatron-LM file, read as data (``safe_pickle``; tensors memory-mapped with ``mmap``)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", pickle_module=_SafePickle, weights_only=False, mmap=mmap)
+        return load_torch(path, mmap=mmap)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except Exception as e:
@@ -201,6 +154,8 @@ class MegatronCheckpoint:
         from .dcp_io import read_metadata
         try:
             self.metadata = read_metadata(self.path)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{md_path} is corrupt: {type(e).__name__}: {e}") from None
         self.shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in self.metadata.state_dict_metadata.items()
@@ -254,6 +209,9 @@ class MegatronCheckpoint:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:      # DCP's CheckpointException is a BaseException
+            inner = _first_failure(e)[1]
+            if isinstance(inner, CheckpointError):          # a refused pickle: its own line
+                raise CheckpointError(str(inner)) from None
             text = str(e).strip().splitlines()
             raise CheckpointError(f"reading {self.path} failed: {type(e).__name__}: "
                                   f"{text[-1] if text else ''}") from None
