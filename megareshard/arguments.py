@@ -163,6 +163,14 @@ class CheckpointConfig:
 
     save: str | None = _f(None, "directory to save checkpoints in (ROOT/iter_N, ROOT/latest)")
     save_interval: int | None = _f(None, "iterations between checkpoints (one is also saved at the end with --save)")
+    save_retain_latest: int = _f(0, "keep only the newest N checkpoints in --save (counted down from the one "
+                                    "`latest` names) and remove the older ones after each complete save "
+                                    "(torchtitan's keep_latest_k, HF's save_total_limit); 0: keep every one",
+                                 metavar="N")
+    save_retain_interval: int | None = _f(None, "Megatron-LM's flag: also keep the checkpoints of iterations "
+                                                "divisible by K; alone, it keeps those and the latest one "
+                                                "(= --save-retain-latest 1) and removes the rest after each save",
+                                          metavar="K")
     load: str | None = _f(None, "checkpoint root (its `latest`) or checkpoint directory to start from")
     finetune: bool = _f(False, "load weights only: fresh optimizer and scheduler, iteration 0, no RNG")
     no_load_optim: bool = _f(False, "do not load the optimizer state (fresh Adam moments)")

@@ -467,7 +467,14 @@ def _validate_checkpoint(ck: "CheckpointConfig") -> None:
     for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if ck.save_retain_interval is not None and ck.save_retain_interval < 1:
+        raise ConfigError(f"--save-retain-interval must be at least 1, got {ck.save_retain_interval}")
+    if ck.save_retain_latest < 0:
+        raise ConfigError(f"--save-retain-latest must be at least 0 (0: keep every checkpoint), got "
+                          f"{ck.save_retain_latest}")
     needs_save = [flag for flag, on in (("--save-interval", ck.save_interval is not None),
+                                        ("--save-retain-latest", ck.save_retain_latest > 0),
+                                        ("--save-retain-interval", ck.save_retain_interval is not None),
                                         ("--exit-signal-handler", ck.exit_signal_handler),
                                         ("--async-save", ck.async_save)) if on]
     if needs_save and not ck.save:

@@ -281,7 +281,9 @@ class Trainer:
         # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
         # RNG and the W&B run id in any layout, before the tracker starts (it resumes the saved run)
         ck = cfg.checkpoint
-        self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out)
+        self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out,
+                                             retain_latest=ck.save_retain_latest,
+                                             retain_interval=ck.save_retain_interval)
         self.loaded: LoadResult | None = None
         if ck.save and megatron_checkpoint_dir(ck.save):
             raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint "

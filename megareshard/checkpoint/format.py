@@ -91,7 +91,8 @@ def iteration_dirname(iteration: int) -> str:
 def _maybe_kill(point: str) -> None:
     """Test hook: ``MEGARESHARD_CHECKPOINT_KILL_AT=<point>`` SIGKILLs the process there (rank 0 only,
     or ``<point>@<rank>``). Points: ``before_metadata`` (data files written, DCP metadata not),
-    ``before_rename`` (complete temp dir), ``before_latest`` (renamed, ``latest`` not updated)."""
+    ``before_rename`` (complete temp dir), ``before_latest`` (renamed, ``latest`` not updated), ``prune``
+    (retention.py: an old checkpoint renamed to ``.tmp.pruned.*``, not yet deleted)."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return

@@ -262,9 +262,12 @@ class CheckpointManager:
     ``async_save=True`` is collective (it creates the process group).
     """
 
-    def __init__(self, ctx=None, *, async_save: bool = False, out: TextIO | None = sys.stdout) -> None:
+    def __init__(self, ctx=None, *, async_save: bool = False, out: TextIO | None = sys.stdout,
+                 retain_latest: int = 0, retain_interval: int | None = None) -> None:
         self.ctx = ctx
         self.async_save = async_save
+        # retention.py: after each complete save rank 0 removes the checkpoints this policy does not keep
+        self.retain_latest, self.retain_interval = retain_latest, retain_interval
         self.out = out
         self._thread: threading.Thread | None = None
         self._async_error: BaseException | None = None
@@ -369,6 +372,7 @@ class CheckpointManager:
             write_checkpoint(root, iteration, pieces, objects, info)
             self._say(f"saved iteration {iteration} to {final} in {time.monotonic() - start:.1f} s "
                       f"({describe_layout(info['layout'])})")
+            self._prune(root)
             self.last_saved = final
             return final
         # async: copy to CPU now (the model keeps training), write in a thread
@@ -381,6 +385,7 @@ class CheckpointManager:
             try:
                 write_checkpoint(root, iteration, staged, objects, info, process_group=self._async_pg,
                                  prepared=True)
+                self._prune(root)        # complete, `latest` updated; the next save waits for this thread
             except BaseException as e:   # re-raised by wait()
                 self._async_error = e
 
@@ -390,6 +395,13 @@ class CheckpointManager:
                   f"{time.monotonic() - start:.1f} s; {describe_layout(info['layout'])})")
         self.last_saved = final
         return final
+
+    def _prune(self, root: str) -> None:
+        """Rank 0, after a complete save: the retention policy (``retention.prune``; I/O errors are warnings)."""
+        if self._rank() == 0:
+            from .retention import prune
+            prune(root, self.retain_latest, self.retain_interval, say=lambda line, warning=False:
+                  self._say(line, warning))
 
     def wait(self) -> None:
         """Block until a background save is complete (renamed, ``latest`` updated); re-raise its error."""
