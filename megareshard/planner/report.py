@@ -1,7 +1,6 @@
 """The planner's outputs: a ranked Markdown table and a picture of a layout on the cluster."""
 from __future__ import annotations
 
-import textwrap
 from typing import Sequence
 
 from .costs import ClusterSpec
@@ -49,6 +48,7 @@ def draw_layout(c: Candidate, cluster: ClusterSpec, path: str) -> None:
 
     from ..parallel import Topology
     from ..parallel.stage_topology import StageTopology
+    from ..pipeline.draw import fit_text
 
     if c.stage_layouts:  # per-stage meshes: contiguous rank blocks, tp innermost
         topo = StageTopology(cluster.world, c.stage_layouts, nproc_per_node=cluster.devices_per_host)
@@ -93,9 +93,14 @@ def draw_layout(c: Candidate, cluster: ClusterSpec, path: str) -> None:
     ax.set_xticks([])
     ax.set_xlabel("device of the host (box: s pipeline stage, t tensor-parallel rank, d data-parallel rank)",
                   fontsize=7)
-    width_chars = int(max(6, D * 0.9 + 2) * 72 / (9 * 0.55))  # the figure's width at 9 pt, ~0.55 em per char
-    ax.set_title(textwrap.fill(f"{c.name}: {c.step_s:.3f} s per step (predicted) on {H} hosts × {D} devices",
-                               width_chars), fontsize=9)
+    text = f"{c.name}: {c.step_s:.3f} s per step (predicted) on {H} hosts × {D} devices"
+    title = ax.set_title(text, fontsize=9)
     fig.tight_layout()
+    for _ in range(3):  # wrap the title to the figure's width (measured, not guessed), then lay out again
+        before = title.get_text()
+        fit_text(fig, title, text)
+        fig.tight_layout()
+        if title.get_text() == before:
+            break
     fig.savefig(path, dpi=110)
     plt.close(fig)
