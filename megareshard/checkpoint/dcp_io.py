@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import (_create_read_item_for_byteio,
                                                           create_read_items_for_chunk_list)
 
-from .format import CheckpointError
+from .errors import CheckpointError
 from .safe_pickle import load_plain, load_torch
 
 Boxes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]

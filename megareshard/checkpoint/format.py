@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.distributed as dist
 
+from .errors import CheckpointError
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -56,13 +58,6 @@ METADATA_FILE = ".metadata"
 TMP_PREFIX = ".tmp."
 # test hook: SIGKILL this process at a named point of a save (see _maybe_kill)
 KILL_ENV = "MEGARESHARD_CHECKPOINT_KILL_AT"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read or does not fit the model; the message names the path and the reason.
-
-    An ``Exception`` (unlike DCP's ``CheckpointException``, a BaseException, which the loader
-    converts into this)."""
 
 
 @dataclass

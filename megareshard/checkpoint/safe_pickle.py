@@ -18,6 +18,7 @@ the file and the class.
 """
 from __future__ import annotations
 
+import _compat_pickle
 import importlib
 import io
 import pickle
@@ -26,7 +27,7 @@ from typing import IO, Any
 
 import torch
 
-from .format import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["ALLOWED", "FOREIGN_MODULES", "Opaque", "DataOnlyUnpickler", "load_plain", "load_torch"]
 
@@ -86,6 +87,9 @@ class DataOnlyUnpickler(pickle.Unpickler):
     source = "a checkpoint file"
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol 2 (torch.save's) names Python 2's modules (``__builtin__.set``): pickle's own mapping
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) in ALLOWED or _numpy_dtype_class(module, name):
             try:
                 return getattr(importlib.import_module(module), name)
@@ -96,7 +100,7 @@ class DataOnlyUnpickler(pickle.Unpickler):
         elif module.split(".")[0] in FOREIGN_MODULES:
             return type(name, (Opaque,), {"__module__": module})
         raise CheckpointError(f"{self.source}: refused to build {module}.{name}: a checkpoint is read as data only "
-                              "(tensors, numbers, strings, containers) and this is none of them; nothing was loaded")
+                              "(tensors, numbers, strings, containers), and this is none of them")
 
 
 def _unpickler_for(source: str) -> type[DataOnlyUnpickler]:

@@ -174,3 +174,38 @@ def test_export_megatron_loads_in_megatron_core_bit_for_bit(megatron):
         differ = [n for n, same in check["same_weights"].items() if not same]
         assert check["same_weights"] and not differ, f"{name}: weights differ after export: {differ}"
         assert torch.equal(check["logits"], res["logits"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, planted", [("gpt_tp1", ".metadata"), ("gpt_tp1", "common.pt"),
+                                           ("llama_tp2_torch", "mp_rank_01/model_optim_rng.pt")])
+def test_megatron_core_checkpoints_with_a_planted_pickle_run_nothing(megatron, name, planted, tmp_path):
+    """Megatron-Core's own checkpoints (``torch_dist``: its ``.metadata`` and ``common.pt``; the per-rank files)
+    with one pickled file replaced by one whose ``__reduce__`` writes a marker: ``--load`` and
+    ``import-megatron`` refuse it in one line naming the file and the class (the readers and the rest of the
+    assertions: tests/checkpoint/test_no_code_on_load.py); the unplanted directories load as above."""
+    import os
+    import pickle
+    import shutil
+
+    from .test_no_code_on_load import Plant, _assert_refused, _main, _main_tool, _snapshot
+    work, _ = megatron
+    root = tmp_path / name
+    shutil.copytree(work / name, root)
+    target = next(root.glob("iter_*")) / planted
+    marker = tmp_path / "marker"
+    if planted == ".metadata":
+        target.write_bytes(pickle.dumps(Plant(marker)))
+    else:                               # the saved arguments stay readable: the plant rides beside them
+        saved = torch.load(target, weights_only=False)             # Megatron-Core's own file, made by the oracle
+        saved["rng_state"] = Plant(marker)
+        torch.save(saved, target)
+    before = _snapshot(root)
+    cfg, _ = model_config_from_args(MegatronCheckpoint(str(work / name)).args)
+    code, err = _main("pretrain_gpt", [*_argv(str(root), hf_map.megatron_flags(cfg)), "--train-iters", "1",
+                                       "--save", str(tmp_path / "save")])
+    _assert_refused(code, err, marker, str(target))
+    code, err = _main_tool(load_tool(), ["import-megatron", str(root), str(tmp_path / "ours")])
+    _assert_refused(code, err, marker, str(target))
+    assert _snapshot(root) == before and not os.path.exists(tmp_path / "ours")
+    assert not list((tmp_path / "save").glob("iter_*"))
