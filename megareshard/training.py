@@ -41,7 +41,7 @@ from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
                      tp_placement_warnings)
-from .inputs import dataset_prefixes, resolve_vocab
+from .inputs import dataset_prefixes, resolve_vocab, resume_plan
 from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
@@ -829,9 +829,11 @@ def _agreed(ctx: ParallelContext, decide: Callable[[], Any]) -> Any:
     return verdict[0]
 
 
-def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
+def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
     """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` and tests: trains the model of
-    ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC)."""
+    ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC). ``out``: where the log
+    goes (None: ``sys.stdout`` as it is at the call)."""
+    out = sys.stdout if out is None else out
     device = pick_device(cfg.training.device)
     exit_with_launcher()  # a torchrun worker stops when its agent is gone (kill -9 of torchrun)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") == "0":
@@ -849,6 +851,14 @@ def pretrain(cfg: Config, out: TextIO = sys.stdout, model_spec: ModelSpec | None
 def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: torch.device, world: int,
               infos: list[RankInfo]) -> list[dict[str, Any]]:
     ctx, placement = build_context(cfg, world)
+    # a resume against its plan, from the checkpoint.json --load names (rank 0 reads it, for all), before anything
+    # is built: past --train-iters is one line (a ConfigError); at it, nothing is left to train (exit 0)
+    finished = _agreed(ctx, lambda: resume_plan(cfg))
+    if finished is not None:
+        if ctx.rank == 0:
+            print(f"megareshard: {finished}", file=out, flush=True)
+        ctx.destroy()
+        return []
     if ctx.rank == 0:
         note = cfg.plan.auto_layout
         if note:

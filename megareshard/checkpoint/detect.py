@@ -13,19 +13,40 @@ Megatron-LM's one-line tracker file); the two policies built on it:
   ``KIND_MEGATRON_ITERATION``) so that a loader for them hooks into this one function.
 * ``check_destination(path, force=...)``: a writing tool refuses a destination that exists and is not
   empty (saying what is there) unless forced.
+
+A Hugging Face model directory (``KIND_HF``) is told apart too: ``--load`` of one names the converter
+(``tools/checkpoint_util.py import-hf``). ``megatron_iteration(path)`` is which Megatron-LM directories a
+run's ``--load`` reads directly (``megatron_load.megatron_checkpoint_dir``, without torch), and
+``resume_source(load, save)`` is ``load_decision`` with those accepted: what ``--validate-only`` checks.
+
+What a resume will train, before anything is built: ``read_progress(path)`` reads the iteration and data
+position a megareshard checkpoint records in its ``checkpoint.json`` (JSON only: nothing is unpickled) and
+``check_progress`` sets them against the new run's ``--train-iters`` × global batch: past it is one line
+(a ConfigError), exactly at it is "nothing left to train".
+
+Imports no torch (nor does ``megareshard/checkpoint/__init__.py`` until one of its names is used):
+``pretrain_gpt.py --validate-only`` runs all of this in a fraction of a second.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
 
 from ..config_fields import ConfigError
-from .format import CHECKPOINT_JSON, LATEST_FILE, TMP_PREFIX, CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["PathContents", "describe_path", "load_decision", "check_destination", "same_directory",
+           "megatron_iteration", "resume_source", "check_save", "Progress", "read_progress", "check_progress",
            "MEGATRON_TRACKER", "KIND_ABSENT", "KIND_EMPTY", "KIND_CHECKPOINT", "KIND_ROOT", "KIND_MEGATRON_ROOT",
-           "KIND_MEGATRON_ITERATION", "KIND_FILE", "KIND_OTHER"]
+           "KIND_MEGATRON_ITERATION", "KIND_HF", "KIND_FILE", "KIND_OTHER"]
+
+# format.py's names (format.py imports torch, this module must not; tests/test_resume_plan_checks.py checks
+# that they agree)
+CHECKPOINT_JSON = "checkpoint.json"
+LATEST_FILE = "latest"
+TMP_PREFIX = ".tmp."
 
 #: Megatron-LM's name for ``latest`` (its content: an iteration number, or ``release``)
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -38,11 +59,20 @@ KIND_CHECKPOINT = "checkpoint"              # a megareshard checkpoint directory
 KIND_ROOT = "root"                          # a megareshard root: `latest`, or iter_* directories
 KIND_MEGATRON_ROOT = "megatron-root"        # a Megatron-LM root: latest_checkpointed_iteration.txt
 KIND_MEGATRON_ITERATION = "megatron-iteration"  # one Megatron-LM iteration directory (iter_N, release)
+KIND_HF = "hf"                              # a Hugging Face model directory: config.json and its weights
 KIND_FILE = "file"                          # a file, not a directory
 KIND_OTHER = "other"                        # a directory of something else
 
 _ITER = re.compile(r"^iter_\d+$")
 _MP_RANK = re.compile(r"^mp_rank_\d+(_\d+)*$")
+# what megatron_io.find_megatron_checkpoint reads: iteration directories so named, per-rank directories
+_MEGATRON_ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
+_MEGATRON_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+# a Hugging Face model's weights (one file, shards, or the index of shards) beside its config.json
+_HF_WEIGHTS = re.compile(r"^(.+\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin|.+\.safetensors\.index\.json|"
+                         r"pytorch_model\.bin\.index\.json)$")
+IMPORT_HF = "python tools/checkpoint_util.py import-hf"
+IMPORT_MEGATRON = "python tools/checkpoint_util.py import-megatron"
 
 
 @dataclass(frozen=True)
@@ -99,6 +129,9 @@ def describe_path(path: str) -> PathContents:
     marks = _megatron_iteration_files(names)
     if marks is not None:
         return PathContents(path, KIND_MEGATRON_ITERATION, f"is a Megatron-LM checkpoint iteration directory ({marks})")
+    weights = [n for n in names if _HF_WEIGHTS.match(n)]
+    if "config.json" in names and weights:
+        return PathContents(path, KIND_HF, f"is a Hugging Face model directory (config.json, {_names(weights, 2)})")
     iters = [n for n in names if _ITER.match(n)]
     if LATEST_FILE in names or iters:
         return PathContents(path, KIND_ROOT, "is a megareshard checkpoint root" + (
@@ -134,14 +167,18 @@ def load_decision(load: str, save: str | None) -> PathContents:
     if found.kind in (KIND_EMPTY, KIND_ABSENT) and own:
         return found
     where = f"--load {load} {found.what}"
+    if found.kind == KIND_HF:
+        raise ConfigError(f"{where}, not a checkpoint: convert it once with {IMPORT_HF} {load} OUT, then --load OUT")
     if found.kind == KIND_MEGATRON_ITERATION:
         parent = os.path.dirname(os.path.abspath(load.rstrip(os.sep)))
         root = parent if os.path.exists(os.path.join(parent, MEGATRON_TRACKER)) else None
-        raise ConfigError(f"{where}: pass its root" + (f", --load {root}" if root else f" (the directory with "
-                                                       f"{MEGATRON_TRACKER})") + ", not one of its iterations")
-    if found.kind == KIND_MEGATRON_ROOT:
-        raise ConfigError(f"{where}: loading Megatron-LM checkpoints is not built here (megareshard loads "
-                          f"ROOT/{LATEST_FILE} and ROOT/iter_N/{CHECKPOINT_JSON})")
+        if root:
+            raise ConfigError(f"{where}: pass its root, --load {root}, not one of its iterations")
+        raise ConfigError(f"{where}: give --load (or {IMPORT_MEGATRON} ROOT OUT) its root, the directory with "
+                          f"{MEGATRON_TRACKER}")
+    if found.kind == KIND_MEGATRON_ROOT:   # a run's --load reads one directly (megatron_iteration): not here
+        raise ConfigError(f"{where}: not a megareshard checkpoint; convert it once with {IMPORT_MEGATRON} {load} "
+                          "OUT, then --load OUT")
     if found.kind == KIND_ABSENT:
         raise ConfigError(f"{where}: is the path mistyped? (only --load equal to --save may name a directory "
                           "that holds no checkpoint yet: the first run of an auto-resuming job)")
@@ -149,6 +186,162 @@ def load_decision(load: str, save: str | None) -> PathContents:
         raise ConfigError(f"{where}: nothing to load (an empty --load starts from scratch only when it is "
                           "also --save, the first run of an auto-resuming job)")
     raise ConfigError(f"{where}: not a checkpoint")
+
+
+def megatron_iteration(path: str) -> str | None:
+    """The Megatron-LM iteration directory a run's ``--load path`` reads directly, or None when ``path`` is not
+    one it reads (``megatron_load.megatron_checkpoint_dir`` over ``megatron_io.find_megatron_checkpoint``,
+    without torch: a megareshard ``latest`` or ``checkpoint.json`` wins; a root's tracker names ``iter_NNNNNNN``
+    or ``release``; an iteration directory so named holds ``metadata.json`` or ``mp_rank_*`` directories). A root
+    whose tracker is corrupt or names a missing directory is a ConfigError."""
+    if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, n)) for n in (LATEST_FILE, CHECKPOINT_JSON)):
+        return None
+    tracker = os.path.join(path, MEGATRON_TRACKER)
+    if os.path.isfile(tracker):
+        try:
+            with open(tracker, encoding="utf-8", errors="replace") as f:
+                text = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read {tracker}: {e.strerror}") from None
+        if text != "release" and not text.isdigit():
+            raise ConfigError(f"{tracker} is corrupt: it should hold an iteration number or 'release', found "
+                              f"{text[:40]!r}")
+        target = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}")
+        if not os.path.isdir(target):
+            raise ConfigError(f"{tracker} names iteration {text}, but {target} is missing")
+        return target
+    if _MEGATRON_ITER_DIR.match(os.path.basename(os.path.normpath(path))):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return None
+        if "metadata.json" in names or any(_MEGATRON_RANK_DIR.match(n) for n in names):
+            return path
+    return None
+
+
+def resume_source(load: str, save: str | None) -> PathContents:
+    """What a run's ``--load`` starts from, decided without torch: a Megatron-LM checkpoint it reads directly
+    (``megatron_iteration``; its weights, as ``--finetune``), else ``load_decision``'s verdict."""
+    found = describe_path(load)
+    if found.kind in (KIND_MEGATRON_ROOT, KIND_MEGATRON_ITERATION) and megatron_iteration(load) is not None:
+        return found
+    return load_decision(load, save)
+
+
+def check_save(save: str) -> None:
+    """``--save`` is a directory, or a path where one can be made, that holds no Megatron-LM checkpoint (the run
+    would mix its ``iter_N`` directories with it); a ConfigError line otherwise."""
+    found = describe_path(save)
+    if found.kind == KIND_FILE:
+        raise ConfigError(f"--save {save} {found.what}: checkpoints are saved into a directory; give a new "
+                          "directory or this run's own")
+    if found.kind in (KIND_MEGATRON_ROOT, KIND_MEGATRON_ITERATION) and megatron_iteration(save) is not None:
+        raise ConfigError(f"--save {save} {found.what}: megareshard's iter_N directories would mix with (and could "
+                          "replace) it; load it with --load and save elsewhere")
+    parent = os.path.dirname(os.path.abspath(save.rstrip(os.sep) or save))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--save {save}: {parent} is a file, so the directory cannot be made there")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the run that saved a megareshard checkpoint got, as its ``checkpoint.json`` records it:
+    ``consumed_samples`` and ``global_batch_size`` are None when the checkpoint records no data position."""
+
+    directory: str
+    iteration: int
+    consumed_samples: int | None
+    global_batch_size: int | None
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def read_progress(path: str) -> Progress:
+    """The iteration and data position the megareshard checkpoint ``path`` names records (``path`` itself, or
+    the directory its ``latest`` names), read from ``checkpoint.json`` as JSON: nothing is unpickled. A
+    ConfigError line when they cannot be read (the checks of ``format.resolve_checkpoint_dir`` and ``read_info``)."""
+    directory = path
+    latest = os.path.join(path, LATEST_FILE)
+    if not os.path.isfile(os.path.join(path, CHECKPOINT_JSON)):
+        try:
+            with open(latest, encoding="utf-8") as f:
+                name = f.read(256).strip()
+        except FileNotFoundError:
+            iters = sorted(n for n in os.listdir(path) if _ITER.match(n)) if os.path.isdir(path) else []
+            raise ConfigError(f"--load {path} is neither a checkpoint ({CHECKPOINT_JSON} missing) nor a checkpoint "
+                              f"root ({LATEST_FILE} missing)" + (f"; it holds {_names(iters, 3)}: pass one of them"
+                                                                 if iters else "")) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {latest}: {e}") from None
+        if not name or "/" in name or name.startswith(".") or not name.startswith("iter_"):
+            raise ConfigError(f"{latest} is corrupt: it should name a checkpoint directory like iter_0000100, "
+                              f"found {name[:80]!r}")
+        directory = os.path.join(path, name)
+    info_path = os.path.join(directory, CHECKPOINT_JSON)
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{latest} names {os.path.basename(directory)}, but {directory} is missing or incomplete "
+                          f"(no {CHECKPOINT_JSON})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{info_path} is corrupt ({e})") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{info_path} is corrupt (a JSON {type(info).__name__}, not an object)")
+    iteration = _count(info.get("iteration"))
+    if iteration is None:
+        raise ConfigError(f"{info_path} records no iteration (found {str(info.get('iteration'))[:40]!r})")
+    return Progress(directory, iteration, _count(info.get("consumed_samples")), _count(info.get("global_batch_size")))
+
+
+def check_progress(progress: Progress, *, train_iters: int, global_batch_size: int,
+                   train_samples: int | None = None) -> str | None:
+    """A resume's plan (``--train-iters`` or ``--train-samples``, and the global batch) against what the checkpoint
+    records (not for ``--finetune``, which starts at iteration 0). None: training goes on. A line saying there is
+    nothing left to train when the checkpoint is at the last iteration (the run ends, exit 0). A ConfigError line
+    when it is past it, or when the samples left in the plan cannot cover the iterations left (the data position
+    is saved in samples: a smaller global batch than the saved one runs out of them)."""
+    it, done, gb = progress.iteration, progress.consumed_samples, global_batch_size
+    total = train_iters * gb
+    if train_samples is not None:
+        plan = (f"--train-samples {train_samples}: {train_iters} iteration{'s' if train_iters != 1 else ''} × global "
+                f"batch {gb} = {total} samples")
+        flag, more = "--train-samples", f"to at least {(it + 1) * gb}"
+    else:
+        plan = f"--train-iters {train_iters} × global batch {gb} = {total} samples"
+        flag, more = "--train-iters", f"above {it}"
+    where = f"the checkpoint in {progress.directory}"
+    if it == train_iters:
+        given = f"--train-iters {train_iters}" if train_samples is None else f"--train-samples {train_samples} / {gb}"
+        return f"nothing left to train: {where} is at iteration {it} = {given}; raise {flag} to train on"
+    if it > train_iters:
+        if done is not None and done > total:
+            saved = f"has consumed {done} samples (iteration {it}); {plan}"
+        else:
+            saved = (f"is at iteration {it}" + (f" ({done} samples consumed)" if done is not None else "")
+                     + f", past {plan}")
+        raise ConfigError(f"{where} {saved}: nothing is left to train; raise {flag} {more}")
+    left = train_iters - it
+    if done is not None and done + left * gb > total:   # the data position is in samples: a smaller batch runs out
+        raise ConfigError(f"{where} has consumed {done} samples (iteration {it}); {plan}, too few for the {left} "
+                          f"iteration{'s' if left > 1 else ''} left (samples {done}-{done + left * gb - 1})"
+                          + _smaller_batch(progress, gb))
+    return None
+
+
+def _smaller_batch(progress: Progress, global_batch_size: int) -> str:
+    """The way out of a resume whose global batch is smaller than the saved run's."""
+    saved = progress.global_batch_size
+    if saved is not None and saved != global_batch_size and progress.consumed_samples is not None \
+            and progress.consumed_samples <= progress.iteration * saved:
+        return (f"; it was saved at global batch {saved}: resume with --global-batch-size {saved}, or start a new "
+                "schedule from its weights with --finetune")
+    return "; start a new schedule from its weights with --finetune"
 
 
 def check_destination(path: str, *, force: bool, flag: str = "--force") -> None:
@@ -164,7 +357,7 @@ def check_destination(path: str, *, force: bool, flag: str = "--force") -> None:
         what = f"exists ({os.path.getsize(path)} bytes)"
     elif found.kind == KIND_ROOT:
         what += _latest_note(path)
-    elif found.kind == KIND_OTHER and found.what.startswith("holds"):
+    elif found.kind == KIND_HF or (found.kind == KIND_OTHER and found.what.startswith("holds")):
         what = f"holds {_names([n for n in os.listdir(path) if not _leftover(n)])}"
     raise CheckpointError(f"{path} {what}: refusing to overwrite it (nothing was written); give a new or empty "
                           f"destination, or {flag} to write there anyway")
