@@ -41,10 +41,12 @@ TRAIN_ARGS=($FLAGS $LAYOUT
     --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4
     --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 5 --hidden-dropout 0 --attention-dropout 0
     --split 98,2,0 --device cpu)
-# the arguments checked once, in this process, before torchrun starts a process per rank
+# the arguments checked once, in this process, before the launcher (torchrun's arguments and agent; a failing
+# rank in one line, with where its log is) starts a process per rank
 WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only "${TRAIN_ARGS[@]}"
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${TRAIN_ARGS[@]}" 2>&1 \
-    | tee "$RUN_DIR/finetune.log" | grep -E "megareshard:|iteration +[0-9]+/|checkpoint"
+"$VENV_PY" -m megareshard.launch --standalone --nproc-per-node "$NPROC" --log-dir "$RUN_DIR/logs" \
+    pretrain_gpt.py "${TRAIN_ARGS[@]}" 2>&1 \
+    | tee "$RUN_DIR/finetune.log" | grep -E "megareshard:|megareshard-run:|: error:|iteration +[0-9]+/|checkpoint"
 echo "== 5. export to Hugging Face, reload with transformers, generate with both"
 "$VENV_PY" tools/checkpoint_util.py export-hf "$RUN_DIR/finetuned" "$RUN_DIR/hf_out"
 cp "$RUN_DIR"/hf_in/tokenizer* "$RUN_DIR"/hf_in/special_tokens_map.json "$RUN_DIR/hf_out/" 2>/dev/null || true

@@ -28,8 +28,11 @@ COMMON="--mock-data --vocab-size 1000 --num-layers 4 --hidden-size 64 --num-atte
 rm -rf "$RUN_DIR"; mkdir -p "$RUN_DIR"
 export TMPDIR=$(mktemp -d -t megareshard-finetune.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
-run() { "$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "$@"; }
-# both layouts' arguments checked once, in this process, before torchrun starts a process per rank
+# the launcher: torchrun's arguments and agent; a failing rank in one line, with where its log is
+run() {
+    "$VENV_PY" -m megareshard.launch --standalone --nproc-per-node "$NPROC" --log-dir "$RUN_DIR/logs" pretrain_gpt.py "$@"
+}
+# both layouts' arguments checked once, in this process, before the launcher starts a process per rank
 # shellcheck disable=SC2086
 for layout in "$SRC" "$DST"; do
     WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only $COMMON $layout
@@ -38,12 +41,12 @@ done
 echo "== 1. pretrain $PRETRAIN_ITERS iterations at layout: $SRC ($NPROC processes)"
 # shellcheck disable=SC2086
 run $COMMON $SRC --save "$RUN_DIR/pretrain" --exit-interval "$PRETRAIN_ITERS" 2>&1 | tee "$RUN_DIR/pretrain.log" \
-    | grep -E "megareshard:|iteration +[0-9]+/|checkpoint:|exiting"
+    | grep -E "megareshard:|megareshard-run:|: error:|iteration +[0-9]+/|checkpoint:|exiting"
 "$VENV_PY" tools/checkpoint_util.py inspect "$RUN_DIR/pretrain" --summary
 
 if [ "$FINETUNE" = "1" ]; then MODE="--finetune"; WHAT="fine-tune (weights only)"; else MODE=""; WHAT="resume"; fi
 echo "== 2. $WHAT at layout: $DST ($NPROC processes) from $RUN_DIR/pretrain"
 # shellcheck disable=SC2086
 run $COMMON $DST --load "$RUN_DIR/pretrain" $MODE --save "$RUN_DIR/continued" 2>&1 | tee "$RUN_DIR/continued.log" \
-    | grep -E "megareshard:|iteration +[0-9]+/|checkpoint:|WARNING"
+    | grep -E "megareshard:|megareshard-run:|: error:|iteration +[0-9]+/|checkpoint:|WARNING"
 echo "== the loss continues from iteration $PRETRAIN_ITERS (compare the last lines of step 1 with the first of step 2)"

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Multi-node GPT pretraining with torchrun. Run the same script on every node:
+# Multi-node GPT pretraining with megareshard's launcher (python -m megareshard.launch: torchrun's arguments and
+# elastic agent; a failing rank is one line naming its log, under RUN_DIR/logs/node<NODE_RANK>). Run the same
+# script on every node:
 #
 #   NNODES=4 NODE_RANK=$i MASTER_ADDR=node0.cluster MASTER_PORT=29500 GPUS_PER_NODE=8 \
 #   DATA_PATH=/data/my_text_document TOKENIZER_MODEL=/data/tokenizer.model \
 #       bash examples/pretrain_gpt_distributed.sh
 #
 #   RDZV=c10d ...           use torchrun's c10d rendezvous (elastic, any node may host it)
-#   DRY_RUN=1 ...           print the argument check, pre-flight and torchrun commands and exit
+#   DRY_RUN=1 ...           print the argument check, pre-flight and launcher commands and exit
 #   VALIDATE_ONLY=1 ...     check the arguments, tokenizer and data (pretrain_gpt.py --validate-only) and exit
-#   VALIDATE=0 ...          skip that check before torchrun (the Slurm script ran it once for every node)
+#   VALIDATE=0 ...          skip that check before the launcher (the Slurm script ran it once for every node)
 #   DEVICE=cpu ...          CPU processes over gloo (one "GPU" = one process)
 #
 # Before anything else the arguments are checked once, in one process, for all NNODES × GPUS_PER_NODE ranks
@@ -16,18 +18,20 @@
 # torchrun's traceback.
 #
 # Faults (docs/reliability.md, "Ranks, nodes and preemption"):
-# * Before torchrun, every node runs a node pre-flight (megareshard.launch.node_preflight, on port
+# * Before the launcher, every node runs a node pre-flight (megareshard.launch.node_preflight, on port
 #   MASTER_PORT+1 or PREFLIGHT_PORT): a node that never starts is named (node rank, and the hosts that did
 #   join) within PREFLIGHT_TIMEOUT seconds, where torchrun's own rendezvous would block silently. PREFLIGHT=0 skips it.
-# * A MASTER_PORT already in use on the node that hosts the rendezvous is named in one line before torchrun
+# * A MASTER_PORT already in use on the node that hosts the rendezvous is named in one line before the launcher
 #   starts (megareshard/launch/port_check.py; PORT_CHECK=0 skips it: needed only to run several nodes of one
 #   job on one machine with PREFLIGHT=0).
 # * Auto-resume: --save and --load both name CHECKPOINT_PATH (default $RUN_DIR/checkpoints): a run starts
-#   fresh when it holds no checkpoint and resumes from its newest complete one otherwise; torchrun restarts
-#   the workers up to MAX_RESTARTS (default 3) times after a rank dies, and each restart resumes the same way.
+#   fresh when it holds no checkpoint and resumes from its newest complete one otherwise; the launcher (torch's
+#   elastic agent) restarts the workers up to MAX_RESTARTS (default 3) times after a rank dies, and each restart
+#   resumes the same way.
 # * Preemption: --exit-signal-handler; a SIGTERM to this script or to the training processes (Slurm's
-#   --signal=TERM@120, scancel) saves at the next iteration boundary and exits 0. torchrun ignores SIGTERM
-#   here (it would kill its workers after its --shutdown-timeout and exit 1); this script forwards it to them.
+#   --signal=TERM@120, scancel) saves at the next iteration boundary and exits 0. The script ends by exec'ing
+#   the launcher, which forwards SIGTERM to its workers and waits for their save (torchrun would kill them after
+#   its --shutdown-timeout and exit 1).
 #
 # Network interfaces: NCCL picks one itself; set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0) and, for gloo,
 # GLOO_SOCKET_IFNAME when nodes have several interfaces and the default one cannot reach the others.
@@ -83,7 +87,8 @@ fi
 # shellcheck disable=SC2206
 TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
             "${LOGGING_ARGS[@]}" ${EXTRA_ARGS:-})
-CMD=("$PY" -m torch.distributed.run "${LAUNCH[@]}" pretrain_gpt.py "${TRAIN_ARGS[@]}")
+CMD=("$PY" -m megareshard.launch "${LAUNCH[@]}" --log-dir "${RUN_DIR:-runs/gpt}/logs/node$NODE_RANK" pretrain_gpt.py
+     "${TRAIN_ARGS[@]}")
 VALIDATE_CMD=(env WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) LOCAL_WORLD_SIZE="$GPUS_PER_NODE" "$PY" pretrain_gpt.py
               --validate-only "${TRAIN_ARGS[@]}")
 PREFLIGHT_CMD=()
@@ -104,7 +109,7 @@ if [ "${VALIDATE:-1}" = 1 ] || [ "${VALIDATE_ONLY:-0}" = 1 ]; then
 fi
 [ "${VALIDATE_ONLY:-0}" = 1 ] && exit 0
 # a MASTER_PORT someone else listens on: one line now, not torchrun's EADDRINUSE traceback (static) or a
-# silent wait (c10d); checked on the node that hosts the rendezvous, before any node starts torchrun
+# silent wait (c10d); checked on the node that hosts the rendezvous, before any node starts the launcher
 if [ "${PORT_CHECK:-1}" = 1 ]; then
     "$PY" megareshard/launch/port_check.py --master-addr "$MASTER_ADDR" --rdzv "$RDZV" --node-rank "$NODE_RANK" \
         --port "$MASTER_PORT" || exit $?
@@ -114,15 +119,6 @@ if [ ${#PREFLIGHT_CMD[@]} -gt 0 ]; then
     # (the store's C++ client logs every connection retry while it waits for node 0: keep it quiet)
     TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-FATAL} "${PREFLIGHT_CMD[@]}" || exit $?
 fi
-# torchrun starts with SIGTERM ignored and no handler for it (TORCHELASTIC_SIGNALS_TO_HANDLE); the
-# workers install --exit-signal-handler's own. A SIGTERM to this script goes to torchrun's children.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
-(trap '' TERM; exec "${CMD[@]}") &
-launcher=$!
-forward_term() {
-    echo "megareshard: SIGTERM: asking the training processes to save at the next iteration boundary and exit" >&2
-    for child in $(ps -o pid= --ppid "$launcher" 2>/dev/null); do kill -TERM "$child" 2>/dev/null || true; done
-}
-trap forward_term TERM
-while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || true; done
-wait "$launcher"
+# the launcher takes this process's place: a SIGTERM to the script reaches it, and it forwards the signal to the
+# training processes (--exit-signal-handler: they save at the next iteration boundary and exit 0, and so does it)
+exec "${CMD[@]}"

@@ -57,9 +57,11 @@ TRAIN_ARGS=(--stage-layouts "$STAGE_LAYOUTS" --num-layers-per-stage "$LAYERS_PER
     --data-path "$DATA_DIR/stdlib_text_document" --tokenizer-model "$DATA_DIR/tokenizer.model"
     --split 98,2,0 --log-interval 5 --metrics-file "$RUN_DIR/metrics.jsonl"
     $PIPELINE_ARGS $EXTRA_ARGS)
-# the arguments checked once, in this process, before torchrun starts a process per rank
+# the arguments checked once, in this process, before the launcher (torchrun's arguments and agent; a failing
+# rank in one line, with where its log is) starts a process per rank
 WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_utransformer.py --validate-only "${TRAIN_ARGS[@]}"
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_utransformer.py "${TRAIN_ARGS[@]}"
+"$VENV_PY" -m megareshard.launch --standalone --nproc-per-node "$NPROC" --log-dir "$RUN_DIR/logs" \
+    pretrain_utransformer.py "${TRAIN_ARGS[@]}"
 
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Quick start: build a tokenizer and a dataset from the Python standard library's sources
-# (cached under data/), then pretrain a small GPT on 8 CPU processes with torchrun,
+# (cached under data/), then pretrain a small GPT on 8 CPU processes (python -m megareshard.launch:
+# torchrun's arguments and agent, a failing rank told in one line with where its log is),
 # tp 2 · pp 2 · dp 2: two pipeline stages (each a 2x2 dp × tp mesh) under eager-1F1B with
 # delayed weight gradients, stage boundaries resharded by pipelined broadcast. Shows the
 # loss falling, the peak memory per stage, draws the measured pipeline timeline of the last
 # iteration, saves a checkpoint and ends with the command that samples from it. It installs
 # only what training needs (tools/ensure_venv.sh: megareshard with its `plots` extra), and
-# checks the arguments once before torchrun starts a process per rank. Everything is
-# overridable from the environment:
+# checks the arguments once before the launcher starts a process per rank. A previous run's outputs in
+# RUN_DIR (checkpoints, metrics, trace, timeline, logs, W&B) are kept: moved to RUN_DIR-<when that run
+# ended>, and the script says where. Everything is overridable from the environment:
 #
 #   TRAIN_ITERS=200 NPROC=4 TP=2 PP=1 bash examples/quickstart.sh
 #   SCHEDULE=1f1b DELAY_WGRAD=0 RESHARD_STRATEGY=sendrecv bash examples/quickstart.sh
@@ -56,13 +58,27 @@ TRAIN_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$
 # the arguments, tokenizer and data checked once, in this process: a mistake is one line, not one per rank
 WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-only "${TRAIN_ARGS[@]}"
 
+# a previous run's outputs are kept, never removed: moved aside to RUN_DIR-<when it ended>, said in one line
+# (after the argument check: a mistyped flag moves nothing)
+OUTPUTS=(checkpoints metrics.jsonl trace.json timeline.png logs wandb)
+previous=()
+for f in "${OUTPUTS[@]}"; do [ -e "$RUN_DIR/$f" ] && previous+=("$RUN_DIR/$f"); done
+if [ ${#previous[@]} -gt 0 ]; then
+    ended=$(ls -td "${previous[@]}"); ended=${ended%%$'\n'*}   # the newest (no `| head`: pipefail)
+    KEPT="${RUN_DIR%/}-$(date -r "$ended" +%Y%m%d-%H%M%S 2>/dev/null || date +%Y%m%d-%H%M%S)"
+    [ -e "$KEPT" ] && KEPT="$KEPT-$$"
+    mkdir -p "$KEPT"
+    mv "${previous[@]}" "$KEPT/"
+    echo "== $RUN_DIR held a previous run: kept in $KEPT (its checkpoints: $KEPT/checkpoints); this run starts afresh"
+fi
+
 echo "== pretraining: $NPROC CPU processes, tp $TP, pp $PP ($SCHEDULE, delayed W $DELAY_WGRAD, $RESHARD_STRATEGY" \
      "resharding), $TRAIN_ITERS iterations (metrics: $RUN_DIR/metrics.jsonl)"
-rm -rf "$RUN_DIR/metrics.jsonl" "$RUN_DIR/trace.json" "$RUN_DIR/checkpoints"
-# torchrun's own scratch files go to a temp dir we remove
+# the launcher's scratch files go to a temp dir we remove; each rank's output is kept in $RUN_DIR/logs
 export TMPDIR=$(mktemp -d -t megareshard-quickstart.XXXXXX)
 trap 'rm -rf "$TMPDIR"' EXIT
-"$VENV_PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py "${TRAIN_ARGS[@]}"
+"$VENV_PY" -m megareshard.launch --standalone --nproc-per-node "$NPROC" --log-dir "$RUN_DIR/logs" \
+    pretrain_gpt.py "${TRAIN_ARGS[@]}"
 
 "$VENV_PY" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys

@@ -1,4 +1,4 @@
-"""The shell launch scripts assemble the right torchrun commands and refuse to guess addresses."""
+"""The shell launch scripts assemble the right launcher (torchrun-argument) commands and refuse to guess addresses."""
 import os
 import shlex
 import subprocess
@@ -25,7 +25,7 @@ def test_distributed_dry_run_static_rendezvous():
     assert p.returncode == 0, p.stderr
     argv = _argv(p.stdout)
     joined = " ".join(argv)
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[1:3] == ["-m", "megareshard.launch"]   # torchrun's arguments and agent, failures in one line
     assert "--nnodes 2 --node-rank 1 --nproc-per-node 4 --master-addr 10.1.2.3 --master-port 29500" in joined
     assert "--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2" in joined
     assert "--data-path /d/text --tokenizer-model /d/t.model" in joined
@@ -77,7 +77,7 @@ def test_sbatch_takes_master_from_allocation(tmp_path):
     assert p.returncode == 0, p.stderr
     checks = [line for line in p.stdout.splitlines() if "--validate-only" in line]
     assert len(checks) == 1 and "WORLD_SIZE=16 LOCAL_WORLD_SIZE=8" in checks[0]  # once, before srun, for every node
-    lines = [line for line in p.stdout.splitlines() if "torch.distributed.run" in line]
+    lines = [line for line in p.stdout.splitlines() if " -m megareshard.launch " in line]
     assert len(lines) == 2
     for node, line in enumerate(lines):
         assert f"--nnodes 2 --node-rank {node} --nproc-per-node 8 --master-addr gpu-a17 --master-port 24242" in line

@@ -84,7 +84,7 @@ def test_dry_run_prints_the_node_preflight_before_torchrun(rdzv):
     assert pre[1:3] == ["-m", "megareshard.launch.node_preflight"]
     assert " ".join(pre[3:]) == \
         f"--nnodes 2 --node-rank 1 --master-addr 10.1.2.3 --port 29501 --timeout 42 --rdzv {rdzv}"
-    assert run[1:3] == ["-m", "torch.distributed.run"] and "--max-restarts" in run
+    assert run[1:3] == ["-m", "megareshard.launch"] and "--max-restarts" in run
     # single node: nothing to wait for, no pre-flight step
     env.update(NNODES="1")
     out = subprocess.run(["bash", str(ROOT / "examples/pretrain_gpt_distributed.sh")], env=env, capture_output=True,
