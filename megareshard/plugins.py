@@ -15,25 +15,34 @@ import importlib
 from typing import Any, Callable, Sequence
 
 from .config_fields import ConfigError
+from .registry import Registry
 
-__all__ = ["StepHook", "register_step_hook", "step_hooks", "custom_imports", "import_modules"]
+__all__ = ["StepHook", "STEP_HOOKS", "register_step_hook", "step_hooks", "custom_imports", "import_modules"]
 
 StepHook = Callable[[Any, int], None]
-_STEP_HOOKS: list[StepHook] = []  # a registry, as the model specs' (filled by imported modules)
+
+
+def _hook_name(fn: StepHook) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+STEP_HOOKS: Registry[StepHook] = Registry("step hook", key=_hook_name)
+"""Step hooks by their qualified name (``module.function``), in registration order."""
 
 FLAG = "--custom-import"
 
 
 def register_step_hook(fn: StepHook) -> StepHook:
-    """Call `fn(trainer, iteration)` at the start of every training iteration of the runs that follow."""
-    if fn not in _STEP_HOOKS:
-        _STEP_HOOKS.append(fn)
-    return fn
+    """Call `fn(trainer, iteration)` at the start of every training iteration of the runs that follow (the registry
+    rule: the same function again is accepted, another one under its qualified name refused)."""
+    if not callable(fn):
+        raise TypeError(f"a step hook is a function fn(trainer, iteration), got {type(fn).__name__}")
+    return STEP_HOOKS.register(fn)
 
 
 def step_hooks() -> tuple[StepHook, ...]:
     """The registered step hooks, in registration order."""
-    return tuple(_STEP_HOOKS)
+    return STEP_HOOKS.items()
 
 
 def custom_imports(argv: Sequence[str]) -> list[str]:

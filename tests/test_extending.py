@@ -4,7 +4,7 @@ the doc verbatim, and each does what the doc says it does.
 A new pipeline schedule (`examples/extending/looped_bfs.py`), registered from outside the package, is at once
 a choice of the command line, checked by the arguments, generated, proved deadlock-free by the validator,
 simulated to the peak its own live bound gives, and planned; a kind without a live bound is refused by the
-planner, by name. The registry is restored after each test (`monkeypatch`), so no other test sees the toy.
+planner, by name. The registry is restored after each test (`Registry.scoped`), so no other test sees the toy.
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def _example(name: str):
 
 
 @pytest.fixture
-def fresh_registry(monkeypatch):
-    """A copy of the schedule registry for one test: what it registers goes with it."""
-    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
+def fresh_registry():
+    """The schedule registry for one test: what it registers goes with it."""
+    with registry.SCHEDULES.scoped():
+        yield
 
 
 def test_the_doc_shows_every_example_file_verbatim() -> None:
@@ -64,8 +65,9 @@ def test_a_schedule_registered_from_outside_is_everywhere(fresh_registry) -> Non
     with pytest.raises(ConfigError, match="invalid choice"):  # not yet a choice of the command line
         parse_args(flags, world_size=2)
     assert register_schedule(kind) is kind and schedule_names()[-1] == "looped-bfs"
-    with pytest.raises(ValueError, match="'looped-bfs' is taken"):
-        register_schedule(kind)
+    assert register_schedule(kind) is kind       # the same kind again (a module imported twice): accepted
+    with pytest.raises(ValueError, match="schedule 'looped-bfs' is registered already .* registers another"):
+        register_schedule(dataclasses.replace(kind, live_bound=None))
 
     # the command line and the arguments' checks
     cfg = parse_args(flags, world_size=2)
@@ -105,11 +107,12 @@ def test_a_kind_without_a_live_bound_is_refused_by_the_planner_by_name(fresh_reg
 
 # ---- a new resharding strategy -----------------------------------------------------------------------
 @pytest.fixture
-def fresh_strategies(monkeypatch):
-    """A copy of the strategy registry for one test: what it registers goes with it."""
+def fresh_strategies():
+    """The strategy registry for one test: what it registers goes with it."""
     from megareshard.resharding.strategies import base
 
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    with base.STRATEGIES.scoped():
+        yield
 
 
 def test_a_strategy_registered_from_outside_is_everywhere(fresh_strategies) -> None:
@@ -205,3 +208,33 @@ def test_the_model_example_trains_and_every_layout_reproduces_one_process() -> N
     assert pipe[0] == pipe[1] == one  # the same arithmetic, element for element
     # tp 2: the row-parallel sums and the cross entropy's reductions add in another order; a few ulps per step
     assert tp[0] == pytest.approx(one, rel=1e-5)
+
+
+# ---- a step hook ---------------------------------------------------------------------------------------------
+def test_the_step_hook_example_sees_every_iteration(tmp_path, monkeypatch) -> None:
+    """``--custom-import lr_trace`` (the examples directory on the path, as the doc's command puts it) registers the
+    hook; one run calls it at each iteration's start with the learning rate that iteration uses; importing the
+    module again registers nothing twice, another function under its name is refused."""
+    import io
+    import json
+    import sys
+
+    from megareshard.plugins import STEP_HOOKS, register_step_hook
+    from megareshard.training import pretrain
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setenv("LR_TRACE_FILE", str(tmp_path / "lr.jsonl"))
+    monkeypatch.setenv("RANK", "0")
+    with STEP_HOOKS.scoped():
+        flags = [*MLP_FLAGS, "--custom-import", "lr_trace", "--lr-warmup-iters", "2"]
+        records = pretrain(parse_args(flags, world_size=1), out=io.StringIO())
+        parse_args(flags, world_size=1)                        # imported again: the same hook, registered once
+        assert [h.__qualname__ for h in STEP_HOOKS.items()] == ["trace_lr"]
+        other = lambda trainer, iteration: None  # noqa: E731
+        other.__module__, other.__qualname__ = "lr_trace", "trace_lr"
+        with pytest.raises(ValueError, match="step hook 'lr_trace.trace_lr' is registered already"):
+            register_step_hook(other)
+    sys.modules.pop("lr_trace", None)
+    lines = [json.loads(ln) for ln in (tmp_path / "lr.jsonl").read_text().splitlines()]
+    assert [ln["iteration"] for ln in lines] == [1, 2, 3]
+    assert [ln["lr"] for ln in lines] == [r["lr"] for r in records] and lines[0]["lr"] < lines[1]["lr"]   # warm-up

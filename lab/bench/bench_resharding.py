@@ -49,12 +49,12 @@ from typing import Any, Sequence
 
 import torch  # noqa: E402
 
-from megareshard.resharding import Mesh, NetworkModel, ShardingSpec, local_slices, plan_resharding  # noqa: E402
+from megareshard.resharding import (RESHARD_SCHEDULERS, Mesh, NetworkModel, ShardingSpec, local_slices,  # noqa: E402
+                                    plan_resharding)
 import lab.signal  # noqa: F401 (registers the `signal` bound these benchmarks run)
 from megareshard.resharding.cases import PAPER_CASE_IDS, NamedCase, one_to_many_cases, paper_case  # noqa: E402
 
 STRATEGIES = ("sendrecv", "allgather", "broadcast", "signal")
-SCHEDULERS = ("naive", "loadbalance", "dfs", "greedy", "auto")
 
 
 @dataclass
@@ -447,8 +447,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if s not in STRATEGIES:
             ap.error(f"unknown strategy {s!r}; allowed: {', '.join(STRATEGIES)}")
     for s in args.schedulers:
-        if s not in SCHEDULERS:
-            ap.error(f"unknown scheduler {s!r}; allowed: {', '.join(SCHEDULERS)}")
+        if s not in RESHARD_SCHEDULERS:
+            ap.error(f"unknown scheduler {s!r}; registered: {', '.join(RESHARD_SCHEDULERS.names())}")
     from megareshard.resharding.messages import DEFAULT_ORDER, ORDERS
 
     args.orders = [o.strip() for o in (args.order or DEFAULT_ORDER).split(",") if o.strip()]

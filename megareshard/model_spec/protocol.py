@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import abc
 import argparse
-import importlib
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..config_fields import ConfigError
+from ..registry import Registry
 from .graph import Edge, EdgeTensor, PipelineGraph
 from .placement import StageLayout, stage_layouts
 
-__all__ = ["ModelSpec", "register_model_spec", "get_model_spec", "model_spec_names", "BUILTIN_MODEL_SPECS",
+__all__ = ["ModelSpec", "MODEL_SPECS", "register_model_spec", "get_model_spec", "model_spec_names", "BUILTIN_MODEL_SPECS",
            "DEFAULT_MODEL_SPEC", "declare_edges"]
 
 #: the built-in models: name -> module whose import registers the spec (found on first use)
@@ -154,31 +153,19 @@ def declare_edges(graph: PipelineGraph, layouts: Sequence[StageLayout], shapes: 
 
 
 # ---- the registry ----------------------------------------------------------------------------------
-_SPECS: dict[str, ModelSpec] = {}
+MODEL_SPECS: Registry[ModelSpec] = Registry("model", type_=ModelSpec, lazy=dict(BUILTIN_MODEL_SPECS))
 
 
 def register_model_spec(spec: ModelSpec) -> ModelSpec:
-    """Register ``spec`` under ``spec.name``; a name is registered once. Returns the spec."""
-    if not isinstance(spec, ModelSpec):
-        raise TypeError(f"{spec!r} is not a ModelSpec")
-    if not spec.name:
-        raise ValueError(f"{spec!r} has no name")
-    if spec.name in _SPECS:
-        raise ValueError(f"a model spec named {spec.name!r} is already registered ({_SPECS[spec.name]!r})")
-    _SPECS[spec.name] = spec
-    return spec
+    """Register ``spec`` under ``spec.name`` (the registry rule: `megareshard.registry`). Returns the spec."""
+    return MODEL_SPECS.register(spec)
 
 
 def get_model_spec(name: str) -> ModelSpec:
     """The spec registered as ``name`` (a built-in model's module is imported on first use)."""
-    if name not in _SPECS and name in BUILTIN_MODEL_SPECS:
-        importlib.import_module(BUILTIN_MODEL_SPECS[name])  # registers it
-    try:
-        return _SPECS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; registered: {', '.join(model_spec_names())}") from None
+    return MODEL_SPECS.get(name)
 
 
 def model_spec_names() -> list[str]:
     """Every model name `get_model_spec` knows (built-in and registered)."""
-    return sorted(set(_SPECS) | set(BUILTIN_MODEL_SPECS))
+    return list(MODEL_SPECS.names())

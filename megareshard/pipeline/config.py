@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config_fields import config_field as _f
+from ..resharding.schedulers import scheduler_names
 from ..resharding.strategies import strategy_names
 from .schedules import schedule_names
 
@@ -27,7 +28,7 @@ class PipelineConfig:
     reshard_strategy: str = _f("broadcast", "how tensors cross stages (the registered resharding strategies)",
                                choices=strategy_names)
     reshard_scheduler: str = _f("auto", "how resharding tasks are ordered and assigned to sender hosts",
-                                choices=("naive", "loadbalance", "dfs", "greedy", "auto"))
+                                choices=scheduler_names)
     reshard_chunks: int | None = _f(None, "chunks per pipelined broadcast task (default: chosen per task by the "
                                           "network model)")
     pipeline_trace: str | None = _f(None, "write the measured timeline of the last iteration (JSON) here, "

@@ -9,9 +9,9 @@ from .decompose import UnitTask, decompose
 from .mesh import Mesh
 from .network import NetworkModel, task_cost
 from .strategies import Strategy, get_strategy, register_strategy, strategy_names
+from .schedulers import RESHARD_SCHEDULERS, ReshardScheduler, register_scheduler, scheduler_names
 from .wire import TaskCost
 from .plan import ReshardingPlan, plan_resharding
-from .schedulers import SCHEDULERS
 from .spec import ShardingSpec, local_slices, split_bounds
 from .cases import one_to_many_cases, paper_case
 
@@ -31,7 +31,10 @@ __all__ = [
     "get_strategy",
     "register_strategy",
     "strategy_names",
-    "SCHEDULERS",
+    "RESHARD_SCHEDULERS",
+    "ReshardScheduler",
+    "register_scheduler",
+    "scheduler_names",
     "paper_case",
     "one_to_many_cases",
 ]

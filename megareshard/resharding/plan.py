@@ -15,7 +15,7 @@ from .mesh import Mesh
 from .network import NetworkModel, task_cost
 from .strategies import get_strategy
 from .wire import INTRA, RECV, SEND, TaskCost
-from .schedulers import Option, SchedTask, check_order, check_scheduler, run_scheduler, schedule_cost
+from .schedulers import Option, SchedTask, check_order, get_scheduler, run_scheduler, schedule_cost
 from .spec import ShardingSpec
 
 __all__ = ["UnitTask", "ReshardingPlan", "plan_resharding"]
@@ -160,7 +160,7 @@ def plan_resharding(
     chosen host's holder that sends the fewest bytes so far (ties: the lowest rank).
     """
     strat = get_strategy(strategy)
-    check_scheduler(scheduler)
+    get_scheduler(scheduler)
     check_order(order)
     if itemsize < 1:
         raise ValueError(f"itemsize must be >= 1 byte, got {itemsize}")

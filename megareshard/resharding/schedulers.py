@@ -21,21 +21,15 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
+from ..registry import Registry
 from .network import SEND
 
-SCHEDULERS = ("auto", "naive", "loadbalance", "dfs", "greedy")
 ORDERS = ("plan", "concurrent")  # the executor's execution orders, each with its own objective
 
 # DFS recursion depth equals the number of tasks; beyond this we only check the seeds.
 _MAX_DFS_TASKS = 400
-
-
-def check_scheduler(name: str) -> str:
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r}; allowed: {', '.join(SCHEDULERS)}")
-    return name
 
 
 def check_order(order: str) -> str:
@@ -561,32 +555,69 @@ def schedule_concurrent(tasks: Sequence[SchedTask], start: Schedule, time_budget
     return sched
 
 
-def run_scheduler(name: str, tasks: Sequence[SchedTask], *, order: str = "concurrent",
-                  time_budget_s: float = 1.0, seed: int = 0) -> Schedule:
-    """Dispatch by name. `auto` minimises the cost under the executor's `order`.
+@dataclass(frozen=True)
+class ReshardScheduler:
+    """One way to choose a sending host and an order for a boundary's tasks (`--reshard-scheduler`)."""
 
-    ``order="plan"``: the makespan; DFS searches from the best of the naive, load-balance
-    and greedy schedules and keeps its incumbent if the budget runs out. ``"concurrent"``:
-    the busiest NIC side's load; a branch and bound over options (`schedule_concurrent`)
-    starts from the cheapest of those three. Either way `auto` is never worse than any of
-    them under that order's cost. The returned `scheduler` names the algorithm whose
-    schedule was kept ("dfs" when the search improved on its start); `optimal` says the
-    search finished.
-    """
-    check_scheduler(name)
-    check_order(order)
-    if name == "naive":
-        return schedule_naive(tasks)
-    if name == "loadbalance":
-        return schedule_loadbalance(tasks)
-    if name == "greedy":
-        return schedule_greedy(tasks, seed)
-    seeds = [schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks, seed)]
-    if name == "auto" and order == "concurrent":
+    name: str
+    run: Callable[[Sequence[SchedTask], str, float, int], Schedule]
+    """(tasks, the executor's order, search time budget in seconds, seed) -> the schedule."""
+
+
+RESHARD_SCHEDULERS: Registry[ReshardScheduler] = Registry("reshard scheduler", type_=ReshardScheduler)
+
+
+def register_scheduler(scheduler: ReshardScheduler) -> ReshardScheduler:
+    """Add `scheduler` (the registry rule: `megareshard.registry`)."""
+    return RESHARD_SCHEDULERS.register(scheduler)
+
+
+def get_scheduler(name: str) -> ReshardScheduler:
+    """The registered scheduler `name`; an unknown name raises with the names there are."""
+    return RESHARD_SCHEDULERS.get(name)
+
+
+def scheduler_names() -> tuple[str, ...]:
+    """The registered schedulers in registration order, the built-ins first."""
+    return RESHARD_SCHEDULERS.names()
+
+
+def _seeds(tasks: Sequence[SchedTask], seed: int) -> list[Schedule]:
+    return [schedule_naive(tasks), schedule_loadbalance(tasks), schedule_greedy(tasks, seed)]
+
+
+def _run_dfs(tasks: Sequence[SchedTask], order: str, time_budget_s: float, seed: int) -> Schedule:
+    start = min(_seeds(tasks, seed), key=lambda s: s.makespan)
+    return schedule_dfs(tasks, time_budget_s, incumbent=start)
+
+
+def _run_auto(tasks: Sequence[SchedTask], order: str, time_budget_s: float, seed: int) -> Schedule:
+    """``order="plan"``: the makespan; DFS searches from the best of the naive, load-balance and greedy schedules
+    and keeps its incumbent if the budget runs out. ``"concurrent"``: the busiest NIC side's load; a branch and
+    bound over options (`schedule_concurrent`) starts from the cheapest of those three. Either way never worse
+    than any of them under that order's cost."""
+    seeds = _seeds(tasks, seed)
+    if order == "concurrent":
         start = min(seeds, key=lambda s: concurrent_cost(tasks, s.choice))
         return schedule_concurrent(tasks, start, time_budget_s)
     start = min(seeds, key=lambda s: s.makespan)
     dfs = schedule_dfs(tasks, time_budget_s, incumbent=start)
-    if name == "auto" and not dfs.makespan < start.makespan:
+    if not dfs.makespan < start.makespan:
         dfs.scheduler = start.scheduler  # the search kept its start (optimal or out of time)
     return dfs
+
+
+for _s in (ReshardScheduler("naive", lambda tasks, order, budget, seed: schedule_naive(tasks)),
+           ReshardScheduler("loadbalance", lambda tasks, order, budget, seed: schedule_loadbalance(tasks)),
+           ReshardScheduler("dfs", _run_dfs),
+           ReshardScheduler("greedy", lambda tasks, order, budget, seed: schedule_greedy(tasks, seed)),
+           ReshardScheduler("auto", _run_auto)):
+    register_scheduler(_s)
+
+
+def run_scheduler(name: str, tasks: Sequence[SchedTask], *, order: str = "concurrent",
+                  time_budget_s: float = 1.0, seed: int = 0) -> Schedule:
+    """The registered scheduler `name` on `tasks` under the executor's `order`. The returned `scheduler` names the
+    algorithm whose schedule was kept ("dfs" when `auto`'s search improved on its start); `optimal` says the
+    search finished."""
+    return get_scheduler(name).run(tasks, check_order(order), time_budget_s, seed)

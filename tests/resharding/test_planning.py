@@ -174,7 +174,7 @@ def test_unknown_strategy_and_scheduler():
     args = ((4,), Mesh.grid(1, 2), ShardingSpec.parse("S1"), Mesh.grid(1, 2, 2, 1), ShardingSpec.parse("R"))
     with pytest.raises(ValueError, match=r"unknown resharding strategy 'ring'; registered: sendrecv, allgather, broadcast, signal"):
         plan_resharding(*args, strategy="ring")
-    with pytest.raises(ValueError, match=r"unknown scheduler 'best'; allowed: auto, naive, loadbalance, dfs, greedy"):
+    with pytest.raises(ValueError, match=r"unknown reshard scheduler 'best'; registered: naive, loadbalance, dfs, greedy, auto"):
         plan_resharding(*args, scheduler="best")
 
 

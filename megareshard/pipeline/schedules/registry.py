@@ -7,38 +7,30 @@ read the registry at call time, so a registered kind is everywhere at once.
 """
 from __future__ import annotations
 
+from ...registry import Registry
 from .interleaved import EAGER_INTERLEAVED_1F1B, INTERLEAVED_1F1B
 from .kind import ScheduleKind
 from .warmup import EAGER_1F1B, GPIPE, ONE_F_ONE_B
 from .zero_bubble import ZB_H1, ZBV
 
-__all__ = ["register_schedule", "get_schedule", "schedule_names"]
+__all__ = ["SCHEDULES", "register_schedule", "get_schedule", "schedule_names"]
 
-_KINDS: dict[str, ScheduleKind] = {}
+SCHEDULES: Registry[ScheduleKind] = Registry("schedule", type_=ScheduleKind)
 
 
 def register_schedule(kind: ScheduleKind) -> ScheduleKind:
-    """Add `kind` under its name (ValueError if the name is taken); returns it."""
-    if not isinstance(kind, ScheduleKind):
-        raise TypeError(f"register_schedule takes a ScheduleKind, got {type(kind).__name__}")
-    if not kind.name or kind.name in _KINDS:
-        raise ValueError(f"schedule name {kind.name!r} is {'taken' if kind.name else 'empty'}; registered: "
-                         f"{', '.join(_KINDS)}")
-    _KINDS[kind.name] = kind
-    return kind
+    """Add `kind` under its name (the registry rule: `megareshard.registry`); returns it."""
+    return SCHEDULES.register(kind)
 
 
 def get_schedule(name: str) -> ScheduleKind:
-    """The kind registered as `name`; ValueError naming the registered ones otherwise."""
-    try:
-        return _KINDS[name]
-    except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; available: {', '.join(_KINDS)}") from None
+    """The kind registered as `name`; a ConfigError naming the registered ones otherwise."""
+    return SCHEDULES.get(name)
 
 
 def schedule_names() -> tuple[str, ...]:
     """Every registered schedule, in registration order (the built-ins first)."""
-    return tuple(_KINDS)
+    return SCHEDULES.names()
 
 
 _BUILT_IN = (GPIPE, ONE_F_ONE_B, EAGER_1F1B, INTERLEAVED_1F1B, EAGER_INTERLEAVED_1F1B, ZB_H1, ZBV)

@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from ...registry import Registry
 from ..wire import Msg, TaskCost
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..network import NetworkModel
 
-__all__ = ["Strategy", "register_strategy", "get_strategy", "strategy_names"]
+__all__ = ["Strategy", "STRATEGIES", "register_strategy", "get_strategy", "strategy_names"]
 
 MessagesFn = Callable[[int, int, Sequence[int], Mapping[int, int], int], list[Msg]]
 CostFn = Callable[[int, int, Mapping[int, int], int], TaskCost]
@@ -47,26 +48,19 @@ class Strategy:
     """The layout planner considers it (a bound such as ``signal`` is not a choice)."""
 
 
-_REGISTRY: dict[str, Strategy] = {}
+STRATEGIES: Registry[Strategy] = Registry("resharding strategy", type_=Strategy)
 
 
 def register_strategy(strategy: Strategy) -> Strategy:
-    """Add `strategy` (a name registered twice must be the same strategy)."""
-    old = _REGISTRY.get(strategy.name)
-    if old is not None and old != strategy:
-        raise ValueError(f"resharding strategy {strategy.name!r} is registered already (by {old.messages.__module__})")
-    _REGISTRY[strategy.name] = strategy
-    return strategy
+    """Add `strategy` (the registry rule: `megareshard.registry`)."""
+    return STRATEGIES.register(strategy)
 
 
 def get_strategy(name: str) -> Strategy:
     """The registered strategy `name`; an unknown name raises with the names there are."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown resharding strategy {name!r}; registered: {', '.join(strategy_names())}") from None
+    return STRATEGIES.get(name)
 
 
 def strategy_names(planned: bool = False) -> tuple[str, ...]:
     """The registered names in registration order (``planned``: only those the layout planner considers)."""
-    return tuple(n for n, s in _REGISTRY.items() if s.planned or not planned)
+    return tuple(s.name for s in STRATEGIES.items() if s.planned or not planned)
