@@ -4,8 +4,9 @@
 #   2. a corpus is tokenized with that tokenizer (tools/preprocess_data.py, --tokenizer-type HuggingFaceTokenizer);
 #   3. tools/checkpoint_util.py import-hf turns the model into a megareshard checkpoint (and prints its flags);
 #   4. pretrain_gpt.py fine-tunes it on 8 CPU processes (--load ... --finetune), the loss falling;
-#   5. export-hf writes config.json + model.safetensors, transformers reloads it, and the greedy
-#      continuation of a prompt by transformers and by tools/generate.py's library are compared.
+#   5. export-hf writes config.json + model.safetensors and the tokenizer the checkpoint records, transformers
+#      reloads both, and the greedy continuation of a prompt by transformers and by tools/generate.py's library
+#      are compared.
 #
 #   bash examples/finetune_hf.sh                 # TRAIN_ITERS=30 NPROC=8 RUN_DIR=runs/finetune_hf
 set -euo pipefail
@@ -33,12 +34,13 @@ IMPORT=$("$VENV_PY" tools/checkpoint_util.py import-hf "$RUN_DIR/hf_in" "$RUN_DI
 echo "$IMPORT"
 FLAGS=$(echo "$IMPORT" | sed -n 's/.*--finetune //p')
 echo "== 4. fine-tune $TRAIN_ITERS iterations: $LAYOUT on $NPROC processes"
+# --seq-length: the tiny Llama's whole context (its max_position_embeddings, which the import records)
 # shellcheck disable=SC2086
 # shellcheck disable=SC2206
 TRAIN_ARGS=($FLAGS $LAYOUT
     --load "$RUN_DIR/imported" --finetune --save "$RUN_DIR/finetuned"
     --data-path "$RUN_DIR/data_text_document" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$RUN_DIR/hf_in"
-    --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4
+    --seq-length 128 --micro-batch-size 2 --global-batch-size 16 --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4
     --lr-decay-style cosine --lr-warmup-iters 2 --log-interval 5 --hidden-dropout 0 --attention-dropout 0
     --split 98,2,0 --device cpu)
 # the arguments checked once, in this process, before the launcher (torchrun's arguments and agent; a failing
@@ -49,7 +51,6 @@ WORLD_SIZE=$NPROC LOCAL_WORLD_SIZE=$NPROC "$VENV_PY" pretrain_gpt.py --validate-
     | tee "$RUN_DIR/finetune.log" | grep -E "megareshard:|megareshard-run:|: error:|iteration +[0-9]+/|checkpoint"
 echo "== 5. export to Hugging Face, reload with transformers, generate with both"
 "$VENV_PY" tools/checkpoint_util.py export-hf "$RUN_DIR/finetuned" "$RUN_DIR/hf_out"
-cp "$RUN_DIR"/hf_in/tokenizer* "$RUN_DIR"/hf_in/special_tokens_map.json "$RUN_DIR/hf_out/" 2>/dev/null || true
 "$VENV_PY" examples/hf/compare_generation.py "$RUN_DIR/hf_out" "$RUN_DIR/finetuned" "$PROMPT"
-"$VENV_PY" tools/generate.py --load "$RUN_DIR/finetuned" --tokenizer-type HuggingFaceTokenizer \
-    --tokenizer-model "$RUN_DIR/hf_in" --prompt "$PROMPT" --max-new-tokens 24 --top-p 0.9 --temperature 0.8
+"$VENV_PY" tools/generate.py --load "$RUN_DIR/finetuned" --prompt "$PROMPT" --max-new-tokens 24 --top-p 0.9 \
+    --temperature 0.8      # the tokenizer: the one the checkpoint records

@@ -4,25 +4,60 @@
     ids = generate_ids(model, cfg, prompt_ids, max_new_tokens=20, top_p=0.9, temperature=0.8, seed=0)
 
 The checkpoint's full tensors are read whatever layout saved them (tp, pp, dp, ZeRO: every
-piece is described by its global box), so no process group is needed. No key/value cache:
-each new token runs the whole (truncated) context — meant for looking at what a fine-tune did,
-not for serving.
+piece is described by its global box), so no process group is needed; a Megatron-LM checkpoint
+directory (torch_dist or per-rank torch files) is read as ``pretrain_gpt.py --load`` reads it.
+No key/value cache: each new token runs the whole (truncated) context — meant for looking at
+what a fine-tune did, not for serving.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+from types import SimpleNamespace
 
 import torch
 from .checkpoint import CheckpointError, read_full_model, read_info, resolve_checkpoint_dir
+from .data.tokenizer import tokenizer_record
 from .models import GPTModel, ModelConfig
 from .models.config import KERNEL_FIELDS
 from .parallel import ParallelContext
 
-__all__ = ["read_model_weights", "load_for_generation", "generate_ids"]
+__all__ = ["read_model_weights", "load_for_generation", "generate_ids", "recorded_tokenizer", "TOKENIZER_FLAGS",
+           "megatron_dir"]
+
+#: Megatron-LM's tokenizer flags (argparse names), in the order ``tokenizer_record`` reads the first four
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
 
 
-def read_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The model configuration a checkpoint recorded and its full (unpadded) weights by name."""
+def recorded_tokenizer(info: dict) -> dict | None:
+    """The tokenizer a checkpoint's ``checkpoint.json`` (``info``) records (type, absolute paths); for one saved
+    before it recorded them, the tokenizer flags of its arguments (paths as the run gave them); None when it has
+    neither."""
+    if info.get("tokenizer"):
+        return info["tokenizer"]
+    data = (info.get("args") or {}).get("data") if isinstance(info.get("args"), dict) else None
+    if not data:
+        return None
+    return tokenizer_record(SimpleNamespace(**{k: data.get(k) for k in TOKENIZER_FLAGS[:4]}))
+
+
+def megatron_dir(path: str) -> str | None:
+    """The iteration directory when ``path`` names a Megatron-LM checkpoint (not a megareshard one), else None."""
+    if not os.path.isdir(path):
+        return None
+    from .checkpoint.megatron_load import megatron_checkpoint_dir
+    return megatron_checkpoint_dir(path)
+
+
+def read_model_weights(path: str, vocab_size: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model configuration a checkpoint recorded and its full (unpadded) weights by name. A Megatron-LM
+    checkpoint directory is read as ``pretrain_gpt.py --load`` reads it (``checkpoint/megatron_load.py``): the
+    architecture from its saved arguments, ``vocab_size`` (the tokenizer's; default: what the arguments say)
+    rows of its padded vocabulary."""
+    if megatron_dir(path) is not None:
+        from .checkpoint.megatron_load import open_checked, read_full
+        opened = open_checked(path, vocab_size)
+        return opened.cfg, read_full(opened)
     ckpt = resolve_checkpoint_dir(path)
     info = read_info(ckpt)
     saved = info.get("model_config")
@@ -34,9 +69,11 @@ def read_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, read_full_model(ckpt, info)
 
 
-def load_for_generation(path: str, device: str | torch.device = "cpu") -> tuple[GPTModel, ModelConfig]:
-    """A single-process GPT (eval mode, dropout off) holding a checkpoint's weights."""
-    cfg, weights = read_model_weights(path)
+def load_for_generation(path: str, device: str | torch.device = "cpu",
+                        vocab_size: int | None = None) -> tuple[GPTModel, ModelConfig]:
+    """A single-process GPT (eval mode, dropout off) holding a checkpoint's weights (a megareshard checkpoint, or a
+    Megatron-LM directory with ``vocab_size`` rows of its vocabulary: ``read_model_weights``)."""
+    cfg, weights = read_model_weights(path, vocab_size)
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(cfg, ParallelContext.single_process(), seed=0, device=torch.device(device))
     missing = []

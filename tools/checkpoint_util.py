@@ -7,7 +7,8 @@
     python tools/checkpoint_util.py export CKPT OUT.pt [--weights-only]
     python tools/checkpoint_util.py import IN.pt OUTDIR [--iteration N] [--weights-only]
     python tools/checkpoint_util.py import-hf HF_DIR OUTDIR     # Llama / GPT-2: config.json + safetensors
-    python tools/checkpoint_util.py export-hf CKPT HF_DIR
+    python tools/checkpoint_util.py import-hf org/model OUTDIR  # a hub name: the local cache, else a download
+    python tools/checkpoint_util.py export-hf CKPT HF_DIR       # with the checkpoint's tokenizer
 
 Every writing command refuses a destination that exists and is not empty — another model's files, a
 training root whose ``latest`` the import would move — saying what is there and writing nothing,
@@ -30,18 +31,26 @@ that the trainer loads in any layout (``--load OUTDIR``; ``--finetune`` for weig
 ``import-hf`` reads a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory
 (``config.json`` and ``model.safetensors``, or shards listed in ``model.safetensors.index.json``),
 derives the architecture flags from the config, writes a fresh checkpoint recording them and
-prints them (pass them with ``--load OUTDIR --finetune``). ``export-hf`` writes a checkpoint's
-weights back as ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads. The
-mappings are ``megareshard/models/hf.py``; needs the ``safetensors`` package.
+prints them (pass them with ``--load OUTDIR --finetune``); a directory's ``tokenizer.json`` is recorded as its
+tokenizer. A name that is not a path (``org/model``) is a Hugging Face Hub repository, read through
+``huggingface_hub``: its snapshot in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``), else downloaded unless
+``HF_HUB_OFFLINE`` is set; the tool says which. ``export-hf`` writes a checkpoint's weights back as
+``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads, and the tokenizer the checkpoint records
+(or the tokenizer flags name) as files ``AutoTokenizer.from_pretrained`` loads, its bos/eos/pad ids in
+``config.json`` and ``generation_config.json`` (``megareshard/models/hf_tokenizer.py``; null ids when there is
+no tokenizer). The mappings are ``megareshard/models/hf.py``; needs the ``safetensors`` package.
 
 ``import-megatron`` reads a Megatron-LM checkpoint (``torch_dist``, or the per-rank ``torch`` format
 ``mp_rank_TT[_PPP]/model_optim_rng.pt``; a root with ``latest_checkpointed_iteration.txt`` or an
 ``iter_NNNNNNN`` directory), derives the architecture from its saved arguments, writes a fresh
-checkpoint of its weights and prints the flags (``pretrain_gpt.py --load DIR`` also reads a Megatron-LM
-checkpoint directly, in any layout). ``export-megatron`` writes a checkpoint's weights as a ``torch_dist``
-checkpoint that Megatron-Core's ``dist_checkpointing.load`` reads into a model of the same configuration
-(``--tensor-model-parallel-size``: the tp it will be loaded at, which sets the vocabulary padding). Like every
-writing command here, neither writes into a non-empty directory unless ``--force``. The mappings are
+checkpoint of its weights and prints the flags; the tokenizer flags given (Megatron-LM's ``--tokenizer-type``,
+``--tokenizer-model``, ``--vocab-file``, ``--merge-file``), else the tokenizer the saved arguments name when its
+files are here, are recorded in it (``tools/generate.py`` and ``export-hf`` need no tokenizer flag afterwards),
+and the tokenizer's size is the vocabulary kept (``pretrain_gpt.py --load DIR`` and ``tools/generate.py --load
+DIR`` also read a Megatron-LM checkpoint directly). ``export-megatron`` writes a checkpoint's weights as a
+``torch_dist`` checkpoint that Megatron-Core's ``dist_checkpointing.load`` reads into a model of the same
+configuration (``--tensor-model-parallel-size``: the tp it will be loaded at, which sets the vocabulary padding).
+Like every writing command here, neither writes into a non-empty directory unless ``--force``. The mappings are
 ``megareshard/checkpoint/megatron.py``.
 """
 from __future__ import annotations
@@ -49,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
 
@@ -66,10 +76,14 @@ from megareshard.checkpoint.detect import check_destination  # noqa: E402
 from megareshard.checkpoint.lock import busy_message, try_lock_dir  # noqa: E402
 from megareshard.checkpoint.manager import describe_layout  # noqa: E402
 from megareshard.checkpoint.megatron import args_from_model_config, to_megatron  # noqa: E402
-from megareshard.checkpoint.megatron_io import write_torch_dist  # noqa: E402
+from megareshard.checkpoint.megatron_io import MegatronCheckpoint, write_torch_dist  # noqa: E402
 from megareshard.checkpoint.megatron_load import open_checked, read_full  # noqa: E402
 from megareshard.checkpoint.safe_pickle import load_torch  # noqa: E402
+from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,  # noqa: E402
+                                        tokenizer_record)
+from megareshard.generation import TOKENIZER_FLAGS, recorded_tokenizer  # noqa: E402
 from megareshard.models import hf as hf_map  # noqa: E402
+from megareshard.models.hf_tokenizer import HFTokenizerExport, write_hf_tokenizer  # noqa: E402
 from megareshard.models.config import ModelConfig  # noqa: E402
 
 EXPORT_FORMAT = "megareshard-export"
@@ -200,8 +214,9 @@ def import_(in_path: str, out_dir: str, iteration: int | None = None, weights_on
 
 
 def _write_imported(model: dict, optim: dict | None, common: dict, model_cfg: dict | None, it: int, source: str,
-                    out_dir: str) -> str:
-    """A checkpoint directory from full tensors (and optionally optimizer state), recording where they came from."""
+                    out_dir: str, tokenizer: dict | None = None) -> str:
+    """A checkpoint directory from full tensors (and optionally optimizer state), recording where they came from
+    (and ``tokenizer``, a ``tokenizer_record``, when known: what generate.py and export-hf use)."""
     pieces = {f"model.{k}": Piece(v.contiguous(), tuple(v.shape), (0,) * v.dim()) for k, v in model.items()}
     for name, kinds in (optim or {}).items():
         for kind, v in kinds.items():
@@ -214,6 +229,8 @@ def _write_imported(model: dict, optim: dict | None, common: dict, model_cfg: di
     info = {"layout": {"imported_from": os.path.abspath(source), "rank_coords": []}, "model_config": model_cfg,
             "args": common.get("args"), "has_optimizer": bool(optim), "has_rng": False,
             "consumed_samples": common.get("consumed_samples"), "wandb_run_id": common.get("wandb_run_id")}
+    if tokenizer:
+        info["tokenizer"] = tokenizer
     lock, holder = try_lock_dir(out_dir)          # a running job's --save is refused, --force or not
     if holder is not None:
         raise CheckpointError(busy_message(out_dir, holder, training=False))
@@ -242,9 +259,77 @@ def _model_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
+# what import-hf reads of a hub repository: the config, the weights, the tokenizer
+_HF_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.model", "vocab.json", "merges.txt"]
+
+
+def _hf_offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_hf_source(name: str) -> tuple[str, str | None]:
+    """(a local directory, how it was found) for ``import-hf``'s source: an existing path as it is (how: None);
+    otherwise a hub repository id (``org/model``) through ``huggingface_hub``: its snapshot in the local cache
+    (``HF_HUB_CACHE`` / ``HF_HOME``) first, else a download unless ``HF_HUB_OFFLINE`` forbids one."""
+    if os.path.exists(name) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name):
+        return name, None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise CheckpointError(f"{name} is not a directory here, and reading a Hugging Face Hub name needs "
+                              "huggingface_hub: pip install huggingface_hub (or transformers)") from None
+
+    def complete(path: str) -> bool:
+        return os.path.isfile(os.path.join(path, "config.json")) and any(
+            os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
+
+    try:
+        path = snapshot_download(name, local_files_only=True, allow_patterns=_HF_PATTERNS)
+        if complete(path):
+            return path, f"{name} from the local Hugging Face cache ({path})"
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as e:  # noqa: BLE001 (a malformed cache, a bad repository id)
+        raise CheckpointError(f"{name}: not a directory here, and the Hugging Face cache cannot give it: "
+                              f"{_first_line(e)}") from None
+    if _hf_offline():
+        raise CheckpointError(f"{name} is neither a directory here nor in the local Hugging Face cache "
+                              f"({_hf_cache()}) with its config.json and safetensors weights, and HF_HUB_OFFLINE "
+                              "forbids a download")
+    try:
+        path = snapshot_download(name, allow_patterns=_HF_PATTERNS)
+    except Exception as e:  # noqa: BLE001 (no network, no such repository, a gated one: the hub's own errors)
+        raise CheckpointError(f"{name} is not a directory here and could not be downloaded from the Hugging Face "
+                              f"Hub: {type(e).__name__}: {_first_line(e)}") from None
+    return path, f"{name} downloaded from the Hugging Face Hub into {path}"
+
+
+def _hf_cache() -> str:
+    from huggingface_hub import constants
+    return constants.HF_HUB_CACHE
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def hf_tokenizer_record(hf_dir: str) -> dict | None:
+    """The tokenizer record (``tokenizer_record``'s form) of a Hugging Face directory with a ``tokenizer.json``."""
+    if not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return None
+    return {"type": "HuggingFaceTokenizer", "model": os.path.abspath(hf_dir), "vocab_file": None, "merge_file": None}
+
+
 def import_hf(hf_dir: str, out_dir: str, force: bool = False) -> tuple[str, ModelConfig]:
-    """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama or GPT-2 directory."""
+    """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama or GPT-2 directory (or a hub name,
+    through ``resolve_hf_source``). Its tokenizer, when the directory has a ``tokenizer.json``, is recorded
+    (generate.py and export-hf use it)."""
     writable_destination(out_dir, force)
+    hf_dir, _ = resolve_hf_source(hf_dir)
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
         with open(cfg_path) as f:
@@ -281,15 +366,20 @@ def import_hf(hf_dir: str, out_dir: str, force: bool = False) -> tuple[str, Mode
     except hf_map.HFInteropError as e:
         raise CheckpointError(f"{hf_dir}: {e}") from None
     common = {"iteration": 0, "imported_from_hf": hf_cfg.get("model_type")}
-    return _write_imported(model, None, common, dataclasses.asdict(cfg), 0, hf_dir, out_dir), cfg
+    return _write_imported(model, None, common, dataclasses.asdict(cfg), 0, hf_dir, out_dir,
+                           hf_tokenizer_record(hf_dir)), cfg
 
 
-def export_hf(path: str, hf_dir: str, force: bool = False) -> dict:
-    """``config.json`` + ``model.safetensors`` (Llama or GPT-2) of a checkpoint's weights; returns the config."""
+def export_hf(path: str, hf_dir: str, force: bool = False, tokenizer: dict | None = None):
+    """``config.json`` + ``model.safetensors`` (Llama or GPT-2) of a checkpoint's weights, and its tokenizer
+    (``tokenizer``, a ``tokenizer_record``, else the one the checkpoint records) as files ``AutoTokenizer`` loads
+    with its bos/eos/pad ids in ``config.json`` and ``generation_config.json`` (``megareshard/models/hf_tokenizer.py``);
+    returns (the config, what was written of the tokenizer)."""
     writable_destination(hf_dir, force)
     st = _safetensors()
     ckpt = resolve_checkpoint_dir(path)
-    saved = read_info(ckpt).get("model_config")
+    info = read_info(ckpt)
+    saved = info.get("model_config")
     if not saved:
         raise CheckpointError(f"{ckpt} records no model configuration: the architecture cannot be told")
     cfg = _model_config_from_dict(saved)
@@ -305,11 +395,30 @@ def export_hf(path: str, hf_dir: str, force: bool = False) -> dict:
         hf_sd = hf_map.state_dict_to_hf(model, cfg)
     except hf_map.HFInteropError as e:
         raise CheckpointError(f"{ckpt}: {e}") from None
+    record = tokenizer or recorded_tokenizer(info)
     os.makedirs(hf_dir, exist_ok=True)
+    try:
+        tok = write_hf_tokenizer(record, hf_dir, cfg.vocab_size)
+    except TokenizerError as e:
+        if tokenizer:
+            raise CheckpointError(f"the tokenizer given ({record['type']}) cannot be exported: {e}") from None
+        tok = HFTokenizerExport(f"none written: the tokenizer {ckpt} records ({record['type']}) cannot be read here "
+                                f"({e}); give --tokenizer-type with its files to export it", unreadable=True)
+    ids = {k: (v if v is not None and 0 <= v < cfg.vocab_size else None) for k, v in tok.special_ids().items()}
+    outside = {k: v for k, v in tok.special_ids().items() if v is not None and ids[k] is None}
+    if outside:
+        raise CheckpointError(f"the tokenizer's {', '.join(f'{k} {v}' for k, v in outside.items())} is outside the "
+                              f"model's vocabulary of {cfg.vocab_size}: it is not this model's tokenizer")
+    hf_cfg.update(ids)        # null where there is none: no architecture default (GPT-2's 50256) stands in
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2)
+    if ids["eos_token_id"] is not None:
+        gen = {k: v for k, v in ids.items() if v is not None}
+        gen.setdefault("pad_token_id", ids["eos_token_id"])   # generate pads a batch with eos when there is no pad
+        with open(os.path.join(hf_dir, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=2)
     st.save_file(hf_sd, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    return hf_cfg
+    return hf_cfg, tok
 
 
 def _model_tensors(path: str) -> tuple[str, dict, ModelConfig, dict]:
@@ -322,15 +431,48 @@ def _model_tensors(path: str) -> tuple[str, dict, ModelConfig, dict]:
     return ckpt, info, cfg, read_full_model(ckpt, info)
 
 
-def import_megatron(src: str, out_dir: str, vocab_size: int | None = None, force: bool = False):
-    """A fresh checkpoint (iteration 0, weights only) from a Megatron-LM checkpoint; returns (path, config, notes)."""
+def megatron_tokenizer(src: str, tokenizer: dict | None) -> tuple[dict | None, object | None, list[str]]:
+    """(the tokenizer record to keep, the tokenizer built from it or None, notes) for a Megatron-LM checkpoint:
+    ``tokenizer`` (the flags given) when given, else the one its saved arguments name (Megatron-LM's
+    tokenizer_type, tokenizer_model, vocab_file, merge_file) when its files are here."""
+    if tokenizer is not None:
+        if tokenizer["type"] == "NullTokenizer":
+            return tokenizer, None, []
+        try:
+            return tokenizer, build_recorded_tokenizer(tokenizer, 0), []
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+    args = MegatronCheckpoint(src).args
+    saved = {k: args.get(k) for k in TOKENIZER_FLAGS[:4]}
+    if not saved["tokenizer_type"]:
+        return None, None, []
+    record = tokenizer_record(argparse.Namespace(**saved))
+    if record["type"] == "NullTokenizer":
+        return record, None, []
+    try:
+        return record, build_recorded_tokenizer(record, 0), []
+    except TokenizerError as e:
+        return None, None, [f"the run's tokenizer ({record['type']}) cannot be read here ({e}): give "
+                            "--tokenizer-type with --tokenizer-model (or --vocab-file and --merge-file) to record it, "
+                            "so that tools/generate.py and export-hf need no tokenizer flags"]
+
+
+def import_megatron(src: str, out_dir: str, vocab_size: int | None = None, force: bool = False,
+                    tokenizer: dict | None = None):
+    """A fresh checkpoint (iteration 0, weights only) from a Megatron-LM checkpoint, recording its tokenizer
+    (``megatron_tokenizer``; its vocabulary is the model's unless ``vocab_size`` is given); returns (path, config,
+    notes)."""
     writable_destination(out_dir, force)
+    record, tok, notes = megatron_tokenizer(src, tokenizer)
+    if vocab_size is None and tok is not None:
+        vocab_size = tok.vocab_size           # Megatron-LM pads the tokenizer's vocabulary: the rest is padding
     opened = open_checked(src, vocab_size)
     model = read_full(opened)
     common = {"iteration": 0, "imported_from_megatron": {"format": opened.ckpt.format,
                                                          "iteration": opened.ckpt.iteration}}
-    path = _write_imported(model, None, common, dataclasses.asdict(opened.cfg), 0, opened.ckpt.path, out_dir)
-    return path, opened.cfg, opened.notes
+    path = _write_imported(model, None, common, dataclasses.asdict(opened.cfg), 0, opened.ckpt.path, out_dir,
+                           record)
+    return path, opened.cfg, opened.notes + notes
 
 
 def export_megatron(path: str, out_dir: str, tp: int = 1, force: bool = False) -> str:
@@ -346,6 +488,37 @@ def export_megatron(path: str, out_dir: str, tp: int = 1, force: bool = False) -
     args = argparse.Namespace(**args_from_model_config(cfg, tp, {"tokenizer_type": tokenizer}))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": int(info["iteration"])}
     return write_torch_dist(out_dir, int(info["iteration"]), tensors, objects, common)
+
+
+def _add_tokenizer_flags(parser, default: str) -> None:
+    """Megatron-LM's tokenizer flags (the names pretrain_gpt.py and generate.py take)."""
+    g = parser.add_argument_group(f"tokenizer ({default})")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None, help="a sentencepiece model, or a Hugging Face tokenizer's "
+                                                           "directory (HuggingFaceTokenizer)")
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+
+
+def _tokenizer_flags(args) -> dict | None:
+    """The tokenizer record of the tokenizer flags given (None when none is), checked by building it."""
+    given = {k: getattr(args, k, None) for k in TOKENIZER_FLAGS[:4]}
+    if not any(given.values()):
+        return None
+    if given["tokenizer_type"] != "NullTokenizer":
+        try:
+            build_tokenizer(given["tokenizer_type"], tokenizer_model=given["tokenizer_model"],
+                            vocab_file=given["vocab_file"], merge_file=given["merge_file"])
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+    return tokenizer_record(argparse.Namespace(**given))
+
+
+def _say_tokenizer(ckpt: str) -> None:
+    rec = read_info(ckpt).get("tokenizer")
+    if rec:
+        print(f"recorded its tokenizer: {rec['type']} {rec.get('model') or rec.get('vocab_file') or ''}".rstrip()
+              + " (generate.py and export-hf use it)")
 
 
 def main(argv=None) -> int:
@@ -376,6 +549,7 @@ def main(argv=None) -> int:
     e.add_argument("ckpt")
     e.add_argument("hf_dir")
     e.add_argument("--force", action="store_true", help="overwrite the files of a non-empty HF_DIR")
+    _add_tokenizer_flags(e, "default: the one the checkpoint records")
     g = sub.add_parser("import-megatron", help="a fresh checkpoint from a Megatron-LM checkpoint (torch_dist or "
                                                "per-rank torch files)")
     g.add_argument("megatron_dir")
@@ -383,6 +557,8 @@ def main(argv=None) -> int:
     g.add_argument("--vocab-size", type=int, default=None,
                    help="the tokenizer's vocabulary (default: from the saved arguments); rows past it are padding")
     g.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    _add_tokenizer_flags(g, "default: the one the run's saved arguments name, when its files are here; recorded in "
+                            "the checkpoint for generate.py and export-hf, and its vocabulary is the model's")
     h = sub.add_parser("export-megatron", help="a checkpoint's weights as a Megatron-LM torch_dist checkpoint")
     h.add_argument("ckpt")
     h.add_argument("megatron_dir")
@@ -400,13 +576,20 @@ def main(argv=None) -> int:
                   + (f", optimizer state of {len(res['optimizer'])} parameters" if "optimizer" in res else "")
                   + f" -> {args.out}")
         elif args.cmd == "import-hf":
-            path, cfg = import_hf(args.hf_dir, args.out_dir, args.force)
+            writable_destination(args.out_dir, args.force)       # before a download
+            src, found = resolve_hf_source(args.hf_dir)
+            if found:
+                print(f"reading {found}")
+            path, cfg = import_hf(src, args.out_dir, args.force)
+            _say_tokenizer(path)
             print(f"imported {args.hf_dir} -> {path}; train it with --load {args.out_dir} --finetune "
                   + " ".join(hf_map.megatron_flags(cfg)))
         elif args.cmd == "import-megatron":
-            path, cfg, notes = import_megatron(args.megatron_dir, args.out_dir, args.vocab_size, args.force)
+            path, cfg, notes = import_megatron(args.megatron_dir, args.out_dir, args.vocab_size, args.force,
+                                               _tokenizer_flags(args))
             for note in notes:
                 print(f"note: {note}")
+            _say_tokenizer(path)
             print(f"imported {args.megatron_dir} -> {path}; train it with --load {args.out_dir} --finetune "
                   + " ".join(hf_map.megatron_flags(cfg)))
         elif args.cmd == "export-megatron":
@@ -415,8 +598,17 @@ def main(argv=None) -> int:
                   f"{args.tensor_model_parallel_size}, weights only: load it in Megatron-LM with --load "
                   f"{args.megatron_dir} --finetune)")
         elif args.cmd == "export-hf":
-            hf_cfg = export_hf(args.ckpt, args.hf_dir, args.force)
+            hf_cfg, tok = export_hf(args.ckpt, args.hf_dir, args.force, _tokenizer_flags(args))
             print(f"exported {args.ckpt} -> {args.hf_dir} ({hf_cfg['architectures'][0]}: config.json, model.safetensors)")
+            ids = ", ".join(f"{k} {v}" for k, v in tok.special_ids().items() if v is not None) or "no special ids"
+            line = f"tokenizer: {tok.description}" + (f" ({', '.join(tok.files)}; {ids})" if tok.files else f" ({ids})")
+            if tok.unreadable:
+                print(f"warning: {line}", file=sys.stderr)
+            else:
+                print(f"  {line}")
+            if tok.mismatch:
+                print(f"warning: the exported tokenizer encodes a text differently from the checkpoint's: "
+                      f"{tok.mismatch}; check it before using the export", file=sys.stderr)
         else:
             path = import_(args.input, args.out_dir, args.iteration, args.weights_only, args.force)
             print(f"imported {args.input} -> {path} (load it with --load {args.out_dir})")

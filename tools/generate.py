@@ -4,7 +4,10 @@
     python tools/generate.py --load runs/quickstart/checkpoints --prompt "def fibonacci(n):" --max-new-tokens 40
     ... --top-p 0.9 --temperature 0.8 --seed 1      # sampling instead of greedy
 
-The tokenizer is the one the checkpoint records (its type and files, saved by the run that trained it).
+``--load`` also reads a Megatron-LM checkpoint directory (torch_dist or per-rank torch files), as
+pretrain_gpt.py --load does. The tokenizer is the one the checkpoint records (its type and files,
+saved by the run that trained it, or by checkpoint_util.py import-hf / import-megatron), or that a
+Megatron-LM run's saved arguments name.
 Tokenizer flags, Megatron-LM's (--tokenizer-type with --tokenizer-model, or --vocab-file and
 --merge-file, or --vocab-size for NullTokenizer), replace it, e.g. for an imported checkpoint. Ids the
 tokenizer has beyond the model's vocabulary (special pieces Megatron-LM's SentencePieceTokenizer adds)
@@ -23,25 +26,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megareshard.checkpoint import CheckpointError, read_info, resolve_checkpoint_dir  # noqa: E402
 from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,  # noqa: E402
                                         tokenizer_record)
-from megareshard.generation import generate_ids, load_for_generation  # noqa: E402
-
-TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
+from megareshard.generation import (TOKENIZER_FLAGS, generate_ids, load_for_generation, megatron_dir,  # noqa: E402
+                                    recorded_tokenizer)
 
 
 def checkpoint_tokenizer(load: str) -> dict | None:
     """The tokenizer a checkpoint records (type, absolute paths); for one saved before it recorded them, the
-    tokenizer flags of its arguments (paths as the run gave them); None when it has neither."""
-    info = read_info(resolve_checkpoint_dir(load))
-    if info.get("tokenizer"):
-        return info["tokenizer"]
-    data = (info.get("args") or {}).get("data")
-    if not data:
-        return None
-    return tokenizer_record(SimpleNamespace(**{k: data.get(k) for k in TOKENIZER_FLAGS[:4]}))
+    tokenizer flags of its arguments (paths as the run gave them); for a Megatron-LM directory, the tokenizer its
+    saved arguments name; None when it has none."""
+    if megatron_dir(load) is not None:
+        from megareshard.checkpoint.megatron_io import MegatronCheckpoint
+        args = MegatronCheckpoint(load).args
+        return tokenizer_record(SimpleNamespace(**{k: args.get(k) for k in TOKENIZER_FLAGS[:4]}))
+    return recorded_tokenizer(read_info(resolve_checkpoint_dir(load)))
 
 
-def build(a: argparse.Namespace, model_vocab: int):
-    """The tokenizer of the flags given, else the checkpoint's; and a note when it is not the checkpoint's."""
+def load(a: argparse.Namespace):
+    """(model, its config, tokenizer, note): a Megatron-LM directory's vocabulary is its tokenizer's (Megatron-LM
+    padded that), so the tokenizer comes first there; elsewhere the checkpoint says its vocabulary."""
+    if megatron_dir(a.load) is None:
+        model, cfg = load_for_generation(a.load, a.device)
+        return (model, cfg, *build(a, cfg.vocab_size))
+    tok, note = build(a, None)
+    model, cfg = load_for_generation(a.load, a.device, vocab_size=tok.vocab_size if tok is not None else None)
+    if tok is None:                       # NullTokenizer by the saved arguments: its size is the model's
+        tok, note = build(a, cfg.vocab_size)
+    return model, cfg, tok, note
+
+
+def build(a: argparse.Namespace, model_vocab: int | None):
+    """The tokenizer of the flags given, else the checkpoint's; and a note when it is not the checkpoint's.
+    ``model_vocab`` None (a Megatron-LM directory not yet read): None for a recorded NullTokenizer."""
     recorded = checkpoint_tokenizer(a.load)
     if any(getattr(a, k) is not None for k in TOKENIZER_FLAGS):
         tok = build_tokenizer(a.tokenizer_type, tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file,
@@ -54,8 +69,10 @@ def build(a: argparse.Namespace, model_vocab: int):
     if recorded is None:
         raise TokenizerError(f"{a.load} records no tokenizer (imported weights, or trained on mock data): give "
                              "--tokenizer-type with --tokenizer-model (or --vocab-file and --merge-file)")
+    if model_vocab is None and recorded["type"] == "NullTokenizer":
+        return None, None
     try:
-        return build_recorded_tokenizer(recorded, model_vocab), None
+        return build_recorded_tokenizer(recorded, model_vocab or 0), None
     except TokenizerError as e:
         raise TokenizerError(f"the tokenizer {a.load} records ({recorded['type']}) cannot be built: {e}; give "
                              "--tokenizer-type and its files") from None
@@ -63,7 +80,8 @@ def build(a: argparse.Namespace, model_vocab: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="generate.py", description=__doc__.splitlines()[0])
-    p.add_argument("--load", required=True, help="checkpoint root (its latest) or a checkpoint directory")
+    p.add_argument("--load", required=True, help="checkpoint root (its latest) or a checkpoint directory; or a "
+                                                 "Megatron-LM checkpoint directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: greedy)")
@@ -79,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ids", action="store_true", help="also print the token ids")
     a = p.parse_args(argv)
     try:
-        model, cfg = load_for_generation(a.load, a.device)
-        tok, note = build(a, cfg.vocab_size)
+        model, cfg, tok, note = load(a)
         if note:
             print(f"note: {note}", file=sys.stderr)
         prompt = tok.encode(a.prompt)

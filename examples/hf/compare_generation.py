@@ -25,7 +25,7 @@ def main() -> int:
     from megareshard.generation import generate_ids, load_for_generation
 
     tok = AutoTokenizer.from_pretrained(a.hf_dir)
-    hf = AutoModelForCausalLM.from_pretrained(a.hf_dir, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(a.hf_dir).eval()          # float32, as exported
     ids = tok(a.prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         theirs = hf.generate(ids, max_new_tokens=a.max_new_tokens, do_sample=False, eos_token_id=None,

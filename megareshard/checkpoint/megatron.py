@@ -150,12 +150,15 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
             notes.append(f"vocabulary {vocab_size}: NullTokenizer's --vocab-size {given} and its eod")
         elif given:
             vocab_size = int(given)
-            notes.append(f"vocabulary {vocab_size}: the run's --vocab-size (with {args.get('tokenizer_type')}; give "
-                         "the tokenizer's own size if it differs)")
+            if args.get("tokenizer_type"):   # none named (export-megatron of a mock-data run): the size is the model's
+                notes.append(f"vocabulary {vocab_size}: the run's --vocab-size, but Megatron-LM sizes a "
+                             f"{args['tokenizer_type']} vocabulary from the tokenizer itself: give --tokenizer-model "
+                             "(or --vocab-size) if the tokenizer's size differs")
         elif padded:
             vocab_size = int(padded)
             notes.append(f"vocabulary {vocab_size}: the arguments record only the padded vocabulary, so every stored "
-                         "row is kept (give the tokenizer's size to drop the padding rows)")
+                         "row is kept (give --tokenizer-type with --tokenizer-model, or --vocab-size, to drop the "
+                         "padding rows)")
         else:
             raise CheckpointError("the checkpoint's arguments record no vocabulary size (vocab_size, "
                                   "padded_vocab_size)")
