@@ -1,11 +1,14 @@
 """Validation of a parsed configuration, once, before anything is built: every constraint with the numbers in its
-message (``ConfigError``), Megatron's derived defaults filled in (the global batch, ``--zero-stage`` from
-``--use-distributed-optimizer``, recomputation's layer count, ...), and the resolved run plan set
-(``cfg.plan``, `run_plan.resolve`). `arguments.parse_args` calls `validate`; a configuration built or changed
-in code is checked by calling it again (validating twice gives the same answer).
+message (``ConfigError``). `validate` is a function from a configuration to a new one: Megatron's derived
+defaults filled in (the global batch, ``--zero-stage`` from ``--use-distributed-optimizer``, recomputation's
+layer count, ...) and the resolved run plan (``.plan``, `run_plan.resolve`); the configuration it is given is
+never changed. `arguments.parse_args` returns its result; a configuration built or changed in code is checked by
+calling it (validating twice gives the same answer).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import warnings
 from typing import TYPE_CHECKING
@@ -26,13 +29,15 @@ __all__ = ["validate", "resolve_virtual_stages", "SHARDING_STRATEGY_STAGE"]
 
 
 def validate(cfg: Config, world_size: int) -> Config:
-    """Check every constraint before anything is built, once: fills Megatron's derived defaults (global batch,
-    --zero-stage from --use-distributed-optimizer, ...) and resolves the run plan (``cfg.plan``)."""
+    """Check every constraint before anything is built, once; returns a new configuration with Megatron's derived
+    defaults filled in (global batch, --zero-stage from --use-distributed-optimizer, ...) and its resolved run
+    plan (``.plan``). ``cfg`` itself is left as it is (validating the result again gives the same answer)."""
     auto_layout = None if cfg.plan is None else cfg.plan.auto_layout
     if cfg.parallel.auto_layout and cfg.plan is None:
-        from .planner.auto import apply_auto_layout  # the planner chooses the layout flags first
+        from .planner.auto import apply_auto_layout  # the planner chooses the layout flags first (a new config)
 
-        auto_layout = apply_auto_layout(cfg, world_size)
+        cfg, auto_layout = apply_auto_layout(cfg, world_size)
+    cfg = copy.deepcopy(dataclasses.replace(cfg, plan=None))   # what follows fills defaults in this copy only
     m, p, t, d, lg = cfg.model, cfg.parallel, cfg.training, cfg.data, cfg.logging
     pl, mem = cfg.pipeline, cfg.memory
     positive = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
@@ -56,7 +61,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     elif world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} × "
                           f"pipeline-model-parallel-size {pp} = {tp * pp}")
-    dp = cfg.dp(world_size)
+    dp = run_plan.data_parallel_size(cfg, world_size)
     if not p.stage_layouts:  # per-stage layouts checked each stage's tp above
         check_model_shape(m, tp, p.sequence_parallel)
     for name, value in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
@@ -240,7 +245,7 @@ def _validate_zero(cfg: Config, world_size: int) -> None:
                               f"{', '.join(map(str, ones))} of --stage-layouts {cfg.parallel.stage_layouts} have dp 1: "
                               "give every stage dp >= 2, or use --zero-stage 0-2")
         return
-    dp = cfg.dp(world_size)
+    dp = run_plan.data_parallel_size(cfg, world_size)
     if dp < 2:
         raise ConfigError(f"--zero-stage 3 shards parameters over data parallelism, but dp is {dp} (world size "
                           f"{world_size} = tp {cfg.tp} × pp {cfg.pp} × dp {dp}): nothing to shard over; use "
@@ -261,7 +266,7 @@ def _validate_schedule_file(cfg: Config, world_size: int) -> None:
                           "(or drop --auto-layout)")
     from .pipeline.schedule_io import load_schedule_file
 
-    load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=cfg.num_microbatches(world_size),
+    load_schedule_file(path, num_meshes=cfg.pp, num_microbatches=run_plan.microbatch_count(cfg, world_size),
                        overlap_grad_reduce=cfg.memory.overlap_grad_reduce)
 
 
@@ -327,10 +332,10 @@ def resolve_virtual_stages(cfg: Config, world_size: int) -> int:
                           f"--pipeline-model-parallel-size >= 2, got {pp}")
     t = cfg.training
     if kind.microbatch_multiple_of_pp and t.global_batch_size is not None:
-        mbs = t.global_batch_size // (t.micro_batch_size * cfg.dp(world_size))
+        dp, mbs = run_plan.data_parallel_size(cfg, world_size), run_plan.microbatch_count(cfg, world_size)
         if mbs % pp:
             raise ConfigError(f"--pipeline-schedule {name}: {mbs} microbatches (global batch {t.global_batch_size} / "
-                              f"(micro batch {t.micro_batch_size} × dp {cfg.dp(world_size)})) are not a multiple of "
+                              f"(micro batch {t.micro_batch_size} × dp {dp})) are not a multiple of "
                               f"--pipeline-model-parallel-size {pp}: interleaving sends microbatches through the "
                               "chunks in groups of pp")
     return vpp or 1

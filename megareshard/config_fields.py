@@ -5,10 +5,11 @@ model's config without importing the argument parser (which imports it).
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import field
 from typing import Any, Callable, Sequence
 
-__all__ = ["ConfigError", "config_field"]
+__all__ = ["ConfigError", "config_field", "registry_choices"]
 
 
 class ConfigError(ValueError):
@@ -25,3 +26,13 @@ def config_field(default: Any, help: str, *, flag: str | None = None,
     (a registry's names: what registers after this module is imported is still a choice).
     """
     return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
+
+
+def registry_choices(module: str, names: str) -> Callable[[], Sequence[str]]:
+    """``choices`` read from a registry when the parser is built: ``module.names()`` (e.g. the schedules'
+    ``schedule_names``). Named by string, so a configuration type imports no registry (it sits below them)."""
+    def choices() -> Sequence[str]:
+        return getattr(importlib.import_module(module), names)()
+
+    choices.__qualname__ = f"{module}.{names}"
+    return choices

@@ -138,9 +138,9 @@ def validate_only(cfg: Any, world_size: int | None = None) -> str:
     resume = checkpoint_plan(cfg)
     p, t = cfg.parallel, cfg.training
     layout = (f"stages {p.stage_layouts}" if p.stage_layouts
-              else f"tp {cfg.tp} × pp {cfg.pp} × dp {cfg.dp(world_size)}")
+              else f"tp {cfg.tp} × pp {cfg.pp} × dp {cfg.plan.dp}")
     data = ", ".join(found) if found else "mock data"
     vocab = f"tokenizer {tok!r}" if tok is not None else f"vocabulary {cfg.model.vocab_size}"
     return (f"megareshard: arguments valid for {world_size} rank(s): {layout}, global batch {t.global_batch_size} "
-            f"in {cfg.num_microbatches(world_size)} microbatch(es) of {t.micro_batch_size} per dp rank, --train-iters "
+            f"in {cfg.plan.num_microbatches} microbatch(es) of {t.micro_batch_size} per dp rank, --train-iters "
             f"{t.train_iters}; {vocab}; data {data}" + (f"; {resume}" if resume else ""))

@@ -16,7 +16,7 @@ from .pipeline.schedules import get_schedule
 if TYPE_CHECKING:  # annotations only: the plan is what the command-line module resolves to
     from .arguments import Config
 
-__all__ = ["PipelinePlan", "RunPlan", "resolve", "virtual_stages"]
+__all__ = ["PipelinePlan", "RunPlan", "resolve", "virtual_stages", "data_parallel_size", "microbatch_count"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,23 @@ class RunPlan:
         return self.pp * self.virtual_stages
 
 
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    """The dp degree on `world_size` ranks; with --stage-layouts the largest stage's (a global microbatch is micro
+    batch × it). The one place it is computed: the plan holds it (``RunPlan.dp``)."""
+    if cfg.parallel.stage_layouts:
+        from .parallel.stage_topology import parse_stage_layouts
+
+        return max(d for _, d in parse_stage_layouts(cfg.parallel.stage_layouts))
+    return world_size // (cfg.tp * cfg.pp)
+
+
+def microbatch_count(cfg: Config, world_size: int) -> int:
+    """Microbatches per iteration: global batch / (micro batch × dp). The one place it is computed (the plan holds
+    it: ``RunPlan.num_microbatches``; the data sampler and the pipeline read it there)."""
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * data_parallel_size(cfg, world_size))
+
+
 def virtual_stages(cfg: Config) -> int:
     """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
     stages Megatron's flags give (1: none) — what `arguments.resolve_virtual_stages` checked."""
@@ -95,10 +112,10 @@ def virtual_stages(cfg: Config) -> int:
 def resolve(cfg: Config, world_size: int, auto_layout: str | None = None) -> RunPlan:
     """The plan of a validated `cfg` on `world_size` ranks (called by `arguments.validate`)."""
     pl, t = cfg.pipeline, cfg.training
-    pp, dp = cfg.pp, cfg.dp(world_size)
+    pp, dp = cfg.pp, data_parallel_size(cfg, world_size)
     v = virtual_stages(cfg)
     placement = tuple(range(pp)) if v == 1 else get_schedule(pl.pipeline_schedule).placement(pp, v)
-    m = t.global_batch_size // (t.micro_batch_size * dp)
+    m = microbatch_count(cfg, world_size)
     pipe = PipelinePlan(schedule=pl.pipeline_schedule, delay_wgrad=pl.delay_wgrad_compute,
                         strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks,
                         num_microbatches=m, edge_batch=t.micro_batch_size * dp, placement=placement,

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from . import plugins
-from .arguments import Config, ConfigError, validate
+from .config import Config
+from .config_checks import validate
+from .config_fields import ConfigError
 from .checkpoint import CheckpointError, CheckpointManager, LoadResult
 from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
 from .checkpoint.lock import lock_save_dir
@@ -53,6 +55,7 @@ from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
 from .pipeline.chunks import build_chunks
 from .pipeline.stage import reduce_tied_grad_across_layouts
+from .run_plan import data_parallel_size
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
 from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_duration, format_log_line
 
@@ -95,7 +98,7 @@ def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
         return ParallelContext.create(stopo), f"{stopo.describe()}; given by --stage-layouts"
     m, t = cfg.model, cfg.training
     volume = CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size, tp=cfg.tp,
-                                dp=cfg.dp(world_size), pp=cfg.pp)
+                                dp=data_parallel_size(cfg, world_size), pp=cfg.pp)
     order = cfg.parallel.rank_order or volume.order()
     why = "given by --rank-order" if cfg.parallel.rank_order else f"chosen by {volume.describe()}"
     topo = Topology(world_size, tp=cfg.tp, pp=cfg.pp, nproc_per_node=nproc, order=order)
@@ -199,7 +202,7 @@ class Trainer:
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         if cfg.plan is None or cfg.plan.world_size != ctx.world_size:  # a config built by hand, or for another world
-            validate(cfg, ctx.world_size)
+            self.cfg = cfg = validate(cfg, ctx.world_size)
         self.plan = plan = cfg.plan  # every derived number (run_plan.py), resolved once by the validation
         self.world_size = ctx.world_size
         self.dp = ctx.dp_size

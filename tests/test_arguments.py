@@ -13,10 +13,10 @@ def test_flags_parse_into_typed_sections():
                              "--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
                              "--micro-batch-size", "2", "--global-batch-size", "16", "--sequence-parallel",
                              "--lr", "1e-3", "--rank-order", "tp-dp-pp"], world_size=8)
-    assert cfg.tp == 2 and cfg.pp == 2 and cfg.dp(8) == 2
+    assert cfg.tp == 2 and cfg.pp == 2 and cfg.plan.dp == 2
     assert cfg.model.ffn_hidden_size == 512 and cfg.model.max_position_embeddings == 256
     assert cfg.parallel.sequence_parallel is True and cfg.training.lr == 1e-3
-    assert cfg.num_microbatches(8) == 4
+    assert cfg.plan.num_microbatches == 4
     assert cfg.training.lr_decay_iters == cfg.training.train_iters
     assert cfg.to_dict()["model"]["hidden_size"] == 128
 

@@ -368,7 +368,7 @@ def edge_transfer_model(a: argparse.Namespace, configs: Sequence[BenchConfig], w
 
     cfg, spec = parse_model_config(a, configs[0], world)
     m, t = cfg.model, cfg.training
-    dp = cfg.dp(world)
+    dp = cfg.plan.dp
     order = cfg.parallel.rank_order or CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size,
                                                            tp=cfg.tp, dp=dp, pp=cfg.pp).order()
     topo = Topology(world, tp=cfg.tp, pp=cfg.pp, nproc_per_node=procs_per_host, order=order)

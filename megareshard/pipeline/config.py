@@ -1,13 +1,14 @@
 """`PipelineConfig`: the schedule and stage-boundary resharding flags (Megatron-LM's names where it has them;
-parsed by `arguments`)."""
+parsed by `arguments`). A configuration type: its choices name the registries, it imports none of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_fields import config_field as _f
-from ..resharding.schedulers import scheduler_names
-from ..resharding.strategies import strategy_names
-from .schedules import schedule_names
+from ..config_fields import config_field as _f, registry_choices
+
+schedule_names = registry_choices("megareshard.pipeline.schedules", "schedule_names")
+strategy_names = registry_choices("megareshard.resharding.strategies", "strategy_names")
+scheduler_names = registry_choices("megareshard.resharding.schedulers", "scheduler_names")
 
 
 @dataclass

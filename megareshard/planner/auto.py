@@ -11,6 +11,7 @@ refused next to ``--auto-layout`` rather than silently overridden.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from typing import Any
@@ -33,8 +34,10 @@ def device_memory_gib(nproc_per_node: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / max(1, nproc_per_node)
 
 
-def apply_auto_layout(cfg: Any, world_size: int) -> str:
-    """Set the layout flags of `cfg` from the planner's best layout; returns the start-up line."""
+def apply_auto_layout(cfg: Any, world_size: int) -> tuple[Any, str]:
+    """A copy of `cfg` whose layout flags are the planner's best layout, and the start-up line (`cfg` is left as
+    it is)."""
+    cfg = copy.deepcopy(cfg)
     p, pl, t, mem, m = cfg.parallel, cfg.pipeline, cfg.training, cfg.memory, cfg.model
     given = [f for f, v, default in (("--tensor-model-parallel-size", p.tensor_model_parallel_size, 1),
                                      ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size, 1),
@@ -111,7 +114,7 @@ def apply_auto_layout(cfg: Any, world_size: int) -> str:
     mem.zero_stage = best.zero
     if best.recompute:
         mem.recompute_granularity = "full"
-    return (f"auto layout: {best.name} — predicted {best.step_s:.3g} s/step on {cluster.hosts} host(s) × {nproc}, "
+    return cfg, (f"auto layout: {best.name} — predicted {best.step_s:.3g} s/step on {cluster.hosts} host(s) × {nproc}, "
             f"{memory:.1f} GiB per device, from {source} ({stats['enumerated']} candidates, {stats['pruned_memory']} "
             f"pruned by memory, {stats['simulated']} pipelines simulated; schedules applied: {', '.join(names)}"
             f"{'; not applied (no flag carries their virtual stages): ' + ', '.join(skipped) if skipped else ''})"

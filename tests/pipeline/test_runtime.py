@@ -114,7 +114,7 @@ def _worker(rank, world_size, layouts, trace_path):
             trainers.append(trainer)
             losses, norm, grads, records = _run(trainer, ctx)
             extra = {"stats": trainer.pipeline.last_stats, "mem": records[-1]["peak_mem_mb_per_stage"],
-                     "m": cfg.num_microbatches(world_size), "eval": records[-1]["eval_loss"]}
+                     "m": cfg.plan.num_microbatches, "eval": records[-1]["eval_loss"]}
             out.append((tp, pp, kw, ctx.pp_rank(), (losses, norm, grads, extra) if keep else None))
         out.append(("shape", tp, pp, _shape_errors(trainer, ctx)))
         for t in trainers:  # every pipeline's communicators and the context's, shared by the trainers

@@ -56,7 +56,7 @@ def _worker(rank, world_size, cases):
         cfg = parse_args(_stage_argv(layouts, kw, extra), world_size=world_size)
         trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
         losses, norm, grads, records = _run(trainer, ctx)
-        extra_out = {"eval": records[-1]["eval_loss"], "m": cfg.num_microbatches(world_size),
+        extra_out = {"eval": records[-1]["eval_loss"], "m": cfg.plan.num_microbatches,
                      "mem": records[-1]["peak_mem_mb_per_stage"]}
         keep = ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         out.append((ctx.pp_rank(), (losses, norm, grads, extra_out) if keep else None))
@@ -127,7 +127,7 @@ def test_stage_layouts_give_each_stage_its_mesh_and_spec():
     assert [(x.mesh.shape, str(x.hidden_spec), list(x.mesh.flat_ranks)) for x in lay] == [
         ((2, 2), "S1,S0,R", [0, 1, 2, 3]), ((1, 4), "S1,S0,R", [4, 5, 6, 7])]
     cfg = parse_args(_stage_argv("tp1dp4,tp2dp2", {}, []), world_size=8)
-    assert cfg.pp == 2 and cfg.dp(8) == 4 and cfg.num_microbatches(8) == 2
+    assert cfg.pp == 2 and cfg.plan.dp == 4 and cfg.plan.num_microbatches == 2
 
 
 @pytest.mark.parametrize("layouts, extra, world, match", [

@@ -105,7 +105,7 @@ def test_arguments_accept_exactly_the_enumerated_microbatch_counts():
         for m in (1, 2, 3, 4):
             argv = _argv("--pipeline-schedule", name, *flag, pp=2, gbs=m)
             if (2, V, m) in set(_allowed(name)):
-                assert parse_args(argv, world_size=2).num_microbatches(2) == m
+                assert parse_args(argv, world_size=2).plan.num_microbatches == m
             else:
                 with pytest.raises(ConfigError, match=f"{m} microbatches .* not a multiple"):
                     parse_args(argv, world_size=2)

@@ -24,7 +24,7 @@ def test_flags_come_from_the_planner_and_hand_degrees_are_refused() -> None:
     flags = note.split("same as: ")[1].split()
     assert flags[flags.index("--tensor-model-parallel-size") + 1] == str(cfg.tp)
     assert flags[flags.index("--pipeline-model-parallel-size") + 1] == str(cfg.pp)
-    assert cfg.tp * cfg.pp * cfg.dp(4) == 4 and 8 % (cfg.training.micro_batch_size * cfg.dp(4)) == 0
+    assert cfg.tp * cfg.pp * cfg.plan.dp == 4 and 8 % (cfg.training.micro_batch_size * cfg.plan.dp) == 0
     with pytest.raises(ConfigError, match="--auto-layout chooses the layout itself; drop --tensor-model-parallel-size"):
         parse_args(MODEL + CLUSTER + ["--tensor-model-parallel-size", "2"], world_size=4)
     with pytest.raises(ConfigError, match="--auto-layout: no layout fits"):
