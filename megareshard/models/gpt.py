@@ -40,6 +40,7 @@ from .config import ModelConfig, check_model_shape
 from . import fusion
 from .fusion import attention, configure_attention, residual_add
 from .recompute import RECOMPUTE_GRANULARITIES, configure_recompute, checkpoint as recompute_checkpoint
+from .moe import MoELayer, check_moe_config, is_moe_layer
 
 __all__ = ["GPTModel", "check_gpt_config", "gpt_flops_per_token", "model_flops_per_iteration",
            "param_init_generator", "WORD_EMBEDDING_NAME", "OUTPUT_LAYER_NAME"]
@@ -76,6 +77,7 @@ def check_gpt_config(cfg: ModelConfig, tp: int, sequence_parallel: bool = False,
     if cfg.vocab_size is None or cfg.vocab_size < 1:
         raise ConfigError(f"vocab_size must be a positive integer, got {cfg.vocab_size}")
     check_model_shape(cfg, tp, sequence_parallel, as_flags=False)
+    check_moe_config(cfg, tp, ep=1, etp=1, sequence_parallel=sequence_parallel)  # ep, etp: checked by MoELayer
     if layer_range is not None:
         start, stop = layer_range
         if not 0 <= start < stop <= cfg.num_layers:
@@ -262,7 +264,12 @@ class TransformerLayer(nn.Module):
         self.attention = ParallelAttention(cfg, ctx, f"{prefix}.attention", seed, sequence_parallel, streams,
                                            device, dtype)
         self.post_attention_layernorm = _norm(cfg, sequence_parallel, device, dtype)
-        self.mlp = ParallelMLP(cfg, ctx, f"{prefix}.mlp", seed, sequence_parallel, device, dtype)
+        if is_moe_layer(cfg, index):   # models/moe: routed experts (Megatron-Core's MoELayer) instead of the MLP
+            self.mlp = MoELayer(cfg, ctx, f"{prefix}.mlp", lambda name, std: _normal_init(seed, name, std),
+                                scaled_init_std(cfg.init_method_std, cfg.num_layers),
+                                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        else:
+            self.mlp = ParallelMLP(cfg, ctx, f"{prefix}.mlp", seed, sequence_parallel, device, dtype)
 
     def _dropout_add(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         p = self.hidden_dropout if self.training else 0.0

@@ -39,8 +39,14 @@ class ParallelContext:
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, topology: Topology) -> "ParallelContext":
-        """Collective over the default group: every rank must call it, with the same topology."""
+    def create(cls, topology: Topology, *, expert_model_parallel_size: int = 1,
+               expert_tensor_parallel_size: int | None = None) -> "ParallelContext":
+        """Collective over the default group: every rank must call it, with the same topology.
+
+        ``expert_model_parallel_size`` (ep) and ``expert_tensor_parallel_size`` (etp, default tp): the expert
+        groups ``ep``, ``etp``, ``edp``, ``etp_ep`` (parallel/expert_topology.py), created after the others in the
+        same global order; a family equal to an existing one (etp = tp, edp = dp at ep 1) reuses its groups, so
+        the defaults create no communicator more than before."""
         if not dist.is_initialized():
             raise RuntimeError("ParallelContext.create needs torch.distributed initialised first "
                                "(torchrun sets it up through megareshard.training or dist.init_process_group)")
@@ -61,7 +67,29 @@ class ParallelContext:
                 if ctx.rank in members:
                     ctx.groups[name] = handle
                     ctx.group_ranks[name] = members
+        ctx._create_expert_groups(families, expert_model_parallel_size, expert_tensor_parallel_size)
         return ctx
+
+    def _create_expert_groups(self, families: dict, ep: int, etp: int | None) -> None:
+        from .expert_topology import EXPERT_FAMILIES, check_expert_layout, expert_groups
+
+        etp = self.topology.tp if etp is None and not self.per_stage_layouts else etp
+        if self.per_stage_layouts and ep == 1 and etp is None:
+            fams = {"ep": [(r,) for r in range(self.world_size)], "etp": families["tp"], "edp": families["dp"],
+                    "etp_ep": families["tp"]}
+        else:
+            check_expert_layout(self.topology, ep, etp)
+            fams = expert_groups(self.topology, ep, etp)
+        for name in EXPERT_FAMILIES:
+            all_groups = fams[name]
+            same = next((f for f in ("tp", "dp") if list(families[f]) == list(all_groups)), None)
+            if same is not None:
+                self.groups[name], self.group_ranks[name] = self.groups[same], self.group_ranks[same]
+                continue
+            for members in all_groups:
+                handle = None if len(members) == 1 else dist.new_group(list(members))
+                if self.rank in members:
+                    self.groups[name], self.group_ranks[name] = handle, members
 
     def destroy(self) -> None:
         """Destroy every communicator `create` made for this rank (each once). A process that builds
@@ -76,7 +104,7 @@ class ParallelContext:
     def single_process(cls) -> "ParallelContext":
         """A context for one process without torch.distributed (reference runs, tools)."""
         topo = Topology(world_size=1)
-        ranks = {name: (0,) for name in (*_FAMILIES, "embedding")}
+        ranks = {name: (0,) for name in (*_FAMILIES, "embedding", "ep", "etp", "edp", "etp_ep")}
         return cls(topology=topo, rank=0, groups={name: None for name in ranks}, group_ranks=ranks)
 
     # ---- coordinates --------------------------------------------------------------
@@ -146,6 +174,59 @@ class ParallelContext:
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    # ---- expert parallelism (parallel/expert_topology.py); a context without them reads as ep 1, etp = tp ----
+    def _expert(self, name: str, fallback: str | None) -> tuple[object, tuple[int, ...]]:
+        if name in self.group_ranks:
+            return self.groups.get(name), self.group_ranks[name]
+        if fallback is None:
+            return None, (self.rank,)
+        return self.groups.get(fallback), self.group_ranks.get(fallback, (self.rank,))
+
+    @property
+    def ep_size(self) -> int:
+        return len(self._expert("ep", None)[1])
+
+    @property
+    def etp_size(self) -> int:
+        return len(self._expert("etp", "tp")[1])
+
+    @property
+    def edp_size(self) -> int:
+        return len(self._expert("edp", "dp")[1])
+
+    def ep_rank(self) -> int:
+        return self._expert("ep", None)[1].index(self.rank)
+
+    def etp_rank(self) -> int:
+        return self._expert("etp", "tp")[1].index(self.rank)
+
+    def edp_rank(self) -> int:
+        return self._expert("edp", "dp")[1].index(self.rank)
+
+    @property
+    def ep_group(self):
+        """The ranks that split the experts between them (the dispatcher's all-to-all)."""
+        return self._expert("ep", None)[0]
+
+    @property
+    def etp_group(self):
+        """The ranks that split each expert's width (expert tensor parallelism)."""
+        return self._expert("etp", "tp")[0]
+
+    @property
+    def edp_group(self):
+        """The replicas of this rank's expert shards: expert gradients are reduced here only."""
+        return self._expert("edp", "dp")[0]
+
+    @property
+    def etp_ep_group(self):
+        """etp × ep ranks, ep-major (Megatron's ``tp_ep`` group: the all-gather dispatcher, token counts)."""
+        return self._expert("etp_ep", "tp")[0]
+
+    @property
+    def etp_ep_size(self) -> int:
+        return len(self._expert("etp_ep", "tp")[1])
 
     @property
     def tp_group(self):

@@ -172,7 +172,9 @@ def _wrap_collective(rec: _Recorder, name: str, orig: Callable) -> Callable:
             if root is None and name in ("broadcast", "reduce", "gather", "scatter") and len(args) > 1:
                 root = args[1]
             obj = name.endswith("_object") or name.endswith("_object_list")
-            rec.record(group, [name, root, None if obj else _numel(first), None if obj else _dtype(first)])
+            # an all-to-all's sizes differ per rank by design (split sizes): its kind and dtype must match
+            sized = not obj and not name.startswith("all_to_all")
+            rec.record(group, [name, root, _numel(first) if sized else None, None if obj else _dtype(first)])
         rec.depth.n = depth + 1
         try:
             return orig(*args, **kwargs)

@@ -1,0 +1,141 @@
+"""A rank's experts: ``E / ep`` MLPs of width ``moe_ffn_hidden_size / etp``, weights stacked per expert.
+
+Weights (``[experts, out, in]``, each expert a Linear's ``[out, in]``): ``fc1`` (GELU) or ``fc1_gate`` and
+``fc1_up`` (SwiGLU, as the dense MLP), each ``[E/ep, F/etp, h]`` (column-parallel over etp), and ``fc2``
+``[E/ep, h, F/etp]`` (row-parallel over etp: with etp > 1 the output is a partial sum the dispatcher
+reduce-scatters). Every full ``[E, out, in]`` tensor is drawn from the global name's generator and sliced
+(experts over ep, width over etp), so any layout holds the same model.
+
+Megatron's order of operations (experts.py): the routing probability multiplies the activation,
+``fc2(act(fc1(x)) · p) + b2 · p``, which is ``p · expert(x)``. The rows arrive grouped by local expert
+(``counts[e]`` rows each). On CUDA with ``moe_grouped_gemm`` all experts run as one grouped GEMM per
+matrix (``torch._grouped_mm``); otherwise one GEMM per expert (a loop over experts, never over tokens).
+
+Parameter attributes: ``expert_parallel`` (True), ``expert_partition_dim`` (0: experts over ep) and
+``expert_tp_partition_dim`` (the dim split over etp, or -1). When etp equals tp and ep is 1 they are also
+marked like any tensor-parallel weight (``tensor_model_parallel``, ``partition_dim``): the trainer, the
+gradient reduction over dp and checkpoints then treat them as the dense weights they equal in layout.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...parallel import ParallelContext
+from ...tensor_parallel import set_tensor_model_parallel_attributes
+from ..components import gelu, swiglu
+
+__all__ = ["GroupedExperts", "grouped_gemm_refusal"]
+
+InitFn = Callable[[str, float], Callable[[tuple[int, ...]], torch.Tensor]]
+
+
+def grouped_gemm_refusal(device) -> str | None:
+    """Why ``moe_grouped_gemm`` cannot run on ``device`` (None when it can)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if not hasattr(torch, "_grouped_mm"):
+        return f"moe_grouped_gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
+    if dev.type != "cuda":
+        return (f"moe_grouped_gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); this run "
+                f"is on {dev.type}: leave it off for one GEMM per expert")
+    return None
+
+
+class _ExpertLinear(nn.Module):
+    """``weight [E_local, out, in]`` and an optional ``bias [E_local, out]`` (named like a Linear's)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+
+class GroupedExperts(nn.Module):
+    """This rank's ``num_experts / ep`` experts (global indices ``local_expert_indices``)."""
+
+    def __init__(self, cfg, ctx: ParallelContext, prefix: str, init: InitFn, out_std: float, *,
+                 device=None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        E, h = cfg.num_experts, cfg.hidden_size
+        f = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+        ep, etp = ctx.ep_size, ctx.etp_size
+        self.num_local_experts = E // ep
+        first = ctx.ep_rank() * self.num_local_experts
+        self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        self.swiglu, self.openai_gelu = cfg.swiglu, cfg.openai_gelu
+        self.grouped_gemm = cfg.moe_grouped_gemm
+        f_local, t = f // etp, ctx.etp_rank()
+        bias = cfg.add_bias_linear
+        dense_like = ep == 1 and etp == ctx.tp_size   # laid out exactly as a tensor-parallel weight
+
+        def make(name: str, shape: tuple[int, int, int], tp_dim: int, std: float) -> _ExpertLinear:
+            full = init(f"{prefix}.{name}.weight", std)((E, *shape))[first:first + self.num_local_experts]
+            w = full.narrow(tp_dim, t * (shape[tp_dim - 1] // etp), shape[tp_dim - 1] // etp)
+            b = None
+            if bias:
+                out = shape[0]
+                b = torch.zeros(self.num_local_experts, out // etp if tp_dim == 1 else out)
+            lin = _ExpertLinear(w.to(device=device, dtype=dtype, copy=True).contiguous(),
+                                None if b is None else b.to(device=device, dtype=dtype))
+            for p, dim in ((lin.weight, tp_dim), (lin.bias, 1 if tp_dim == 1 else -1)):
+                if p is None:
+                    continue
+                split = dim >= 0 and etp > 1
+                set_tensor_model_parallel_attributes(p, dense_like and split, dim if dense_like and split else -1)
+                p.expert_parallel, p.expert_partition_dim = True, 0
+                p.expert_tp_partition_dim = dim if split else -1
+            return lin
+
+        if self.swiglu:
+            self.fc1_gate = make("experts.fc1_gate", (f, h), 1, cfg.init_method_std)
+            self.fc1_up = make("experts.fc1_up", (f, h), 1, cfg.init_method_std)
+        else:
+            self.fc1 = make("experts.fc1", (f, h), 1, cfg.init_method_std)
+        self.fc2 = make("experts.fc2", (h, f), 2, out_std)
+        self.f_local = f_local
+
+    # ---- compute -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        """``x [N, h]`` grouped by local expert (``counts``), ``probs [N]`` -> ``[N, h]`` (a partial sum over etp)."""
+        if self.grouped_gemm:
+            return self._grouped(x, counts, probs)
+        outs = [self._expert(e, xe, pe) for e, (xe, pe) in enumerate(zip(x.split(counts), probs.split(counts)))]
+        return torch.cat(outs) if outs else x.new_zeros((0, x.size(-1)))
+
+    def _act(self, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return swiglu(a, b) if self.swiglu else gelu(a, openai=self.openai_gelu)
+
+    def _expert(self, e: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        def lin(m: _ExpertLinear, v: torch.Tensor) -> torch.Tensor:
+            return F.linear(v, m.weight[e], None if m.bias is None else m.bias[e])
+
+        inner = self._act(lin(self.fc1_gate, x), lin(self.fc1_up, x)) if self.swiglu else self._act(lin(self.fc1, x), None)
+        p = p.unsqueeze(-1)
+        out = F.linear((inner * p).to(x.dtype), self.fc2.weight[e])
+        if self.fc2.bias is not None:
+            out = out + self.fc2.bias[e] * p
+        return out
+
+    def _grouped(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor(counts, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+        rows = None
+        if any(m.bias is not None for m in self._linears()):
+            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                           torch.tensor(counts, device=x.device), output_size=x.size(0))
+
+        def lin(m: _ExpertLinear, v: torch.Tensor) -> torch.Tensor:
+            out = torch._grouped_mm(v, m.weight.transpose(1, 2), offs=offs)
+            return out if m.bias is None else out + m.bias[rows]
+
+        inner = self._act(lin(self.fc1_gate, x), lin(self.fc1_up, x)) if self.swiglu else self._act(lin(self.fc1, x), None)
+        p = probs.unsqueeze(-1)
+        out = torch._grouped_mm((inner * p).to(x.dtype), self.fc2.weight.transpose(1, 2), offs=offs)
+        if self.fc2.bias is not None:
+            out = out + self.fc2.bias[rows] * p
+        return out
+
+    def _linears(self) -> list[_ExpertLinear]:
+        return [self.fc1_gate, self.fc1_up, self.fc2] if self.swiglu else [self.fc1, self.fc2]
