@@ -82,7 +82,7 @@ def source_boxes(model: torch.nn.Module, ctx, optimizer=None) -> tuple[list[Para
         piece = _cut(t.detach(), gs, go, rows)
         if piece is None:
             continue
-        region = tuple((int(o), int(o) + int(s)) for o, s in zip(piece.global_offset, piece.tensor.shape))
+        region = tuple((int(o), int(o) + int(s)) for o, s in zip(piece.offset, piece.tensor.shape))
         boxes.append(Box(name, region))
         tensors[name] = piece.tensor
     return infos, boxes, tensors
