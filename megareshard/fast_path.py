@@ -25,11 +25,8 @@ def may_delay_wgrad(cfg: Any) -> bool:
     schedule file): then the linear layers stay outside the compiled regions."""
     if cfg.pp == 1:
         return False
-    from .pipeline.schedules import get_schedule
-
-    pl = cfg.pipeline
-    return bool(pl.delay_wgrad_compute or pl.pipeline_schedule_file is not None
-                or get_schedule(pl.pipeline_schedule).zero_bubble)
+    pipe = cfg.plan.pipeline
+    return bool(pipe.delay_wgrad or pipe.schedule_file is not None or pipe.kind.zero_bubble)
 
 
 def set_up_fast_path(model: torch.nn.Module, cfg: Any, device: torch.device, micro_batch_size: int,

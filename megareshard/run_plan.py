@@ -1,22 +1,25 @@
-"""The resolved run plan: every number a validated configuration implies, computed once and passed down.
+"""The resolved run plan: every number a validated configuration implies and every registered object its flags
+name, computed once and passed down.
 
-`arguments.validate` checks the flags (once, with the numbers in every message) and sets ``cfg.plan`` to
-`resolve(cfg, world_size)`. What the trainer, the model specs and the pipeline runtime need beyond the
-flags — dp, the microbatch count, virtual stages and where every stage sits, the samples an edge carries —
-is read from the plan, never worked out again; the pipeline runtime is built from a `PipelinePlan` alone
-(no command-line config reaches it). Pure: no torch, no processes.
+`config_checks.validate` checks the flags (once, with the numbers in every message) and returns the
+configuration with ``.plan`` = `resolve(cfg, world_size)`. What the trainer, the model specs and the pipeline
+runtime need beyond the flags — dp, the microbatch count, virtual stages and where every stage sits, the layers
+of every stage, the per-stage layouts, the samples an edge carries, the ZeRO stage, and the schedule kind,
+resharding strategy and reshard scheduler themselves (not their names) — is read from the plan, never worked
+out or looked up again; the pipeline runtime is built from a `PipelinePlan` alone (no command-line config
+reaches it). Pure: no torch, no processes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .pipeline.schedules import get_schedule
+from .config import Config
+from .pipeline.schedules import ScheduleKind, get_schedule
+from .resharding.schedulers import ReshardScheduler, get_scheduler
+from .resharding.strategies import Strategy, get_strategy
 
-if TYPE_CHECKING:  # annotations only: the plan is what the command-line module resolves to
-    from .arguments import Config
-
-__all__ = ["PipelinePlan", "RunPlan", "resolve", "virtual_stages", "data_parallel_size", "microbatch_count"]
+__all__ = ["PipelinePlan", "RunPlan", "resolve", "virtual_stages", "data_parallel_size", "microbatch_count",
+           "layers_per_stage"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,14 @@ class PipelinePlan:
     """Each stage's data-parallel reduction started by an R action after its last backward."""
     recv_posting: str = "auto"
     """When receives are posted (`pipeline.posting`): auto, early, grouped or mixed (auto: by the backend)."""
+    kind: ScheduleKind | None = None
+    """The schedule itself (``schedule``'s registered kind), resolved once."""
+    strategy_impl: Strategy | None = None
+    """The resharding strategy itself (``strategy``'s registered object)."""
+    scheduler_impl: ReshardScheduler | None = None
+    """The reshard scheduler itself (``scheduler``'s registered object)."""
+    layers_per_stage: tuple[int, ...] = ()
+    """Transformer layers of every stage in model order (--num-layers-per-stage, or the even split)."""
 
     @property
     def num_meshes(self) -> int:
@@ -74,10 +85,19 @@ class RunPlan:
     pipeline: PipelinePlan
     auto_layout: str | None = None
     """What `--auto-layout` chose and why (None: the layout flags were given)."""
+    zero_stage: int = 0
+    """The ZeRO stage the run uses (--zero-stage, or what Megatron's spellings of it map to)."""
+    stage_layouts: tuple[tuple[int, int], ...] | None = None
+    """(tp, dp) of every pipeline stage with --stage-layouts (None: one layout for all)."""
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    def local_micro_batch(self, stage_dp: int) -> int:
+        """Samples per microbatch on a rank of a stage with `stage_dp` data-parallel ranks: per-stage layouts shard
+        one global microbatch of micro batch × (the largest dp) samples over each stage's own dp."""
+        return self.micro_batch_size * self.dp // stage_dp
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -97,11 +117,10 @@ def microbatch_count(cfg: Config, world_size: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * data_parallel_size(cfg, world_size))
 
 
-def virtual_stages(cfg: Config) -> int:
-    """Stages per pipeline rank of a validated config: the schedule's own count (zbv: 2), else the virtual
-    stages Megatron's flags give (1: none) — what `arguments.resolve_virtual_stages` checked."""
+def virtual_stages(cfg: Config, kind: ScheduleKind) -> int:
+    """Stages per pipeline rank of a validated config running `kind`: the schedule's own count (zbv: 2), else the
+    virtual stages Megatron's flags give (1: none) — what `config_checks.resolve_virtual_stages` checked."""
     pl = cfg.pipeline
-    kind = get_schedule(pl.pipeline_schedule)
     if kind.stages_per_mesh is not None:
         return kind.stages_per_mesh
     if pl.num_layers_per_virtual_pipeline_stage:
@@ -109,18 +128,34 @@ def virtual_stages(cfg: Config) -> int:
     return pl.virtual_pipeline_model_parallel_size or pl.num_virtual_stages_per_pipeline_rank or 1
 
 
+def layers_per_stage(cfg: Config, num_stages: int) -> tuple[int, ...]:
+    """Layers of every stage: --num-layers-per-stage, or the even split the validation allowed."""
+    if cfg.pipeline.num_layers_per_stage is not None:
+        return tuple(int(x) for x in cfg.pipeline.num_layers_per_stage.split(","))
+    return (cfg.model.num_layers // num_stages,) * num_stages
+
+
 def resolve(cfg: Config, world_size: int, auto_layout: str | None = None) -> RunPlan:
-    """The plan of a validated `cfg` on `world_size` ranks (called by `arguments.validate`)."""
+    """The plan of a validated `cfg` on `world_size` ranks (called by `config_checks.validate`)."""
     pl, t = cfg.pipeline, cfg.training
     pp, dp = cfg.pp, data_parallel_size(cfg, world_size)
-    v = virtual_stages(cfg)
-    placement = tuple(range(pp)) if v == 1 else get_schedule(pl.pipeline_schedule).placement(pp, v)
+    kind = get_schedule(pl.pipeline_schedule)
+    v = virtual_stages(cfg, kind)
+    placement = tuple(range(pp)) if v == 1 else kind.placement(pp, v)
     m = microbatch_count(cfg, world_size)
     pipe = PipelinePlan(schedule=pl.pipeline_schedule, delay_wgrad=pl.delay_wgrad_compute,
                         strategy=pl.reshard_strategy, scheduler=pl.reshard_scheduler, chunks=pl.reshard_chunks,
                         num_microbatches=m, edge_batch=t.micro_batch_size * dp, placement=placement,
                         schedule_file=pl.pipeline_schedule_file, overlap_grad_reduce=cfg.memory.overlap_grad_reduce,
-                        recv_posting=pl.pipeline_recv_posting)
+                        recv_posting=pl.pipeline_recv_posting, kind=kind,
+                        strategy_impl=get_strategy(pl.reshard_strategy),
+                        scheduler_impl=get_scheduler(pl.reshard_scheduler),
+                        layers_per_stage=layers_per_stage(cfg, pp * v))
+    stages = None
+    if cfg.parallel.stage_layouts:
+        from .parallel.stage_topology import parse_stage_layouts
+
+        stages = tuple(tuple(x) for x in parse_stage_layouts(cfg.parallel.stage_layouts))
     return RunPlan(world_size=world_size, tp=cfg.tp, pp=pp, dp=dp, micro_batch_size=t.micro_batch_size,
                    global_batch_size=t.global_batch_size, num_microbatches=m, virtual_stages=v, pipeline=pipe,
-                   auto_layout=auto_layout)
+                   auto_layout=auto_layout, zero_stage=cfg.memory.zero_stage, stage_layouts=stages)

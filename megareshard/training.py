@@ -208,8 +208,7 @@ class Trainer:
         self.dp = ctx.dp_size
         # samples per microbatch on this rank: per-stage layouts shard one global microbatch of
         # micro batch × (largest dp) samples over each stage's own dp
-        self.local_micro_batch_size = cfg.training.micro_batch_size * (
-            ctx.topology.max_dp // self.dp if ctx.per_stage_layouts else 1)
+        self.local_micro_batch_size = plan.local_micro_batch(self.dp)
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
         if self.model_spec is None:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)

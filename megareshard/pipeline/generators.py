@@ -22,16 +22,21 @@ from __future__ import annotations
 from collections import deque
 
 from .schedule import Action, ActionKind, PipelineGraph, Schedule, ScheduleError
-from .schedules import get_schedule
+from .schedules import ScheduleKind, get_schedule
 
 __all__ = ["forward_only", "generate", "forwards_before_first_backward", "delay_weight_grads", "placement_of"]
 
 _K = ActionKind
 
 
-def placement_of(name: str, P: int, V: int = 1) -> tuple[int, ...]:
+def _kind(schedule: str | ScheduleKind) -> ScheduleKind:
+    """A schedule given as its kind (a run plan's, resolved once) or by its registered name."""
+    return schedule if isinstance(schedule, ScheduleKind) else get_schedule(schedule)
+
+
+def placement_of(name: str | ScheduleKind, P: int, V: int = 1) -> tuple[int, ...]:
     """Mesh of every stage for schedule `name` on P meshes (V stages per mesh where the user chooses V)."""
-    kind = get_schedule(name)
+    kind = _kind(name)
     return kind.placement(P, kind.stages_per_mesh or V)
 
 
@@ -71,7 +76,7 @@ def delay_weight_grads(schedule: Schedule) -> Schedule:
     return Schedule(graph, schedule.num_microbatches, out, schedule.name + "+dw", schedule.placement)
 
 
-def generate(name: str, num_stages: int, num_microbatches: int, delay_wgrad: bool = False,
+def generate(name: str | ScheduleKind, num_stages: int, num_microbatches: int, delay_wgrad: bool = False,
              graph: PipelineGraph | None = None, virtual_stages: int | None = None) -> Schedule:
     """A compute-only schedule (F/B, or F/I/W when `delay_wgrad` or a zero-bubble kind); `lower()` adds comms.
 
@@ -80,7 +85,8 @@ def generate(name: str, num_stages: int, num_microbatches: int, delay_wgrad: boo
     the kind's own otherwise (zbv: 2). `graph` defaults to the plain chain of all stages; skip edges
     only add dependencies.
     """
-    kind = get_schedule(name)
+    kind = _kind(name)
+    name = kind.name
     P, m = num_stages, num_microbatches
     if P < 1 or m < 1:
         raise ValueError(f"need num_stages >= 1 and num_microbatches >= 1, got "

@@ -76,6 +76,7 @@ from .lowering import lower
 from .posting import PostingPlan, check_nccl, plan_posting, split_pairs
 from .hooks import ActionHook, HookSet, TraceHook, WatchdogHook
 from .schedule import Action, ActionKind, Edge, PipelineGraph, Schedule, ScheduleError
+from .schedules import ScheduleKind, get_schedule
 from .stage import StageLayout
 from .traces import gather_trace, write_trace
 from .validate import validate
@@ -158,7 +159,7 @@ class PipelineRuntime:
     finalizes_grads = True  # the trainer must not reduce gradients again after a step
 
     def __init__(self, ctx: ParallelContext, graph: PipelineGraph, layouts: Sequence[StageLayout],
-                 comms: dict[Edge, EdgeComm], *, schedule: str, forward_step: Callable[..., Any],
+                 comms: dict[Edge, EdgeComm], *, schedule: str | ScheduleKind, forward_step: Callable[..., Any],
                  delay_wgrad: bool = False, finalize_grads: Callable[[], None] | None = None,
                  record_trace: bool = False, lookahead: int = 1, schedule_file: Schedule | None = None,
                  placement: Sequence[int] | None = None, recv_posting: str = "early",
@@ -200,7 +201,9 @@ class PipelineRuntime:
         dp_of = [lay.mesh.shape[0] for lay in self.layouts]
         self._grad_scale = {e: dp_of[e.src] / dp_of[e.dst] for s in self.stages for e in self._out[s]
                             if dp_of[e.src] != dp_of[e.dst]}
-        self.schedule_name, self.delay_wgrad = schedule, delay_wgrad
+        # the schedule's kind itself when given (the plan resolved it), or a registered name
+        self.schedule_kind = schedule if isinstance(schedule, ScheduleKind) else get_schedule(schedule)
+        self.schedule_name, self.delay_wgrad = self.schedule_kind.name, delay_wgrad
         self.finalize_grads = finalize_grads
         # --overlap-grad-reduce: the trainer's fn(stage) that starts a stage's dp gradient reduction; when set,
         # training programs get an R action per stage (grad_reduce.py) and finalize_grads is not called
@@ -250,7 +253,7 @@ class PipelineRuntime:
             if a.mesh != b.mesh or a.hidden_spec != b.hidden_spec:  # pragma: no cover - one layout per mesh
                 raise ValueError(f"edge {e} joins two stages of mesh {placement[e.src]} with different layouts")
         posting = resolve_recv_posting(plan.recv_posting, dist.get_backend() if dist.is_initialized() else "gloo")
-        rt = cls(ctx, graph, layouts, {}, schedule=plan.schedule, forward_step=forward_step,
+        rt = cls(ctx, graph, layouts, {}, schedule=plan.kind or plan.schedule, forward_step=forward_step,
                  delay_wgrad=plan.delay_wgrad, finalize_grads=finalize_grads, record_trace=record_trace,
                  schedule_file=schedule_file, placement=placement, recv_posting=posting)
         # mixed posting: the mesh pairs whose programs cannot group under NCCL's ordering keep a communicator per
@@ -291,7 +294,7 @@ class PipelineRuntime:
                 raise ValueError(f"the schedule file is written for {sched.num_microbatches} microbatches, this "
                                  f"step has {num_microbatches}")
         else:
-            sched = generate(self.schedule_name, self.num_meshes, num_microbatches, self.delay_wgrad, self.graph,
+            sched = generate(self.schedule_kind, self.num_meshes, num_microbatches, self.delay_wgrad, self.graph,
                              virtual_stages=self.virtual_stages if self.virtual_stages > 1 else None)
         if tuple(sched.placement) != self.placement:
             raise ValueError(f"schedule {sched.name or self.schedule_name} places the stages on meshes "

@@ -13,7 +13,6 @@ from megareshard.parallel import Topology
 from megareshard.pipeline import PipelineGraph, generate, get_schedule, lower, placement_of, schedule_names, validate
 from megareshard.pipeline.generators import forward_only
 from megareshard.pipeline.stage import stage_layouts
-from megareshard.run_plan import virtual_stages
 from megareshard.pipeline.validate import dry_run
 
 
@@ -26,18 +25,18 @@ def _argv(*extra, layers=8, pp=2, gbs=8):
 def test_megatron_flags_resolve_the_virtual_stages_and_the_schedule():
     cfg = parse_args(_argv("--num-layers-per-virtual-pipeline-stage", "2"), world_size=2)
     # Megatron-LM: virtual stages = layers / pp / layers per virtual stage; they mean interleaving
-    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("interleaved-1f1b", 2)
+    assert (cfg.pipeline.pipeline_schedule, cfg.plan.virtual_stages) == ("interleaved-1f1b", 2)
     assert any("runs --pipeline-schedule 1f1b as interleaved-1f1b" in n for n in cfg.notes)
     notes = list(cfg.notes)
     validate_args(cfg, 2)  # validating again changes nothing (the flags stay as given)
-    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg), cfg.notes) == ("interleaved-1f1b", 2, notes)
+    assert (cfg.pipeline.pipeline_schedule, cfg.plan.virtual_stages, cfg.notes) == ("interleaved-1f1b", 2, notes)
     cfg = parse_args(_argv("--virtual-pipeline-model-parallel-size", "4", "--pipeline-schedule", "eager-1f1b"),
                      world_size=2)
-    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("eager-interleaved-1f1b", 4)
+    assert (cfg.pipeline.pipeline_schedule, cfg.plan.virtual_stages) == ("eager-interleaved-1f1b", 4)
     cfg = parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "1"), world_size=2)  # 1: none (Megatron)
-    assert (cfg.pipeline.pipeline_schedule, virtual_stages(cfg)) == ("1f1b", 1)
+    assert (cfg.pipeline.pipeline_schedule, cfg.plan.virtual_stages) == ("1f1b", 1)
     cfg = parse_args(_argv("--pipeline-schedule", "zbv"), world_size=2)
-    assert virtual_stages(cfg) == 2
+    assert cfg.plan.virtual_stages == 2
     # Megatron's interleaved layer assignment: virtual stage v·P + p on mesh p; zbv the V shape
     cfg = parse_args(_argv("--num-virtual-stages-per-pipeline-rank", "2"), world_size=4)
     lay = stage_layouts(cfg, Topology(4, tp=1, pp=2))
