@@ -68,6 +68,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("flag") == "":       # not offered on the command line (yet): its default stands
+                continue
             kind = _base_type(f.type)
             dest = f"{section}.{f.name}"
             choices = f.metadata.get("choices")
@@ -119,7 +121,8 @@ def config_from_namespace(ns: argparse.Namespace) -> Config:
         mapped.append("--use-flash-attn (runs as --attention-backend flash)")
     kwargs = {}
     for section, cls in SECTIONS.items():
-        kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)})
+        kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)
+                                 if f"{section}.{f.name}" in values})
     notes = megatron_flags.no_effect_flags(ns) + mapped
     megatron_flags.apply_mapped_flags(ns, kwargs["model"], notes)  # old spellings of flags we have
     return Config(**kwargs, notes=notes)

@@ -20,7 +20,8 @@ def config_field(default: Any, help: str, *, flag: str | None = None,
                  choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None, metavar: str | None = None) -> Any:
     """A dataclass field whose ``help`` is its one-line docstring and its ``--flag`` help at once.
 
-    The flag is the field name with dashes unless ``flag`` names another; a bool field is a
+    The flag is the field name with dashes unless ``flag`` names another (``flag=""``: no flag, the field keeps its
+    default on the command line — a feature built below the trainer but not offered yet); a bool field is a
     switch: ``store_true``, or ``store_false`` for one that defaults to True (its flag is then the
     ``--no-...`` form, Megatron's spelling). ``choices`` may be a function, asked when the parser is built
     (a registry's names: what registers after this module is imported is still a choice).

@@ -1,6 +1,7 @@
 """A run's inputs checked without starting it: the tokenizer (against ``--vocab-size``) and the dataset files.
 
-``resolve_vocab`` is what the trainer does first (the vocabulary comes from the tokenizer);
+``resolve_vocab`` gives a configuration its vocabulary from the tokenizer (a new one: the trainer's, and
+``--validate-only``'s);
 ``validate_only`` is ``--validate-only``: the launch scripts run it once, in one process, before
 torchrun starts a process per rank, so a bad argument, a missing tokenizer or a missing dataset is
 one line instead of one per rank followed by torchrun's traceback. It opens every dataset (its
@@ -13,6 +14,7 @@ the iteration and data position a megareshard checkpoint records against ``--tra
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -21,12 +23,13 @@ from .config_fields import ConfigError
 __all__ = ["resolve_vocab", "dataset_prefixes", "validate_only", "checkpoint_plan", "resume_plan"]
 
 
-def resolve_vocab(cfg: Any):
-    """The run's tokenizer (None without one), with ``cfg.model.vocab_size`` set from it (NullTokenizer:
-    --vocab-size ids plus its eod). A --vocab-size that differs from the tokenizer's is a ConfigError."""
+def resolve_vocab(cfg: Any) -> tuple[Any, Any]:
+    """(the configuration with ``model.vocab_size`` from the run's tokenizer, the tokenizer); without a tokenizer
+    ``(cfg, None)``. NullTokenizer: --vocab-size ids plus its eod. A --vocab-size that differs from the
+    tokenizer's is a ConfigError. ``cfg`` itself is left as it is (a new configuration is returned)."""
     m, d = cfg.model, cfg.data
     if d.tokenizer_type is None and not (d.tokenizer_model or d.vocab_file or d.merge_file):
-        return None
+        return cfg, None
     from .data.tokenizer import TokenizerError, build_tokenizer
 
     try:
@@ -38,8 +41,9 @@ def resolve_vocab(cfg: Any):
         raise ConfigError(f"--vocab-size {m.vocab_size} differs from the vocabulary of tokenizer "
                           f"{tok!r} ({tok.vocab_size} ids); drop --vocab-size or use the tokenizer the data "
                           "was made with")
-    m.vocab_size = tok.vocab_size
-    return tok
+    if m.vocab_size == tok.vocab_size:
+        return cfg, tok
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=tok.vocab_size)), tok
 
 
 def dataset_prefixes(d: Any) -> list[str]:
@@ -122,7 +126,7 @@ def validate_only(cfg: Any, world_size: int | None = None) -> str:
     (default ``$WORLD_SIZE``, as there); returns the line to print (a ConfigError names the first problem)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tok = resolve_vocab(cfg)
+    cfg, tok = resolve_vocab(cfg)
     found = []
     if not cfg.data.mock_data:
         from .data.indexed_dataset import IndexedDataset

@@ -216,7 +216,7 @@ class Trainer:
         spec.check(cfg)
         self._phase_started: tuple[str, float] | None = None  # start-up phases, said by rank 0 as they begin
         self._phase_times: list[tuple[str, float]] = []
-        self._resolve_vocab()
+        self.cfg = cfg = resolve_vocab(cfg)[0]  # the tokenizer's vocabulary, in the trainer's own configuration
         m = cfg.model
         self._phase("model", f"building the model ({m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
                              f"{m.vocab_size}) and its optimizer")
@@ -344,10 +344,6 @@ class Trainer:
                   flush=True)
 
     # ---- set-up ---------------------------------------------------------------------
-    def _resolve_vocab(self) -> None:
-        """The vocabulary comes from the tokenizer (NullTokenizer: --vocab-size ids plus its eod)."""
-        resolve_vocab(self.cfg)
-
     def _validate_data(self) -> None:
         """Start-up checks of every dataset file (data/validate.py), agreed by all ranks: each opens every
         dataset (index against .bin, not empty) and scans its share of the token chunks against the
