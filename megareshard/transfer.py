@@ -11,7 +11,7 @@ layouts, planned by the resharding library (`resharding/weight_transfer/`), afte
     report = wt.run(into=generator_model)     # trainer ranks: wt.run(); a generator: fills its GPTModel
     pairs = wt.hf_pairs()                     # or: [(hugging_face_name, tensor)] for vLLM's/SGLang's load_weights
 
-* **Sources** are read from the model as a checkpoint saves it (`checkpoint/manager.py`): each parameter's tp
+* **Sources** are read from the model as a checkpoint saves it (`checkpoint/state.py`): each parameter's tp
   slice — at ZeRO-3 the rank's row shard, the only copy it holds — with the vocabulary padding cut, under its
   global name; the tied output-layer copy of a last pipeline stage is skipped (it is the word embedding). Model
   chunks (virtual stages) and per-stage layouts come for free: only the boxes matter.
@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .checkpoint.manager import _canonical, _cut, _model_box, _param_shards
+from .checkpoint.state import _canonical, _cut, _model_box, _param_shards
 from .models.config import ModelConfig
 from .models.hf import hf_model_type, state_dict_to_hf
 from .resharding.network import NetworkModel

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ..models.config import ModelConfig
 from .format import CHECKPOINT_JSON, LATEST_FILE, CheckpointError
-from .manager import (_ADVISORY_FIELDS, ARCHITECTURE_FIELDS, LoadResult, _all_gather_object, _canonical, _cut,
-                      _tp_box, describe_layout, _layout)
+from .loading import _ADVISORY_FIELDS, ARCHITECTURE_FIELDS, LoadResult
+from .state import _all_gather_object, _canonical, _cut, _layout, _tp_box, describe_layout
 from .megatron import LAYERS, Source, megatron_shape, model_config_from_args, our_shape, sources
 from .megatron_io import MegatronCheckpoint, find_megatron_checkpoint, has_fp8_state
 

@@ -3,7 +3,7 @@
 A model is a list of `ParamInfo` (global name, global shape *without* vocabulary padding, dtype, the tensor-parallel
 dim, whether its rows are a padded vocabulary) — what checkpoints store under ``model.<name>``. A rank holds
 `Box`es: one region ``[start, stop)`` per dim of one global tensor (a tp slice, at ZeRO-3 its row chunk, with the
-vocabulary padding cut off, exactly as `checkpoint/manager.py`'s ``_model_box`` / ``_cut`` describe a saved piece).
+vocabulary padding cut off, exactly as `checkpoint/state.py`'s ``_model_box`` / ``_cut`` describe a saved piece).
 ``local`` is the name of the tensor on that rank the box fills (the tied output-layer copy of a last pipeline stage
 is ``output_layer.weight`` holding the word embedding's box).
 
