@@ -31,25 +31,20 @@ from . import plugins
 from .config import Config
 from .config_checks import validate
 from .config_fields import ConfigError
-from .checkpoint import CheckpointError, CheckpointManager, LoadResult
+from .checkpoint import CheckpointError, LoadResult
 from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
 from .checkpoint.lock import lock_save_dir
 from .checkpoint.megatron_load import load_into_model as load_megatron, megatron_checkpoint_dir
 from .compile_config import TorchCompileError, compiler_failure
-from .data.blended import build_blend
-from .data.blended import build_train_valid_test_datasets
-from .data.mock import MockGPTDataset
+from .components import DEFAULTS
 from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
                      tp_placement_warnings)
-from .inputs import dataset_prefixes, resolve_vocab, resume_plan
+from .inputs import resume_plan
 from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
-from .optim.lr_scheduler import LRScheduler, decoupled_schedule_from_config, schedule_from_config
-from .optim.grad_scaler import build_loss_scaler
 from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
-from .optim.zero import build_zero_optimizer
 from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
 from .pipeline import memory_view
 from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
@@ -57,7 +52,7 @@ from .pipeline.chunks import build_chunks
 from .pipeline.stage import reduce_tied_grad_across_layouts
 from .run_plan import data_parallel_size
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
-from .tracking import MetricsFile, TensorBoardWriter, WandbTracker, format_duration, format_log_line
+from .tracking import format_duration, format_log_line
 
 
 #: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
@@ -214,9 +209,10 @@ class Trainer:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
         spec = self.model_spec
         spec.check(cfg)
+        parts = spec.components or DEFAULTS  # the builders of the run's pieces (components.py)
         self._phase_started: tuple[str, float] | None = None  # start-up phases, said by rank 0 as they begin
         self._phase_times: list[tuple[str, float]] = []
-        self.cfg = cfg = resolve_vocab(cfg)[0]  # the tokenizer's vocabulary, in the trainer's own configuration
+        self.cfg = cfg = parts.build_tokenizer(cfg)[0]  # the tokenizer's vocabulary, in the trainer's own config
         m = cfg.model
         self._phase("model", f"building the model ({m.num_layers} layers, hidden {m.hidden_size}, vocabulary "
                              f"{m.vocab_size}) and its optimizer")
@@ -244,14 +240,8 @@ class Trainer:
         # attention kernel, cross-entropy, regional compilation (before the optimizer: norms may be swapped)
         self.fast_path, self.compiled_regions = set_up_fast_path(self.model, cfg, self.device,
                                                                  self.local_micro_batch_size, spec.name)
-        t = cfg.training
-        # one ZeroOptimizer for every --zero-stage: stage 0 all-reduces, 1/2 shard state (and grads) over dp
-        # apex's FusedAdam on GPU when importable (never required; PyTorch's fused AdamW otherwise)
-        self.optimizer = build_zero_optimizer(self.model, ctx, t, mem, loss_scaler=build_loss_scaler(mem),
-                                              # pp > 1: the pipeline's R actions overlap instead (below)
-                                              overlap_grad_reduce=mem.overlap_grad_reduce and cfg.pp == 1,
-                                              use_apex=self.device.type == "cuda", pipeline=cfg.pp > 1)
-        self.scheduler = LRScheduler(self.optimizer, schedule_from_config(t), decoupled_schedule_from_config(t))
+        self.optimizer = parts.build_optimizer(self.model, cfg, ctx, self.device)
+        self.scheduler = parts.build_lr_schedule(self.optimizer, cfg)
         self.memory: list[MemoryReport] | None = None
         self._grad_reduce_started = False  # an R action started this step's dp reductions (--overlap-grad-reduce)
         self._stages_reduced: set[int] = set()  # stages whose R ran this step (several per rank: virtual stages)
@@ -277,15 +267,15 @@ class Trainer:
             self.forward_backward_fn = functools.partial(forward_backward, spec=spec)
         self._phase("data", "building mock datasets" if cfg.data.mock_data else
                     "checking the datasets and building their sample indices")
-        self._validate_data()
-        self._build_data()
+        data = parts.build_data(cfg, ctx, self.local_micro_batch_size, self.out)
+        self.train_data, self.valid_data, self.sampler = data.train, data.valid, data.sampler
+        self.eval_interval = data.eval_interval
+        self._train_iter: Iterator[list[list[int]]] = data.batches()
         self.iteration = 0
         # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
         # RNG and the W&B run id in any layout, before the tracker starts (it resumes the saved run)
         ck = cfg.checkpoint
-        self.checkpoints = CheckpointManager(ctx, async_save=ck.async_save, out=self.out,
-                                             retain_latest=ck.save_retain_latest,
-                                             retain_interval=ck.save_retain_interval)
+        self.checkpoints = parts.build_checkpointer(cfg, ctx, self.out)
         self.loaded: LoadResult | None = None
         if ck.save and megatron_checkpoint_dir(ck.save):
             raise CheckpointError(f"--save {ck.save} holds a Megatron-LM checkpoint "
@@ -317,14 +307,9 @@ class Trainer:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         if cfg.logging.wandb_project:
             self._phase("W&B", "starting the W&B run")
-        self.metrics = MetricsFile(cfg.logging.metrics_file if self.reporting else None)
-        self.tracker = WandbTracker(cfg.logging.wandb_project, cfg.logging.wandb_exp_name,
-                                    cfg.logging.wandb_save_dir,
-                                    {**cfg.to_dict(), "layout": ctx.topology.describe()},
-                                    enabled=self.reporting, log=self.out,
-                                    run_id=self.loaded.wandb_run_id if self.loaded is not None else None)
-        self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir if self.reporting else None,
-                                             cfg.logging.tensorboard_log_interval)
+        trackers = parts.build_trackers(cfg, ctx, self.reporting, self.out,
+                                        self.loaded.wandb_run_id if self.loaded is not None else None)
+        self.metrics, self.tracker, self.tensorboard = trackers.metrics, trackers.wandb, trackers.tensorboard
         self._phase(None)
 
     def _phase(self, label: str | None, what: str = "") -> None:
@@ -344,76 +329,6 @@ class Trainer:
                   flush=True)
 
     # ---- set-up ---------------------------------------------------------------------
-    def _validate_data(self) -> None:
-        """Start-up checks of every dataset file (data/validate.py), agreed by all ranks: each opens every
-        dataset (index against .bin, not empty) and scans its share of the token chunks against the
-        vocabulary; any rank's finding becomes the same ConfigError on every rank."""
-        d, ctx = self.cfg.data, self.ctx
-        if d.mock_data:
-            return
-        from .data.indexed_dataset import IndexedDataset
-        from .data.validate import check_not_empty, check_token_range, chunk_count
-
-        prefixes = dataset_prefixes(d)
-        found = None
-        try:
-            for prefix in prefixes:
-                ds = IndexedDataset(prefix)
-                check_not_empty(ds)
-                if d.data_validation:
-                    check_token_range(ds, self.cfg.model.vocab_size,
-                                      chunks=range(ctx.rank, chunk_count(ds), ctx.world_size))
-        except (OSError, ValueError) as e:
-            found = str(e)
-        every = [found]
-        if dist.is_initialized() and ctx.world_size > 1:
-            every = [None] * ctx.world_size
-            dist.all_gather_object(every, found)
-        seen = [(r, e) for r, e in enumerate(every) if e]
-        if seen:
-            who = f" (found by rank {seen[0][0]})" if ctx.world_size > 1 else ""
-            raise ConfigError(seen[0][1] + who)
-
-    def _build_data(self) -> None:
-        cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
-        gb = t.global_batch_size
-        n_train = t.train_iters * gb
-        # Megatron's default: every 1000 iterations, skipped (with a note) when there is no validation data
-        self.eval_interval = lg.eval_interval if lg.eval_interval is not None else 1000
-        n_evals = (t.train_iters // self.eval_interval + 1) if self.eval_interval > 0 and lg.eval_iters > 0 else 0
-        n_valid = n_evals * lg.eval_iters * gb
-        if cfg.data.mock_data:
-            train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_train, seed=t.seed)
-            valid = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, n_valid, seed=t.seed + 1) \
-                if n_valid else None
-        else:
-            d = cfg.data
-            try:
-                if d.data_path:
-                    train, valid, _ = build_train_valid_test_datasets(d.data_path, d.split, cfg.model.seq_length,
-                                                                      [n_train, n_valid, 0], t.seed, d.data_cache_path)
-                else:  # one blend per split, each dataset used whole
-                    train = build_blend(d.train_data_path, None, cfg.model.seq_length, [n_train, 0, 0], t.seed,
-                                        d.data_cache_path)[0]
-                    valid = build_blend(d.valid_data_path, None, cfg.model.seq_length, [0, n_valid, 0], t.seed,
-                                        d.data_cache_path)[1] if d.valid_data_path else None
-            except (OSError, ValueError) as e:
-                raise ConfigError(str(e)) from None
-            if n_valid and valid is None:
-                where = (f"--split {d.split} leaves no validation documents in {' '.join(d.data_path)}" if d.data_path
-                         else "no --valid-data-path was given")
-                if lg.eval_interval is not None:
-                    raise ConfigError(f"--eval-interval {lg.eval_interval} needs validation data, but {where}")
-                self.eval_interval = 0
-                if self.ctx.rank == 0:
-                    print(f" no evaluation: {where}", file=self.out, flush=True)
-        self.train_data, self.valid_data = train, valid
-        # "megatron" order: global microbatch k is the same samples whatever the dp, which pipeline
-        # stages with different dp sizes rely on
-        self.sampler = GlobalBatchSampler(len(train), gb, self.local_micro_batch_size, self.dp, self.ctx.dp_rank(),
-                                          order="megatron")
-        self._train_iter: Iterator[list[list[int]]] = iter(self.sampler)
-
     # ---- one iteration -------------------------------------------------------------------
     def _microbatches(self, dataset, indices: list[list[int]]) -> list[dict[str, torch.Tensor]]:
         mbs = [collate([dataset[i] for i in mb]) for mb in indices]

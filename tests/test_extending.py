@@ -238,3 +238,50 @@ def test_the_step_hook_example_sees_every_iteration(tmp_path, monkeypatch) -> No
     lines = [json.loads(ln) for ln in (tmp_path / "lr.jsonl").read_text().splitlines()]
     assert [ln["iteration"] for ln in lines] == [1, 2, 3]
     assert [ln["lr"] for ln in lines] == [r["lr"] for r in records] and lines[0]["lr"] < lines[1]["lr"]   # warm-up
+
+
+# ---- components a model spec replaces ------------------------------------------------------------------------
+def test_a_spec_replaces_the_data_and_the_lr_schedule_builders(monkeypatch) -> None:
+    """``ModelSpec.components`` (torchtitan's train spec): a spec that swaps the data builder for its own samples
+    and wraps the learning-rate schedule's builder trains on those samples with that schedule; the default
+    builders run for the rest, and a run without the spec is unchanged."""
+    import copy
+    import io
+
+    import torch
+
+    from megareshard.components import DEFAULTS, build_data
+    from megareshard.data.mock import MockGPTDataset
+    from megareshard.model_spec import get_model_spec
+    from megareshard.optim.lr_scheduler import LRScheduler
+    from megareshard.training import Trainer, build_context
+
+    monkeypatch.setenv("RANK", "0")
+    calls = []
+
+    def my_data(cfg, ctx, local_micro_batch, out):
+        data = build_data(cfg, ctx, local_micro_batch, out)
+        data.train = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, len(data.train), seed=99)
+        calls.append("data")
+        return data
+
+    def my_schedule(optimizer, cfg):
+        calls.append("lr")
+        return DEFAULTS.build_lr_schedule(optimizer, cfg)
+
+    spec = copy.copy(get_model_spec("gpt"))
+    spec.components = DEFAULTS.replace(build_data=my_data, build_lr_schedule=my_schedule)
+    cfg = parse_args([*MLP_FLAGS, "--num-attention-heads", "2"], world_size=1)
+    losses = {}
+    for name, s in (("spec", spec), ("default", None)):
+        ctx, _ = build_context(cfg, 1)
+        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO(), model_spec=s)
+        try:
+            losses[name] = [r["loss"] for r in trainer.train()]
+            if s is spec:
+                assert trainer.train_data[0]["tokens"].tolist() == MockGPTDataset(
+                    cfg.model.vocab_size, cfg.model.seq_length, 1, seed=99)[0]["tokens"].tolist()
+                assert isinstance(trainer.scheduler, LRScheduler)
+        finally:
+            trainer.close()
+    assert calls == ["lr", "data"] and losses["spec"] != losses["default"] and len(losses["spec"]) == 3

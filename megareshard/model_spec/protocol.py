@@ -55,6 +55,10 @@ class ModelSpec(abc.ABC):
     """
 
     name: str = ""
+    #: the builders of the run's pieces — tokenizer, optimizer, learning-rate schedule, data, checkpointer,
+    #: trackers — that the trainer assembles (``components.Components``, torchtitan's train spec); None: the
+    #: defaults (``components.DEFAULTS``). A spec replaces some with ``DEFAULTS.replace(build_data=...)``.
+    components: Any = None
 
     # ---- command line and configuration ------------------------------------------------------
     def add_arguments(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
