@@ -9,7 +9,10 @@ is that function; it also starts the gradient reductions after each stage's last
 backward, so the trainer does not reduce again.
 
 The model comes through its spec (``megareshard.model_spec.ModelSpec``: the modules, the stage graph,
-the forward step, the FLOPs); this module imports no model.
+the forward step, the FLOPs); this module imports no model. The `Trainer` assembles the run's pieces from the
+spec's builders (``components.py``: tokenizer, optimizer, learning-rate schedule, data, checkpointer, trackers)
+and holds the loop; the job around it (device, process group, context, pipeline runtime) is ``run_setup.py``,
+its reports beside the log line ``train_report.py``.
 """
 from __future__ import annotations
 
@@ -17,12 +20,11 @@ import contextlib
 import functools
 import math
 import os
-import resource
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import torch
 import torch.distributed as dist
@@ -39,97 +41,24 @@ from .compile_config import TorchCompileError, compiler_failure
 from .components import DEFAULTS
 from .fast_path import set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
-from .launch import (PeerFailure, RankInfo, Watchdog, exit_with_launcher, preflight_rendezvous, rank_map_table,
-                     tp_placement_warnings)
+from .launch import PeerFailure, RankInfo, Watchdog, exit_with_launcher, rank_map_table, tp_placement_warnings
 from .inputs import resume_plan
 from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
 from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
-from .parallel import CommVolume, ParallelContext, StageTopology, Topology, nccl_check, parse_stage_layouts
-from .pipeline import memory_view
-from .pipeline.runtime import PipelineRuntime, gather_trace, write_trace
+from .parallel import ParallelContext
+from .pipeline.runtime import PipelineRuntime
 from .pipeline.chunks import build_chunks
 from .pipeline.stage import reduce_tied_grad_across_layouts
-from .run_plan import data_parallel_size
+from .run_setup import (agreed, build_context, build_pipeline, forward_backward,  # noqa: F401 (re-exported)
+                        init_distributed, memory_per_stage, peak_memory_mb, peak_memory_per_stage, pick_device)
 from .tensor_parallel import RNGStreams, sync_sequence_parallel_grads
-from .tracking import format_duration, format_log_line
+from .tracking import format_log_line
+from .train_report import Reporting
 
 
 #: errors that stop a run on every rank together, with a one-line message (the entry points print it, exit 1)
 RunStopped = (CheckpointError, NonFiniteError, TorchCompileError)
-
-
-def pick_device(requested: str | None) -> torch.device:
-    """cuda when available unless told otherwise; asking for cuda without one is an error."""
-    if requested == "cuda" or (requested is None and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was requested but torch.cuda.is_available() is False")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def init_distributed(device: torch.device, preflight_timeout: float = 300.0,
-                     comm_timeout: float = 600.0) -> tuple[int, list[RankInfo]]:
-    """Initialise torch.distributed from torchrun's environment (nccl on GPU, gloo on CPU) through the
-    pre-flight rendezvous: missing ranks are named within ``preflight_timeout`` instead of hanging.
-    Returns the world size and every rank's (host, local rank, pid)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    infos: list[RankInfo] = []
-    if world > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        infos = preflight_rendezvous("nccl" if device.type == "cuda" else "gloo", preflight_timeout, comm_timeout)
-        nccl_check.maybe_install()  # MEGARESHARD_NCCL_CHECK=DIR: NCCL's rules checked on every operation
-    return world, infos
-
-
-def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
-    """The ParallelContext for this run and a line saying how ranks were placed and why."""
-    nproc = cfg.parallel.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if cfg.parallel.stage_layouts:  # every stage its own (tp, dp), on consecutive rank blocks
-        stopo = StageTopology(world_size, parse_stage_layouts(cfg.parallel.stage_layouts), nproc_per_node=nproc)
-        if world_size == 1:
-            return ParallelContext.single_process(), stopo.describe()
-        return ParallelContext.create(stopo), f"{stopo.describe()}; given by --stage-layouts"
-    m, t = cfg.model, cfg.training
-    volume = CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size, tp=cfg.tp,
-                                dp=data_parallel_size(cfg, world_size), pp=cfg.pp)
-    order = cfg.parallel.rank_order or volume.order()
-    why = "given by --rank-order" if cfg.parallel.rank_order else f"chosen by {volume.describe()}"
-    topo = Topology(world_size, tp=cfg.tp, pp=cfg.pp, nproc_per_node=nproc, order=order)
-    if world_size == 1:
-        return ParallelContext.single_process(), topo.describe()
-    return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """This process's peak memory: allocator peak on GPU, max resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def peak_memory_per_stage(ctx: ParallelContext, device: torch.device) -> list[float]:
-    """Peak memory (MiB) of every pipeline stage, MAX over the stage's ranks — on every rank.
-
-    One MAX all-reduce over the world of a pp-long vector holding this rank's peak in its
-    stage's slot (the first stage usually runs out first: it holds the most activations).
-    """
-    vec = torch.zeros(ctx.pp_size, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
-    vec[ctx.pp_rank()] = peak_memory_mb(device)
-    if dist.is_initialized() and ctx.world_size > 1:
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    return [round(v, 1) for v in vec.tolist()]
-
-
-def memory_per_stage(ctx: ParallelContext, report: MemoryReport, device: torch.device) -> list[MemoryReport]:
-    """Every stage's memory breakdown, each field the MAX over that stage's ranks — on every rank."""
-    fields = ("params", "grads", "optimizer", "activations")
-    mat = torch.zeros(ctx.pp_size, len(fields), dtype=torch.float64, device=device)
-    mat[ctx.pp_rank()] = torch.tensor([float(getattr(report, f)) for f in fields], dtype=torch.float64)
-    if dist.is_initialized() and ctx.world_size > 1:
-        dist.all_reduce(mat, op=dist.ReduceOp.MAX)
-    return [MemoryReport(*(int(v) for v in row)) for row in mat.tolist()]
 
 
 @dataclass
@@ -140,45 +69,8 @@ class StepResult:
     skipped: bool = False
 
 
-def forward_backward(model: torch.nn.Module, microbatches: list[dict[str, torch.Tensor]], device: torch.device,
-                     autocast_dtype: torch.dtype | None = None, backward: bool = True,
-                     scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
-                     spec: ModelSpec) -> torch.Tensor:
-    """Run the microbatches through the whole model; returns this rank's mean loss (detached).
-
-    ``spec.forward_step`` gives each microbatch's share of the loss (for the language models its
-    mean token loss divided by the number of microbatches), so the gradients accumulate to those
-    of the mean over this rank's share of the global batch. ``scale_loss`` (fp16 loss scaling)
-    multiplies the loss that backward starts from.
-    """
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    n = len(microbatches)
-    for mb in microbatches:
-        loss = spec.forward_step(model, mb, device, num_microbatches=n, autocast_dtype=autocast_dtype)
-        if backward:
-            (scale_loss(loss) if scale_loss is not None else loss).backward()
-        total += loss.detach()
-    return total
-
-
-def build_pipeline(spec: ModelSpec, cfg: Config, ctx: ParallelContext, layouts: Sequence[Any], *,
-                   finalize_grads: Callable[[], None] | None = None, record_trace: bool = False,
-                   dtype: torch.dtype = torch.float32) -> PipelineRuntime:
-    """The pipeline runtime of a model spec: its stage graph, its edges' declared tensors and its forward step
-    (the spec reads the model's config), everything else from the resolved plan (``cfg.plan.pipeline``).
-
-    Every edge carries the global microbatch (``PipelinePlan.edge_batch``), whatever the two stages' layouts:
-    each end shards it over its own dp. Collective over the default group: every rank calls it with the same
-    config. ``layouts`` has one entry per stage (``pp × V`` with virtual stages)."""
-    plan = cfg.plan.pipeline
-    return PipelineRuntime.from_edges(ctx, spec.graph(cfg, layouts), layouts,
-                                      spec.edge_tensors(cfg, layouts, batch=plan.edge_batch, dtype=dtype), plan,
-                                      forward_step=spec.forward_step, finalize_grads=finalize_grads,
-                                      record_trace=record_trace)
-
-
 @dataclass
-class Trainer:
+class Trainer(Reporting):
     """Owns the model, optimizer, data and reporting of one run on one rank."""
 
     cfg: Config
@@ -289,7 +181,7 @@ class Trainer:
                                         optimizer=self.optimizer, say=self._say_checkpoint)
         # what --load holds, decided by rank 0 for all: from scratch only when it is --save and holds no
         # checkpoint yet (Megatron-LM scripts pass --load = --save on the first run too); else a checkpoint
-        elif ck.load and _agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
+        elif ck.load and agreed(ctx, lambda: load_decision(ck.load, ck.save)).kind in (KIND_EMPTY, KIND_ABSENT):
             if ctx.rank == 0:
                 print(f"WARNING: --load {ck.load} holds no checkpoint (no latest file, no iter_* directory): training "
                       "starts from scratch", file=self.out, flush=True)
@@ -554,91 +446,8 @@ class Trainer:
         self._show_activations()
         return self.records
 
-    def _print_summary(self, first_iteration: int, totals: dict[str, int]) -> None:
-        """The closing line: iterations, tokens, time, the final loss (and validation loss), skipped and NaN counts."""
-        t = self.cfg.training
-        ran = self.iteration - first_iteration
-        seconds = time.monotonic() - self._train_start
-        tokens = ran * t.global_batch_size * self.cfg.model.seq_length
-        last = self.records[-1]
-        evals = [r["eval_loss"] for r in self.records if "eval_loss" in r]
-        how = "done" if self.iteration >= t.train_iters else f"stopped at iteration {self.iteration} of {t.train_iters}"
-        print(f" training {how}: {ran} iterations ({first_iteration + 1}-{self.iteration}), {tokens:,} tokens in "
-              f"{format_duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s); final lm loss "
-              f"{last['loss']:.6E}" + (f", last validation lm loss {evals[-1]:.6E}" if evals else "")
-              + f"; {totals['skipped']} skipped and {totals['nan']} nan iterations", file=self.out, flush=True)
-
-    def _report_compile_time(self, elapsed: float) -> None:
-        """With compiled regions: the first iteration's time (it compiles them), and after the second, how much of
-        it was compiling (the first iteration's time less the second's)."""
-        if not self.compiled_regions or not self.reporting or self.iteration > 2:
-            return
-        if self.iteration == 1:
-            self._first_iteration_s = elapsed
-            print(f" torch.compile: the first iteration took {elapsed:.1f} s, compiling included", file=self.out,
-                  flush=True)
-        elif hasattr(self, "_first_iteration_s"):
-            print(f" torch.compile: about {self._first_iteration_s - elapsed:.1f} s of the first iteration was "
-                  f"compiling (first {self._first_iteration_s:.2f} s, second {elapsed:.2f} s)", file=self.out,
-                  flush=True)
-
-    def _start_profiler(self):
-        """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-        profiler.__enter__()
-        return profiler
-
-    def _stop_profiler(self, profiler) -> None:
-        profiler.__exit__(None, None, None)
-        out_dir = self.cfg.logging.tensorboard_dir or os.getcwd()
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"profile_rank{self.ctx.rank}.json")
-        profiler.export_chrome_trace(path)
-        if self.ctx.rank == 0:
-            print(f" profiler trace of iterations {self.cfg.logging.profile_step_start + 1}-{self.iteration} written "
-                  f"to {path} (one file per rank; open in Perfetto or chrome://tracing)", file=self.out, flush=True)
-
     def _activity(self, what: str, timed: bool = True):
         return self.watchdog.activity(what, timed) if self.watchdog is not None else contextlib.nullcontext()
-
-    def _memory_lines(self) -> str:
-        """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
-        mib = 2 ** 20
-        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; optimizer = separate "
-                 "fp32 masters and AdamW's moments; activations = peak saved for backward):"]
-        for i, m in enumerate(self.memory):
-            lines.append(f"   stage {i}: params {m.params / mib:.1f} | grads {m.grads / mib:.1f} | optimizer "
-                         f"{m.optimizer / mib:.1f} | activations {m.activations / mib:.1f} | total {m.total / mib:.1f}")
-        worst = max(range(len(self.memory)), key=lambda i: self.memory[i].total)
-        if len(self.memory) > 1:
-            lines.append(f"   largest: stage {worst} ({self.memory[worst].total / mib:.1f} MiB)")
-        return "\n".join(lines)
-
-    def _show_activations(self) -> None:
-        """Pipeline runs: every stage's measured and simulated peak activations in one line and in the trace."""
-        records: list[dict[str, Any]] = []
-        if self.pipeline is not None and self.records and self.memory is not None:
-            measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
-            if self.reporting or self.cfg.pipeline.pipeline_trace is not None:  # where the numbers are shown
-                simulated = memory_view.simulated_inflight(self.pipeline, self.plan.num_microbatches)
-                nbytes = [m.activations for m in self.memory]
-                if self.reporting:
-                    print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
-                records = memory_view.memory_records(nbytes, measured, simulated)
-        self._write_trace(records)
-
-    def _write_trace(self, memory: list[dict[str, Any]] = ()) -> None:
-        path = self.cfg.pipeline.pipeline_trace
-        if path is None or self.pipeline is None:
-            return
-        merged = gather_trace(self.ctx, self.pipeline.last_trace)
-        if merged is not None:
-            write_trace(path, merged + list(memory))
-            print(f" pipeline trace of the last iteration ({len(merged)} records) written to {path}; draw it with "
-                  f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _say_checkpoint(self, msg: str, warning: bool) -> None:
@@ -724,24 +533,6 @@ class Trainer:
         self.tensorboard.finish()
 
 
-def _agreed(ctx: ParallelContext, decide: Callable[[], Any]) -> Any:
-    """``decide()`` on rank 0, its result (or its ConfigError / CheckpointError, raised) on every rank: one
-    verdict even where the ranks' views of a file system could differ."""
-    verdict: tuple[Any, Any] = (None, None)
-    if ctx.rank == 0:
-        try:
-            verdict = (decide(), None)
-        except (ConfigError, CheckpointError) as e:
-            verdict = (None, (type(e) is ConfigError, str(e)))
-    if dist.is_initialized() and ctx.world_size > 1:
-        box = [verdict]
-        dist.broadcast_object_list(box, src=0)
-        verdict = box[0]
-    if verdict[1] is not None:
-        raise (ConfigError if verdict[1][0] else CheckpointError)(verdict[1][1])
-    return verdict[0]
-
-
 def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
     """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` and tests: trains the model of
     ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC). ``out``: where the log
@@ -766,7 +557,7 @@ def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: to
     ctx, placement = build_context(cfg, world)
     # a resume against its plan, from the checkpoint.json --load names (rank 0 reads it, for all), before anything
     # is built: past --train-iters is one line (a ConfigError); at it, nothing is left to train (exit 0)
-    finished = _agreed(ctx, lambda: resume_plan(cfg))
+    finished = agreed(ctx, lambda: resume_plan(cfg))
     if finished is not None:
         if ctx.rank == 0:
             print(f"megareshard: {finished}", file=out, flush=True)

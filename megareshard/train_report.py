@@ -1,0 +1,105 @@
+"""What the trainer reports beside each iteration's log line: the closing summary, the compile time, the
+profiler's trace, memory per stage, measured and simulated activations and the pipeline trace (`Reporting`,
+a mix-in of the `Trainer`, which holds the state it reads: ``cfg``, ``ctx``, ``records``, ``memory``,
+``pipeline``, ``out``).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from .pipeline import memory_view
+from .pipeline.traces import gather_trace, write_trace
+from .tracking import format_duration
+
+__all__ = ["Reporting"]
+
+
+class Reporting:
+    """The trainer's reports (module docstring)."""
+
+    def _print_summary(self, first_iteration: int, totals: dict[str, int]) -> None:
+        """The closing line: iterations, tokens, time, the final loss (and validation loss), skipped and NaN counts."""
+        t = self.cfg.training
+        ran = self.iteration - first_iteration
+        seconds = time.monotonic() - self._train_start
+        tokens = ran * t.global_batch_size * self.cfg.model.seq_length
+        last = self.records[-1]
+        evals = [r["eval_loss"] for r in self.records if "eval_loss" in r]
+        how = "done" if self.iteration >= t.train_iters else f"stopped at iteration {self.iteration} of {t.train_iters}"
+        print(f" training {how}: {ran} iterations ({first_iteration + 1}-{self.iteration}), {tokens:,} tokens in "
+              f"{format_duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s); final lm loss "
+              f"{last['loss']:.6E}" + (f", last validation lm loss {evals[-1]:.6E}" if evals else "")
+              + f"; {totals['skipped']} skipped and {totals['nan']} nan iterations", file=self.out, flush=True)
+
+    def _report_compile_time(self, elapsed: float) -> None:
+        """With compiled regions: the first iteration's time (it compiles them), and after the second, how much of
+        it was compiling (the first iteration's time less the second's)."""
+        if not self.compiled_regions or not self.reporting or self.iteration > 2:
+            return
+        if self.iteration == 1:
+            self._first_iteration_s = elapsed
+            print(f" torch.compile: the first iteration took {elapsed:.1f} s, compiling included", file=self.out,
+                  flush=True)
+        elif hasattr(self, "_first_iteration_s"):
+            print(f" torch.compile: about {self._first_iteration_s - elapsed:.1f} s of the first iteration was "
+                  f"compiling (first {self._first_iteration_s:.2f} s, second {elapsed:.2f} s)", file=self.out,
+                  flush=True)
+
+    def _start_profiler(self):
+        """--profile: a PyTorch profiler trace of iterations [--profile-step-start, --profile-step-end)."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+        profiler.__enter__()
+        return profiler
+
+    def _stop_profiler(self, profiler) -> None:
+        profiler.__exit__(None, None, None)
+        out_dir = self.cfg.logging.tensorboard_dir or os.getcwd()
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"profile_rank{self.ctx.rank}.json")
+        profiler.export_chrome_trace(path)
+        if self.ctx.rank == 0:
+            print(f" profiler trace of iterations {self.cfg.logging.profile_step_start + 1}-{self.iteration} written "
+                  f"to {path} (one file per rank; open in Perfetto or chrome://tracing)", file=self.out, flush=True)
+
+    def _memory_lines(self) -> str:
+        """Measured memory per stage (MAX over each stage's ranks): the first stage usually runs out first."""
+        mib = 2 ** 20
+        lines = [" memory per rank after the first iteration (MiB, MAX over each stage's ranks; optimizer = separate "
+                 "fp32 masters and AdamW's moments; activations = peak saved for backward):"]
+        for i, m in enumerate(self.memory):
+            lines.append(f"   stage {i}: params {m.params / mib:.1f} | grads {m.grads / mib:.1f} | optimizer "
+                         f"{m.optimizer / mib:.1f} | activations {m.activations / mib:.1f} | total {m.total / mib:.1f}")
+        worst = max(range(len(self.memory)), key=lambda i: self.memory[i].total)
+        if len(self.memory) > 1:
+            lines.append(f"   largest: stage {worst} ({self.memory[worst].total / mib:.1f} MiB)")
+        return "\n".join(lines)
+
+    def _show_activations(self) -> None:
+        """Pipeline runs: every stage's measured and simulated peak activations in one line and in the trace."""
+        records: list[dict[str, Any]] = []
+        if self.pipeline is not None and self.records and self.memory is not None:
+            measured = memory_view.inflight_per_stage(self.ctx, self.pipeline.last_stats, self.device)  # collective
+            if self.reporting or self.cfg.pipeline.pipeline_trace is not None:  # where the numbers are shown
+                simulated = memory_view.simulated_inflight(self.pipeline, self.plan.num_microbatches)
+                nbytes = [m.activations for m in self.memory]
+                if self.reporting:
+                    print(memory_view.summary_line(nbytes, measured, simulated), file=self.out, flush=True)
+                records = memory_view.memory_records(nbytes, measured, simulated)
+        self._write_trace(records)
+
+    def _write_trace(self, memory: list[dict[str, Any]] = ()) -> None:
+        path = self.cfg.pipeline.pipeline_trace
+        if path is None or self.pipeline is None:
+            return
+        merged = gather_trace(self.ctx, self.pipeline.last_trace)
+        if merged is not None:
+            write_trace(path, merged + list(memory))
+            print(f" pipeline trace of the last iteration ({len(merged)} records) written to {path}; draw it with "
+                  f"tools/plot_schedule.py --trace {path}", file=self.out, flush=True)
