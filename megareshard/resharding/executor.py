@@ -6,6 +6,9 @@ default process group — and then run every microbatch:
     resharder = Resharder(plan, torch.float32)
     out = resharder.run(local_src)          # or: h = resharder.start(local_src); ...; h.wait()
 
+This module holds the `Resharder`: its construction, its runs and their concurrent-order stream items. What
+each rank runs of the plan is compiled by `programs.py`; the plan-order stream items are `plan_order.py`'s.
+
 **The rules it is built to** (NCCL's, kept on gloo too and checked there by
 `megareshard.parallel.nccl_check`): point-to-point messages between two ranks pair up in
 issue order (no tags: every tag is 0); every member of a communicator issues the same
@@ -78,7 +81,6 @@ from __future__ import annotations
 
 import threading
 import time
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,9 +89,9 @@ import torch.distributed as dist
 from ..parallel.nccl_check import set_label
 from .agree import agree_on_orders
 from .handle import ReshardHandle, RunState, await_entry, post_together
-from .messages import (DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _contains, _Msg, _RankTask,
-                       _relative, _shape, _TaskProgram, build_messages, comm_key, nic_side_chains,
-                       rotate_receivers)
+from .messages import DEFAULT_ORDER, ORDERS, RECV_SIDE, SEND_SIDE, _Msg, _RankTask, _shape, _TaskProgram, comm_key
+from .plan_order import PlanOrderItems
+from .programs import communicator_items, nic_gates, rank_tasks, task_programs
 from .spec import local_slices
 from .streams import CommStreams, GroupKey, Op
 from .strategies import get_strategy
@@ -101,7 +103,7 @@ __all__ = ["Resharder", "ReshardHandle", "CommStreams", "agree_on_orders", "post
 
 
 # ---------------------------------------------------------------------------------- Resharder
-class Resharder:
+class Resharder(PlanOrderItems):
     """Runs one `ReshardingPlan` for tensors of one dtype; construction is collective.
 
     Every rank of the default process group must construct it, in the same order as its
@@ -160,28 +162,11 @@ class Resharder:
         self.src_shape = None if self._src_region is None else _shape(self._src_region)
         self.dst_shape = None if self._dst_region is None else _shape(self._dst_region)
 
-        by_index = {t.index: t for t in plan.tasks}
         host_of = {r: plan.dst_mesh.host_of(r) for r in plan.dst_mesh.flat_ranks}
         host_of.update({r: plan.src_mesh.host_of(r) for r in plan.src_mesh.flat_ranks})
         self._host_of = host_of
-        self.programs: list[_TaskProgram] = []
-        turns: dict[int, int] = {}  # tasks that reached each host so far: where the next one enters it
-        for pos, (index, sender) in enumerate(task_order):
-            task = by_index[index]
-            if sender is None or sender not in task.senders:
-                raise ValueError(f"task {index}: chosen sender {sender} does not hold the slice "
-                                 f"(holders {list(task.senders)}); was the plan scheduled?")
-            region = tuple(task.slice)
-            held = set(task.senders)
-            local = tuple(r for r in task.receivers if r in held)
-            remote = rotate_receivers(sorted(r for r in task.receivers if r not in held), host_of, turns)
-            numel = prod(_shape(region))
-            k = int(task.chunks)  # chosen by the planner: plan and executor cannot disagree
-            msgs = [] if (self._nccl and strat.nccl_broadcast) else \
-                build_messages(self.strategy, numel, sender, remote, host_of, k)
-            members = (sender, *remote) if remote else ()
-            self.programs.append(_TaskProgram(pos, index, region, _shape(region), numel, sender, local, msgs,
-                                              members, chunks=k))
+        self.programs: list[_TaskProgram] = task_programs(plan, task_order, host_of, self.strategy,
+                                                          self._nccl and strat.nccl_broadcast)
 
         # communicators: every rank, every task, one global order (deduplicated by key)
         self._plan_order = self.order == "plan"
@@ -204,74 +189,13 @@ class Resharder:
                     if self.rank in rs:
                         self._token_key, self._token_group = key, g
 
-        self._mine: list[_RankTask] = []
-        for p in self.programs:
-            rt = _RankTask(
-                prog=p,
-                src_view=(_relative(p.region, self._src_region)
-                          if self._src_region is not None and _contains(self._src_region, p.region) else None),
-                dst_view=(_relative(p.region, self._dst_region)
-                          if self._dst_region is not None and _contains(self._dst_region, p.region) else None),
-                copy_local=self.rank in p.local,
-            )
-            for m in p.msgs:
-                wire = host_of[m.src] != host_of[m.dst]
-                if m.dst == self.rank:
-                    rt.recvs.append(m)
-                    if wire:
-                        rt.wire_recvs.append(m)
-                if m.src == self.rank:
-                    (rt.forwards if m.forward else rt.sends).append(m)
-                    if m.forward:
-                        (rt.wire_fwds if wire else rt.intra_fwds).append(m)
-                    elif wire:
-                        rt.wire_sends.append(m)
-            rt.in_nccl_group = bool(p.group_ranks) and self.rank in p.group_ranks and not p.msgs
-            if p.group_ranks and self.rank in p.group_ranks:
-                rt.key = self.comm_key(p)
-            if rt.sends and rt.src_view is None:
-                raise AssertionError(f"rank {self.rank} sends task {p.index} but its shard does not hold it")
-            if (rt.recvs or rt.copy_local or rt.in_nccl_group) and self.rank != p.sender and rt.dst_view is None:
-                raise AssertionError(f"rank {self.rank} receives task {p.index} outside its destination shard")
-            if rt.copy_local or rt.sends or rt.recvs or rt.forwards or rt.in_nccl_group:
-                self._mine.append(rt)
+        self._mine: list[_RankTask] = rank_tasks(self.programs, self.rank, self._src_region, self._dst_region,
+                                                 host_of, self.comm_key)
         # this rank's items: its tasks grouped by communicator, in order of first appearance; issued inline
         # unless this rank forwards on the communicator (or runs plan order): then by its stream thread
-        self._items: list[tuple[GroupKey, list[_RankTask]]] = []
-        index: dict[GroupKey, int] = {}
-        for rt in self._mine:
-            if rt.key is None:
-                continue
-            if rt.key not in index:
-                index[rt.key] = len(self._items)
-                self._items.append((rt.key, []))
-            self._items[index[rt.key]][1].append(rt)
-        # the key names the forwarders, so a rank forwarding in one task on it forwards in every such task
-        self._threaded = {key: self._plan_order or any(rt.forwards for rt in rts) for key, rts in self._items}
+        self._items, self._threaded = communicator_items(self._mine, self._plan_order)
         # plan order: where this rank sits in the chains of its host's two NIC sides
-        my_host = host_of.get(self.rank)
-        chains = nic_side_chains(self.programs, host_of) if my_host is not None else {}
-        by_pos = {rt.prog.pos: rt for rt in self._mine}
-        self._token_recvs: list[tuple[int, int, int]] = []  # (pos, side, from rank), receivers' order
-        self._token_sends: list[tuple[int, int, int, int]] = []  # (next pos, side, my pos, to rank), same order
-        for side in (SEND_SIDE, RECV_SIDE):
-            chain = chains.get((my_host, side), [])
-            for i, (pos, users) in enumerate(chain):
-                if self.rank not in users:
-                    continue
-                rt = by_pos[pos]
-                if i > 0:
-                    prev_pos, prev_users = chain[i - 1]
-                    others = tuple(sorted(prev_users - {self.rank}))
-                    rt.gate[side] = (prev_pos if self.rank in prev_users else None, others)
-                    self._token_recvs += [(pos, side, o) for o in others]
-                if i + 1 < len(chain):
-                    next_pos, next_users = chain[i + 1]
-                    others = tuple(sorted(next_users - {self.rank}))
-                    rt.signal[side] = (next_pos, others)
-                    self._token_sends += [(next_pos, side, pos, o) for o in others]
-        self._token_recvs.sort()
-        self._token_sends.sort()
+        self._token_recvs, self._token_sends = nic_gates(self.programs, self._mine, self.rank, host_of)
         self._device = self._pick_device()
         self._one_byte = torch.zeros(1, dtype=torch.uint8, device=self._device)
         # receive buffers for slices that are not contiguous inside the output (cached, pooled)
@@ -559,120 +483,6 @@ class Resharder:
                         recv_of[key] = entry
         finally:
             set_label(None)
-
-    # ------------------------------------------------------------------ plan order (gloo)
-    def _tokens(self, run: RunState, n: int) -> None:
-        """The token communicator's thread: post every token receive of the run, then send each token
-        as soon as its (task, side) is done here, in the receivers' (task, side) order."""
-        g = self._token_group
-        try:
-            for pos, side, src in self._token_recvs:
-                set_label(f"{self.name}#{n}/token/t{pos}/s{side}")
-                entry = [dist.irecv(self._token_buf(), src=self._global(src), group=g), False]
-                run.token_works.setdefault((pos, side), []).append(entry)
-            run.tokens_posted.set()
-            sent = []
-            for next_pos, side, pos, dst in self._token_sends:
-                while not run.side_done[(pos, side)].wait(0.05):
-                    if run.failed.is_set():
-                        raise RuntimeError("another stream of this run failed")
-                set_label(f"{self.name}#{n}/token/t{next_pos}/s{side}")
-                sent.append(dist.isend(self._one_byte, dst=self._global(dst), group=g))
-            for w in sent:
-                w.wait()
-        except BaseException:
-            run.failed.set()
-            run.tokens_posted.set()
-            raise
-        finally:
-            set_label(None)
-
-    def _token_buf(self) -> torch.Tensor:
-        return torch.empty(1, dtype=torch.uint8, device=self._device)
-
-    def _gate(self, rt: _RankTask, side: int, run: RunState) -> None:
-        """Wait until the previous task on this host's NIC `side` is done on every rank that used it."""
-        if side not in rt.gate:
-            return
-        prev_pos, others = rt.gate[side]
-        if prev_pos is not None:
-            while not run.side_done[(prev_pos, side)].wait(0.05):
-                if run.failed.is_set():
-                    raise RuntimeError("another stream of this run failed")
-        if others:
-            run.tokens_posted.wait()
-            for entry in run.token_works.get((rt.prog.pos, side), []):
-                await_entry(entry)
-        if run.failed.is_set():
-            raise RuntimeError("another stream of this run failed")
-
-    def _done(self, rt: _RankTask, side: int, run: RunState, t_post: float) -> None:
-        ev = run.side_done.get((rt.prog.pos, side))
-        if ev is not None:
-            ev.set()
-        if self.trace:
-            run.trace.append({"pos": rt.prog.pos, "task": rt.prog.index, "rank": self.rank,
-                              "host": self._host_of[self.rank], "side": "send" if side == SEND_SIDE else "recv",
-                              "t_post": t_post, "t_done": time.monotonic()})
-
-    def _item_plan(self, group: Any, rts: list[_RankTask], flats: dict, run: RunState, n: int) -> None:
-        try:
-            for rt in rts:
-                self._task_plan(group, rt, flats, run, n)
-        except BaseException:
-            run.failed.set()
-            for ev in run.side_done.values():  # never leave this rank's other streams waiting on this one
-                ev.set()
-            raise
-        finally:
-            set_label(None)
-
-    def _task_plan(self, group: Any, rt: _RankTask, flats: dict, run: RunState, n: int) -> None:
-        """One task: intra-host receives at once; wire receives after the receive gate; sends after the
-        send gate; forwards as their data arrives; each NIC side released when this rank is done with it."""
-        me, host = self.rank, self._host_of
-        p = rt.prog
-        recv_flat, send_flat = flats[p.pos]
-        wire = {id(m) for m in rt.wire_recvs}
-        recv_of: dict[tuple[int, int], list[Any]] = {}
-        for j, m in enumerate(p.msgs):  # intra-host receives: no NIC
-            if m.dst == me and id(m) not in wire:
-                recv_of[(m.start, m.stop)] = self._recv(group, run, n, p, j, m, recv_flat)
-        t_recv = 0.0
-        if rt.wire_recvs:
-            self._gate(rt, RECV_SIDE, run)
-            t_recv = time.monotonic()
-            for j, m in enumerate(p.msgs):
-                if m.dst == me and id(m) in wire:
-                    recv_of[(m.start, m.stop)] = self._recv(group, run, n, p, j, m, recv_flat)
-        t_send = 0.0
-        wire_sent: list[list[Any]] = []
-        if rt.wire_sends or rt.wire_fwds:
-            self._gate(rt, SEND_SIDE, run)
-            t_send = time.monotonic()
-        wire_left = len(rt.wire_recvs)
-        # sends and forwards in global message order; a forward's data came in an earlier message
-        for j, m in enumerate(p.msgs):
-            if m.dst == me and id(m) in wire:
-                await_entry(recv_of[(m.start, m.stop)])
-                wire_left -= 1
-                if wire_left == 0:
-                    self._done(rt, RECV_SIDE, run, t_recv)
-            if m.src != me:
-                continue
-            if m.forward:
-                await_entry(recv_of[(m.start, m.stop)])
-                entry = self._send(group, run, n, p, j, m, recv_flat)
-            else:
-                entry = self._send(group, run, n, p, j, m, send_flat)
-            if host[m.src] != host[m.dst]:
-                wire_sent.append(entry)
-        if rt.wire_sends or rt.wire_fwds:
-            for entry in wire_sent:
-                await_entry(entry)
-            self._done(rt, SEND_SIDE, run, t_send)
-        elif (p.pos, SEND_SIDE) in run.side_done:
-            run.side_done[(p.pos, SEND_SIDE)].set()
 
     # ------------------------------------------------------------------ introspection
     def describe(self) -> str:
