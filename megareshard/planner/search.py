@@ -29,28 +29,28 @@ trainer does), per-stage meshes on contiguous rank blocks, so each stage's mesh 
 
 Extra cost terms (`terms.py`: none unless the caller gives some, as the lab does for its emulated cluster's
 shared cores) apply to both the pre-rank's estimate and the simulated step.
+
+Where: the enumeration in `shapes.py`, memory and the pre-rank's estimate in `estimate.py`, the pipeline's
+simulation in `makespan.py`; this module scores (the resharding planner's edges, `_simulate`) and ranks.
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from ..parallel import CommVolume, Topology
-from ..parallel.stage_topology import StageTopology
-from ..pipeline.generators import generate, placement_of
-from ..pipeline.lowering import lower
-from ..pipeline.meshes import stage_mesh
+from ..pipeline.generators import placement_of
 from ..pipeline.schedules import get_schedule, schedule_names
-from ..pipeline.simulate import Costs, simulate
-from ..resharding import ShardingSpec, get_strategy, plan_resharding, strategy_names
+from ..resharding import ShardingSpec, plan_resharding, strategy_names
 from ..resharding.messages import build_messages
 from .candidate import Candidate
-from .costs import ClusterSpec, ModelShape, StageCosts, mesh_dp_seconds, stage_costs
+from .costs import ClusterSpec, ModelShape, mesh_dp_seconds
+from .estimate import _boundaries, _edge_bound, _estimate, _estimate_parts, _memory, _mesh_static
+from .makespan import _edge_arg, _pipeline, pipeline_makespan
+from .shapes import _Shape, _schedule_options, _shapes, _stage_mesh_shapes, _virtualize
+from .shapes import _dp_ring_cross  # noqa: F401  (importable from here, as before)
 from .step_collectives import step_sync_s, tied_embedding_s
 from .terms import CostTerm, TermInput
-from .variants import balanced_split, live_bound, stage_layout_variants, virtual_options
+from .variants import live_bound
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "planned_strategies", "pipeline_makespan"]  # Candidate: from candidate.py
 
@@ -62,182 +62,6 @@ def planned_strategies() -> tuple[str, ...]:
 
 class PlanError(ValueError):
     """No layout fits, or the inputs are inconsistent (the message says which and why)."""
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass
-class _Shape:
-    """A layout without its schedule and strategy: what memory and the stage costs depend on."""
-
-    tp: int
-    pp: int
-    dp: int
-    b: int
-    m: int
-    sp: bool
-    recompute: bool
-    zero: int
-    topo: Any  # Topology, or StageTopology for per-stage meshes
-    stages: list[StageCosts]  # one per pipeline stage (model chunk)
-    layers: tuple[int, ...]
-    layouts: tuple[tuple[int, int], ...] | None = None
-    virtual: int = 1
-    uneven: bool = False
-    cross: list[tuple[bool, int]] = field(default_factory=list)  # per mesh: dp leaves a host, ring edges per NIC
-
-    @property
-    def order(self) -> str:
-        return "stage-blocks" if self.layouts else "-".join(self.topo.order)
-
-    def per_mesh(self, placement: tuple[int, ...]) -> list[list[StageCosts]]:
-        out: list[list[StageCosts]] = [[] for _ in range(self.pp)]
-        for st, p in zip(self.stages, placement):
-            out[p].append(st)
-        return out
-
-    def mesh_layouts(self) -> list[tuple[int, int]]:
-        """(tp, dp) of every mesh."""
-        return list(self.layouts) if self.layouts else [(self.tp, self.dp)] * self.pp
-
-
-_stage_costs = functools.lru_cache(maxsize=1 << 16)(stage_costs)
-
-
-def _stage_list(model: ModelShape, cluster: ClusterSpec, layers: tuple[int, ...], mesh_of: list[int],
-                layouts: list[tuple[int, int]], cross: list[tuple[bool, int]], b: int, max_dp: int, sp: bool,
-                rc: bool, zero: int) -> list[StageCosts]:
-    S = len(layers)
-    out = []
-    tied_copy = mesh_of[0] != mesh_of[-1]  # one mesh with both ends holds one tied Parameter (zbv's V)
-    for i, n in enumerate(layers):
-        tp, dp = layouts[mesh_of[i]]
-        crosses, per_host = cross[mesh_of[i]]
-        out.append(_stage_costs(model, cluster, layers=n, first=i == 0, last=i == S - 1, tp=tp, dp=dp,
-                                micro_batch=b * max_dp // dp, sequence_parallel=sp and tp > 1, recompute=rc,
-                                zero=zero if dp > 1 else 0, dp_crosses_hosts=crosses, dp_ring_edges_per_nic=per_host,
-                                tied_copy=tied_copy))
-    return out
-
-
-def _dp_ring_cross(topo: Any, layouts: Sequence[tuple[int, int]], D: int) -> list[tuple[bool, int]]:
-    """Per stage: does a dp ring leave a host, and the most ring edges (over the stage's tp rings, each in dp
-    order as gloo's and NCCL's rings run) that leave one host: what that host's NIC carries."""
-    out = []
-    for s, (tp, dp) in enumerate(layouts):
-        leaving: dict[int, int] = {}
-        for t in range(tp):
-            hosts = [topo.rank_of(tp=t, dp=d, pp=s) // D for d in range(dp)]
-            for d in range(dp if dp > 1 else 0):
-                if hosts[d] != hosts[(d + 1) % dp]:
-                    leaving[hosts[d]] = leaving.get(hosts[d], 0) + 1
-        out.append((bool(leaving), max(leaving.values(), default=0)))
-    return out
-
-
-def _tp_ok(model: ModelShape, tp: int) -> bool:
-    return model.num_attention_heads % tp == 0 and model.groups % tp == 0
-
-
-def _splits(model: ModelShape, pp: int, uneven: bool, build) -> list[tuple[int, ...]]:
-    """The even split where pp divides the layers, and the balanced one (`variants.balanced_split`)."""
-    L = model.num_layers
-    out = [(L // pp,) * pp] if L % pp == 0 else []
-    if uneven and pp > 1:
-        one = build((1,) * pp)
-        per = [st.forward_s + st.backward_s for st in one]
-        two = build((2,) * pp)
-        per_layer = two[pp // 2].forward_s + two[pp // 2].backward_s - per[pp // 2]
-        if per_layer > 0:
-            bal = balanced_split(L, pp, per_layer, [x - per_layer for x in per])
-            if bal not in out:
-                out.append(bal)
-    return out
-
-
-def _shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, micro_batches: Iterable[int],
-            zero_stages: Iterable[int], recompute_options: Iterable[bool], uneven: bool) -> Iterable[_Shape]:
-    """Uniform layouts: tp × pp × micro batch × sequence parallelism × recomputation × ZeRO × layer split."""
-    D, N, L = cluster.devices_per_host, cluster.world, model.num_layers
-    micro_batches = list(micro_batches)
-    for tp in [t for t in _divisors(D) if _tp_ok(model, t)]:
-        for pp in _divisors(N // tp):
-            if pp > L:
-                continue
-            dp = N // (tp * pp)
-            volume = CommVolume.for_gpt(model.hidden_size, model.seq_length, 1, tp=tp, dp=dp, pp=pp)
-            # tp innermost (inside a host: its collectives are costed on the intra-host link), then dp and
-            # pp by communication volume
-            order = ("tp",) + tuple(a for a in volume.order() if a != "tp")
-            topo = Topology(N, tp=tp, pp=pp, nproc_per_node=D, order=order)
-            cross = _dp_ring_cross(topo, [(tp, dp)] * pp, D)
-            for b in micro_batches:
-                if global_batch % (b * dp):
-                    continue
-                m = global_batch // (b * dp)
-                for sp in ((False, True) if tp > 1 else (False,)):
-                    for rc in recompute_options:
-                        for z in (zero_stages if dp > 1 else (0,)):
-                            def build(layers: tuple[int, ...]) -> list[StageCosts]:
-                                return _stage_list(model, cluster, layers, list(range(pp)), [(tp, dp)] * pp, cross,
-                                                   b, dp, sp, rc, z)
-                            for split in _splits(model, pp, uneven, build):
-                                yield _Shape(tp, pp, dp, b, m, sp, rc, z, topo, build(split), split,
-                                             uneven=len(set(split)) > 1, cross=cross)
-
-
-def _stage_mesh_shapes(model: ModelShape, cluster: ClusterSpec, global_batch: int, base: _Shape,
-                       uneven: bool, topos: dict[tuple, tuple[Any, list]]) -> Iterable[_Shape]:
-    """Per-stage meshes near a uniform shape (`variants.stage_layout_variants`), same batch, sp, recompute, ZeRO."""
-    D, N = cluster.devices_per_host, cluster.world
-    allowed = [t for t in _divisors(D) if _tp_ok(model, t)]
-    for lay in stage_layout_variants(base.tp, base.pp, N // base.pp, allowed):
-        if lay not in topos:
-            st = StageTopology(N, lay, nproc_per_node=D)
-            topos[lay] = (st, _dp_ring_cross(st, st.layouts, D))
-        topo, cross = topos[lay]
-        max_dp = max(d for _, d in lay)
-        if global_batch % (base.b * max_dp):
-            continue
-        sp = base.sp and max(t for t, _ in lay) > 1
-
-        def build(layers: tuple[int, ...]) -> list[StageCosts]:
-            return _stage_list(model, cluster, layers, list(range(base.pp)), list(lay), cross, base.b, max_dp, sp,
-                               base.recompute, base.zero)
-        for split in _splits(model, base.pp, uneven, build):
-            yield _Shape(max(t for t, _ in lay), base.pp, max_dp, base.b, global_batch // (base.b * max_dp), sp,
-                         base.recompute, base.zero, topo, build(split), split, lay, uneven=len(set(split)) > 1,
-                         cross=cross)
-
-
-def _virtualize(model: ModelShape, cluster: ClusterSpec, sh: _Shape, v: int, placement: tuple[int, ...]) -> _Shape:
-    """The same shape with v stages per mesh (layers / (pp·v) each; uniform meshes only), stage s on mesh
-    `placement[s]` (the schedule's: interleaved round robin, or zbv's V, whose first mesh holds both ends)."""
-    S = sh.pp * v
-    n = model.num_layers // S
-    lay = sh.mesh_layouts()
-    stages = _stage_list(model, cluster, (n,) * S, list(placement), lay, sh.cross, sh.b,
-                         sh.dp, sh.sp, sh.recompute, sh.zero)
-    return _Shape(sh.tp, sh.pp, sh.dp, sh.b, sh.m, sh.sp, sh.recompute, sh.zero, sh.topo, stages, (n,) * S,
-                  None, v, cross=sh.cross)
-
-
-def _boundaries(sh: _Shape, cache: dict[tuple, list]) -> list[tuple[int, int, tuple, Any, Any]]:
-    """Every mesh boundary i -> i+1 with its host pattern (the two meshes' host grids, hosts renamed in order
-    of appearance: boundaries with one pattern cost the same) and the two meshes."""
-    key = ("boundaries", sh.layouts or (sh.tp, sh.pp, sh.order))
-    if key not in cache:
-        out = []
-        for i in range(sh.pp - 1):
-            src, dst = stage_mesh(sh.topo, i), stage_mesh(sh.topo, i + 1)
-            names: dict[int, int] = {}
-            pattern = tuple(tuple(names.setdefault(m.host_of(r), len(names)) for r in row)
-                            for m in (src, dst) for row in m.ranks)
-            out.append((i, i + 1, (src.shape, dst.shape, pattern), src, dst))
-        cache[key] = out
-    return cache[key]
 
 
 def _edge_seconds(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
@@ -302,122 +126,6 @@ def _message_latency(plan, cluster: ClusterSpec) -> float:
             for r in (msg.src, msg.dst):
                 per_rank[r] = per_rank.get(r, 0.0) + a
     return max(per_rank.values(), default=0.0)
-
-
-def _edge_bound(model: ModelShape, cluster: ClusterSpec, sh: _Shape, strategy: str,
-                cache: dict[tuple, Any]) -> float:
-    """A quick estimate of the slowest stage-boundary transfer for the pre-rank (no resharding plan): every
-    receiving host takes the rows (dp slices) of the tensor its ranks hold through its NIC (each tp rank
-    its own copy under sendrecv without sequence parallelism), the sending hosts share the total."""
-    if sh.pp == 1:
-        return 0.0
-    copies = get_strategy(strategy).copy_per_receiver and not sh.sp
-    key = ("bound", sh.layouts or (sh.tp, sh.pp, sh.order), copies)
-    if key not in cache:  # (share of the tensor through the busiest NIC, True if any NIC) of the worst boundary
-        worst = (0.0, False)
-        for i, j, pattern, src, dst in _boundaries(sh, cache):
-            src_hosts = set(src.host_ids())
-            need: dict[int, float] = {}
-            for row in dst.ranks:
-                hosts = [dst.host_of(r) for r in row]
-                for h in set(hosts):
-                    need[h] = need.get(h, 0.0) + (hosts.count(h) if copies else 1) / len(dst.ranks)
-            remote = {h: x for h, x in need.items() if h not in src_hosts}
-            share = (max(max(remote.values()), sum(remote.values()) / len(src_hosts)), True) if remote else \
-                (max(need.values()), False)
-            if (share[1], share[0]) > (worst[1], worst[0]):
-                worst = share
-        cache[key] = worst
-    share, nic = cache[key]
-    max_dp = max(d for _, d in sh.mesh_layouts())
-    nbytes = model.seq_length * sh.b * max_dp * model.hidden_size * model.dtype_bytes
-    # + at least one message's latency (the simulation counts the plan's messages)
-    return share * nbytes / (cluster.nic_Bps if nic else cluster.intra_Bps) + \
-        (cluster.nic_latency_s if nic else cluster.intra_latency_s)
-
-
-def _mesh_static(sh: _Shape, placement: tuple[int, ...]) -> list[tuple[float, float]]:
-    """Per mesh: (static + extra bytes of its stages, the largest activation of one of its stages)."""
-    return [(sum(st.static_bytes + st.extra_bytes for st in g), max(st.activation_bytes_per_mb for st in g))
-            for g in sh.per_mesh(placement)]
-
-
-def _memory(sh: _Shape, placement: tuple[int, ...], live: list[int]) -> list[float]:
-    """GiB per mesh: its stages' static state, `live` activations of its largest stage, the logits."""
-    return [(a + k * x) / 2**30 for (a, x), k in zip(_mesh_static(sh, placement), live)]
-
-
-def _estimate_parts(sh: _Shape, overhead: float = 0.0, post: float = 0.0) -> tuple[float, float]:
-    """(one mesh's compute per microbatch at its slowest, with `overhead` per F and B action and, pipelined,
-    `post` per stage (a send and a receive posted: what every mesh's stage posts at least), its data-parallel
-    reduction and optimizer step at their slowest)."""
-    groups = sh.per_mesh(tuple(s % sh.pp for s in range(len(sh.stages))))
-    post = post if sh.pp > 1 else 0.0
-    fb = max(sum(st.forward_s + st.backward_s + 2 * overhead + post for st in g) for g in groups)
-    return fb, max(sum(st.dp_seconds + st.optimizer_s for st in g) for g in groups)
-
-
-def _estimate(sh: _Shape, parts: tuple[float, float], edge_s: float, schedule: str) -> float:
-    fb, dp = parts
-    fill = (sh.pp - 1) * fb / (sh.virtual * (2 if get_schedule(schedule).zero_bubble else 1))
-    # every mesh sends (and receives) one activation and one gradient per microbatch for each of its stages
-    # whose neighbour lies on another mesh: V of them under interleaving and in zbv's V
-    return max(sh.m * fb, 2 * sh.m * sh.virtual * edge_s) + fill + dp
-
-
-@functools.lru_cache(maxsize=512)
-def _lowered(name: str, P: int, m: int, dw: bool, v: int | None) -> Any:
-    """The schedule lowered with its communication (one per shape: the search simulates it under many costs)."""
-    return lower(generate(name, P, m, dw, virtual_stages=v))
-
-
-def _pipeline(name: str, dw: bool, P: int, m: int, f: tuple[float, ...], b: tuple[float, ...],
-              edge: float | tuple[tuple[str, float], ...], cache: dict[tuple, tuple[float, Any]],
-              v: int = 1, overhead: float = 0.0, w: tuple[float, ...] | None = None,
-              post: tuple[float, float] = (0.0, 0.0)) -> tuple[float, Any]:
-    """(makespan for m microbatches, the timeline it was taken from): simulated, extrapolated in m. Under
-    delayed weight gradients a stage's B splits into W = `w` (default: half of B) and I = B − W. Every compute
-    action (F, B, and I and W each under delayed weight gradients) also takes `overhead` seconds, and posting
-    a send or a receive `post` = (send, receive) seconds of its program."""
-    w = w if w is not None else tuple(x / 2 for x in b)
-    key = (name, dw, P, m, f, b, edge, v, overhead, w, post)
-    if key not in cache:
-        costs = Costs(f=[x + overhead for x in f], b=[x + overhead for x in b],
-                      i=[x - y + overhead for x, y in zip(b, w)], w=[y + overhead for y in w],
-                      comm=edge if isinstance(edge, float) else dict(edge), send_post=post[0], recv_post=post[1])
-        kind = get_schedule(name)
-
-        def run(n: int):
-            return simulate(_lowered(name, P, n, dw, v if kind.stages_per_mesh is None else None), costs=costs)
-
-        step = P if kind.microbatch_multiple_of_pp else 4
-        m1 = step * math.ceil((3 * P + 2) / step)  # past every schedule's warm-up transient
-        if P == 1 or m <= m1 + 2 * step or (m - m1) % step:
-            tl = run(m)
-            cache[key] = (tl.makespan, tl)
-        else:
-            t1, t2, tl = run(m1).makespan, run(m1 + step).makespan, run(m1 + 2 * step)
-            if abs((tl.makespan - t2) - (t2 - t1)) > 1e-9 * tl.makespan:  # not yet linear: simulate it all
-                tl = run(m)
-                cache[key] = (tl.makespan, tl)
-            else:
-                cache[key] = (tl.makespan + (m - m1 - 2 * step) * (tl.makespan - t2) / step, tl)
-    return cache[key]
-
-
-def pipeline_makespan(schedule: str, delay_wgrad: bool, P: int, m: int, forward_s: float, backward_s: float,
-                      wgrad_s: float, edge_s: float, overhead_s: float, post_s: tuple[float, float] = (0.0, 0.0)
-                      ) -> float:
-    """Simulated seconds of m microbatches through P equal stages of one mesh each (what `_simulate` scores a
-    candidate's pipeline with): F = `forward_s`, B = `backward_s` (I = B − W and W = `wgrad_s` under delayed
-    weight gradients), every action `overhead_s` more, every stage transfer `edge_s`, posting a send and a
-    receive `post_s` of the program."""
-    return _pipeline(schedule, delay_wgrad, P, m, (forward_s,) * P, (backward_s,) * P, edge_s, {}, 1, overhead_s,
-                     (wgrad_s,) * P, post_s)[0]
-
-
-def _edge_arg(edges: dict[str, float]) -> float | tuple[tuple[str, float], ...]:
-    return edges["*"] if "*" in edges else tuple(sorted(edges.items()))
 
 
 def _shared_edges(edges: dict[str, float], solo: dict[str, float], tl: Any) -> tuple[dict[str, float], float]:
@@ -500,19 +208,6 @@ def _simulate(c: Candidate, sh: _Shape, cluster: ClusterSpec, edges: dict[str, f
             c.breakdown.update(out.breakdown)
             c.bottleneck = out.bottleneck or c.bottleneck
             c.step_s = out.step_s
-
-
-def _schedule_options(names: list[str], sh: _Shape, num_layers: int) -> list[tuple[str, int]]:
-    out = []
-    single = next((n for n in names if get_schedule(n).stages_per_mesh == 1), None)
-    for name in names:
-        if sh.pp == 1 and name != single:
-            continue  # one stage: every one-stage-per-mesh schedule is the same run
-        for v in virtual_options(name, sh.pp, num_layers, sh.m):
-            if v > 1 and (sh.layouts or sh.uneven):
-                continue  # virtual stages on uniform meshes with an even split only
-            out.append((name, v))
-    return out
 
 
 def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,

@@ -1,7 +1,7 @@
 """The collectives around the pipeline, costed per step (pure): the tied word embedding's gradient all-reduce
 between the first and the last stage, and the one-element all-reduces every training step ends with.
 
-`sh` is a layout of `search.py` (its `_Shape`: tp, pp, dp, the topology or per-stage layouts).
+`sh` is a layout of the search (`shapes.py`'s `_Shape`: tp, pp, dp, the topology or per-stage layouts).
 """
 from __future__ import annotations
 
