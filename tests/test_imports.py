@@ -9,6 +9,9 @@
 * the schedule IR (``import megareshard.pipeline``) imports no torch;
 * the wall: the product (``megareshard/``, the entry points, ``tools/``) never imports the lab (``lab/``:
   what measures, emulates and breaks it), which imports the product.
+* the product finds itself by being installed: no file of ``megareshard/``, ``tools/`` or the entry points
+  touches ``sys.path``; every console script of ``pyproject.toml`` names a ``main`` of the package, and every
+  user tool ``tools/NAME.py`` is one of them (``megareshard.cli.NAME``) run as Megatron-LM's tools run.
 
 An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
 Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
@@ -231,6 +234,81 @@ def test_tools_import_the_package_not_one_another():
             offenders += [f"{path.name} imports {m}" for m in mods
                           if m.split(".")[0] in names or m.split(".")[0] == "tools"]
     assert offenders == []
+
+
+def test_the_cli_modules_import_no_other_tool(graph):
+    """The tools moved into the package (``megareshard/cli``) keep the rule: what two tools share lives in the
+    package outside ``megareshard.cli``."""
+    tools = [m for m in graph if _in(m, "megareshard.cli") and m != "megareshard.cli"]
+    assert "megareshard.cli.checkpoint_util" in tools and "megareshard.cli.generate" in tools
+    assert [f"{m} imports {d}" for m in sorted(tools) for d in sorted(graph[m]) if _in(d, "megareshard.cli")] == []
+
+
+def _touches_sys_path(tree: ast.AST) -> list[int]:
+    """Lines that name ``sys.path`` (read, insert, append, assign), import ``path`` from ``sys`` or call
+    ``site.addsitedir``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                (node.value.id, node.attr) in (("sys", "path"), ("site", "addsitedir"))):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("sys", "site") and any(
+                a.name in ("path", "addsitedir") for a in node.names):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_product_file_touches_sys_path():
+    """The package is installed (``pip install -e .``, the README's setup): no module of ``megareshard/``, no
+    user tool and no entry point puts a directory on ``sys.path`` to find it."""
+    files = (sorted((ROOT / "megareshard").rglob("*.py")) + sorted(ROOT.glob("*.py"))
+             + sorted((ROOT / "tools").glob("*.py")))
+    assert ROOT / "pretrain_gpt.py" in files and ROOT / "tools" / "checkpoint_util.py" in files
+    offenders = [f"{p.relative_to(ROOT)}:{line}" for p in files
+                 for line in _touches_sys_path(ast.parse(p.read_text(encoding="utf-8"), filename=str(p)))]
+    assert offenders == []
+    assert _touches_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')\nfrom sys import path\n")) == [2, 3]
+
+
+def _console_scripts() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def _top_level_main(module: str, attr: str) -> bool:
+    """``module`` is a file of this tree that defines ``attr`` at module level as a function taking ``argv``
+    (default None), the way ``main(argv=None) -> int`` is called by a console script and by the tests."""
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    if not path.is_file():
+        return False
+    for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+        if isinstance(node, ast.FunctionDef) and node.name == attr:
+            args = node.args
+            return bool(args.args) and args.args[0].arg == "argv" and len(args.defaults) >= len(args.args) and \
+                isinstance(args.defaults[0], ast.Constant) and args.defaults[0].value is None
+    return False
+
+
+def test_console_scripts_name_a_main_and_every_tool_has_one():
+    """``[project.scripts]``: each entry is ``module:main`` with ``main(argv=None)`` defined in that module of
+    the package; each ``tools/NAME.py`` is ``megareshard-NAME`` (dashes) on ``megareshard.cli.NAME:main``, and
+    the script imports that module (it is a wrapper: the code lives in the package)."""
+    scripts = _console_scripts()
+    assert scripts["megareshard-run"] == "megareshard.launch.launcher:main"
+    bad = [f"{name} = {target}" for name, target in sorted(scripts.items())
+           if target.count(":") != 1 or target.split(":")[1] != "main" or not _top_level_main(*target.split(":"))]
+    assert bad == []
+    tools = sorted((ROOT / "tools").glob("*.py"))
+    assert len(tools) == 8
+    for path in tools:
+        module = f"megareshard.cli.{path.stem}"
+        assert scripts.get("megareshard-" + path.stem.replace("_", "-")) == f"{module}:main", path.name
+        imported = set()
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+            imported |= ({a.name for a in node.names} if isinstance(node, ast.Import)
+                         else {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names})
+        assert module in imported, path.name
 
 
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):

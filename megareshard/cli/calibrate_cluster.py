@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Measure the machines at hand for the layout planner and write a cluster JSON.
 
     # this machine, 2 local gloo ranks (torchrun started here)
@@ -13,7 +12,7 @@ Measures (megareshard/planner/calibration.py): matmul FLOP/s at the model's size
 forward and backward at its shape, send/recv bandwidth inside a host (ranks 0 and 1) and across
 hosts (rank 0 of hosts 0 and 1), latencies, the optimizer. Model flags keep Megatron-LM's names.
 Inside torchrun (RANK set) this script is the worker; otherwise it starts ``torchrun --standalone
---nproc-per-node N`` on itself. Rank 0 prints the cluster and writes ``--json``.
+--nproc-per-node N -m megareshard.cli.calibrate_cluster`` (itself). Rank 0 prints the cluster and writes ``--json``.
 """
 from __future__ import annotations
 
@@ -24,12 +23,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megareshard.planner.calibration import calibrate, cluster_to_json  # noqa: E402
-from megareshard.planner.costs import ModelShape  # noqa: E402
+from megareshard.planner.calibration import calibrate, cluster_to_json
+from megareshard.planner.costs import ModelShape
 
 ENV_ARGV = "MR_CALIBRATE_ARGV"
 
@@ -103,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker(a)
     # the arguments travel in the environment: torchrun's own parser would claim --nproc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           str(Path(__file__).resolve())]
+           "-m", "megareshard.cli.calibrate_cluster"]
     # torchrun's torchelastic_* dirs land in a private temp dir, removed at the end
     tmp = tempfile.mkdtemp(prefix="mr-calibrate-")
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp, **{ENV_ARGV: json.dumps(argv)})

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Inspect, export and import megareshard checkpoints (single process, no process group needed).
 
     python tools/checkpoint_util.py inspect CKPT            # CKPT: a root with `latest`, or iter_N
@@ -56,35 +55,32 @@ Like every writing command here, neither writes into a non-empty directory unles
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import dataclasses  # noqa: E402
-
-import torch  # noqa: E402
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: E402
-
-from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, check_files, metadata_summary,  # noqa: E402
+from megareshard.checkpoint import (FORMAT_VERSION, CheckpointError, Piece, check_files, metadata_summary,
                                     read_full_model, read_info, read_metadata, read_pieces, resolve_checkpoint_dir,
                                     write_checkpoint)
-from megareshard.checkpoint.detect import check_destination  # noqa: E402
-from megareshard.checkpoint.lock import busy_message, try_lock_dir  # noqa: E402
-from megareshard.checkpoint.manager import describe_layout  # noqa: E402
-from megareshard.checkpoint.megatron import args_from_model_config, to_megatron  # noqa: E402
-from megareshard.checkpoint.megatron_io import MegatronCheckpoint, write_torch_dist  # noqa: E402
-from megareshard.checkpoint.megatron_load import open_checked, read_full  # noqa: E402
-from megareshard.checkpoint.safe_pickle import load_torch  # noqa: E402
-from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,  # noqa: E402
+from megareshard.checkpoint.detect import check_destination
+from megareshard.checkpoint.lock import busy_message, try_lock_dir
+from megareshard.checkpoint.manager import describe_layout
+from megareshard.checkpoint.megatron import args_from_model_config, to_megatron
+from megareshard.checkpoint.megatron_io import MegatronCheckpoint, write_torch_dist
+from megareshard.checkpoint.megatron_load import open_checked, read_full
+from megareshard.checkpoint.safe_pickle import load_torch
+from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,
                                         tokenizer_record)
-from megareshard.generation import TOKENIZER_FLAGS, recorded_tokenizer  # noqa: E402
-from megareshard.models import hf as hf_map  # noqa: E402
-from megareshard.models.hf_tokenizer import HFTokenizerExport, write_hf_tokenizer  # noqa: E402
-from megareshard.models.config import ModelConfig  # noqa: E402
+from megareshard.generation import TOKENIZER_FLAGS, recorded_tokenizer
+from megareshard.models import hf as hf_map
+from megareshard.models.hf_tokenizer import HFTokenizerExport, write_hf_tokenizer
+from megareshard.models.config import ModelConfig
 
 EXPORT_FORMAT = "megareshard-export"
 
@@ -97,7 +93,8 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def inspect(path: str, as_json: bool = False, out=sys.stdout, list_keys: bool = True) -> dict:
+def inspect(path: str, as_json: bool = False, out=None, list_keys: bool = True) -> dict:
+    out = sys.stdout if out is None else out  # looked up per call: a default bound at import outlives a redirect
     ckpt = resolve_checkpoint_dir(path)
     info = read_info(ckpt)
     md = read_metadata(ckpt)
@@ -522,7 +519,7 @@ def _say_tokenizer(ckpt: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="checkpoint_util.py", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("inspect", help="layout, iteration, keys, shapes, sizes")
     a.add_argument("ckpt")

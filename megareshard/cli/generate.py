@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Generate text from a checkpoint of any layout (one process): greedy, or top-p sampling.
 
     python tools/generate.py --load runs/quickstart/checkpoints --prompt "def fibonacci(n):" --max-new-tokens 40
@@ -18,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megareshard.checkpoint import CheckpointError, read_info, resolve_checkpoint_dir  # noqa: E402
-from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,  # noqa: E402
+from megareshard.checkpoint import CheckpointError, read_info, resolve_checkpoint_dir
+from megareshard.data.tokenizer import (TokenizerError, build_recorded_tokenizer, build_tokenizer,
                                         tokenizer_record)
-from megareshard.generation import (TOKENIZER_FLAGS, generate_ids, load_for_generation, megatron_dir,  # noqa: E402
+from megareshard.generation import (TOKENIZER_FLAGS, generate_ids, load_for_generation, megatron_dir,
                                     recorded_tokenizer)
 
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Choose tp, pp, dp, micro batch, schedule, resharding strategy, recomputation and ZeRO for a model on a cluster.
 
     python tools/plan_layout.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
@@ -17,12 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
 
 from megareshard.planner import ClusterSpec, ModelShape, PlanError, plan_layouts
 from megareshard.planner.calibration import load_cluster

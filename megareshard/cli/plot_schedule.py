@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Draw a pipeline schedule's timeline (simulated or measured) as a PNG, paper Figure 4 style.
 
 One row per stage (stage 0 on top), coloured F/B/I/W boxes labelled with the microbatch,
@@ -28,9 +27,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megareshard.pipeline import (  # noqa: E402
+from megareshard.pipeline import (
     Costs,
     PipelineGraph,
     Schedule,
@@ -41,12 +38,12 @@ from megareshard.pipeline import (  # noqa: E402
     simulate,
     validate,
 )
-from megareshard.pipeline.draw import draw, format_table  # noqa: E402
+from megareshard.pipeline.draw import draw, format_table
 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="plot_schedule.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", nargs="+", default=["1f1b"],
                    help=f"one of {', '.join(schedule_names())}, optionally with +dw; several with --compare")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Tokenize text into memory-mapped indexed datasets (Megatron-LM's .bin/.idx format), with Megatron-LM's command line.
 
 Example (as with Megatron-LM):
@@ -30,17 +29,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-try:
-    from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
-    from megareshard.data.input_files import expand_inputs
-    from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-    from megareshard.tracking import format_duration
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
-    from megareshard.data.input_files import expand_inputs
-    from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-    from megareshard.tracking import format_duration
+from megareshard.data.indexed_dataset import IndexedDatasetWriter, best_dtype
+from megareshard.data.input_files import expand_inputs
+from megareshard.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megareshard.tracking import format_duration
 
 _BATCH_BYTES = 1 << 20  # documents are sent to workers in batches of about this much text
 
@@ -208,7 +200,7 @@ def preprocess(files: Sequence[str], tokenizer_args: dict, output_prefix: str, w
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True,
                    help=".jsonl files (one document per line), text files (one document each), directories or globs")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Print the rank map of a parallel layout: which host, tp, pp and dp rank every global rank gets.
 
     python tools/show_topology.py --world-size 16 --nproc-per-node 8 --tp 2 --pp 4
@@ -14,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # megareshard from this checkout, also under torchrun (sys.path[0] is tools/)
-
 from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
-from megareshard.parallel.stage_topology import StageTopology  # noqa: E402
-from megareshard.resharding import strategy_names  # noqa: E402
+from megareshard.parallel.stage_topology import StageTopology
+from megareshard.resharding import strategy_names
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="show_topology.py", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--nproc-per-node", type=int, default=None, help="processes per host (default: all on one host)")
     p.add_argument("--tp", type=int, default=1)

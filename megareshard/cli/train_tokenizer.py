@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Train a lossless sentencepiece tokenizer (BPE or unigram) on text files.
 
 Example:
@@ -26,13 +25,8 @@ import threading
 import time
 from typing import Iterator, Sequence
 
-try:
-    from megareshard.data.input_files import expand_inputs
-    from megareshard.data.tokenizer import EOD_PIECE, LOSSLESS_TRAINER_KWARGS, SPECIAL_IDS
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megareshard.data.input_files import expand_inputs
-    from megareshard.data.tokenizer import EOD_PIECE, LOSSLESS_TRAINER_KWARGS, SPECIAL_IDS
+from megareshard.data.input_files import expand_inputs
+from megareshard.data.tokenizer import EOD_PIECE, LOSSLESS_TRAINER_KWARGS, SPECIAL_IDS
 
 
 def read_documents(path: str, json_key: str) -> Iterator[str]:
@@ -187,7 +181,7 @@ def train(files: Sequence[str], model_prefix: str, vocab_size: int, model_type: 
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="train_tokenizer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True,
                    help="text files, directories or globs (quote them); .jsonl files are read with --json-key")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
