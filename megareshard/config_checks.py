@@ -11,19 +11,17 @@ import copy
 import dataclasses
 import importlib.util
 import warnings
-from typing import TYPE_CHECKING
 
 from . import run_plan
 from .compile_config import check_compile_config
+from .config import CheckpointConfig, Config, TrainingConfig
 from .config_fields import ConfigError
+from .data.config import DataConfig
 from .models.config import check_model_shape, fusion_notes
 from .parallel.topology import TopologyError, parse_order
 from .pipeline.schedules import schedule_names
 from .resharding.strategies import get_strategy, strategy_names
 
-if TYPE_CHECKING:  # annotations only: the command-line module imports this one
-    from .arguments import CheckpointConfig, Config, TrainingConfig
-    from .data.config import DataConfig
 
 __all__ = ["validate", "resolve_virtual_stages", "SHARDING_STRATEGY_STAGE"]
 

@@ -54,16 +54,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..parallel.collectives import all_gather_into
 from .zero_shards import Bucket, ShardEntry
-
-if TYPE_CHECKING:  # annotations only
-    from .zero import ZeroOptimizer
 
 __all__ = ["ParamSharder", "Unit"]
 
@@ -163,9 +160,10 @@ def _layers(root: nn.Module) -> list[nn.Module]:
 
 
 class ParamSharder:
-    """The stage-3 half of a ``ZeroOptimizer``: units, their gathers and frees, the module hooks."""
+    """The stage-3 half of a ``ZeroOptimizer``: units, their gathers and frees, the module hooks. ``opt`` is that
+    optimizer (``zero.py``, which imports this module: it is not imported back, not even for the annotation)."""
 
-    def __init__(self, opt: "ZeroOptimizer", module: nn.Module, *, reshard_after_forward: bool = True,
+    def __init__(self, opt: Any, module: nn.Module, *, reshard_after_forward: bool = True,
                  keep_params_for_step: bool = False, persistence_threshold: int = 0) -> None:
         self.opt, self.ctx = opt, opt.ctx
         self.D = opt.shard_dp

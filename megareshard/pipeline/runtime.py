@@ -82,7 +82,7 @@ from .traces import gather_trace, write_trace
 from .validate import validate
 
 if TYPE_CHECKING:  # annotations only
-    from ..run_plan import PipelinePlan
+    from .plan import PipelinePlan
 
 __all__ = ["PipelineRuntime", "RECV_POSTINGS", "resolve_recv_posting", "gather_trace", "write_trace"]
 

@@ -15,7 +15,7 @@ from ..model_spec.placement import StageLayout, hidden_spec, split_layers, stage
 from ..model_spec.placement import stage_layouts as _layouts_on
 
 if TYPE_CHECKING:  # annotations only: the pipeline does not depend on the command-line module
-    from ..arguments import Config
+    from ..config import Config
 
 __all__ = ["StageLayout", "split_layers", "stage_mesh", "stage_tp_dp", "hidden_spec", "stage_layouts",
            "reduce_tied_grad_across_layouts"]

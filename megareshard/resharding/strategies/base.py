@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ...registry import Registry
 from ..wire import Msg, TaskCost
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..network import NetworkModel
+__all__ = ["ChunkModel", "Strategy", "STRATEGIES", "register_strategy", "get_strategy", "strategy_names"]
 
-__all__ = ["Strategy", "STRATEGIES", "register_strategy", "get_strategy", "strategy_names"]
+class ChunkModel(Protocol):
+    """What a strategy's chunk choice asks of the network model (`network.NetworkModel`, which imports the
+    strategies: named by what it offers, not imported)."""
+
+    def broadcast_chunks(self, nbytes: int, hosts: int, numel: int) -> int: ...
+
 
 MessagesFn = Callable[[int, int, Sequence[int], Mapping[int, int], int], list[Msg]]
 CostFn = Callable[[int, int, Mapping[int, int], int], TaskCost]
@@ -29,7 +33,7 @@ class Strategy:
     flat element ranges between ranks; a message whose source received the range itself is a *forward*."""
     cost: CostFn
     """``(nbytes, sender_host, receiving ranks per host that need the data, chunks) -> TaskCost``."""
-    chunks: Callable[["NetworkModel", int, int, int], int] | None = None
+    chunks: Callable[[ChunkModel, int, int, int], int] | None = None
     """``(network model, nbytes, receiving hosts, numel) -> K``: how many pipelined chunks a task is split into
     (the broadcast chain's); None: one."""
     carries_data: bool = True

@@ -5,14 +5,11 @@ communicator (NCCL pipelines it itself); gloo's broadcast is not host-aware, so 
 messages runs there."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ..spec import split_bounds
 from ..wire import Msg, TaskCost, by_host
-from .base import Strategy, register_strategy
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..network import NetworkModel
+from .base import ChunkModel, Strategy, register_strategy
 
 
 def messages(numel: int, sender: int, remote: Sequence[int], host_of: Mapping[int, int], chunks: int) -> list[Msg]:
@@ -51,7 +48,7 @@ def cost(nbytes: int, sender_host: int, receivers_per_host: Mapping[int, int], c
         chain=chain)
 
 
-def chunks(net: "NetworkModel", nbytes: int, hosts: int, numel: int) -> int:
+def chunks(net: ChunkModel, nbytes: int, hosts: int, numel: int) -> int:
     """The network model's K for the chain (`NetworkModel.broadcast_chunks`)."""
     return net.broadcast_chunks(nbytes, hosts, numel)
 

@@ -1,24 +1,17 @@
-"""The configuration of a run: one dataclass per concern (a docstring per field, which is also its ``--flag``
-help), gathered in `Config`. The bottom floor of the package: it imports only the other configuration types
-(``models/config.py``, ``data/config.py``, ``parallel/config.py``, ``pipeline/config.py``, ``compile_config.py``)
-and ``config_fields``; everything else imports it.
-
-``arguments.py`` turns Megatron-LM's flags into a `Config`; ``config_checks.validate`` checks one and returns it
-with its resolved `run_plan.RunPlan` (the derived numbers and the registered objects the flags name); nothing
-changes a `Config` after that.
-"""
+"""The run-level configuration sections (memory, training, logging, launch, checkpoint) and `Config`, which
+gathers every section (the others: ``model.py``, ``parallel.py``, ``pipeline.py``, ``data.py``, ``compile.py``)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compile_config import CompileConfig
-from .config_fields import config_field as _f
-from .data.config import DataConfig
-from .models.config import ModelConfig
-from .parallel.config import ParallelConfig
-from .pipeline.config import PipelineConfig
+from .compile import CompileConfig
+from .fields import config_field as _f
+from .data import DataConfig
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .pipeline import PipelineConfig
 
 __all__ = ["MemoryConfig", "TrainingConfig", "LoggingConfig", "LaunchConfig", "CheckpointConfig", "Config",
            "SECTIONS"]
