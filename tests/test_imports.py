@@ -41,22 +41,24 @@ def _type_checking_block(node: ast.AST) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(body: list[ast.stmt]):
+def _imports(body: list[ast.stmt], annotations: bool = False):
     """The import statements that run, at any depth of statements (functions, classes, if/try/with/for
-    bodies), except under ``if TYPE_CHECKING:``. Only statements are visited: imports are statements."""
+    bodies), except under ``if TYPE_CHECKING:`` (those too with ``annotations``). Only statements are visited:
+    imports are statements."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif _type_checking_block(node):
+        elif _type_checking_block(node) and not annotations:
             yield from _imports(node.orelse)
         else:
             for field in ("body", "orelse", "finalbody", "handlers", "cases"):
                 inner = getattr(node, field, None)
                 if isinstance(inner, list):
-                    yield from _imports(inner)
+                    yield from _imports(inner, annotations)
 
 
-def import_graph(root: Path, package: str, external: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+def import_graph(root: Path, package: str, external: dict[str, set[str]] | None = None,
+                 annotations: bool = False) -> dict[str, set[str]]:
     """``{module: modules of the package its imports run}`` for every ``.py`` under ``root/package``;
     ``external``, when given, receives ``{module: top-level names of the other packages it imports}``."""
     files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
@@ -65,7 +67,7 @@ def import_graph(root: Path, package: str, external: dict[str, set[str]] | None 
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]  # what `from .` means
         deps: set[str] = set()
-        for node in _imports(tree.body):
+        for node in _imports(tree.body, annotations):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -173,6 +175,53 @@ def graph() -> dict[str, set[str]]:
 def test_no_import_cycles(graph):
     assert "megareshard.training" in graph and "megareshard.pipeline.runtime" in graph  # the tree was read
     assert cycles(graph) == []
+    assert cycles(import_graph(ROOT, "megareshard", annotations=True)) == []   # annotation-only imports too
+
+
+#: the floors of the package, bottom first: a module imports only its own floor and those below (annotation-only
+#: imports included). Each entry is a top-level module or subpackage of ``megareshard``; a new one must be placed.
+FLOORS = [
+    ("configuration", {"config", "config_fields", "registry", "compile_config", "flag_checks", "megatron_flags"}),
+    ("building blocks", {"parallel", "data", "tensor_parallel", "compile_boundary", "optim", "launch", "tracking",
+                         "fast_path", "resharding", "plugins"}),
+    ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
+    ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "transfer"}),
+    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report"}),
+    ("front doors", {"arguments", "training", "cli", "entry"}),
+]
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``{unit: units it imports}`` where a unit is a top-level module or subpackage of the package."""
+    def unit(mod: str) -> str | None:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        u = unit(mod)
+        if u is not None:
+            out.setdefault(u, set()).update(v for v in map(unit, deps) if v is not None and v != u)
+    return out
+
+
+def climbs(units: dict[str, set[str]], floors: list[tuple[str, set[str]]]) -> list[str]:
+    """'a (floor) -> b (higher floor)' for every import that goes up, and every unit no floor holds."""
+    level = {u: i for i, (_, members) in enumerate(floors) for u in members}
+    out = [f"{u} is on no floor" for u in sorted(units) if u not in level]
+    for u in sorted(set(units) & set(level)):
+        for v in sorted(units[u]):
+            if v in level and level[v] > level[u]:
+                out.append(f"{u} ({floors[level[u]][0]}) -> {v} ({floors[level[v]][0]})")
+    return out
+
+
+def test_no_floor_imports_a_higher_one():
+    """The floors above, with annotation-only imports counted: configuration at the bottom, imported by all and
+    importing nothing else of ours; the front doors (the command line, the trainer, the tools) at the top."""
+    units = unit_graph(import_graph(ROOT, "megareshard", annotations=True))
+    assert climbs(units, FLOORS) == []
+    assert units["config"] == set()                     # the configuration types import nothing else of ours
 
 
 def test_pipeline_and_trainer_import_no_model(graph):
@@ -309,6 +358,12 @@ def test_console_scripts_name_a_main_and_every_tool_has_one():
             imported |= ({a.name for a in node.names} if isinstance(node, ast.Import)
                          else {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names})
         assert module in imported, path.name
+
+
+def test_the_floor_check_catches_a_climb_and_an_unplaced_unit():
+    units = {"config": {"training"}, "training": {"config"}, "newcomer": set()}
+    assert climbs(units, [("bottom", {"config"}), ("top", {"training"})]) == [
+        "newcomer is on no floor", "config (bottom) -> training (top)"]
 
 
 def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from .streams import GroupKey, Op, issue
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .executor import Resharder
 
 __all__ = ["RunState", "ReshardHandle", "post_together", "await_entry"]
 
@@ -49,9 +47,10 @@ class ReshardHandle:
 
     A run started with ``post=False`` holds its inline operations unissued (``pending``): `post` issues them,
     `post_together` issues several runs' at once (one group per communicator), and `wait` issues whatever is
-    still pending before waiting."""
+    still pending before waiting. ``owner`` is the `Resharder` that made it (``executor.py``, which imports this
+    module: not imported back, not even for the annotation)."""
 
-    def __init__(self, owner: "Resharder", out: torch.Tensor | None, run: RunState, items: list[Any],
+    def __init__(self, owner: Any, out: torch.Tensor | None, run: RunState, items: list[Any],
                  copies: list[tuple[torch.Tensor, torch.Tensor]], keep: list[Any],
                  bufs: dict[int, torch.Tensor] | None, pending: list[tuple[GroupKey, list[Op]]]) -> None:
         self._owner = owner
