@@ -1,6 +1,10 @@
-"""The package's import structure, read from the source (ast; nothing is imported or run).
+"""The package's import structure, read from the source (ast; nothing is imported or run; the reading and the
+floors are ``lab/structure.py``, which also draws them).
 
-* no import cycles between the modules of ``megareshard/``;
+* no import cycles between the modules of ``megareshard/``, annotation-only imports included;
+* the floors (``lab.structure.FLOORS``): configuration at the bottom, importing nothing else of ours, then the
+  building blocks, the models and the pipeline, the plans and checkpoints, the assembly, the front doors; no
+  part imports one on a higher floor (annotation-only imports included);
 * the model seam: the pipeline engine (``megareshard/pipeline/*``) and the trainer
   (``megareshard/training.py``) import no model — directly or through anything they import, the
   models' configuration (``models.config``) and the recomputation hook (``models.recompute``)
@@ -13,7 +17,8 @@
   touches ``sys.path``; every console script of ``pyproject.toml`` names a ``main`` of the package, and every
   user tool ``tools/NAME.py`` is one of them (``megareshard.cli.NAME``) run as Megatron-LM's tools run.
 
-An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:``.
+An import counts when it runs: module level and inside functions, not under ``if TYPE_CHECKING:`` (except for
+the cycles and floors, where annotation-only imports count too).
 Importing ``a.b.c`` also runs ``a/b/__init__.py`` (unless the importer lives inside ``a.b``).
 """
 from __future__ import annotations
@@ -23,125 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from lab.structure import FLOORS, climbs, cycles, import_graph, import_statements, path_to, reach, unit_graph
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _type_checking_block(node: ast.AST) -> bool:
-    if not isinstance(node, ast.If):
-        return False
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def _imports(body: list[ast.stmt], annotations: bool = False):
-    """The import statements that run, at any depth of statements (functions, classes, if/try/with/for
-    bodies), except under ``if TYPE_CHECKING:`` (those too with ``annotations``). Only statements are visited:
-    imports are statements."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif _type_checking_block(node) and not annotations:
-            yield from _imports(node.orelse)
-        else:
-            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-                inner = getattr(node, field, None)
-                if isinstance(inner, list):
-                    yield from _imports(inner, annotations)
-
-
-def import_graph(root: Path, package: str, external: dict[str, set[str]] | None = None,
-                 annotations: bool = False) -> dict[str, set[str]]:
-    """``{module: modules of the package its imports run}`` for every ``.py`` under ``root/package``;
-    ``external``, when given, receives ``{module: top-level names of the other packages it imports}``."""
-    files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
-    graph: dict[str, set[str]] = {}
-    for mod, path in files.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]  # what `from .` means
-        deps: set[str] = set()
-        for node in _imports(tree.body, annotations):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = here
-                for _ in range(node.level - 1):
-                    base = base.rpartition(".")[0]
-                target = (base + ("." + node.module if node.module else "")) if node.level else node.module
-                targets = [target] + [f"{target}.{a.name}" for a in node.names]  # `from pkg import submodule`
-            if external is not None and targets[0].split(".")[0] != package:
-                external.setdefault(mod, set()).add(targets[0].split(".")[0])
-            for t in targets:
-                parts = t.split(".")
-                for i in range(1, len(parts) + 1):
-                    name = ".".join(parts[:i])
-                    inside = mod == name or mod.startswith(name + ".")  # its own package: already running
-                    if name in files and name != mod and not (i < len(parts) and inside):
-                        deps.add(name)
-        graph[mod] = deps
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
-
-
-def reach(graph: dict[str, set[str]], start: str) -> dict[str, str]:
-    """Every module ``start``'s imports run, each with the module that imports it (to show the path)."""
-    seen: dict[str, str] = {}
-    todo = [start]
-    while todo:
-        v = todo.pop()
-        for w in graph[v]:
-            if w not in seen and w != start:
-                seen[w] = v
-                todo.append(w)
-    return seen
-
-
-def path_to(seen: dict[str, str], start: str, target: str) -> str:
-    chain = [target]
-    while chain[-1] != start:
-        chain.append(seen[chain[-1]])
-    return " -> ".join(reversed(chain))
 
 
 def _in(mod: str, *prefixes: str) -> bool:
@@ -176,44 +65,6 @@ def test_no_import_cycles(graph):
     assert "megareshard.training" in graph and "megareshard.pipeline.runtime" in graph  # the tree was read
     assert cycles(graph) == []
     assert cycles(import_graph(ROOT, "megareshard", annotations=True)) == []   # annotation-only imports too
-
-
-#: the floors of the package, bottom first: a module imports only its own floor and those below (annotation-only
-#: imports included). Each entry is a top-level module or subpackage of ``megareshard``; a new one must be placed.
-FLOORS = [
-    ("configuration", {"config", "config_fields", "registry", "compile_config", "flag_checks", "megatron_flags"}),
-    ("building blocks", {"parallel", "data", "tensor_parallel", "compile_boundary", "optim", "launch", "tracking",
-                         "fast_path", "resharding", "plugins"}),
-    ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
-    ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "transfer"}),
-    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report"}),
-    ("front doors", {"arguments", "training", "cli", "entry"}),
-]
-
-
-def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """``{unit: units it imports}`` where a unit is a top-level module or subpackage of the package."""
-    def unit(mod: str) -> str | None:
-        parts = mod.split(".")
-        return parts[1] if len(parts) > 1 else None
-
-    out: dict[str, set[str]] = {}
-    for mod, deps in graph.items():
-        u = unit(mod)
-        if u is not None:
-            out.setdefault(u, set()).update(v for v in map(unit, deps) if v is not None and v != u)
-    return out
-
-
-def climbs(units: dict[str, set[str]], floors: list[tuple[str, set[str]]]) -> list[str]:
-    """'a (floor) -> b (higher floor)' for every import that goes up, and every unit no floor holds."""
-    level = {u: i for i, (_, members) in enumerate(floors) for u in members}
-    out = [f"{u} is on no floor" for u in sorted(units) if u not in level]
-    for u in sorted(set(units) & set(level)):
-        for v in sorted(units[u]):
-            if v in level and level[v] > level[u]:
-                out.append(f"{u} ({floors[level[u]][0]}) -> {v} ({floors[level[v]][0]})")
-    return out
 
 
 def test_no_floor_imports_a_higher_one():
@@ -261,7 +112,7 @@ def test_the_product_never_imports_the_lab(graph):
     assert scripts
     offenders = []
     for path in scripts:
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+        for node in import_statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             offenders += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] == "lab"]
     assert offenders == []
@@ -278,7 +129,7 @@ def test_tools_import_the_package_not_one_another():
     assert {"preprocess_data", "train_tokenizer"} <= names
     offenders = []
     for path in tools:
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+        for node in import_statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             offenders += [f"{path.name} imports {m}" for m in mods
                           if m.split(".")[0] in names or m.split(".")[0] == "tools"]
@@ -354,7 +205,7 @@ def test_console_scripts_name_a_main_and_every_tool_has_one():
         module = f"megareshard.cli.{path.stem}"
         assert scripts.get("megareshard-" + path.stem.replace("_", "-")) == f"{module}:main", path.name
         imported = set()
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+        for node in import_statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
             imported |= ({a.name for a in node.names} if isinstance(node, ast.Import)
                          else {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names})
         assert module in imported, path.name
