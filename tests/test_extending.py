@@ -229,7 +229,7 @@ def test_the_step_hook_example_sees_every_iteration(tmp_path, monkeypatch) -> No
         flags = [*MLP_FLAGS, "--custom-import", "lr_trace", "--lr-warmup-iters", "2"]
         records = pretrain(parse_args(flags, world_size=1), out=io.StringIO())
         parse_args(flags, world_size=1)                        # imported again: the same hook, registered once
-        assert [h.__qualname__ for h in STEP_HOOKS.items()] == ["trace_lr"]
+        assert [h.__qualname__ for h in STEP_HOOKS.items()].count("trace_lr") == 1   # (others: other tests')
         other = lambda trainer, iteration: None  # noqa: E731
         other.__module__, other.__qualname__ = "lr_trace", "trace_lr"
         with pytest.raises(ValueError, match="step hook 'lr_trace.trace_lr' is registered already"):

@@ -79,7 +79,7 @@ def load_checkpoint(ctx, root: str, *, model, optimizer=None, scheduler=None, sa
         for f in ARCHITECTURE_FIELDS:
             if f in saved_cfg and f in cur_cfg and saved_cfg[f] != cur_cfg[f]:
                 errors.append(f"model config {f}: checkpoint {saved_cfg[f]}, this run {cur_cfg[f]}")
-        for f in _ADVISORY_FIELDS:
+        for f in _ADVISORY_FIELDS if not finetune else ():   # a fine-tune chooses its own (no one to warn)
             if f in saved_cfg and f in cur_cfg and saved_cfg[f] != cur_cfg[f]:
                 messages.append(f"model config {f} differs: checkpoint {saved_cfg[f]}, this run {cur_cfg[f]} "
                                 "(weights load; numerics follow this run's value)")

@@ -14,6 +14,9 @@ Its cost depends on how the executor will run it (`ORDERS`):
   The cost is the busiest NIC side's bytes (or the longest single task), as
   `NetworkModel.predict(plan, "concurrent")` computes it; only the choice of options
   matters, not the order.
+
+The problem's types and costs are `sched_core.py` (re-exported here); this module holds the algorithms and the
+reshard scheduler registry (`--reshard-scheduler`).
 """
 
 from __future__ import annotations
@@ -25,114 +28,16 @@ from typing import Callable, Hashable, Sequence
 
 from ..registry import Registry
 from .network import SEND
-
-ORDERS = ("plan", "concurrent")  # the executor's execution orders, each with its own objective
+from .sched_core import (ORDERS, Option, SchedTask, Schedule, check_order, concurrent_cost,  # noqa: F401 (re-exported)
+                         finish, rounds_from_order, schedule_cost, simulate)
 
 # DFS recursion depth equals the number of tasks; beyond this we only check the seeds.
 _MAX_DFS_TASKS = 400
 
 
-def check_order(order: str) -> str:
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-    return order
-
-
-@dataclass(frozen=True)
-class Option:
-    """Running a task from `host`: takes `duration`, occupies `resources`."""
-
-    host: int
-    duration: float  # seconds-as-bytes the task holds its resources (plan order)
-    resources: frozenset[Hashable]
-    # (resource, bytes) it puts on each NIC side when sharing it (concurrent order);
-    # empty: `duration` on every resource
-    loads: tuple[tuple[Hashable, float], ...] = ()
-
-    def load_items(self) -> tuple[tuple[Hashable, float], ...]:
-        """(resource, bytes) pairs: what this option adds to each resource's total load."""
-        if self.loads:
-            return self.loads
-        return tuple((r, self.duration) for r in sorted(self.resources, key=repr))
-
-
-@dataclass(frozen=True)
-class SchedTask:
-    options: tuple[Option, ...]
-    naive: int = 0  # option used by the naive scheduler (host of the lowest sender rank)
-
-
-@dataclass
-class Schedule:
-    order: list[int]  # task positions in execution order
-    choice: list[int]  # per task position: index of the chosen option
-    rounds: list[list[int]]  # consecutive groups of `order` with disjoint resources
-    makespan: float
-    optimal: bool
-    scheduler: str
-
-
-def simulate(tasks: Sequence[SchedTask], order: Sequence[int], choice: Sequence[int]) -> float:
-    """Makespan of list-scheduling `order` with the chosen options."""
-    free: dict[Hashable, float] = {}
-    makespan = 0.0
-    for t in order:
-        opt = tasks[t].options[choice[t]]
-        end = max((free.get(r, 0.0) for r in opt.resources), default=0.0) + opt.duration
-        for r in opt.resources:
-            free[r] = end
-        makespan = max(makespan, end)
-    return makespan
-
-
-def concurrent_cost(tasks: Sequence[SchedTask], choice: Sequence[int]) -> float:
-    """Cost under the ``"concurrent"`` order: the busiest resource's total load, or the
-    longest chosen task alone, whichever is larger (`NetworkModel.predict` in bytes)."""
-    load: dict[Hashable, float] = {}
-    peak = 0.0
-    for t, i in enumerate(choice):
-        o = tasks[t].options[i]
-        peak = max(peak, o.duration)
-        for r, b in o.load_items():
-            load[r] = load.get(r, 0.0) + b
-    return max(peak, max(load.values(), default=0.0))
-
-
-def schedule_cost(tasks: Sequence[SchedTask], sched: "Schedule", order: str) -> float:
-    """The objective of `sched` under the executor's `order` (module docstring)."""
-    check_order(order)
-    return sched.makespan if order == "plan" else concurrent_cost(tasks, sched.choice)
-
-
-def rounds_from_order(tasks: Sequence[SchedTask], order: Sequence[int], choice: Sequence[int]) -> list[list[int]]:
-    """Split `order` into maximal consecutive groups whose resources do not overlap."""
-    rounds: list[list[int]] = []
-    used: set[Hashable] = set()
-    for t in order:
-        res = tasks[t].options[choice[t]].resources
-        if not rounds or not used.isdisjoint(res):
-            rounds.append([])
-            used = set()
-        rounds[-1].append(t)
-        used |= res
-    return rounds
-
-
-def _finish(tasks: Sequence[SchedTask], order: list[int], choice: list[int], name: str,
-            rounds: list[list[int]] | None = None, optimal: bool = False) -> Schedule:
-    return Schedule(
-        order=order,
-        choice=choice,
-        rounds=rounds if rounds is not None else rounds_from_order(tasks, order, choice),
-        makespan=simulate(tasks, order, choice),
-        optimal=optimal,
-        scheduler=name,
-    )
-
-
 def schedule_naive(tasks: Sequence[SchedTask]) -> Schedule:
     """Lowest-index sender, decomposition order: the paper's baseline."""
-    return _finish(tasks, list(range(len(tasks))), [t.naive for t in tasks], "naive")
+    return finish(tasks, list(range(len(tasks))), [t.naive for t in tasks], "naive")
 
 
 def _min_duration(task: SchedTask) -> float:
@@ -158,7 +63,7 @@ def schedule_loadbalance(tasks: Sequence[SchedTask]) -> Schedule:
         choice[t] = best
         for r in opts[best].resources:
             load[r] = load.get(r, 0.0) + opts[best].duration
-    return _finish(tasks, order, choice, "loadbalance")
+    return finish(tasks, order, choice, "loadbalance")
 
 
 def schedule_greedy(tasks: Sequence[SchedTask], seed: int = 0) -> Schedule:
@@ -177,7 +82,7 @@ def schedule_greedy(tasks: Sequence[SchedTask], seed: int = 0) -> Schedule:
     """
     n = len(tasks)
     if n == 0:
-        return _finish(tasks, [], [], "greedy", rounds=[])
+        return finish(tasks, [], [], "greedy", rounds=[])
     rng = random.Random(seed)
     mindur = [_min_duration(t) for t in tasks]
     efficient = [[i for i, o in enumerate(t.options) if o.duration <= mindur[t_]] for t_, t in enumerate(tasks)]
@@ -233,7 +138,7 @@ def schedule_greedy(tasks: Sequence[SchedTask], seed: int = 0) -> Schedule:
             later = [v for v in free.values() if v > now]
             if later:
                 now = min(later)
-        cand = _finish(tasks, order, choice, "greedy", rounds=rounds)
+        cand = finish(tasks, order, choice, "greedy", rounds=rounds)
         if best is None or cand.makespan < best.makespan:
             best = cand
     assert best is not None
@@ -282,7 +187,7 @@ def _polish(tasks: Sequence[SchedTask], sched: Schedule, work: int = 100_000) ->
                 break
     if order == sched.order and choice == sched.choice:
         return sched
-    return _finish(tasks, order, choice, "greedy")
+    return finish(tasks, order, choice, "greedy")
 
 
 class _Timeout(Exception):
@@ -381,7 +286,7 @@ class _Search:
                 for t, i in self.seq:
                     choice[t] = i
                 self.best_ms = cur
-                self.best = _finish(self.tasks, order, choice, "dfs")
+                self.best = finish(self.tasks, order, choice, "dfs")
             return
         cands = []
         for c, members in enumerate(self.classes):
@@ -550,7 +455,7 @@ def schedule_concurrent(tasks: Sequence[SchedTask], start: Schedule, time_budget
     search = _LoadSearch(tasks, start.choice, time_budget_s)
     finished = search.run()
     improved = search.best_choice != list(start.choice)
-    sched = _finish(tasks, list(start.order), list(search.best_choice), "dfs" if improved else start.scheduler,
+    sched = finish(tasks, list(start.order), list(search.best_choice), "dfs" if improved else start.scheduler,
                     optimal=finished)
     return sched
 
