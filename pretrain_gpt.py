@@ -37,7 +37,10 @@ def main(argv=None, *, hard_exit_after_peer_failure: bool = False) -> int:
             return
         from megareshard.model_spec import get_model_spec
 
-        pretrain(cfg, model_spec=get_model_spec("gpt"))  # Llama-style decoders too: the GPT with flags
+        split = None
+        if cfg.generators.generator_layouts:  # the last ranks sample from the trainer's weights (issue #50)
+            from megareshard.generators import pretrain_with_generators as split
+        pretrain(cfg, model_spec=get_model_spec("gpt"), launch_split=split)  # Llama-style decoders: the GPT with flags
 
     return run_entry_point("pretrain_gpt.py", run, hard_exit_after_peer_failure=hard_exit_after_peer_failure)
 

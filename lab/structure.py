@@ -147,8 +147,8 @@ FLOORS = [
     ("building blocks", {"parallel", "data", "tensor_parallel", "compile_boundary", "optim", "launch", "tracking",
                          "fast_path", "resharding", "plugins"}),
     ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
-    ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "transfer"}),
-    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report"}),
+    ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "generation_kv", "transfer"}),
+    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report", "generators"}),
     ("front doors", {"arguments", "training", "cli", "entry"}),
 ]
 

@@ -16,6 +16,7 @@ from . import run_plan
 from .compile_config import check_compile_config
 from .config import CheckpointConfig, Config, TrainingConfig
 from .config_fields import ConfigError
+from .config.generators import trainer_world_size
 from .data.config import DataConfig
 from .models.config import check_model_shape, fusion_notes
 from .parallel.topology import TopologyError, parse_order
@@ -52,6 +53,8 @@ def validate(cfg: Config, world_size: int) -> Config:
                               ("--reshard-strategy", pl.reshard_strategy, strategy_names())):
         if name not in names:  # argparse checked a parsed flag; a config built or changed in code is checked here
             raise ConfigError(f"unknown {flag} {name!r}; available: {', '.join(names)}")
+    # issue #50: --generator-layouts replicas take the launch's last ranks; the plan is the trainer's (on the rest)
+    world_size = trainer_world_size(cfg, world_size)
     tp, pp = cfg.tp, cfg.pp
     if p.stage_layouts:
         _validate_stage_layouts(cfg, world_size)  # sets --pipeline-model-parallel-size from the entries

@@ -39,6 +39,11 @@ def format_log_line(rec: dict[str, Any], train_iters: int) -> str:
     if "skipped_iterations" in rec:  # since the previous log line, as Megatron-LM counts them
         parts.append(f"number of skipped iterations: {rec['skipped_iterations']:3d}")
         parts.append(f"number of nan iterations: {rec['nan_iterations']:3d}")
+    if "transfer_bytes" in rec:  # a weight transfer to generator replicas after this step (issue #50)
+        frac = rec.get("transfer_bound_fraction")
+        parts.append(f"weight transfer: {rec['transfer_bytes'] / 2**20:.2f} MiB in {rec['transfer_s'] * 1e3:.1f} ms "
+                     f"({rec['transfer_gbps'] or 0:.3f} Gbit/s" + (f", {frac:.0%} of the network bound)" if frac
+                                                                  else ")"))
     if "elapsed_s" in rec:
         parts.append(f"elapsed: {format_duration(rec['elapsed_s'])}")
         parts.append(f"ETA: {format_duration(rec['eta_s'])}")

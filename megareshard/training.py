@@ -85,6 +85,9 @@ class Trainer(Reporting):
     # the model (``get_model_spec(name)``): its modules, stage graph, forward step and FLOPs; None = the
     # default model, DEFAULT_MODEL_SPEC (the GPT)
     model_spec: ModelSpec | None = None
+    # fn(trainer, record) after each optimizer step, before the record is logged (it may add fields): e.g. the
+    # weight transfer to same-job generator replicas (generators.py, issue #50)
+    step_end_actions: list[Callable[["Trainer", dict[str, Any]], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -415,6 +418,8 @@ class Trainer(Reporting):
                 with self._activity(f"evaluation at iteration {self.iteration}"):
                     rec["eval_loss"] = self.evaluate()
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+            for action in self.step_end_actions:
+                action(self, rec)
             self.records.append(rec)
             if self.reporting:
                 self.metrics.write(rec)
@@ -533,10 +538,13 @@ class Trainer(Reporting):
         self.tensorboard.finish()
 
 
-def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | None = None) -> list[dict[str, Any]]:
+def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | None = None, *,
+             launch_split: Callable[..., list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Entry point shared by ``pretrain_gpt.py``, ``pretrain_utransformer.py`` and tests: trains the model of
     ``model_spec`` (``get_model_spec(name)``; None: the default model, DEFAULT_MODEL_SPEC). ``out``: where the log
-    goes (None: ``sys.stdout`` as it is at the call)."""
+    goes (None: ``sys.stdout`` as it is at the call). ``launch_split``: runs a launch whose last ranks are not the
+    trainer's (``megareshard.generators.pretrain_with_generators`` for --generator-layouts; pretrain_gpt.py passes
+    it) as ``launch_split(cfg, out, model_spec, device, world, infos, _pretrain)``."""
     out = sys.stdout if out is None else out
     device = pick_device(cfg.training.device)
     exit_with_launcher()  # a torchrun worker stops when its agent is gone (kill -9 of torchrun)
@@ -544,6 +552,10 @@ def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | Non
         print(f"megareshard: waiting for all {os.environ['WORLD_SIZE']} ranks to join (--preflight-timeout "
               f"{cfg.launch.preflight_timeout:g} s)", file=out, flush=True)
     world, infos = init_distributed(device, cfg.launch.preflight_timeout, cfg.launch.comm_timeout)
+    if cfg.generators.generator_layouts:  # the last ranks are generator replicas (issue #50)
+        if launch_split is None:
+            raise ConfigError("--generator-layouts needs pretrain_gpt.py (megareshard.generators splits the launch)")
+        return launch_split(cfg, out, model_spec, device, world, infos, _pretrain)
     save_lock = lock_save_dir(cfg.checkpoint.save, out) if cfg.checkpoint.save else None  # one job per --save
     try:
         return _pretrain(cfg, out, model_spec, device, world, infos)
@@ -553,7 +565,8 @@ def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | Non
 
 
 def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: torch.device, world: int,
-              infos: list[RankInfo]) -> list[dict[str, Any]]:
+              infos: list[RankInfo], prepare: Callable[[Trainer], None] | None = None) -> list[dict[str, Any]]:
+    """The run on this rank; ``prepare(trainer)`` (if given) once the trainer is built, before it trains."""
     ctx, placement = build_context(cfg, world)
     # a resume against its plan, from the checkpoint.json --load names (rank 0 reads it, for all), before anything
     # is built: past --train-iters is one line (a ConfigError); at it, nothing is left to train (exit 0)
@@ -579,6 +592,8 @@ def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: to
     watchdog = Watchdog(cfg.launch.comm_timeout, ctx.rank) if world > 1 else None
     try:
         trainer = Trainer(cfg, ctx, device, out=out, watchdog=watchdog, model_spec=model_spec)
+        if prepare is not None:
+            prepare(trainer)
         try:
             records = trainer.train()
         finally:

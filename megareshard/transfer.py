@@ -167,6 +167,11 @@ class WeightTransfer:
         self.executor = TransferExecutor(self.plan, group)
         self.received: dict[str, torch.Tensor] = {}
 
+    def refresh_sources(self, model: torch.nn.Module, ctx, optimizer=None) -> None:
+        """Read this source rank's tensors (views) from ``model`` again, for a transfer after the optimizer may
+        have replaced parameter storage (ZeRO-3's shards, a resume); the plan stays (the boxes cannot change)."""
+        self._tensors = source_boxes(model, ctx, optimizer)[2]
+
     def destination(self) -> Destination | None:
         """The destination replica this rank belongs to (None on a source-only rank)."""
         return next((d for d in self.destinations if self.rank in d.ranks), None)

@@ -9,6 +9,7 @@ from typing import Any
 from .compile import CompileConfig
 from .fields import config_field as _f
 from .data import DataConfig
+from .generators import GeneratorConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .pipeline import PipelineConfig
@@ -187,6 +188,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    generators: GeneratorConfig = field(default_factory=GeneratorConfig)  # issue #50: same-job generator replicas
     #: Megatron-LM flags given that change nothing here, and flags mapped to megareshard's own ('--flag (why)')
     notes: list[str] = field(default_factory=list)
     #: the `run_plan.RunPlan` the validated flags resolve to on the run's world (`config_checks.validate` returns
@@ -210,4 +212,4 @@ class Config:
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "pipeline": PipelineConfig,
              "memory": MemoryConfig, "training": TrainingConfig,
              "data": DataConfig, "logging": LoggingConfig, "launch": LaunchConfig,
-             "checkpoint": CheckpointConfig, "compile": CompileConfig}
+             "checkpoint": CheckpointConfig, "compile": CompileConfig, "generators": GeneratorConfig}

@@ -1,0 +1,82 @@
+"""`GeneratorConfig`: generator replicas in the same job as the trainer (issue #50). The last ranks of the launch
+sample from the trainer's weights, pushed to them after every N-th optimizer step by a planned weight transfer
+(``megareshard/generators.py``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fields import ConfigError
+from .fields import config_field as _f
+
+__all__ = ["GeneratorConfig", "parse_generator_layouts"]
+
+
+@dataclass
+class GeneratorConfig:
+    """Generator replicas on the last ranks of the launch, fed the trainer's weights as it trains."""
+
+    generator_layouts: str | None = _f(None, "one generator replica per entry, each its tensor-parallel size, e.g. "
+                                             "tp2,tp1: the replicas take the LAST ranks of the launch (world = the "
+                                             "trainer's ranks + the sum of the generators' tp), receive the weights "
+                                             "after every --transfer-interval optimizer steps and greedily continue "
+                                             "--generator-prompts with a key/value cache between updates")
+    transfer_interval: int = _f(1, "push the trainer's weights to the generator replicas after every N-th "
+                                   "optimizer step (and after the last one)", metavar="N")
+    transfer_bucket_mb: float = _f(64.0, "the weight transfer's staging bound: small tensors packed into flat "
+                                         "buckets of at most this many MiB, one bucket per rank in flight")
+    generator_prompts: str | None = _f(None, "the generators' prompts: texts separated by |, or a file of one prompt "
+                                             "per line (default: three short code prompts)")
+    generator_max_new_tokens: int = _f(16, "tokens each generator replica adds to every prompt (greedy)")
+
+
+def parse_generator_layouts(text: str | None) -> list[int]:
+    """``"tp2,tp1"`` -> ``[2, 1]`` (each replica's tp); one line with the entry on a bad one."""
+    if not text:
+        return []
+    out = []
+    for entry in text.split(","):
+        e = entry.strip().lower()
+        digits = e[2:] if e.startswith("tp") else e
+        if not digits.isdigit() or int(digits) < 1:
+            raise ConfigError(f"--generator-layouts {text}: entry {entry.strip()!r} is not tpN with N >= 1 "
+                              "(e.g. tp2,tp1: one replica per entry)")
+        out.append(int(digits))
+    return out
+
+
+def trainer_world_size(cfg, world_size: int) -> int:
+    """The ranks the trainer keeps of a launch of ``world_size`` once the generator replicas of ``cfg.generators``
+    took the last ones; checks the generator flags against the model and the launch (one line with the numbers).
+    Without --generator-layouts: ``world_size``."""
+    from .model import check_model_shape
+
+    g = cfg.generators
+    tps = parse_generator_layouts(g.generator_layouts)
+    if not tps:
+        return world_size
+    if g.transfer_interval < 1:
+        raise ConfigError(f"--transfer-interval must be at least 1, got {g.transfer_interval}")
+    if not g.transfer_bucket_mb > 0:
+        raise ConfigError(f"--transfer-bucket-mb must be positive, got {g.transfer_bucket_mb}")
+    if g.generator_max_new_tokens < 1:
+        raise ConfigError(f"--generator-max-new-tokens must be at least 1, got {g.generator_max_new_tokens}")
+    m = cfg.model
+    for i, tp in enumerate(tps):
+        name = f"generator replica {i} (tp{tp})"
+        groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+        if m.num_attention_heads % tp or groups % tp:
+            raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}'s tensor-parallel size {tp} does "
+                              f"not divide --num-attention-heads {m.num_attention_heads} and the "
+                              f"{groups} key/value head(s) (--num-query-groups)")
+        check_model_shape(m, tp, tp_name=f"{name}'s tensor-parallel size")
+    trainer = world_size - sum(tps)
+    need = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    if cfg.parallel.stage_layouts:
+        need = 1
+    if trainer < need or trainer % need:
+        raise ConfigError(f"--generator-layouts {g.generator_layouts} takes the last {sum(tps)} of the {world_size} "
+                          f"ranks, leaving {max(trainer, 0)} to the trainer, which needs a multiple of "
+                          f"tp {cfg.parallel.tensor_model_parallel_size} × pp "
+                          f"{cfg.parallel.pipeline_model_parallel_size} = {need}: launch "
+                          f"{max(need, need * -(-max(trainer, 1) // need)) + sum(tps)} ranks")
+    return trainer
