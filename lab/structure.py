@@ -145,10 +145,10 @@ def path_to(seen: dict[str, str], start: str, target: str) -> str:
 FLOORS = [
     ("configuration", {"config", "config_fields", "registry", "compile_config", "flag_checks", "megatron_flags"}),
     ("building blocks", {"parallel", "data", "tensor_parallel", "compile_boundary", "optim", "launch", "tracking",
-                         "fast_path", "resharding", "plugins"}),
+                         "resharding", "plugins", "kernel_record"}),
     ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
     ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "generation_kv", "transfer"}),
-    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report", "generators"}),
+    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report", "fast_path", "generators"}),
     ("front doors", {"arguments", "training", "cli", "entry"}),
 ]
 

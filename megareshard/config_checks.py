@@ -194,6 +194,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "
                           "format, torch_dist (sharded, loadable into any layout)")
     _validate_checkpoint(cfg.checkpoint)
+    _validate_deterministic(cfg)
     cfg.plan = run_plan.resolve(cfg, world_size, auto_layout)
     m = cfg.plan.num_microbatches
     if pp > 1 and m < pp:
@@ -469,6 +470,28 @@ def _read_data_args_files(d: "DataConfig") -> None:
         d.per_split_data_args_path = None
 
 
+def _validate_deterministic(cfg: Config) -> None:
+    """--deterministic-mode refuses, in one line, what it cannot make deterministic (Megatron-LM refuses
+    FlashAttention too; its fused cross-entropy, which it also refuses, is its own kernel: ours is element-wise
+    PyTorch, deterministic under torch.use_deterministic_algorithms)."""
+    if not cfg.training.deterministic_mode:
+        return
+    cannot = []
+    backend = cfg.model.attention_backend
+    if backend == "flash":
+        cannot.append("--attention-backend flash (FlashAttention's backward accumulates with atomics; Megatron-LM "
+                      "refuses it too)")
+    elif backend == "fused":
+        cannot.append("--attention-backend fused (PyTorch does not make cuDNN attention's backward deterministic)")
+    mode = cfg.compile.torch_compile_mode
+    if cfg.compile.torch_compile is not False and mode.startswith("max-autotune"):
+        cannot.append(f"--torch-compile-mode {mode} (it chooses kernels by timing them)")
+    if cannot:
+        raise ConfigError(f"--deterministic-mode cannot make {'; '.join(cannot)} deterministic: use --attention-"
+                          "backend auto (a fixed kernel with a deterministic backward) or unfused, and "
+                          "--torch-compile-mode default")
+
+
 def _validate_checkpoint(ck: "CheckpointConfig") -> None:
     for name, value in (("--save-interval", ck.save_interval), ("--exit-interval", ck.exit_interval)):
         if value is not None and value < 1:
@@ -486,7 +509,8 @@ def _validate_checkpoint(ck: "CheckpointConfig") -> None:
     if needs_save and not ck.save:
         raise ConfigError(f"{', '.join(needs_save)} need(s) --save DIR (where the checkpoint goes)")
     needs_load = [flag for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
-                                        ("--no-load-rng", ck.no_load_rng)) if on]
+                                        ("--no-load-rng", ck.no_load_rng),
+                                        ("--attention-backend-rechoose", ck.attention_backend_rechoose)) if on]
     if needs_load and not ck.load:
         raise ConfigError(f"{', '.join(needs_load)} only appl(y/ies) with --load DIR")
 

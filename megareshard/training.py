@@ -39,7 +39,7 @@ from .checkpoint.lock import lock_save_dir
 from .checkpoint.megatron_load import load_into_model as load_megatron, megatron_checkpoint_dir
 from .compile_config import TorchCompileError, compiler_failure
 from .components import DEFAULTS
-from .fast_path import set_up_fast_path
+from .fast_path import apply_deterministic_mode, set_up_fast_path
 from .data.sampler import GlobalBatchSampler, collate
 from .launch import PeerFailure, RankInfo, Watchdog, exit_with_launcher, rank_map_table, tp_placement_warnings
 from .inputs import resume_plan
@@ -547,6 +547,7 @@ def pretrain(cfg: Config, out: TextIO | None = None, model_spec: ModelSpec | Non
     it) as ``launch_split(cfg, out, model_spec, device, world, infos, _pretrain)``."""
     out = sys.stdout if out is None else out
     device = pick_device(cfg.training.device)
+    apply_deterministic_mode(cfg, device)  # --deterministic-mode: CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO before NCCL
     exit_with_launcher()  # a torchrun worker stops when its agent is gone (kill -9 of torchrun)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") == "0":
         print(f"megareshard: waiting for all {os.environ['WORLD_SIZE']} ranks to join (--preflight-timeout "

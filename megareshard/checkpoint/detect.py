@@ -255,6 +255,9 @@ class Progress:
     iteration: int
     consumed_samples: int | None
     global_batch_size: int | None
+    #: the kernels the run chose (the trainer's fast path: {"attention": {shape key: {"kernel", "why"}}}); None in
+    #: checkpoints from before the record
+    kernel_choices: dict | None = None
 
 
 def _count(value: object) -> int | None:
@@ -296,7 +299,9 @@ def read_progress(path: str) -> Progress:
     iteration = _count(info.get("iteration"))
     if iteration is None:
         raise ConfigError(f"{info_path} records no iteration (found {str(info.get('iteration'))[:40]!r})")
-    return Progress(directory, iteration, _count(info.get("consumed_samples")), _count(info.get("global_batch_size")))
+    choices = info.get("kernel_choices")
+    return Progress(directory, iteration, _count(info.get("consumed_samples")), _count(info.get("global_batch_size")),
+                    choices if isinstance(choices, dict) else None)
 
 
 def check_progress(progress: Progress, *, train_iters: int, global_batch_size: int,

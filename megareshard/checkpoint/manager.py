@@ -15,7 +15,8 @@ shard of them, the only copy it holds —, vocabulary unpadded; the tied output-
 last pipeline stage is not stored: it loads from the word embedding), optimizer state keyed by
 parameter name (fp32 master, Adam moments, step — ZeRO row chunks or full tp slices), LR
 scheduler, iteration, sampler (consumed samples), loss scaler, per-rank RNG (CPU, CUDA,
-tensor-parallel streams), W&B run id, the arguments and the layout it was saved in.
+tensor-parallel streams), W&B run id, the arguments and the layout it was saved in, and the kernels the run
+chose (``kernel_choices``, in ``checkpoint.json`` too: a resumed run runs them instead of measuring again).
 
 What loads exactly across a layout change (tp, pp, dp, ZeRO stage, world size, dtype of the
 parameters aside): every weight and every piece of optimizer state, bitwise; the iteration,
@@ -59,6 +60,17 @@ from .state import dp_changed, stage_layouts_of  # noqa: F401  (importable from 
 __all__ = ["CheckpointManager", "LoadResult", "ARCHITECTURE_FIELDS", "model_key", "optim_key"]
 
 logger = logging.getLogger("megareshard")
+
+
+def _merged_kernel_choices(per_rank: list) -> dict | None:
+    """The kernels the ranks chose (the trainer's fast path sets ``model.kernel_choices``: {"attention": {shape key:
+    {"kernel", "why"}}}), merged by key, the lowest rank's first; None when no rank recorded any."""
+    merged: dict[str, dict] = {}
+    for choices in per_rank:
+        for kind, entries in (choices or {}).items():
+            for key, entry in (entries or {}).items():
+                merged.setdefault(kind, {}).setdefault(key, entry)
+    return merged or None
 
 
 class CheckpointManager:
@@ -135,7 +147,8 @@ class CheckpointManager:
                else None,
                "streams": streams.state_dict() if streams is not None else None}
         gathered = _all_gather_object({"rank": self._rank(), "coords": rng["coords"], "wandb": wandb_run_id,
-                                       "layers": list(getattr(model, "layer_range", ())) or None})
+                                       "layers": list(getattr(model, "layer_range", ())) or None,
+                                       "kernels": getattr(model, "kernel_choices", None)})
         run_ids = [g["wandb"] for g in gathered if g["wandb"]]
         stages = {}
         for g in gathered:
@@ -145,6 +158,7 @@ class CheckpointManager:
         layout["stage_layers"] = [stages.get(i) for i in range(ctx.pp_size)]
         layout["rank_coords"] = [[g["rank"], g["coords"]["pp"], g["coords"]["tp"], g["coords"]["dp"]]
                                  for g in gathered]
+        kernel_choices = _merged_kernel_choices([g["kernels"] for g in gathered])
         scaler = _loss_scaler(optimizer)
         groups = None
         if optimizer is not None:
@@ -160,11 +174,12 @@ class CheckpointManager:
                   "num_skipped_steps": int(getattr(optimizer, "num_skipped_steps", 0) or 0),
                   "optimizer_param_groups": groups, "wandb_run_id": run_ids[0] if run_ids else None,
                   "args": args, "model_config": model_cfg, "layout": layout, "seed": seed,
-                  "extra": extra or {}}
+                  "kernel_choices": kernel_choices, "extra": extra or {}}
         info = {"layout": layout, "model_config": model_cfg, "args": args,
                 "tokenizer": tokenizer_record(getattr(config, "data", None)),
                 "has_optimizer": optimizer is not None, "has_rng": True,
                 "consumed_samples": common["consumed_samples"], "wandb_run_id": common["wandb_run_id"],
+                "kernel_choices": kernel_choices,
                 "global_batch_size": sampler.global_batch_size if sampler is not None else None}
         objects = {"common": common, f"rng.rank{self._rank()}": rng}
         return pieces, objects, info

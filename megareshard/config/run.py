@@ -99,6 +99,12 @@ class TrainingConfig:
     clip_grad: float = _f(1.0, "clip the global gradient norm to this (0 disables)")
     seed: int = _f(1234, "seed for weights, data order and dropout")
     device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=("cpu", "cuda"))
+    deterministic_mode: bool = _f(False, "Megatron-LM's: bitwise-identical runs of the same command, slower "
+                                         "(torch.use_deterministic_algorithms, cuDNN deterministic and not "
+                                         "benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring unless "
+                                         "set, inductor without on-device benchmarking, --attention-backend auto "
+                                         "not measured: memory-efficient attention on CUDA); refuses --attention-"
+                                         "backend flash and fused and the max-autotune compile modes")
     exit_duration_in_mins: float | None = _f(None, "save (with --save) and exit once training has run this long")
     check_for_nan_in_loss_and_grad: bool = _f(True, "stop at the first non-finite loss or gradient, naming the "
                                                     "iteration, the rank and the parameter (fp16 overflows with a "
@@ -164,6 +170,9 @@ class CheckpointConfig:
     finetune: bool = _f(False, "load weights only: fresh optimizer and scheduler, iteration 0, no RNG")
     no_load_optim: bool = _f(False, "do not load the optimizer state (fresh Adam moments)")
     no_load_rng: bool = _f(False, "do not load the RNG states (keep this run's seeds)")
+    attention_backend_rechoose: bool = _f(False, "with --load: choose the attention kernel of --attention-backend "
+                                                 "auto again (measured on CUDA) instead of running the one the "
+                                                 "checkpoint records (a resumed run runs the recorded kernel)")
     exit_interval: int | None = _f(None, "save (with --save) and exit after an iteration divisible by this")
     exit_signal_handler: bool = _f(False, "on SIGTERM: finish the iteration, save, exit (schedulers preempt)")
     async_save: bool = _f(False, "write checkpoints in a background thread (state copied to CPU first)")

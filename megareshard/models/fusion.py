@@ -15,15 +15,23 @@ refused (``config.check_fusion_flags``).
 FlashAttention-2; CPU: PyTorch's flash kernel for CPU, which has no dropout); ``fused`` is cuDNN's fused
 attention (CUDA only); ``unfused`` and ``local`` write softmax(QKᵀ/√d)V out (two matrix products and a
 masked softmax in fp32, the scores materialised); ``auto`` measures, on CUDA, FlashAttention, cuDNN and
-the memory-efficient kernel at the model's shape at start-up and keeps the fastest; on CPU it is PyTorch's
-own choice, unmeasured. A choice that cannot run the model's attention (a kernel the device lacks, a
+the memory-efficient kernel at the model's shape at start-up and keeps the preferred one (that order) unless
+another is faster by more than ``AUTO_MARGIN`` (`pick_kernel`: noise does not flip the choice); on CPU it is
+PyTorch's own choice, unmeasured. A choice that cannot run the model's attention (a kernel the device lacks, a
 head size or dropout it does not support) is refused at start-up with PyTorch's reason.
+
+**The record** (``kernel_record.KernelBook``): what each layer shape runs is recorded with the run (the
+trainer's fast path puts it in its checkpoints); a resumed run runs the recorded kernel instead of measuring
+again (a new measurement could pick another kernel, with other dropout masks and summation orders). The
+measurement is a seam (`AutoTiming`, `AUTO_TIMING`): tests inject timings and the device types measured on.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +39,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..compile_boundary import outside_compiled_regions
 from ..config_fields import ConfigError
+from ..kernel_record import KernelBook, active_book
 from .components import apply_rotary, gelu, swiglu
 
 __all__ = ["masked_softmax", "residual_add", "attention", "choose_attention_kernel", "configure_attention", "KERNELS",
+           "AUTO_CANDIDATES", "AUTO_MARGIN", "AutoTiming", "AUTO_TIMING", "pick_kernel", "measure_candidates",
+           "choice_key",
            "gelu_unfused", "swiglu_unfused", "apply_rotary_unfused", "masked_softmax_unfused", "residual_add_unfused"]
 
 _this = sys.modules[__name__]  # marked functions are looked up at call time (compile_boundary)
@@ -42,8 +53,14 @@ _this = sys.modules[__name__]  # marked functions are looked up at call time (co
 SDPA_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
 KERNELS = ("sdpa", "unfused", *SDPA_KERNELS)
-#: what auto measures on CUDA, in PyTorch's order of preference (the first wins a tie)
+#: what auto measures on CUDA, in order of preference (PyTorch's): a later one is chosen only when it is faster
+#: than every one before it by more than ``AUTO_MARGIN`` (`pick_kernel`)
 AUTO_CANDIDATES = ("flash", "cudnn", "efficient")
+#: how much faster a less preferred kernel must measure to be chosen (a fraction of the preferred one's time)
+AUTO_MARGIN = 0.05
+#: what auto runs on CUDA under --deterministic-mode, unmeasured: memory-efficient attention, whose backward
+#: PyTorch computes deterministically under torch.use_deterministic_algorithms(True, warn_only=False)
+DETERMINISTIC_KERNEL = "efficient"
 
 
 def masked_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
@@ -167,23 +184,81 @@ def _seconds(kernel: str, q, k, v, dropout_p: float, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def measure_candidates(shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device,
+                       dropout_p: float) -> dict[str, float]:
+    """Seconds of one forward and backward of each of `AUTO_CANDIDATES` that runs this shape and agrees with
+    softmax(QKᵀ/√d)V (the others left out): what auto measures on CUDA."""
+    q, k, v = _probe_inputs(shape, dtype, device)
+    usable = [c for c in AUTO_CANDIDATES if _failure(c, q, k, v, dropout_p) is None
+              and _disagreement(c, q, k, v) is None]
+    return {c: _seconds(c, q, k, v, dropout_p) for c in usable}
+
+
+@dataclass(frozen=True)
+class AutoTiming:
+    """How ``--attention-backend auto`` measures, a seam tests replace (``fusion.AUTO_TIMING``, looked up at each
+    choice): ``measure(shape, dtype, device, dropout_p)`` gives the seconds of each usable candidate;
+    ``device_types`` are the devices it measures on (elsewhere auto is PyTorch's choice, unmeasured);
+    ``margin`` as `AUTO_MARGIN`."""
+
+    measure: Callable[[tuple, torch.dtype, torch.device, float], dict[str, float]] = measure_candidates
+    device_types: tuple[str, ...] = ("cuda",)
+    margin: float = AUTO_MARGIN
+
+
+AUTO_TIMING = AutoTiming()
+
+
+def _percent(margin: float) -> str:
+    return f"{100 * margin:g} %"
+
+
+def pick_kernel(seconds: dict[str, float], margin: float = AUTO_MARGIN) -> tuple[str, str]:
+    """(kernel, why) from measured ``seconds`` per kernel: the most preferred (`AUTO_CANDIDATES` order) whose time
+    is within ``margin`` of the fastest's (``t <= (1 + margin) · fastest``), so a less preferred kernel is chosen
+    only when it beats every preferred one by more than the margin, and timings that move by less than the margin
+    keep the choice. ``why`` is the table and the reason, e.g. "auto: flash 0.39 ms, efficient 0.38 ms: flash kept
+    (efficient within the 5 % margin; flash preferred)"."""
+    if not seconds:
+        raise ValueError("pick_kernel: no kernel was measured")
+    order = [c for c in AUTO_CANDIDATES if c in seconds] + sorted(c for c in seconds if c not in AUTO_CANDIDATES)
+    fastest = min(order, key=lambda c: seconds[c])   # the first of equal times
+    chosen = next(c for c in order if seconds[c] <= (1.0 + margin) * seconds[fastest])
+    table = ", ".join(f"{c} {1e3 * seconds[c]:.2f} ms" for c in order)
+    before = order[:order.index(chosen)]
+    if len(order) == 1:
+        reason = f"{chosen}, the only kernel that runs this shape"
+    elif chosen != fastest:
+        reason = f"{chosen} kept ({fastest} within the {_percent(margin)} margin; {chosen} preferred)"
+    elif before:
+        reason = (f"{chosen} chosen (faster than {' and '.join(before)} by more than the {_percent(margin)} "
+                  "margin)")
+    else:
+        reason = f"{chosen} fastest"
+    return chosen, f"auto: {table}: {reason}"
+
+
 _CHOICES: dict[tuple, tuple[str, str]] = {}
 
 
 def choose_attention_kernel(backend: str, *, shape: tuple[int, int, int, int, int], dtype: torch.dtype,
-                            device: torch.device, dropout_p: float) -> tuple[str, str]:
+                            device: torch.device, dropout_p: float, timing: AutoTiming | None = None,
+                            deterministic: bool = False) -> tuple[str, str]:
     """(kernel, why) for ``--attention-backend backend`` at ``shape`` = (batch, query heads, key/value heads,
     sequence, head size) on ``device``; raises ``ConfigError`` when the chosen kernel cannot run it.
-    Measured once per process and shape."""
-    key = (backend, shape, dtype, str(device), dropout_p)
+    ``timing``: how auto measures (default `AUTO_TIMING`); ``deterministic`` (--deterministic-mode): auto
+    measures nothing and runs `DETERMINISTIC_KERNEL` (or the unfused attention where it cannot run the shape).
+    Chosen once per process, shape and timing."""
+    timing = AUTO_TIMING if timing is None else timing
+    key = (backend, shape, dtype, str(device), dropout_p, timing, deterministic)
     if key not in _CHOICES:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # probes draw dropout masks
-            _CHOICES[key] = _choose(backend, shape, dtype, device, dropout_p)
+            _CHOICES[key] = _choose(backend, shape, dtype, device, dropout_p, timing, deterministic)
     return _CHOICES[key]
 
 
 def _choose(backend: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device,
-            dropout_p: float) -> tuple[str, str]:
+            dropout_p: float, timing: AutoTiming, deterministic: bool) -> tuple[str, str]:
     if backend in ("unfused", "local"):
         choice = ("unfused", f"--attention-backend {backend}: softmax(QKᵀ/√d)V written out")
     elif backend in ("flash", "fused"):
@@ -200,33 +275,83 @@ def _choose(backend: str, shape: tuple[int, int, int, int, int], dtype: torch.dt
                               f"(batch, heads, key/value heads, sequence, head size {shape}, {dtype}, dropout "
                               f"{dropout_p}): {why}")
         choice = (kernel, f"--attention-backend {backend}")
-    elif device.type != "cuda":
+    elif deterministic and device.type == "cuda":
+        q, k, v = _probe_inputs(shape, dtype, device)
+        why = _failure(DETERMINISTIC_KERNEL, q, k, v, dropout_p) or _disagreement(DETERMINISTIC_KERNEL, q, k, v)
+        choice = ((DETERMINISTIC_KERNEL, "--attention-backend auto under --deterministic-mode: memory-efficient "
+                   "attention (its deterministic backward), not measured") if why is None else
+                  ("unfused", f"--attention-backend auto under --deterministic-mode: softmax(QKᵀ/√d)V written out "
+                   f"(memory-efficient attention cannot run this shape: {why})"))
+    elif deterministic:   # CPU: PyTorch's CPU kernels are deterministic
+        choice = ("sdpa", f"--attention-backend auto under --deterministic-mode on {device.type}: PyTorch's "
+                          "choice, not measured")
+    elif device.type not in timing.device_types:
         choice = ("sdpa", f"--attention-backend auto on {device.type}: PyTorch's choice, not measured")
     else:
-        q, k, v = _probe_inputs(shape, dtype, device)
-        usable = [c for c in AUTO_CANDIDATES if _failure(c, q, k, v, dropout_p) is None
-                  and _disagreement(c, q, k, v) is None]
-        timed = {c: _seconds(c, q, k, v, dropout_p) for c in usable}
+        timed = timing.measure(shape, dtype, device, dropout_p)
         if timed:
-            best = min(timed, key=timed.get)
-            table = ", ".join(f"{c} {1e3 * t:.2f} ms" for c, t in timed.items())
-            choice = (best, f"--attention-backend auto: fastest measured at start-up ({table})")
+            kernel, why = pick_kernel(timed, timing.margin)
+            choice = (kernel, f"--attention-backend {why}")
         else:
             choice = ("sdpa", "--attention-backend auto: no fused kernel runs this shape; PyTorch's choice")
     return choice
 
 
+# ---- the record: a run's kernel choices, kept with its checkpoints and reused on resume -----------------
+def choice_key(backend: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device,
+               dropout_p: float) -> str:
+    """What a kernel was chosen for, as a record's key (JSON): the backend asked, the shape, dtype, device type
+    and dropout."""
+    b, heads, groups, s, d = shape
+    return (f"{backend} batch {b} heads {heads} groups {groups} seq {s} head {d} {str(dtype).replace('torch.', '')} "
+            f"{device.type} dropout {dropout_p:g}")
+
+
+def _choose_through_book(book: KernelBook, backend: str, *, shape: tuple[int, int, int, int, int],
+                         dtype: torch.dtype, device: torch.device, dropout_p: float) -> tuple[str, str]:
+    """(kernel, the phrase that says what runs and why) for one layer shape through ``book``: the kernel the
+    checkpoint recorded for its `choice_key` (auto only; probed on CUDA: another card may lack it), else
+    `choose_attention_kernel`; noted in ``book.chosen``."""
+    key = choice_key(backend, shape, dtype, device, dropout_p)
+    old = book.recorded_entry(key) if backend == "auto" else None
+    if old is not None and old["kernel"] not in KERNELS:
+        old = None
+    if old is not None and not book.rechoose and not book.deterministic:
+        kernel, why = old["kernel"], str(old.get("why", ""))
+        failed = None
+        if device.type == "cuda" and kernel in SDPA_KERNELS:
+            failed = _failure(kernel, *_probe_inputs(shape, dtype, device), dropout_p)
+        if failed is None:
+            book.chosen[key] = {"kernel": kernel, "why": why}
+            return kernel, f"{kernel}, as recorded in {book.source} ({why}; --attention-backend-rechoose chooses again)"
+    kernel, why = choose_attention_kernel(backend, shape=shape, dtype=dtype, device=device, dropout_p=dropout_p,
+                                          deterministic=book.deterministic)
+    book.chosen[key] = {"kernel": kernel, "why": why}
+    phrase = f"{kernel} ({why}"
+    if old is not None and book.rechoose:
+        phrase += f"; chosen again: --attention-backend-rechoose, {book.source} recorded {old['kernel']}"
+    elif old is not None and book.deterministic:
+        if old["kernel"] != kernel:
+            phrase += f"; {book.source} recorded {old['kernel']}, --deterministic-mode runs {kernel}"
+    elif old is not None:
+        phrase += f"; {book.source} recorded {old['kernel']}, which this device cannot run"
+    elif backend == "auto" and book.recorded is not None and not book.deterministic:
+        phrase += f"; {book.source} recorded no choice for this shape"
+    return kernel, phrase + ")"
+
+
 def configure_attention(layers, micro_batch_size: int, seq_length: int, device: torch.device) -> list[str]:
     """Set each Transformer layer's attention kernel for ``--attention-backend`` (`choose_attention_kernel` at
     the layer's shape: ``micro_batch_size`` samples of ``seq_length`` tokens, its heads on this rank, its
-    weights' dtype); returns one line per distinct choice."""
+    weights' dtype; through the active `kernel_book`, which records it and reuses a checkpoint's record);
+    returns one line per distinct choice."""
     lines: list[str] = []
     for layer in layers:
         att = layer.attention
         shape = (micro_batch_size, att.heads_local, att.groups_local, seq_length, att.head_dim)
-        att.kernel, why = choose_attention_kernel(att.backend, shape=shape, dtype=att.qkv.weight.dtype,
-                                                  device=torch.device(device), dropout_p=att.dropout)
-        line = f"{att.kernel} ({why})"
+        book = active_book() or KernelBook()
+        att.kernel, line = _choose_through_book(book, att.backend, shape=shape, dtype=att.qkv.weight.dtype,
+                                                device=torch.device(device), dropout_p=att.dropout)
         if line not in lines:
             lines.append(line)
     return lines
