@@ -41,10 +41,17 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _base_type(annotation: Any) -> type:
+def _int_or_str(text: str) -> int | str:
+    """An integer when the text is one, else the text (Megatron-LM's --moe-layer-freq: N or a 0/1 pattern)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _base_type(annotation: Any) -> Any:
     text = str(annotation)
     if text.startswith("list[str]"):
         return list
+    if text.startswith("int | str"):
+        return _int_or_str
     for name, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if text.startswith(name):
             return t

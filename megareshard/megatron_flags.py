@@ -5,7 +5,7 @@ implements (``megareshard.arguments``):
 
 * ``NO_EFFECT``: kernel fusions, data-loader and logging knobs, attention back-ends... that change
   nothing about what is computed here. They parse, and the run's first line names them with why.
-* ``NOT_BUILT``: features megareshard does not have (mixture of experts, fp8 / Transformer Engine,
+* ``NOT_BUILT``: features megareshard does not have (fp8 / Transformer Engine,
   context parallelism, ...). A run that gives any of them stops with one message naming every one.
 * ``NOT_BUILT_IF``: flags whose neutral value is fine (``--context-parallel-size 1``) and any other
   value is a feature not built.
@@ -69,8 +69,6 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
 
 # flags that name features megareshard does not have: flag -> (argparse kwargs, the feature)
 NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
-    "--num-experts": (_INT, "mixture of experts"),
-    "--expert-tensor-parallel-size": (_INT, "mixture of experts"),
     "--fp8-format": (_STR, "fp8 / Transformer Engine"),
     "--fp8-recipe": (_STR, "fp8 / Transformer Engine"),
     "--fp8-amax-history-len": (_INT, "fp8 / Transformer Engine"),
@@ -113,14 +111,13 @@ MAPPED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 # families refused by prefix, whatever the flag's exact name
-NOT_BUILT_PREFIXES = {"--moe-": "mixture of experts", "--fp8-": "fp8 / Transformer Engine",
+NOT_BUILT_PREFIXES = {"--moe-": "mixture of experts: an MoE option not built here", "--fp8-": "fp8 / Transformer Engine",
                       "--fp4-": "fp4", "--mtp-": "multi-token prediction", "--retro-": "Retro",
                       "--hybrid-": "hybrid (Mamba) models", "--mamba-": "hybrid (Mamba) models"}
 
 # flags whose neutral value is accepted: flag -> (argparse kwargs, neutral value, the feature)
 NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--context-parallel-size": (_INT, 1, "context parallelism"),
-    "--expert-model-parallel-size": (_INT, 1, "mixture of experts (expert parallelism)"),
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
     "--cross-entropy-fusion-impl": (_STR, "native", "Transformer Engine's cross-entropy"),
 }

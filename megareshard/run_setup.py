@@ -63,10 +63,21 @@ def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
                                 dp=data_parallel_size(cfg, world_size), pp=cfg.pp)
     order = cfg.parallel.rank_order or volume.order()
     why = "given by --rank-order" if cfg.parallel.rank_order else f"chosen by {volume.describe()}"
+    ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size
+    experts = m.num_experts is not None and (ep > 1 or (etp is not None and etp != cfg.tp))
+    if experts and not cfg.parallel.rank_order and isinstance(order, (tuple, list)) and \
+            list(order).index("dp") < list(order).index("tp"):   # expert groups read tp inside dp (Megatron's tp-dp)
+        order = tuple(a for a in order if a != "dp")
+        order = order[:order.index("tp") + 1] + ("dp",) + order[order.index("tp") + 1:]
+        why += ", with tp kept inside dp for the expert groups"
     topo = Topology(world_size, tp=cfg.tp, pp=cfg.pp, nproc_per_node=nproc, order=order)
     if world_size == 1:
         return ParallelContext.single_process(), topo.describe()
-    return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
+    if m.num_experts is None:
+        return ParallelContext.create(topo), f"{topo.describe()}; order {why}"
+    ctx = ParallelContext.create(topo, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return ctx, (f"{topo.describe()}; order {why}; experts: ep {ctx.ep_size} × etp {ctx.etp_size} × edp "
+                 f"{ctx.edp_size}")
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -10,16 +10,65 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .pipeline import memory_view
 from .pipeline.traces import gather_trace, write_trace
 from .tracking import format_duration
 
-__all__ = ["Reporting"]
+__all__ = ["Reporting", "MOE_LOSS_NAMES"]
+
+#: the router losses an MoE run logs beside the LM loss (Megatron-LM's names, its tracker's order)
+MOE_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
 
 
 class Reporting:
     """The trainer's reports (module docstring)."""
+
+    # ---- mixture of experts: the router losses (Megatron-Core's aux-loss tracker) ----------------------------
+    def _moe_routers(self) -> list[Any]:
+        """The model's MoE routers (modules with an ``aux_loss_scale`` and a ``tracked`` record: models/moe)."""
+        if getattr(self, "_routers", None) is None:
+            self._routers = [m for m in self.model.modules() if hasattr(m, "aux_loss_scale") and hasattr(m, "tracked")]
+        return self._routers
+
+    def _start_moe_step(self, num_microbatches: int) -> None:
+        """Before a step's forwards: the gradient the router losses get, Megatron's ``MoEAuxLossAutoScaler.
+        set_loss_scale(loss scale / micro-batches)`` (the LM loss of a micro-batch is divided by their number
+        too), and a fresh record of the losses."""
+        scale = self.optimizer.loss_scale / num_microbatches
+        for r in self._moe_routers():
+            r.aux_loss_scale = scale
+            r.tracked = {}
+
+    def _moe_step_losses(self, num_microbatches: int) -> dict[str, float]:
+        """After a step: each router loss as Megatron's tracker reduces it — per layer the sum over the
+        micro-batches divided by their number, summed over tp (load balancing: each tp rank holds its part) or
+        averaged over it (z-loss), averaged over dp, then the mean over the MoE layers. Collective over tp and dp."""
+        routers = self._moe_routers()
+        names = [n for n in MOE_LOSS_NAMES if any(n in r.tracked for r in routers)]
+        if not names:
+            return {}
+        vals = torch.zeros(len(names), len(routers), dtype=torch.float32, device=self.device)
+        for j, r in enumerate(routers):
+            for i, n in enumerate(names):
+                if n in r.tracked:
+                    vals[i, j] = torch.stack(r.tracked[n]).float().sum() / num_microbatches
+        ctx = self.ctx
+        if ctx.tp_size > 1:
+            dist.all_reduce(vals, group=ctx.tp_group)
+            if "z_loss" in names:
+                vals[names.index("z_loss")] /= ctx.tp_size
+        if ctx.dp_size > 1:
+            dist.all_reduce(vals, group=ctx.dp_group)
+            vals /= ctx.dp_size
+        return {n: float(v) for n, v in zip(names, vals.mean(dim=1).tolist())}
+
+    @staticmethod
+    def _with_moe_losses(line: str, rec: dict[str, Any]) -> str:
+        """The log line with the router losses after the LM loss, where Megatron-LM prints them."""
+        parts = [f"{n}: {rec[n]:.6E}" for n in MOE_LOSS_NAMES if n in rec]
+        return line.replace(" | grad norm:", " | " + " | ".join(parts) + " | grad norm:", 1) if parts else line
 
     def _print_summary(self, first_iteration: int, totals: dict[str, int]) -> None:
         """The closing line: iterations, tokens, time, the final loss (and validation loss), skipped and NaN counts."""

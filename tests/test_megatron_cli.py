@@ -28,8 +28,8 @@ def pretrain_gpt_main():
       "/nonexistent/m.txt"], "--vocab-file /nonexistent/v.json: file not found"),
     (["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "org/model"],
      "directory not found"),
-    (["--mock-data", "--vocab-size", "64", "--fp8-format", "hybrid", "--num-experts", "8"],
-     "--num-experts (mixture of experts)"),
+    (["--mock-data", "--vocab-size", "64", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+     "--fp8-recipe (fp8 / Transformer Engine)"),
 ])
 def test_bad_tokenizer_or_feature_is_one_line(argv, message, capsys):
     assert pretrain_gpt_main()(argv + TINY + ["--train-iters", "1"]) == 2

@@ -156,9 +156,10 @@ def test_refusals_name_every_flag_in_one_message():
         assert flag in msg, flag
     assert "unrecognized" not in msg and "fp8 / Transformer Engine" in msg
     with pytest.raises(ConfigError, match=r"--context-parallel-size 2 \(context parallelism; only 1 is accepted\), "
-                                          r"--moe-router-topk \(mixture of experts\)"):
-        parse_args(["--mock-data", "--vocab-size", "64", "--moe-router-topk", "2", "--context-parallel-size", "2"],
-                   world_size=2)
+                                          r"--moe-router-bias-update-rate \(mixture of experts: an MoE option not "
+                                          r"built here\)"):
+        parse_args(["--mock-data", "--vocab-size", "64", "--moe-router-bias-update-rate", "0.001",
+                    "--context-parallel-size", "2"], world_size=2)
     with pytest.raises(ConfigError, match=r"unknown flag\(s\) --not-a-flag"):
         parse_args(["--mock-data", "--vocab-size", "64", "--not-a-flag", "3"], world_size=1)
 

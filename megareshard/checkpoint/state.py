@@ -54,7 +54,11 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 
 def _tp_box(param: torch.Tensor, tp: int, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Global (padded) shape and offset of this rank's tp slice of ``param``."""
+    """Global (padded) shape and offset of this rank's tp slice of ``param`` (an MoE expert weight: its box in the
+    full ``[experts, ...]`` tensor, ``expert_box``, whatever ep and etp split it)."""
+    box = getattr(param, "expert_box", None)
+    if box is not None:
+        return tuple(box[0]), tuple(box[1])
     shape, off = list(param.shape), [0] * param.dim()
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
         d = param.partition_dim

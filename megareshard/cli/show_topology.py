@@ -5,6 +5,7 @@
     python tools/show_topology.py ... --json              # machine-readable records
     python tools/show_topology.py --world-size 8 --nproc-per-node 4 --stage-layouts tp1dp4,tp2dp2
     python tools/show_topology.py --world-size 256 --nproc-per-node 8 --tp 8 --pp 8 --communicators
+    python tools/show_topology.py --world-size 8 --nproc-per-node 4 --tp 2 --expert-model-parallel-size 2
 
 Without --order the order comes from per-layer communication volume (docs/design.md §1) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
@@ -16,6 +17,7 @@ import json
 import sys
 
 from megareshard.parallel import CommVolume, Topology, TopologyError, hosts_spanned
+from megareshard.parallel.expert_topology import EXPERT_FAMILIES, expert_coords, expert_groups
 from megareshard.parallel.stage_topology import StageTopology
 from megareshard.resharding import strategy_names
 
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                         "sender and receiver set, the NCCL rule) for --reshard-strategy")
     p.add_argument("--reshard-strategy", default="broadcast", choices=strategy_names(planned=True))
     p.add_argument("--sequence-parallel", action="store_true", help="hidden states sharded over tp (S1,S0,R)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE: expert-parallel degree (ep); the expert groups are listed")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE: expert-tensor-parallel degree (etp; default --tp)")
     a = p.parse_args(argv)
     if a.stage_layouts:
         try:
@@ -57,11 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         order = a.order or volume.order()
         topo = Topology(a.world_size, tp=a.tp, pp=a.pp, nproc_per_node=a.nproc_per_node, order=order,
                         keep_tp_in_host=a.keep_tp_in_host)
+        ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size
+        experts = ep > 1 or (etp is not None and etp != a.tp)
+        etp = a.tp if etp is None else etp
+        groups = expert_groups(topo, ep, etp) if experts else None
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.json:
-        print(json.dumps(topo.records(sagemaker=a.sagemaker), indent=1))
+        records = topo.records(sagemaker=a.sagemaker)
+        if experts:
+            for r in records:
+                r.update({k: v for k, v in expert_coords(topo, r["rank"], ep, etp).items() if k != "pp"})
+        print(json.dumps(records, indent=1))
         return 0
     if a.order is None:
         print(f"order chosen by {volume.describe()} "
@@ -69,10 +83,29 @@ def main(argv: list[str] | None = None) -> int:
     print(topo.table(sagemaker=a.sagemaker))
     spans = {axis: hosts_spanned(topo, axis) for axis in ("tp", "dp", "pp")}
     print("hosts spanned by the widest group: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
+    if groups is not None:
+        print(expert_group_lines(topo, groups, ep, etp))
     if a.communicators:
         print(count_communicators(topo, a.seq_length, a.micro_batch_size, a.hidden_size, a.reshard_strategy,
                                   a.sequence_parallel))
     return 0
+
+
+def expert_group_lines(topo: Topology, groups: dict[str, list[tuple[int, ...]]], ep: int, etp: int) -> str:
+    """The expert groups of an MoE layout (Megatron-Core's order: etp innermost, then ep, then edp), each family's
+    groups and the most hosts one of them spans (the ep group's all-to-all is the traffic to keep in a host)."""
+    edp = topo.tp * topo.dp // (ep * etp)
+    host = {r: topo.coords(r).host for r in range(topo.world_size)}
+    lines = [f"expert groups (ep {ep} × etp {etp} × edp {edp} per pipeline stage):"]
+    names = {"ep": "expert-parallel (token all-to-all)", "etp": "expert-tensor-parallel",
+             "edp": "expert-data-parallel (expert gradients reduced here only)",
+             "etp_ep": "etp × ep (all-gather dispatcher, token counts)"}
+    for fam in EXPERT_FAMILIES:
+        spans = max(len({host[r] for r in g}) for g in groups[fam])
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[fam][:16])
+        more = f" … ({len(groups[fam])} groups)" if len(groups[fam]) > 16 else ""
+        lines.append(f"  {fam:<6} {names[fam]}: {shown}{more}; spans up to {spans} host(s)")
+    return "\n".join(lines)
 
 
 def count_communicators(topo: Topology, seq: int, micro_batch: int, hidden: int, strategy: str,

@@ -82,37 +82,35 @@ class ModelConfig:
                                         "(softmax(QKᵀ)V written out, no fused kernel), auto (CUDA: the fastest "
                                         "measured at start-up; CPU: PyTorch's own choice)", choices=ATTENTION_BACKENDS)
 
-    # mixture of experts (Megatron-LM's names and defaults; models/moe). num_experts None: every MLP is dense.
-    # Not on the command line yet (flag=""): the layers and expert parallelism are built, the trainer's wiring
-    # (expert gradients, aux-loss scaling, checkpoints) is not, so Megatron-LM's MoE flags are still refused
-    num_experts: int | None = _f(None, "experts per MoE layer (None: no MoE layer, every MLP dense)", flag="")
+    # mixture of experts (Megatron-LM's flags, names and defaults; models/moe). num_experts None: every MLP is dense.
+    # Expert parallelism: --expert-model-parallel-size / --expert-tensor-parallel-size (ParallelConfig)
+    num_experts: int | None = _f(None, "experts per MoE layer (None: no MoE layer, every MLP dense)")
     moe_layer_freq: int | str = _f(1, "which layers are MoE: every N-th (layer i when i mod N is 0), or a 0/1 pattern "
-                                      "per layer, e.g. [1,0,1,0] or ([1]*3+[0])*2", flag="")
-    moe_ffn_hidden_size: int | None = _f(None, "width of each expert's MLP (default: --ffn-hidden-size)", flag="")
+                                      "per layer, e.g. [1,0,1,0] or ([1]*3+[0])*2")
+    moe_ffn_hidden_size: int | None = _f(None, "width of each expert's MLP (default: --ffn-hidden-size)")
     moe_shared_expert_intermediate_size: int | None = _f(None, "width of the shared experts' MLP, run on every token "
-                                                               "beside the routed ones (None: no shared experts)",
-                                                         flag="")
-    moe_router_topk: int = _f(2, "experts each token is routed to (k)", flag="")
+                                                               "beside the routed ones (None: no shared experts)")
+    moe_router_topk: int = _f(2, "experts each token is routed to (k)")
     moe_router_score_function: str = _f("softmax", "router score: softmax or sigmoid",
-                                        choices=("softmax", "sigmoid"), flag="")
+                                        choices=("softmax", "sigmoid"))
     moe_router_pre_softmax: bool = _f(False, "softmax over all experts before top-k (default: top-k of the logits, "
-                                             "then softmax over the k)", flag="")
+                                             "then softmax over the k)")
     moe_router_load_balancing_type: str = _f("aux_loss", "load balancing: aux_loss (Switch Transformer's, over the "
                                                          "micro-batch), seq_aux_loss (per sequence), none",
-                                             choices=("aux_loss", "seq_aux_loss", "none"), flag="")
-    moe_aux_loss_coeff: float = _f(0.0, "coefficient of the load-balancing loss (0: none)", flag="")
-    moe_z_loss_coeff: float | None = _f(None, "coefficient of the router z-loss (ST-MoE; None: none)", flag="")
+                                             choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = _f(0.0, "coefficient of the load-balancing loss (0: none)")
+    moe_z_loss_coeff: float | None = _f(None, "coefficient of the router z-loss (ST-MoE; None: none)")
     moe_expert_capacity_factor: float | None = _f(None, "expert capacity = ceil(tokens·k / experts · factor); tokens "
-                                                        "over it are dropped (None: dropless)", flag="")
+                                                        "over it are dropped (None: dropless)")
     moe_token_drop_policy: str = _f("probs", "which tokens an expert over capacity drops: probs (the lowest "
                                              "probabilities) or position (the latest in the micro-batch)",
-                                    choices=("probs", "position"), flag="")
+                                    choices=("probs", "position"))
     moe_pad_expert_input_to_capacity: bool = _f(False, "pad every expert's input to its capacity (needs "
-                                                       "--moe-expert-capacity-factor)", flag="")
+                                                       "--moe-expert-capacity-factor)")
     moe_token_dispatcher_type: str = _f("allgather", "token dispatch over the expert-parallel ranks: allgather or "
-                                                     "alltoall", choices=("allgather", "alltoall"), flag="")
+                                                     "alltoall", choices=("allgather", "alltoall"))
     moe_grouped_gemm: bool = _f(False, "run a rank's experts as one grouped GEMM (torch._grouped_mm, CUDA); off: "
-                                       "one GEMM per expert", flag="")
+                                       "one GEMM per expert")
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

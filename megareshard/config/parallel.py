@@ -13,6 +13,10 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, "tensor-parallel degree (tp)")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel degree (pp)")
     sequence_parallel: bool = _f(False, "shard activations along the sequence over tp between blocks")
+    expert_model_parallel_size: int = _f(1, "expert-parallel degree (ep): every MoE layer's experts split over ep "
+                                            "ranks taken from tp × dp (Megatron-LM's rule: ep × etp divides them)")
+    expert_tensor_parallel_size: int | None = _f(None, "expert-tensor-parallel degree (etp): each expert's width split "
+                                                       "over etp ranks (default: --tensor-model-parallel-size)")
     rank_order: str | None = _f(None, "placement order, innermost first, e.g. tp-dp-pp (default: by volume)")
     nproc_per_node: int | None = _f(None, "processes per host (default: torchrun's LOCAL_WORLD_SIZE)")
     stage_layouts: str | None = _f(None, "per-stage (tp, dp), one entry per pipeline stage, e.g. "

@@ -103,17 +103,25 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def rank_map_table(infos: list[RankInfo], topo: Topology) -> str:
-    """One line per host: which ranks it runs and each one's (pp stage, tp, dp) coordinates."""
+def rank_map_table(infos: list[RankInfo], topo: Topology, experts: tuple[int, int] | None = None) -> str:
+    """One line per host: which ranks it runs and each one's (pp stage, tp, dp) coordinates; with ``experts``
+    (ep, etp) of an MoE run also its expert coordinates (etp, ep, edp: parallel/expert_topology.py)."""
+    from ..parallel.expert_topology import expert_coords
+
     by_host: dict[str, list[RankInfo]] = {}
     for info in infos:
         by_host.setdefault(info.host, []).append(info)
-    lines = [f"rank map ({topo.describe()}):"]
+    title = topo.describe() + (f"; experts ep {experts[0]} × etp {experts[1]}" if experts else "")
+    lines = [f"rank map ({title}):"]
     for host, members in by_host.items():
         cells = []
         for info in sorted(members, key=lambda i: i.rank):
             c = topo.coords(info.rank)
-            cells.append(f"r{info.rank}[pp{c.pp} tp{c.tp} dp{c.dp}]")
+            extra = ""
+            if experts:
+                e = expert_coords(topo, info.rank, *experts)
+                extra = f" ep{e['ep']} etp{e['etp']} edp{e['edp']}"
+            cells.append(f"r{info.rank}[pp{c.pp} tp{c.tp} dp{c.dp}{extra}]")
         lines.append(f"  {host}: " + " ".join(cells))
     return "\n".join(lines)
 

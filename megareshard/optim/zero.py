@@ -121,10 +121,20 @@ class ZeroOptimizer:
                              "the layer's forward and backward")
         if stage == 3 and ctx.dp_size < 2:
             raise ValueError(f"ZeRO stage 3 shards parameters over data parallelism, but dp is {ctx.dp_size}")
+        named_params = list(named_params)
+        if stage == 3 and any(getattr(p, "expert_parallel", False) for _, p in named_params):
+            raise ValueError("ZeRO stage 3 with MoE expert weights is not supported yet (their shards would live on "
+                             "the expert-data-parallel group); use ZeRO stage 0, 1 or 2")
         self.ctx, self.stage = ctx, stage
         self.dp = ctx.dp_size
         self.shard_dp = self.dp if stage >= 1 else 1
         self.shard_rank = ctx.dp_rank() if stage >= 1 else 0
+        # MoE expert weights (``expert_box`` set: models/moe/experts.py) are replicated over the expert-data-parallel
+        # group only: their gradients are summed there (divided by dp, like every gradient: Megatron's scaling) and,
+        # at stages 1/2, their optimizer state is sharded over it
+        self.edp = ctx.edp_size
+        self.expert_shard_dp = self.edp if stage >= 1 else 1
+        self.expert_shard_rank = ctx.edp_rank() if stage >= 1 else 0
         self.grad_reduce_dtype = grad_reduce_dtype
         self.loss_scaler = loss_scaler
         # stage 3 reduces each layer's gradients from its hooks whatever the flag: the flag changes nothing there
@@ -139,8 +149,9 @@ class ZeroOptimizer:
         for name, p in named_params:
             if not p.requires_grad:
                 continue
-            e = ShardEntry(name, p, self.shard_dp, self.shard_rank, tp, tp_rank, decay=not is_no_decay(name, p),
-                           sharded_params=stage == 3)
+            expert = getattr(p, "expert_box", None) is not None
+            D, r = (self.expert_shard_dp, self.expert_shard_rank) if expert else (self.shard_dp, self.shard_rank)
+            e = ShardEntry(name, p, D, r, tp, tp_rank, decay=not is_no_decay(name, p), sharded_params=stage == 3)
             e.defer = defer_grad_reduce(name, p)
             self.entries.append(e)
         if not self.entries:
@@ -157,19 +168,22 @@ class ZeroOptimizer:
             rest = [e for e in self.entries if e.defer]
         else:
             self.buckets, rest = [], self.entries
-        # buckets in reverse registration order (roughly the order backward produces gradients)
-        current: list[ShardEntry] = []
-        size = 0
+        # buckets in reverse registration order (roughly the order backward produces gradients); expert weights
+        # in buckets of their own (another group)
+        self.has_experts = any(e.expert for e in self.entries)
         esize = torch.empty((), dtype=grad_reduce_dtype).element_size()
-        for e in reversed(rest):
-            nbytes = e.seg * self.shard_dp * esize
-            if current and (size + nbytes > bucket_bytes or e.param.dtype != current[0].param.dtype):
+        for part in ([e for e in rest if not e.expert], [e for e in rest if e.expert]):
+            current: list[ShardEntry] = []
+            size = 0
+            for e in reversed(part):
+                nbytes = e.seg * self._dims(e)[0] * esize
+                if current and (size + nbytes > bucket_bytes or e.param.dtype != current[0].param.dtype):
+                    self.buckets.append(Bucket(current))
+                    current, size = [], 0
+                current.append(e)
+                size += nbytes
+            if current:
                 self.buckets.append(Bucket(current))
-                current, size = [], 0
-            current.append(e)
-            size += nbytes
-        if current:
-            self.buckets.append(Bucket(current))
         self._bucket_of = {id(e): (bi, k) for bi, b in enumerate(self.buckets) for k, e in enumerate(b.entries)}
         self._pending: list[tuple[Bucket, torch.Tensor, object]] = []
 
@@ -251,6 +265,13 @@ class ZeroOptimizer:
             yield
 
     # ---- gradient reduction -------------------------------------------------------------------
+    def _dims(self, x: ShardEntry | Bucket) -> tuple[int, int, object, int]:
+        """(shard count, this rank's shard, the reduction group, its size) of an entry or a bucket: the dp group's,
+        or for MoE expert weights the expert-data-parallel group's."""
+        if x.expert:
+            return self.expert_shard_dp, self.expert_shard_rank, self.ctx.edp_group, self.edp
+        return self.shard_dp, self.shard_rank, self.ctx.dp_group, self.dp
+
     def _make_hook(self, entry: ShardEntry):
         def hook(param: torch.Tensor) -> None:
             bi, k = self._bucket_of[id(entry)]
@@ -265,7 +286,7 @@ class ZeroOptimizer:
     def _launch(self, b: Bucket, bounded: bool = False) -> None:
         """Pack the bucket's local gradients (zero-padded chunks), start its async reduction. ``bounded`` (from
         hooks, every microbatch): first wait for the oldest reductions beyond ``MAX_INFLIGHT_REDUCTIONS``."""
-        D = self.shard_dp
+        D, _, group, n = self._dims(b)
         if bounded:
             while len(self._pending) >= MAX_INFLIGHT_REDUCTIONS:
                 self._retire_oldest()
@@ -275,13 +296,13 @@ class ZeroOptimizer:
                 e.param.grad = None         # stages 0, 2, 3: the reduced buffer replaces it
         b.ready.clear()
         b.launched += 1
-        if self.dp == 1:
+        if n == 1:
             out, work = flat, None
         elif D == 1:                        # stage 0: all-reduce
-            out, work = flat, dist.all_reduce(flat, group=self.ctx.dp_group, async_op=True)
+            out, work = flat, dist.all_reduce(flat, group=group, async_op=True)
         else:
             out = torch.empty(b.seg, dtype=flat.dtype, device=flat.device)
-            work = reduce_scatter_into(out, flat, group=self.ctx.dp_group, async_op=True)
+            work = reduce_scatter_into(out, flat, group=group, async_op=True)
         self._pending.append((b, out, work))
 
     def _retire_oldest(self) -> None:
@@ -336,14 +357,14 @@ class ZeroOptimizer:
         """For inspection (tests, debugging): after ``finish_grad_sync``, put every local parameter's
         dp-averaged, unscaled gradient on ``param.grad`` in the parameter's dtype — all-gathering
         the row shards over dp at stages 1/2/3. Costs a full gradient of memory; not for the hot path."""
-        D = self.shard_dp
         for e in self.entries:
+            D, _, group, _ = self._dims(e)
             grad = e.master.grad if e.master.grad is not None else torch.zeros_like(e.master)
             if D > 1:
                 padded = torch.zeros(e.chunk, e.row_size, dtype=grad.dtype, device=grad.device)
                 padded[:e.stop - e.start] = grad.reshape(-1, e.row_size)
                 full = torch.empty(D * e.chunk, e.row_size, dtype=grad.dtype, device=grad.device)
-                all_gather_into(full, padded, group=self.ctx.dp_group)
+                all_gather_into(full, padded, group=group)
                 grad = full[:e.rows]
             e.param.grad = grad.reshape(e.param.shape).to(e.param.dtype).clone()
 
@@ -359,13 +380,21 @@ class ZeroOptimizer:
         tp_rank = self.ctx.tp_rank()
         dev = self.entries[0].master.device
         sq = torch.zeros((), dtype=torch.float32, device=dev)
+        esq = torch.zeros((), dtype=torch.float32, device=dev)     # MoE expert weights
         for e in self.entries:
-            if not counts_in_grad_norm(e.param, tp_rank):
+            if not e.expert and not counts_in_grad_norm(e.param, tp_rank):
                 continue
             if e.master.grad is not None and e.master.grad.numel():
-                sq += e.master.grad.float().pow(2).sum()
+                (esq if e.expert else sq).add_(e.master.grad.float().pow(2).sum())
         if self.shard_dp > 1:
             dist.all_reduce(sq, group=self.ctx.dp_group)
+        if self.has_experts:   # every expert element once: over its edp shards, then over the experts of the stage
+            if self.expert_shard_dp > 1:
+                dist.all_reduce(esq, group=self.ctx.edp_group)
+            if self.ctx.etp_ep_size > 1:
+                dist.all_reduce(esq, group=self.ctx.etp_ep_group)
+            if tp_rank == 0:   # the stage's whole expert norm, counted on one tp rank of the model-parallel sum
+                sq += esq
         self.ctx.sum_over_model_parallel(sq)  # tp × pp (per-stage layouts: once per stage replica)
         return sq.sqrt().item()
 
@@ -425,11 +454,11 @@ class ZeroOptimizer:
         for e in self.entries:
             if not e.master_is_view and e.stop > e.start:
                 e.param_rows()[e.start:e.stop].copy_(e.master.view(e.stop - e.start, e.row_size))
-        if self.shard_dp == 1:
-            return
-        D = self.shard_dp
         pending = []
         for b in self.buckets:
+            D, rank, group, _ = self._dims(b)
+            if D == 1:
+                continue
             dev = b.entries[0].param.device
             send = torch.empty(b.seg, dtype=b.dtype, device=dev)
             for e, off in zip(b.entries, b.offsets):
@@ -439,10 +468,10 @@ class ZeroOptimizer:
                 if n < e.chunk:  # padding: never read back, but defined bytes on the wire
                     send[off + n * e.row_size:off + e.seg].zero_()
             recv = torch.empty(D * b.seg, dtype=b.dtype, device=dev)
-            pending.append((b, recv, all_gather_into(recv, send, group=self.ctx.dp_group, async_op=True)))
-        for b, recv, work in pending:
+            pending.append((b, recv, D, rank, all_gather_into(recv, send, group=group, async_op=True)))
+        for b, recv, D, rank, work in pending:
             work.wait()
-            unpack_rows(recv.view(D, b.seg), b, D, skip_rank=self.shard_rank)
+            unpack_rows(recv.view(D, b.seg), b, D, skip_rank=rank)
 
     @torch.no_grad()
     def reload_master_from_model(self) -> None:

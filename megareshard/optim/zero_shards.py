@@ -59,7 +59,7 @@ class ShardEntry:
     """
 
     __slots__ = ("name", "param", "rows", "row_size", "chunk", "start", "stop", "master", "master_is_view",
-                 "info", "defer", "shard", "padded")
+                 "info", "defer", "shard", "padded", "expert")
 
     def __init__(self, name: str, param: torch.nn.Parameter, dp: int, dp_rank: int, tp: int, tp_rank: int,
                  decay: bool, *, sharded_params: bool = False) -> None:
@@ -73,7 +73,12 @@ class ShardEntry:
         n = self.stop - self.start
         shard_shape = (n, *shape[1:]) if shape else (n,)
         gshape, goff = list(shape) or [1], [0] * max(len(shape), 1)
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+        # an MoE expert weight (models/moe/experts.py) names its box in the full [experts, out, in] tensor: sharded
+        # over the expert-data-parallel ranks (``dp``/``dp_rank`` are theirs), never over tp
+        self.expert = getattr(param, "expert_box", None) is not None
+        if self.expert:
+            gshape, goff = list(param.expert_box[0]), list(param.expert_box[1])
+        elif getattr(param, "tensor_model_parallel", False) and tp > 1:
             d = param.partition_dim
             goff[d] = tp_rank * gshape[d]
             gshape[d] *= tp
@@ -105,7 +110,7 @@ class Bucket:
     """Parameters whose gradients travel in one reduce-scatter (or all-reduce), and whose updated rows in one
     all-gather: ``D`` segments of ``seg`` elements, each entry at its offset inside every segment."""
 
-    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched")
+    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched", "expert")
 
     def __init__(self, entries: list[ShardEntry]) -> None:
         self.entries = entries
@@ -118,6 +123,7 @@ class Bucket:
         self.ready: set[int] = set()
         self.defer = any(e.defer for e in entries)
         self.launched = 0
+        self.expert = entries[0].expert     # expert weights: reduced over the expert-data-parallel group
 
     def has_grads(self) -> bool:
         return any(e.param.grad is not None for e in self.entries)

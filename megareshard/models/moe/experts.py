@@ -11,8 +11,9 @@ Megatron's order of operations (experts.py): the routing probability multiplies 
 (``counts[e]`` rows each). On CUDA with ``moe_grouped_gemm`` all experts run as one grouped GEMM per
 matrix (``torch._grouped_mm``); otherwise one GEMM per expert (a loop over experts, never over tokens).
 
-Parameter attributes: ``expert_parallel`` (True), ``expert_partition_dim`` (0: experts over ep) and
-``expert_tp_partition_dim`` (the dim split over etp, or -1). When etp equals tp and ep is 1 they are also
+Parameter attributes: ``expert_parallel`` (True), ``expert_partition_dim`` (0: experts over ep),
+``expert_tp_partition_dim`` (the dim split over etp, or -1) and ``expert_box`` (global shape and offset of this
+shard in the full ``[E, ...]`` tensor: what checkpoints and ZeRO's optimizer shards record). When etp equals tp and ep is 1 they are also
 marked like any tensor-parallel weight (``tensor_model_parallel``, ``partition_dim``): the trainer, the
 gradient reduction over dp and checkpoints then treat them as the dense weights they equal in layout.
 """
@@ -87,6 +88,11 @@ class GroupedExperts(nn.Module):
                 set_tensor_model_parallel_attributes(p, dense_like and split, dim if dense_like and split else -1)
                 p.expert_parallel, p.expert_partition_dim = True, 0
                 p.expert_tp_partition_dim = dim if split else -1
+                gshape, goff = list(p.shape), [0] * p.dim()
+                gshape[0], goff[0] = E, first
+                if split:
+                    goff[dim], gshape[dim] = t * gshape[dim], gshape[dim] * etp
+                p.expert_box = (tuple(gshape), tuple(goff))   # this shard's box in the full [E, ...] tensor
             return lin
 
         if self.swiglu:
