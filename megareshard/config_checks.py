@@ -15,6 +15,7 @@ import warnings
 from . import run_plan
 from .compile_config import check_compile_config
 from .config import CheckpointConfig, Config, TrainingConfig
+from .config.moe import check_moe_config
 from .config_fields import ConfigError
 from .config.generators import trainer_world_size
 from .data.config import DataConfig
@@ -131,6 +132,7 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"--zero-stage {mem.zero_stage}) at --pipeline-model-parallel-size 1: gradients are "
                           "reduce-scattered into optimizer shards as their buckets complete (with pp > 1 every "
                           "ZeRO stage overlaps, through the pipeline's R action)")
+    _validate_moe(cfg, world_size, dp)
     if pl.pipeline_recv_posting == "early" and t.device == "cuda":
         raise ConfigError("--pipeline-recv-posting early needs gloo (--device cpu): on NCCL a receive posted early on "
                           "a communicator that also carries sends queues in front of them (use auto, mixed or grouped)")
@@ -202,6 +204,79 @@ def validate(cfg: Config, world_size: int) -> Config:
                       f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
                       f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
     return cfg
+
+
+def _moe_flags_given(cfg: Config) -> list[str]:
+    """The MoE flags whose value differs from its default (``--flag value``), expert parallelism included."""
+    from .models.config import ModelConfig
+
+    given = [f"--{f.name.replace('_', '-')} {getattr(cfg.model, f.name)}" for f in dataclasses.fields(ModelConfig)
+             if f.name.startswith("moe_") and getattr(cfg.model, f.name) != f.default]
+    p = cfg.parallel
+    if p.expert_model_parallel_size != 1:
+        given.append(f"--expert-model-parallel-size {p.expert_model_parallel_size}")
+    if p.expert_tensor_parallel_size is not None:
+        given.append(f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size}")
+    return given
+
+
+def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
+    """Mixture of experts (Megatron-LM's flags): one line with the numbers for what cannot run, and for the
+    compositions the trainer does not wire yet (pipeline parallelism, per-stage layouts, ZeRO-3, full
+    recomputation)."""
+    m, p, mem = cfg.model, cfg.parallel, cfg.memory
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    for flag, v in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {v}")
+    if m.num_experts is None:
+        given = _moe_flags_given(cfg)
+        if given:
+            raise ConfigError(f"{', '.join(given)} without --num-experts: the model has no MoE layer (give "
+                              "--num-experts, or drop the MoE flags)")
+        return
+    E, k, tp, pp = m.num_experts, m.moe_router_topk, cfg.tp, cfg.pp
+    etp = tp if etp is None else etp
+    if E < 1:
+        raise ConfigError(f"--num-experts must be at least 1, got {E}")
+    if not 1 <= k <= E:
+        raise ConfigError(f"--moe-router-topk {k} must be between 1 and --num-experts {E} (a token is routed to k "
+                          "distinct experts)")
+    if E % ep:
+        raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep} (every "
+                          "expert-parallel rank holds the same number of experts)")
+    if p.stage_layouts:
+        raise ConfigError("--num-experts with --stage-layouts is not supported yet: MoE layers train with a uniform "
+                          "layout (per-stage expert groups are not wired)")
+    if (tp * dp) % (ep * etp):
+        raise ConfigError(f"--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {etp} = {ep * etp} does "
+                          f"not divide the {tp * dp} ranks of a pipeline stage (--tensor-model-parallel-size {tp} × "
+                          f"data-parallel {dp}; Megatron-LM's rule: world size / pp = {world_size // pp} must be a "
+                          "multiple of ep × etp)")
+    if m.moe_pad_expert_input_to_capacity and (m.moe_expert_capacity_factor is None
+                                               or m.moe_expert_capacity_factor < 0):
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity to "
+                          "pad to); without it routing is dropless")
+    if m.moe_token_drop_policy != "probs" and (m.moe_expert_capacity_factor is None
+                                               or m.moe_expert_capacity_factor < 0):
+        raise ConfigError(f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor: "
+                          "without a capacity no token is dropped")
+    if pp > 1:
+        raise ConfigError(f"--num-experts with --pipeline-model-parallel-size {pp} is not supported yet: MoE layers "
+                          "train at pp 1 (the pipeline's expert-gradient and aux-loss wiring is not built)")
+    if mem.zero_stage == 3:
+        raise ConfigError("--num-experts with ZeRO stage 3 (--zero-stage 3 / --use-torch-fsdp2) is not supported "
+                          "yet: expert parameters are not sharded over the expert-data-parallel group; use ZeRO 0-2")
+    if mem.recompute_granularity == "full":
+        raise ConfigError("--num-experts with --recompute-granularity full is not supported yet: a recomputed MoE "
+                          "layer would attach its router losses twice; use selective recomputation or none")
+    if m.moe_grouped_gemm and cfg.training.device == "cpu":
+        raise ConfigError("--moe-grouped-gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); "
+                          "this run is on cpu: leave it off for one GEMM per expert")
+    try:
+        check_moe_config(m, tp, ep, etp, p.sequence_parallel and tp > 1)
+    except ConfigError as e:
+        raise ConfigError(f"--num-experts {E}: {e}") from None
 
 
 #: Megatron-FSDP's --data-parallel-sharding-strategy values and the ZeRO stage each is

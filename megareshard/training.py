@@ -67,6 +67,7 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool = False
+    moe: dict[str, float] = field(default_factory=dict)  # the router losses (MoE runs: train_report.MOE_LOSS_NAMES)
 
 
 @dataclass
@@ -315,6 +316,7 @@ class Trainer(Reporting):
                                 exclude_live=self.optimizer.gathered_ptrs) if self.memory is None else None
         for hook in self.step_hooks:
             hook(self, self.iteration + 1)
+        self._start_moe_step(len(microbatches))  # MoE: the router losses' gradient scale, a fresh record
         with meter if meter is not None else contextlib.nullcontext():
             try:
                 loss = self.forward_backward_fn(self.model, microbatches, self.device,
@@ -351,7 +353,8 @@ class Trainer(Reporting):
                 self.memory = memory_per_stage(self.ctx, report, self.device)
         if not stepped:  # Megatron-LM: the learning-rate schedule advances only with an applied update
             self.scheduler.skipped()
-        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped)
+        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped,
+                          moe=self._moe_step_losses(len(microbatches)))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -399,7 +402,7 @@ class Trainer(Reporting):
                    "batch_size": t.global_batch_size,
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
                    "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12,
-                   "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped}
+                   "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped, **res.moe}
             nan = not res.skipped and not math.isfinite(res.loss)
             skipped, nans = skipped + res.skipped, nans + nan
             totals["skipped"] += res.skipped
@@ -429,7 +432,7 @@ class Trainer(Reporting):
                 # the first and the last iteration too: a run shorter than --log-interval (Megatron's 100) still
                 # shows its first loss, time per iteration and ETA, and where it ended
                 if self.iteration % lg.log_interval == 0 or self.iteration in (1, t.train_iters):
-                    print(format_log_line(rec, t.train_iters), file=self.out, flush=True)
+                    print(self._with_moe_losses(format_log_line(rec, t.train_iters), rec), file=self.out, flush=True)
                     skipped = nans = 0
                 if "eval_loss" in rec:
                     print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
@@ -587,7 +590,8 @@ def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: to
             print(f"megareshard: Megatron-LM flags without effect or mapped here: {'; '.join(cfg.notes)}", file=out,
                   flush=True)
         if infos:
-            print(rank_map_table(infos, ctx.topology), file=out, flush=True)
+            experts = (ctx.ep_size, ctx.etp_size) if cfg.model.num_experts is not None else None
+            print(rank_map_table(infos, ctx.topology, experts), file=out, flush=True)
             for warning in tp_placement_warnings(infos, ctx.topology):
                 print(f"WARNING: {warning}", file=out, flush=True)
     watchdog = Watchdog(cfg.launch.comm_timeout, ctx.rank) if world > 1 else None
