@@ -133,3 +133,22 @@ def test_ensure_venv_installs_the_extras_asked_for_and_keeps_the_others(tmp_path
     assert len(ensure("plots")) == 1  # nothing to do
     assert ensure("test,deepspeed,plots,hf")[-1].endswith(f"-e {tmp_path}[plots,test,deepspeed,hf]")
     assert "-c " in ensure()[-1] and len(ensure("hf")) == 2  # already there: no third install
+
+
+def test_train_and_sample_dry_run():
+    """examples/train_and_sample.sh: seven ranks (trainer tp 2 · pp 2, generators tp2,tp1) through the launcher;
+    the command it prints is the one the argument check accepts."""
+    p = _run("examples/train_and_sample.sh", {"DRY_RUN": "1"})
+    assert p.returncode == 0, p.stderr
+    check, launch = p.stdout.strip().splitlines()[-2:]
+    assert check.startswith("WORLD_SIZE=7 LOCAL_WORLD_SIZE=7 ") and "--validate-only" in check
+    argv = shlex.split(launch)
+    joined = " ".join(argv)
+    assert argv[1:3] == ["-m", "megareshard.launch"] and "--nproc-per-node 7" in joined
+    assert "--generator-layouts tp2,tp1 --transfer-interval 5" in joined
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in joined
+    from megareshard.arguments import parse_args
+    cfg = parse_args(argv[argv.index("pretrain_gpt.py") + 1:], world_size=7)  # files are checked later
+    assert cfg.plan.world_size == 4 and cfg.generators.generator_layouts == "tp2,tp1"
+    p = _run("examples/train_and_sample.sh", {"DRY_RUN": "1", "GENERATORS": "tp1,tp1,tp1,tp1"})
+    assert "--nproc-per-node 8" in p.stdout
