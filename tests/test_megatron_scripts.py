@@ -6,7 +6,8 @@ without effect, ``--apply-layernorm-1p`` included.
 The flag lists are the arguments (after the shell's word splitting) that these scripts of
 NVIDIA/Megatron-LM pass to pretrain_gpt.py: examples/gpt3/train_gpt3_175b_distributed.sh,
 examples/llama/train_llama3_8b_h100_fp8.sh (with real data, and with its MOCK default),
-examples/pretrain_gpt.sh and examples/pretrain_gpt_distributed_with_mp.sh (older releases).
+examples/pretrain_gpt.sh and examples/pretrain_gpt_distributed_with_mp.sh (older releases), and Mixtral's
+examples/mixtral/train_mixtral_8x7b_distributed.sh (mixture of experts, expert parallelism 2).
 Paths are placeholders. A scaled-down run substitutes tiny sizes (layers, hidden, heads, sequence,
 batch, vocabulary, iterations, parallel degrees) and --mock-data, and keeps every other flag.
 """
@@ -83,7 +84,26 @@ PRETRAIN_GPT_MP_OLD = """
 --checkpoint-activations --log-interval 100 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --fp16
 """.split()
 
+# examples/mixtral/train_mixtral_8x7b_distributed.sh (its 2-GPU configuration: 2 layers, 2 experts, ep 2). Its
+# --no-load-optim and --no-load-rng, given without --load, are left out: megareshard refuses them without --load
+# (Megatron-LM ignores them)
+MIXTRAL = """
+--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048 --num-layers 2
+--hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2 --init-method-std 0.01 --attention-dropout 0.0
+--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000
+--num-experts 2 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+--moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+--tokenizer-type Llama2Tokenizer --tokenizer-model TOKENIZER --mock-data --split 99990,8,2
+--micro-batch-size 1 --global-batch-size 4 --lr 1e-4 --train-iters 7 --min-lr 1.0e-5 --weight-decay 0.1 --clip-grad 1.0
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
+--use-distributed-optimizer --sequence-parallel
+--eval-iters 10
+""".split()
+
 SCRIPTS = {  # name: (flags, world size the script's degrees need)
+    "mixtral_8x7b": (MIXTRAL, 2),
     "gpt3_175b": (GPT3_175B, 8 * 16),
     "llama3_8b_bf16": (LLAMA3_8B_BF16, 8),
     "pretrain_gpt": (PRETRAIN_GPT_OLD, 1),
@@ -146,6 +166,12 @@ def test_full_flag_set_parses(name):
             ("RMSNorm", True, True, 8, 128)
     if name.startswith("pretrain_gpt"):
         assert cfg.memory.recompute_granularity == "full" and cfg.data.data_path == ["DATA_text_document"]
+    if name == "mixtral_8x7b":
+        m, p = cfg.model, cfg.parallel
+        assert (m.num_experts, m.moe_router_topk, m.moe_aux_loss_coeff, m.moe_token_dispatcher_type) == \
+            (2, 2, 1e-2, "alltoall")
+        assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (2, None)
+        assert cfg.memory.zero_stage == 2 and m.position_embedding_type == "rope"
 
 
 def test_refusals_name_every_flag_in_one_message():
@@ -169,7 +195,7 @@ TINY = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4"
         "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--num-query-groups": "2",
         "--kv-channels": "16", "--vocab-size": "1000", "--train-iters": "3", "--train-samples": "12",
         "--lr-decay-samples": "10", "--lr-warmup-samples": "2", "--lr-decay-iters": "3", "--eval-interval": "2",
-        "--eval-iters": "1", "--log-interval": "1", "--save-interval": "2",
+        "--eval-iters": "1", "--log-interval": "1", "--save-interval": "2", "--expert-model-parallel-size": "1",
         "--attention-backend": "auto"}  # the scripts' fused (cuDNN) attention needs CUDA
 
 
@@ -185,7 +211,7 @@ def scaled_down(argv: list[str], tmp_path, gpt2_files) -> list[str]:
         elif a in ("--data-path",):
             out.append("--mock-data")
             i += 2
-        elif a in ("--tokenizer-type", "--tokenizer-model") and "HuggingFaceTokenizer" in argv:
+        elif a in ("--tokenizer-type", "--tokenizer-model") and {"HuggingFaceTokenizer", "Llama2Tokenizer"} & set(argv):
             i += 2  # mock data with --vocab-size needs no tokenizer
         elif a in ("--vocab-file", "--merge-file"):
             out += [a, gpt2_files[0 if a == "--vocab-file" else 1]]
@@ -236,3 +262,5 @@ def test_scaled_down_run_trains(name, tmp_path, gpt2_files, monkeypatch):
         assert os.path.isfile(os.path.join(cfg.logging.tensorboard_dir, "profile_rank0.json"))
     if cfg.checkpoint.save:
         assert "latest" in os.listdir(cfg.checkpoint.save)   # a checkpoint, not just the directory's lock
+    if cfg.model.num_experts is not None:   # the router losses beside the LM loss, as Megatron-LM logs them
+        assert all(r["load_balancing_loss"] > 0 for r in records) and "load_balancing_loss: " in log, log
