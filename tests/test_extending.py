@@ -285,3 +285,29 @@ def test_a_spec_replaces_the_data_and_the_lr_schedule_builders(monkeypatch) -> N
         finally:
             trainer.close()
     assert calls == ["lr", "data"] and losses["spec"] != losses["default"] and len(losses["spec"]) == 3
+
+
+def test_cost_terms_are_registered_kinds() -> None:
+    """The planner takes cost terms of registered kinds only (the registry rule): an unregistered kind is one
+    line listing what is registered; registered, the same class again is accepted and another under its name
+    refused."""
+    from dataclasses import dataclass
+
+    from megareshard.planner.terms import COST_TERMS, register_cost_term
+
+    @dataclass(frozen=True)
+    class Idle:
+        name: str = "idle_s"
+
+        def measure(self, at):
+            return 0.0
+
+        def apply(self, step_s, quantity, at):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match="unknown cost term 'idle_s'; registered: "):
+        plan_layouts(SMALL, ClusterSpec(hosts=2, devices_per_host=1), 4, terms=[Idle()], **PLAN)
+    with COST_TERMS.scoped():
+        assert register_cost_term(Idle) is Idle and register_cost_term(Idle) is Idle
+        with pytest.raises(ValueError, match="cost term 'idle_s' is registered already"):
+            register_cost_term(type("Other", (), {"name": "idle_s"}))

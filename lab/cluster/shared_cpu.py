@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from megareshard.pipeline.meshes import stage_mesh
 from megareshard.planner.cluster_file import cluster_from_json, cluster_to_json, read_cluster_json
 from megareshard.planner.costs import ClusterSpec, ModelShape
-from megareshard.planner.terms import TermInput, TermStep
+from megareshard.planner.terms import TermInput, TermStep, register_cost_term
 
 __all__ = ["SharedCores", "SharedCoresTerm", "EmulatedCluster", "shared_cpu_s", "on_shared_cores", "read_cluster",
            "load_cluster", "write_cluster", "SHARED_CPU", "WAITING", "BOTTLENECK"]
@@ -139,6 +139,7 @@ def on_shared_cores(step_s: float, bound_s: float, p: SharedCores) -> float:
     return max(step_s + p.cpu_contention * bound_s, bound_s)
 
 
+@register_cost_term
 @dataclass(frozen=True)
 class SharedCoresTerm:
     """The planner's extra cost term (`megareshard.planner.terms.CostTerm`) of the shared cores `p`."""

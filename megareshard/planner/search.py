@@ -49,7 +49,7 @@ from .makespan import _edge_arg, _pipeline, pipeline_makespan
 from .shapes import _Shape, _schedule_options, _shapes, _stage_mesh_shapes, _virtualize
 from .shapes import _dp_ring_cross  # noqa: F401  (importable from here, as before)
 from .step_collectives import step_sync_s, tied_embedding_s
-from .terms import CostTerm, TermInput
+from .terms import CostTerm, TermInput, check_terms
 from .variants import live_bound
 
 __all__ = ["Candidate", "PlanError", "plan_layouts", "planned_strategies", "pipeline_makespan"]  # Candidate: from candidate.py
@@ -232,6 +232,7 @@ def plan_layouts(model: ModelShape, cluster: ClusterSpec, global_batch: int, *,
                         f"{cluster.devices_per_host} devices)")
     if model.hidden_size % model.num_attention_heads:
         raise PlanError(f"hidden size {model.hidden_size} is not divisible by {model.num_attention_heads} heads")
+    check_terms(terms)
     names = list(schedules) if schedules is not None else list(schedule_names())
     unknown = [s for s in names if s not in schedule_names()]
     if unknown:

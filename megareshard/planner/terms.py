@@ -20,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..registry import Registry
 from .costs import ClusterSpec, ModelShape
 
-__all__ = ["TermInput", "TermStep", "CostTerm"]
+__all__ = ["TermInput", "TermStep", "CostTerm", "COST_TERMS", "register_cost_term", "check_terms"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,24 @@ class CostTerm(Protocol):
     def apply(self, step_s: float, quantity: float, at: TermInput) -> TermStep:
         """The step of `step_s` seconds without the term, with it."""
         ...
+
+
+#: the kinds of cost term, by name (a term's ``name``: the key of its quantity in ``Candidate.terms``): the one
+#: registry rule (`megareshard.registry`). A kind is the term's class; `plan_layouts` takes terms of registered
+#: kinds only, so two kinds never write one key.
+COST_TERMS: Registry[type] = Registry("cost term", key=lambda kind: getattr(kind, "name", ""))
+
+
+def register_cost_term(kind: type) -> type:
+    """Register a cost term's class (its ``name`` a class attribute); returns it, so it can decorate."""
+    return COST_TERMS.register(kind)
+
+
+def check_terms(terms: Any) -> None:
+    """Each term's kind is the one registered under its name (a ConfigError listing the registered ones else)."""
+    for term in terms:
+        kind = COST_TERMS.get(term.name)
+        if not isinstance(term, kind):
+            raise ValueError(f"cost term {term.name!r} is a {type(term).__name__}, but {kind.__name__} is registered "
+                             "under that name")
+
