@@ -148,7 +148,8 @@ FLOORS = [
                          "resharding", "plugins", "kernel_record"}),
     ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
     ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "generation_kv", "transfer"}),
-    ("assembly", {"config_checks", "inputs", "components", "run_setup", "train_report", "fast_path", "generators"}),
+    ("assembly", {"config_checks", "input_checks", "inputs", "components", "run_setup", "train_report", "fast_path",
+                  "generators", "train_checkpoints"}),
     ("front doors", {"arguments", "training", "cli", "entry"}),
 ]
 

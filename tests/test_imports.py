@@ -241,3 +241,10 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_import(tmp_path):
     assert violations(g, ["toy.pipeline.runtime"], ("toy.models",), ("toy.models.config",)) == [
         "toy.pipeline.runtime -> toy.helpers -> toy.models",
         "toy.pipeline.runtime -> toy.helpers -> toy.models -> toy.models.gpt"]
+
+
+def test_every_file_of_the_package_is_one_a_reader_can_hold():
+    """No file of ``megareshard/`` over 600 lines (split along its sections instead)."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "megareshard").rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600}
+    assert long == {}
