@@ -305,7 +305,7 @@ def test_cost_terms_are_registered_kinds() -> None:
         def apply(self, step_s, quantity, at):
             raise AssertionError("not reached")
 
-    with pytest.raises(ConfigError, match="unknown cost term 'idle_s'; registered: "):
+    with pytest.raises(ConfigError, match=r"unknown cost term 'idle_s' \(a Idle\); registered: "):
         plan_layouts(SMALL, ClusterSpec(hosts=2, devices_per_host=1), 4, terms=[Idle()], **PLAN)
     with COST_TERMS.scoped():
         assert register_cost_term(Idle) is Idle and register_cost_term(Idle) is Idle

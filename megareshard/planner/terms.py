@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..config.fields import ConfigError
 from ..registry import Registry
 from .costs import ClusterSpec, ModelShape
 
@@ -72,22 +73,21 @@ class CostTerm(Protocol):
         ...
 
 
-#: the kinds of cost term, by name (a term's ``name``: the key of its quantity in ``Candidate.terms``): the one
-#: registry rule (`megareshard.registry`). A kind is the term's class; `plan_layouts` takes terms of registered
-#: kinds only, so two kinds never write one key.
+#: the kinds of cost term (their classes), by the name their class gives its terms (a term's ``name``, the key of
+#: its quantity in ``Candidate.terms``; one kind may make terms of other names): the one registry rule
+#: (`megareshard.registry`). `plan_layouts` takes terms of registered kinds only.
 COST_TERMS: Registry[type] = Registry("cost term", key=lambda kind: getattr(kind, "name", ""))
 
 
 def register_cost_term(kind: type) -> type:
-    """Register a cost term's class (its ``name`` a class attribute); returns it, so it can decorate."""
+    """Register a cost term's class (its default ``name`` a class attribute); returns it, so it can decorate."""
     return COST_TERMS.register(kind)
 
 
 def check_terms(terms: Any) -> None:
-    """Each term's kind is the one registered under its name (a ConfigError listing the registered ones else)."""
+    """Every term is of a registered kind (a ConfigError naming it and listing the registered kinds else)."""
+    kinds = COST_TERMS.items()
     for term in terms:
-        kind = COST_TERMS.get(term.name)
-        if not isinstance(term, kind):
-            raise ValueError(f"cost term {term.name!r} is a {type(term).__name__}, but {kind.__name__} is registered "
-                             "under that name")
-
+        if not isinstance(term, kinds):
+            raise ConfigError(f"unknown cost term {term.name!r} (a {type(term).__name__}); registered: "
+                              f"{', '.join(COST_TERMS.names()) or 'none'} (planner.terms.register_cost_term)")

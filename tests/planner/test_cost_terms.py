@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megareshard.planner import ClusterSpec, CostTerm, ModelShape, TermInput, TermStep, plan_layouts
+from megareshard.planner.terms import register_cost_term
 
 MODEL = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
 CLUSTER = ClusterSpec(hosts=2, devices_per_host=2, device_memory_gib=4.0, device_tflops=0.05, nic_gbps=1.0,
@@ -12,6 +13,7 @@ CLUSTER = ClusterSpec(hosts=2, devices_per_host=2, device_memory_gib=4.0, device
 KW = dict(micro_batches=(1, 2), zero_stages=(0,), recompute_options=(False,), runtime_only=True, keep=None)
 
 
+@register_cost_term
 @dataclass
 class PerAction:
     """A toy term: `seconds` per compute action a rank of the busiest mesh runs (F and B, or F, I and W), as a
