@@ -201,7 +201,7 @@ def _rect_kinds(fig) -> set[str]:
 
 @pytest.mark.parametrize("delay_wgrad", [False, True])
 def test_timeline_legend_names_exactly_the_kinds_drawn(delay_wgrad, monkeypatch, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the plots extra installs matplotlib (tools/ensure_venv.sh)")
     import matplotlib.pyplot as plt
 
     from megareshard.pipeline import Costs, generate, simulate
@@ -229,7 +229,7 @@ def test_timeline_legend_names_exactly_the_kinds_drawn(delay_wgrad, monkeypatch,
 
 
 def test_plan_layout_picture_title_fits_the_figure(monkeypatch, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the plots extra installs matplotlib (tools/ensure_venv.sh)")
     import matplotlib.pyplot as plt
 
     from megareshard.planner.candidate import Candidate

@@ -59,10 +59,27 @@ def decompose(
     dst_spec.check(shp)
     src = _regions(shp, src_mesh, src_spec)
     dst = _regions(shp, dst_mesh, dst_spec)
+    tasks: list[UnitTask] = []
+    for sl, senders, receivers in cells(shp, src, dst):
+        # every element is held by some source rank: the source shards tile the tensor
+        assert senders, "source layout does not cover the tensor"
+        tasks.append(UnitTask(index=len(tasks), slice=sl, senders=tuple(sorted(senders)),
+                              receivers=tuple(sorted(receivers)), nbytes=prod(s.stop - s.start for s in sl) * itemsize))
+    return tasks
+
+
+Region = Sequence[tuple[int, int]]
+
+
+def cells(shape: Sequence[int], src: dict[int, Region], dst: dict[int, Region]):
+    """The cut-point decomposition (paper §2.2) over regions, each rank's box as one ``(start, stop)`` per dim: per
+    dim the cut points of every source and destination region split it; yields ``(slices, holders, needers)`` for
+    each cell, in row-major order, that some destination region contains (``holders`` may be empty where the
+    sources do not cover it: the caller says what that means)."""
     intervals: list[list[tuple[int, int]]] = []
     holders: list[list[frozenset[int]]] = []  # per dim, per interval: src ranks containing it
     needers: list[list[frozenset[int]]] = []  # per dim, per interval: dst ranks containing it
-    for d, length in enumerate(shp):
+    for d, length in enumerate(shape):
         cuts = {0, length}
         for regs in (src, dst):
             for reg in regs.values():
@@ -72,23 +89,8 @@ def decompose(
         intervals.append(ivs)
         holders.append([frozenset(r for r, reg in src.items() if reg[d][0] <= a and b <= reg[d][1]) for a, b in ivs])
         needers.append([frozenset(r for r, reg in dst.items() if reg[d][0] <= a and b <= reg[d][1]) for a, b in ivs])
-    tasks: list[UnitTask] = []
     for combo in product(*(range(len(iv)) for iv in intervals)):
-        receivers = frozenset.intersection(*(needers[d][k] for d, k in enumerate(combo)))
-        if not receivers:
-            continue
-        senders = frozenset.intersection(*(holders[d][k] for d, k in enumerate(combo)))
-        # every element is held by some source rank: the source shards tile the tensor
-        assert senders, "source layout does not cover the tensor"
-        sl = tuple(slice(*intervals[d][k]) for d, k in enumerate(combo))
-        numel = prod(s.stop - s.start for s in sl)
-        tasks.append(
-            UnitTask(
-                index=len(tasks),
-                slice=sl,
-                senders=tuple(sorted(senders)),
-                receivers=tuple(sorted(receivers)),
-                nbytes=numel * itemsize,
-            )
-        )
-    return tasks
+        receivers = frozenset.intersection(*(needers[d][k] for d, k in enumerate(combo))) if combo else frozenset()
+        if receivers:
+            yield (tuple(slice(*intervals[d][k]) for d, k in enumerate(combo)),
+                   frozenset.intersection(*(holders[d][k] for d, k in enumerate(combo))), receivers)

@@ -143,7 +143,7 @@ def _assert_refused(code, err: str, marker: Path, planted_file: str) -> None:
 
 # ---- the unpickler itself ----------------------------------------------------------------------------------------
 def test_data_loads_and_code_is_refused_in_every_pickle_format(tmp_path):
-    np = pytest.importorskip("numpy")
+    import numpy as np   # torch's and megatron-core's dependency: installed with the test extra
     data = {"args": argparse.Namespace(lr=1e-3, params_dtype=torch.bfloat16), "path": Path("/x"),
             "rng": (torch.get_rng_state(), np.random.get_state(), np.arange(3, dtype=np.uint32)),
             "t": torch.arange(6.0).view(2, 3), "p": torch.nn.Parameter(torch.ones(2)), "size": torch.Size([2]),

@@ -171,7 +171,8 @@ def _checkpoint_and_hf(rank: int, world: int, root: str):
 
 @pytest.mark.slow
 def test_fill_equals_checkpoint_load_and_hf_pairs_equal_export(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers",
+                                       reason="the hf extra installs transformers (tools/ensure_venv.sh)")
     from tests.checkpoint._helpers import load_tool
     tool = load_tool()
     res = run_ranks(_checkpoint_and_hf, 2, str(tmp_path), nccl_check=True, timeout=240)

@@ -31,10 +31,9 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from itertools import product
 from typing import Mapping, Sequence
 
-from ..decompose import UnitTask
+from ..decompose import UnitTask, cells
 from ..messages import build_messages, rotate_receivers
 from ..network import NetworkModel, task_cost
 from ..schedulers import Option, SchedTask, get_scheduler, run_scheduler
@@ -78,23 +77,7 @@ def decompose_boxes(name: str, shape: Sequence[int], src: Mapping[int, Region], 
     holders (``senders``) and needers (``receivers``). Every needed cell must be held somewhere."""
     shp = tuple(int(s) for s in shape)
     tasks: list[UnitTask] = []
-    intervals, holders, needers = [], [], []
-    for d, length in enumerate(shp):
-        cuts = {0, length}
-        for regs in (src, dst):
-            for reg in regs.values():
-                cuts.update(reg[d])
-        pts = sorted(cuts)
-        ivs = [(a, b) for a, b in zip(pts, pts[1:]) if b > a]
-        intervals.append(ivs)
-        holders.append([frozenset(r for r, g in src.items() if g[d][0] <= a and b <= g[d][1]) for a, b in ivs])
-        needers.append([frozenset(r for r, g in dst.items() if g[d][0] <= a and b <= g[d][1]) for a, b in ivs])
-    for combo in product(*(range(len(iv)) for iv in intervals)):
-        receivers = frozenset.intersection(*(needers[d][k] for d, k in enumerate(combo))) if combo else frozenset()
-        if not receivers:
-            continue
-        senders = frozenset.intersection(*(holders[d][k] for d, k in enumerate(combo)))
-        sl = tuple(slice(*intervals[d][k]) for d, k in enumerate(combo))
+    for sl, senders, receivers in cells(shp, dict(src), dict(dst)):
         if not senders:
             cell = ", ".join(f"{s.start}:{s.stop}" for s in sl)
             raise ValueError(f"parameter {name} {shp}: no source rank holds [{cell}] that rank(s) "
