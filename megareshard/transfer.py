@@ -25,8 +25,25 @@ layouts, planned by the resharding library (`resharding/weight_transfer/`), afte
   into that layout (padding rows zero). Without it the received tensors stay in ``received`` (global name ->
   this rank's box) and `hf_pairs` hands them out under Hugging Face names and layouts (a tp > 1 rank gets its
   shard of each: ``q_proj`` rows of its heads, ``o_proj`` columns, ...; GPT-2's ``c_attn`` its q|k|v columns).
-* The group is the caller's: it may join a separate generator job through a rendezvous of its own. Plan ranks
-  are ranks of that group; the trainer's own groups are never used. Nothing else may use ``group`` during ``run``.
+* The group is the caller's; plan ranks are ranks of that group; the trainer's own groups are never used. Nothing
+  else may use ``group`` during ``run``.
+
+**Generators in another job** (an RL framework's inference workers): both jobs join a transfer group through a
+rendezvous of their own, the trainer's ranks first; every member then builds the `WeightTransfer` on it::
+
+    from megareshard.transfer import join_transfer_group, leave_transfer_group
+
+    # trainer job, each of its T ranks (its own world untouched):
+    group = join_transfer_group("trainer-0", 29700, rank=dist.get_rank(), world_size=T + G, timeout=300)
+    # generator job, each of its G ranks (its own world, or none at all):
+    group = join_transfer_group("trainer-0", 29700, rank=T + gen_rank, world_size=T + G, timeout=300)
+    wt = WeightTransfer([Destination("vllm", ranks=tuple(range(T, T + G)), tp=G)], ..., group=group)
+
+The group is made on a ``TCPStore`` of its own (rank 0 serves it on ``host:port``), gloo or NCCL (``backend``),
+and is not registered in torch's world: ``dist.get_world_size()`` and every group each job has stay as they were,
+and a process with no default group can join (`resharding/weight_transfer/group.py` says how and why). Its
+``timeout`` bounds every operation on it: a member that dies fails the others' transfer within it. Under
+``MEGARESHARD_NCCL_CHECK=DIR`` its operations are recorded in ``DIR/group-<name>/`` in transfer-group ranks.
 """
 from __future__ import annotations
 
@@ -44,8 +61,10 @@ from .models.hf import hf_model_type, state_dict_to_hf
 from .resharding.network import NetworkModel
 from .resharding.weight_transfer import (Box, ParamInfo, Replica, TransferExecutor, TransferPlan, layout_boxes,
                                          plan_weight_transfer)
+from .resharding.weight_transfer.group import group_rank, join_transfer_group, leave_transfer_group
 
-__all__ = ["Destination", "WeightTransfer", "source_boxes", "destination_boxes"]
+__all__ = ["Destination", "WeightTransfer", "source_boxes", "destination_boxes", "join_transfer_group",
+           "leave_transfer_group"]
 
 
 @dataclass(frozen=True)
@@ -130,7 +149,7 @@ class WeightTransfer:
         if (model is None) != (ctx is None):
             raise ValueError("a source rank passes both model and ctx (a destination-only rank neither)")
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = group_rank(group)
         self.destinations = list(destinations)
         mine = source_boxes(model, ctx, optimizer) if model is not None else None
         self._tensors = mine[2] if mine else {}

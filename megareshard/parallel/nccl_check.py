@@ -29,6 +29,11 @@ Each rank writes its record to ``DIR/rank{N}.json`` (``dump()``, also at interpr
   has its receive.
 
 ``python -m megareshard.parallel.nccl_check DIR`` prints the verdict (exit 1 on violations).
+
+A group outside torch's registry (a weight transfer's group joined across jobs through a rendezvous of its own,
+``megareshard.resharding.weight_transfer.group``) is announced with ``register_group``: its operations go to a
+record of their own, ``DIR/group-NAME/rank{K}.json`` in the group's ranks, which ``check_logs`` reads like any
+other once every member's record is in that directory (two jobs: copy both jobs' files there).
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 __all__ = ["ENV", "NcclRuleViolation", "install", "maybe_install", "installed", "label", "set_label",
-           "set_op_labels", "dump", "check_logs", "batches", "recorded_batches"]
+           "set_op_labels", "dump", "check_logs", "batches", "recorded_batches", "register_group", "op_batch"]
 
 ENV = "MEGARESHARD_NCCL_CHECK"
 """Environment variable: a directory for the per-rank records; set it to turn the checking mode on."""
@@ -66,8 +71,10 @@ class NcclRuleViolation(RuntimeError):
 class _Recorder:
     """This process's record: per group name, the operations issued, and the issuing thread."""
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, rank: int | None = None, world: int | None = None) -> None:
         self.log_dir = log_dir
+        self.rank, self.world = rank, world  # None: this process's default group's (a joined group's: its own)
+        self.joined: dict[Any, _Recorder] = {}  # a group outside torch's registry -> its own record
         self.ops: dict[str, list[list[Any]]] = defaultdict(list)
         self.groups: dict[str, list[int]] = {}
         self.owner: dict[str, tuple[int, str]] = {}  # group -> (thread ident, thread name)
@@ -89,13 +96,21 @@ class _Recorder:
                 self.groups[name] = []
         return name
 
+    def of(self, group: Any) -> "_Recorder":
+        """The record ``group``'s operations go to: its own for a joined group, else this one."""
+        return self.joined.get(group, self) if group is not None else self
+
     def record(self, group: Any, entry: list[Any]) -> None:
+        sub = self.of(group)
+        if sub is not self:
+            sub.record(group, entry)
+            return
         name = self.group_name(group)
         me = threading.current_thread()
         with self.lock:
             owner = self.owner.setdefault(name, (me.ident, me.name))
             if owner[0] != me.ident:
-                msg = (f"rank {dist.get_rank()}: group {name} (ranks {self.groups[name]}) driven from thread "
+                msg = (f"rank {self.my_rank()}: group {name} (ranks {self.groups[name]}) driven from thread "
                        f"{me.name!r} after thread {owner[1]!r}: {entry[0]} {entry[1:]}")
                 self.violations.append(msg)
                 raise NcclRuleViolation(msg)
@@ -103,13 +118,19 @@ class _Recorder:
             text = queued.pop(0) if queued else getattr(self.local, "label", None)
             self.ops[name].append(entry + [text])
 
+    def my_rank(self) -> int:
+        return self.rank if self.rank is not None else dist.get_rank()
+
     def dump(self) -> str:
-        if not dist.is_initialized():
+        for sub in list(self.joined.values()):
+            sub.dump()
+        if self.rank is None and not dist.is_initialized():
             return ""
-        path = Path(self.log_dir, f"rank{dist.get_rank()}.json")
+        path = Path(self.log_dir, f"rank{self.my_rank()}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
-            data = {"rank": dist.get_rank(), "world": dist.get_world_size(), "groups": self.groups,
+            world = self.world if self.world is not None else dist.get_world_size()
+            data = {"rank": self.my_rank(), "world": world, "groups": self.groups,
                     "ops": self.ops, "batches": self.batches, "violations": self.violations}
             path.write_text(json.dumps(data))
         return str(path)
@@ -147,7 +168,10 @@ def _wrap_p2p(rec: _Recorder, name: str, orig: Callable) -> Callable:
         bound.update(kwargs)
         bound["tag"] = 0  # NCCL ignores tags: pair by issue order only
         group = bound.get("group")
-        peer = _global_peer(group, bound.get(peer_kw), bound.get(gpeer_kw))
+        if rec.of(group) is not rec:  # a joined group: its record is in its own ranks
+            peer = int(bound[gpeer_kw] if bound.get(gpeer_kw) is not None else bound[peer_kw])
+        else:
+            peer = _global_peer(group, bound.get(peer_kw), bound.get(gpeer_kw))
         rec.record(group, [kind, peer, _numel(tensor), _dtype(tensor)])
         return orig(tensor, **bound)
 
@@ -191,16 +215,45 @@ def _wrap_batch(rec: _Recorder, orig: Callable) -> Callable:
 
     def wrapper(p2p_op_list, *args, **kwargs):
         group = p2p_op_list[0].group if p2p_op_list else None
-        name = rec.group_name(group)
-        with rec.lock:
-            first = len(rec.ops[name])
-        works = orig(p2p_op_list, *args, **kwargs)
-        with rec.lock:
-            rec.batches[name].append([first, len(rec.ops[name]) - first])
-        return works
+        with _batch(rec, group):
+            return orig(p2p_op_list, *args, **kwargs)
 
     wrapper.__wrapped__ = orig
     return wrapper
+
+
+@contextlib.contextmanager
+def _batch(rec: _Recorder, group: Any) -> Iterator[None]:
+    sub = rec.of(group)
+    name = sub.group_name(group)
+    with sub.lock:
+        first = len(sub.ops[name])
+    yield
+    with sub.lock:
+        sub.batches[name].append([first, len(sub.ops[name]) - first])
+
+
+@contextlib.contextmanager
+def op_batch(group: Any) -> Iterator[None]:
+    """The operations issued inside the block on ``group`` went out as one group (what ``batch_isend_irecv``
+    records by itself; for a joined group, which it cannot take). A no-op when the mode is off."""
+    rec = _STATE.get("rec")
+    if rec is None:
+        yield
+        return
+    with _batch(rec, group):
+        yield
+
+
+def register_group(group: Any, name: str, rank: int, world: int) -> None:
+    """Record ``group`` — a process group outside torch's registry, ``world`` ranks, this process ``rank`` in it —
+    in a record of its own (``DIR/group-NAME/``, in the group's ranks). A no-op when the mode is off."""
+    rec = _STATE.get("rec")
+    if rec is None:
+        return
+    sub = _Recorder(str(Path(rec.log_dir, f"group-{name}")), rank, world)
+    sub.groups[getattr(group, "group_name", None) or str(id(group))] = list(range(world))
+    rec.joined[group] = sub
 
 
 def install(log_dir: str) -> None:

@@ -5,7 +5,8 @@ Under NCCL's rules (docs/design.md §4b), checked on gloo by ``MEGARESHARD_NCCL_
 * **Point-to-point only, paired in issue order.** The plan gives every message a global step; each rank walks
   the steps it takes part in, in order, and posts that step's operations — sends and receives, in the plan's
   global (bucket, message) order — as one ``batch_isend_irecv`` group on the caller's group (NCCL's
-  ncclGroupStart/End: a rank's receive and send progress together), then waits for them. Both ends of every
+  ncclGroupStart/End: a rank's receive and send progress together; on a group joined across jobs the same calls,
+  `group.post_ops`), then waits for them. Both ends of every
   message post it in the same step and in the same order relative to the pair's other messages, so the k-th
   send from x to y is the k-th receive at y from x; no tags. A forward (a broadcast chain hop, a fan-out inside
   a host) is posted one step after the message that brought its data.
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel.nccl_check import set_label, set_op_labels
+from .group import group_backend, group_rank, post_ops
 from .plan import Region, TransferPlan
 
 __all__ = ["TransferExecutor"]
@@ -43,19 +45,20 @@ def _view(t: torch.Tensor, region: Region, base: Region) -> torch.Tensor:
 class TransferExecutor:
     """This rank's part of a plan, compiled once; `run` moves the weights (every rank of ``group`` calls it).
 
-    Plan ranks are ranks of ``group`` (default: the world). Construction checks, with one object all-gather over
-    the group, that every rank holds the same plan (its ``key``) — the only other collective."""
+    Plan ranks are ranks of ``group`` (default: the world; a group `join_transfer_group` made spans other jobs).
+    Construction checks, with one object all-gather over the group, that every rank holds the same plan (its
+    ``key``) — the only other collective."""
 
     def __init__(self, plan: TransferPlan, group: Any = None, *, check: bool = True) -> None:
-        if not dist.is_initialized():
+        if group is None and not dist.is_initialized():
             raise RuntimeError("a weight transfer needs an initialised torch.distributed process group")
         self.plan, self.group = plan, group
-        self.rank = dist.get_rank(group)
+        self.rank = group_rank(group)
         world = dist.get_world_size(group)
         used = max({*plan.source, *plan.dest, *plan.hosts})
         if used >= world:
             raise ValueError(f"the plan uses rank {used} but the process group has {world} ranks")
-        self._nccl = dist.get_backend(group) == "nccl"
+        self._nccl = group_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
         if check:
             keys: list[Any] = [None] * world
@@ -77,9 +80,6 @@ class TransferExecutor:
         self.local = [(n, reg) for r, n, reg in plan.local_copies if r == me]
         self.src_boxes = plan.source.get(me, {})
         self.dst_boxes = plan.dest.get(me, {})
-
-    def _global(self, r: int) -> int:
-        return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def _check(self, given: Mapping[str, torch.Tensor], boxes: Mapping, what: str) -> None:
         missing = sorted(n for n in boxes if n not in given)
@@ -118,20 +118,12 @@ class TransferExecutor:
                         peak = max(peak, sum(t.numel() * t.element_size() for t in staged.values()))
                     m = b.msgs[j]
                     flat = staged[bi][m.start:m.stop]
-                    peer = m.dst if kind == "send" else m.src
-                    ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, flat, self._global(peer),
-                                          self.group))
+                    ops.append((kind, flat, m.dst if kind == "send" else m.src))  # group ranks
                     labels.append(f"wt{plan.key[:8]}/b{bi}/m{j}")
                     works_of.append(bi)
-                if len(ops) == 1:
-                    set_label(labels[0])
-                    fn = dist.isend if ops[0].op is dist.isend else dist.irecv
-                    works = [fn(ops[0].tensor, ops[0].peer, group=self.group)]
-                    set_label(None)
-                else:
-                    set_op_labels(labels)
-                    works = dist.batch_isend_irecv(ops)
-                    set_op_labels(None)
+                set_op_labels(labels)
+                works = post_ops(ops, self.group)
+                set_op_labels(None)
                 for w in works:
                     w.wait()
                 for bi in dict.fromkeys(works_of):

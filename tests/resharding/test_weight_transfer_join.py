@@ -1,0 +1,145 @@
+"""Generators as a separate launch (issue #50, `megareshard.transfer.join_transfer_group`): a trainer job (2 gloo
+ranks, its own world, pp 2), a generator job (2 ranks, its own world, tp 2) and a bare generator process (no
+torch.distributed world at all, tp 1), started independently, join one transfer group through a rendezvous of their
+own on 127.0.0.1. After the transfer every generator's GPTModel holds the trainer's weights bitwise, cut to its
+layout (vocabulary padding zero); each job's world is as it was (its size, its registered groups, an all-reduce
+over it still works); the trainer's weights are untouched; and NCCL's checking mode saw the transfer's operations
+(the joined group's record, both jobs' files together, passes the check)."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megareshard.parallel.nccl_check import ENV, check_logs
+from tests.harness import free_port, run_ranks
+from tests.resharding.test_weight_transfer import _SHAPES, _cfg, _set_truth, _source, _truth
+
+T, G = 2, 3  # the trainer's ranks of the transfer group, the generators' (tp 2 job + the bare tp 1 process)
+BUCKET_MB = 0.004  # small buckets: many messages, forwards and waves
+
+
+def _destinations():
+    from megareshard.transfer import Destination
+    return [Destination("job_tp2", (2, 3), tp=2), Destination("bare_tp1", (4,), tp=1)]
+
+
+def _trainer(rank: int, world: int, port: int):
+    from torch.distributed import distributed_c10d as c10d
+
+    from megareshard.parallel import ParallelContext
+    from megareshard.parallel.topology import Topology
+    from megareshard.transfer import WeightTransfer, join_transfer_group, leave_transfer_group, source_boxes
+    ctx = ParallelContext.create(Topology(world, pp=2, nproc_per_node=world))
+    cfg = _cfg(True)
+    model, opt = _source(cfg, ctx, 0)
+    got = [None] * world
+    dist.all_gather_object(got, [(p.name, p.shape) for p in source_boxes(model, ctx, opt)[0]])
+    _SHAPES.clear()
+    _SHAPES.update({k: v for g in got for k, v in g})
+    _set_truth(model, ctx, opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = dict(c10d._world.pg_group_ranks)
+    group = join_transfer_group("127.0.0.1", port, rank, T + G, timeout=60)
+    wt = WeightTransfer(_destinations(), model=model, ctx=ctx, optimizer=opt, group=group, bucket_mb=BUCKET_MB)
+    report = wt.run()
+    same = dict(c10d._world.pg_group_ranks) == groups  # torch's registry: the same groups, the same ranks
+    leave_transfer_group(group)
+    untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    one = torch.ones(1)
+    dist.all_reduce(one)  # the trainer's own world still works
+    ctx.destroy()
+    return {"world": dist.get_world_size(), "sum": one.item(), "groups_same": same, "untouched": untouched,
+            "bytes": report["bytes"], "rank_in_group": wt.rank}
+
+
+def _check_filled(wt, model) -> int:
+    """Every box this rank's destination needs holds the truth's slice; rows past it (vocabulary padding) zero."""
+    params = dict(model.named_parameters())
+    shapes = {p.name: p.shape for p in wt.plan.params}
+    n = 0
+    for b in (*wt.plan.dest[wt.rank].values(), *wt.plan.aliases.get(wt.rank, [])):
+        want = _truth(b.name, shapes[b.name])[tuple(slice(a, z) for a, z in b.region)]
+        have = params[b.local_name].detach()
+        assert torch.equal(have[tuple(slice(0, s) for s in want.shape)], want), (wt.rank, b.local_name)
+        assert not have[want.shape[0]:].any(), (wt.rank, b.local_name)
+        n += 1
+    assert n == len(params), (n, sorted(params))
+    return n
+
+
+def _generator_job(rank: int, world: int, port: int):
+    from torch.distributed import distributed_c10d as c10d
+
+    from megareshard.models import GPTModel
+    from megareshard.parallel import ParallelContext
+    from megareshard.parallel.topology import Topology
+    from megareshard.transfer import WeightTransfer, join_transfer_group, leave_transfer_group
+    ctx = ParallelContext.create(Topology(world, tp=2, nproc_per_node=world))
+    groups = dict(c10d._world.pg_group_ranks)
+    group = join_transfer_group("127.0.0.1", port, T + rank, T + G, timeout=60)
+    wt = WeightTransfer(_destinations(), group=group, bucket_mb=BUCKET_MB)
+    model = GPTModel(wt.model_config, ctx, seed=99)
+    wt.run(into=model)
+    same = dict(c10d._world.pg_group_ranks) == groups
+    leave_transfer_group(group)
+    n = _check_filled(wt, model)
+    one = torch.ones(1)
+    dist.all_reduce(one, group=ctx.groups["tp"])  # its own tp group still works
+    ctx.destroy()
+    return {"world": dist.get_world_size(), "sum": one.item(), "groups_same": same, "checked": n}
+
+
+def _bare_generator(rank: int, world: int, port: int):
+    from megareshard.models import GPTModel
+    from megareshard.parallel import ParallelContext
+    from megareshard.parallel.topology import Topology
+    from megareshard.transfer import WeightTransfer, join_transfer_group, leave_transfer_group
+    assert not dist.is_initialized()
+    group = join_transfer_group("127.0.0.1", port, T + 2, T + G, timeout=60)
+    wt = WeightTransfer(_destinations(), group=group, bucket_mb=BUCKET_MB)
+    model = GPTModel(wt.model_config, ParallelContext(topology=Topology(1), rank=0), seed=98)
+    wt.run(into=model)
+    leave_transfer_group(group)
+    return {"checked": _check_filled(wt, model), "initialized": dist.is_initialized()}
+
+
+def test_generators_in_separate_launches_join_the_trainer(tmp_path):
+    port = free_port()
+    dirs = {k: tmp_path / k for k in ("trainer", "gen", "bare")}
+    res: dict[str, object] = {}
+
+    def launch(key, fn, n, **kw):
+        try:
+            res[key] = run_ranks(fn, n, port, timeout=120, env={ENV: str(dirs[key])}, **kw)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            res[key] = e
+
+    threads = [threading.Thread(target=launch, args=("trainer", _trainer, 2)),
+               threading.Thread(target=launch, args=("gen", _generator_job, 2)),
+               threading.Thread(target=launch, args=("bare", _bare_generator, 1), kwargs={"init_group": False})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, r in res.items():
+        if isinstance(r, BaseException):
+            raise r
+    trainer, gen, bare = res["trainer"], res["gen"], res["bare"]
+    assert [r["rank_in_group"] for r in trainer] == [0, 1]
+    assert all(r["world"] == 2 and r["sum"] == 2.0 and r["groups_same"] and r["untouched"] and r["bytes"] > 0
+               for r in trainer), trainer
+    assert all(r["world"] == 2 and r["sum"] == 2.0 and r["groups_same"] and r["checked"] > 0 for r in gen), gen
+    assert bare[0]["checked"] > 0 and not bare[0]["initialized"]
+    # NCCL's rules: each job's own world, and the transfer group from both jobs' records together
+    assert check_logs(str(dirs["trainer"])) == [] and check_logs(str(dirs["gen"])) == []
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for d in dirs.values():
+        for f in Path(d).glob("group-*/rank*.json"):
+            shutil.copy(f, merged / f.name)
+    assert sorted(f.name for f in merged.iterdir()) == [f"rank{r}.json" for r in range(T + G)]
+    assert check_logs(str(merged)) == []
