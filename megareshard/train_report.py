@@ -44,25 +44,35 @@ class Reporting:
     def _moe_step_losses(self, num_microbatches: int) -> dict[str, float]:
         """After a step: each router loss as Megatron's tracker reduces it — per layer the sum over the
         micro-batches divided by their number, summed over tp (load balancing: each tp rank holds its part) or
-        averaged over it (z-loss), averaged over dp, then the mean over the MoE layers. Collective over tp and dp."""
-        routers = self._moe_routers()
-        names = [n for n in MOE_LOSS_NAMES if any(n in r.tracked for r in routers)]
-        if not names:
+        averaged over it (z-loss), averaged over dp, then the mean over the model's MoE layers, those of every
+        pipeline stage (a stage sums its layers' values and counts them; the sums and counts are added over pp).
+        Collective over tp, dp and pp: every rank of an MoE run calls it, a stage without MoE layers too."""
+        if self.cfg.model.num_experts is None:
             return {}
-        vals = torch.zeros(len(names), len(routers), dtype=torch.float32, device=self.device)
-        for j, r in enumerate(routers):
-            for i, n in enumerate(names):
+        routers, ctx = self._moe_routers(), self.ctx
+        sums = torch.zeros(len(MOE_LOSS_NAMES), dtype=torch.float32, device=self.device)
+        counts = torch.zeros(len(MOE_LOSS_NAMES), dtype=torch.float32, device=self.device)
+        for r in routers:
+            for i, n in enumerate(MOE_LOSS_NAMES):
                 if n in r.tracked:
-                    vals[i, j] = torch.stack(r.tracked[n]).float().sum() / num_microbatches
-        ctx = self.ctx
+                    sums[i] += torch.stack(r.tracked[n]).float().sum() / num_microbatches
+                    counts[i] += 1
         if ctx.tp_size > 1:
-            dist.all_reduce(vals, group=ctx.tp_group)
-            if "z_loss" in names:
-                vals[names.index("z_loss")] /= ctx.tp_size
+            dist.all_reduce(sums, group=ctx.tp_group)
+            sums[MOE_LOSS_NAMES.index("z_loss")] /= ctx.tp_size
         if ctx.dp_size > 1:
-            dist.all_reduce(vals, group=ctx.dp_group)
-            vals /= ctx.dp_size
-        return {n: float(v) for n, v in zip(names, vals.mean(dim=1).tolist())}
+            dist.all_reduce(sums, group=ctx.dp_group)
+            sums /= ctx.dp_size
+        if ctx.pp_size > 1:
+            both = torch.cat([sums, counts])
+            if ctx.per_stage_layouts:   # the pp group is the world: each stage's values once, from one rank
+                if ctx.tp_rank() != 0 or ctx.dp_rank() != 0:
+                    both.zero_()
+                dist.all_reduce(both)
+            else:
+                dist.all_reduce(both, group=ctx.pp_group)
+            sums, counts = both[:len(MOE_LOSS_NAMES)], both[len(MOE_LOSS_NAMES):]
+        return {n: float(s / c) for n, s, c in zip(MOE_LOSS_NAMES, sums.tolist(), counts.tolist()) if c > 0}
 
     @staticmethod
     def _with_moe_losses(line: str, rec: dict[str, Any]) -> str:

@@ -137,8 +137,6 @@ def test_moe_expert_parallel_training_matches_single_process_and_checkpoints_rel
     ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 without --num-experts"),
     ("--num-experts 2 --moe-pad-expert-input-to-capacity", "--moe-pad-expert-input-to-capacity needs "
                                                            "--moe-expert-capacity-factor"),
-    ("--num-experts 2 --pipeline-model-parallel-size 2", "--num-experts with --pipeline-model-parallel-size 2 is "
-                                                         "not supported yet"),
     ("--num-experts 2 --zero-stage 3", "--num-experts with ZeRO stage 3"),
 ])
 def test_moe_bad_input_one_line(flags, message):

@@ -9,7 +9,9 @@ reduce-scatters). Every full ``[E, out, in]`` tensor is drawn from the global na
 Megatron's order of operations (experts.py): the routing probability multiplies the activation,
 ``fc2(act(fc1(x)) · p) + b2 · p``, which is ``p · expert(x)``. The rows arrive grouped by local expert
 (``counts[e]`` rows each). On CUDA with ``moe_grouped_gemm`` all experts run as one grouped GEMM per
-matrix (``torch._grouped_mm``); otherwise one GEMM per expert (a loop over experts, never over tokens).
+matrix (``torch._grouped_mm``); otherwise one GEMM per expert (a loop over experts, never over tokens). Either
+way a matrix is one ``expert_gemm.expert_linear``, whose weight gradient a pipeline schedule with delayed weight
+gradients runs in W, as the dense linear layers' (the module's ``wgrad_store``).
 
 Parameter attributes: ``expert_parallel`` (True), ``expert_partition_dim`` (0: experts over ep),
 ``expert_tp_partition_dim`` (the dim split over etp, or -1) and ``expert_box`` (global shape and offset of this
@@ -28,6 +30,7 @@ from torch import nn
 from ...parallel import ParallelContext
 from ...tensor_parallel import set_tensor_model_parallel_attributes
 from ..components import gelu, swiglu
+from .expert_gemm import expert_linear
 
 __all__ = ["GroupedExperts", "grouped_gemm_refusal"]
 
@@ -102,46 +105,28 @@ class GroupedExperts(nn.Module):
             self.fc1 = make("experts.fc1", (f, h), 1, cfg.init_method_std)
         self.fc2 = make("experts.fc2", (h, f), 2, out_std)
         self.f_local = f_local
+        # delayed weight gradients (pipeline I/W): the store the expert GEMMs queue their weight gradients in,
+        # read at backward time (None: computed at once)
+        self.wgrad_store = None
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        """``x [N, h]`` grouped by local expert (``counts``), ``probs [N]`` -> ``[N, h]`` (a partial sum over etp)."""
-        if self.grouped_gemm:
-            return self._grouped(x, counts, probs)
-        outs = [self._expert(e, xe, pe) for e, (xe, pe) in enumerate(zip(x.split(counts), probs.split(counts)))]
-        return torch.cat(outs) if outs else x.new_zeros((0, x.size(-1)))
+        """``x [N, h]`` grouped by local expert (``counts``), ``probs [N]`` -> ``[N, h]`` (a partial sum over etp).
 
-    def _act(self, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return swiglu(a, b) if self.swiglu else gelu(a, openai=self.openai_gelu)
-
-    def _expert(self, e: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        def lin(m: _ExpertLinear, v: torch.Tensor) -> torch.Tensor:
-            return F.linear(v, m.weight[e], None if m.bias is None else m.bias[e])
-
-        inner = self._act(lin(self.fc1_gate, x), lin(self.fc1_up, x)) if self.swiglu else self._act(lin(self.fc1, x), None)
-        p = p.unsqueeze(-1)
-        out = F.linear((inner * p).to(x.dtype), self.fc2.weight[e])
-        if self.fc2.bias is not None:
-            out = out + self.fc2.bias[e] * p
-        return out
-
-    def _grouped(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        offs = torch.tensor(counts, device=x.device, dtype=torch.int64).cumsum(0).to(torch.int32)
-        rows = None
-        if any(m.bias is not None for m in self._linears()):
-            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                           torch.tensor(counts, device=x.device), output_size=x.size(0))
-
-        def lin(m: _ExpertLinear, v: torch.Tensor) -> torch.Tensor:
-            out = torch._grouped_mm(v, m.weight.transpose(1, 2), offs=offs)
-            return out if m.bias is None else out + m.bias[rows]
+        Each matrix is one `expert_linear` over all local experts (a GEMM per expert, or one grouped GEMM),
+        whose weight gradient a pipeline's W may run later (``wgrad_store``, set by the stage module's
+        ``set_wgrad_store``); the element-wise steps between them act on each row alone."""
+        def lin(m: _ExpertLinear, v: torch.Tensor, bias: bool = True) -> torch.Tensor:
+            return expert_linear(v, m.weight, m.bias if bias else None, counts, self, self.grouped_gemm)
 
         inner = self._act(lin(self.fc1_gate, x), lin(self.fc1_up, x)) if self.swiglu else self._act(lin(self.fc1, x), None)
         p = probs.unsqueeze(-1)
-        out = torch._grouped_mm((inner * p).to(x.dtype), self.fc2.weight.transpose(1, 2), offs=offs)
-        if self.fc2.bias is not None:
+        out = lin(self.fc2, (inner * p).to(x.dtype), bias=False)
+        if self.fc2.bias is not None:   # the bias scaled by the row's probability (Megatron's order), by autograd
+            rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
+                                           torch.tensor(counts, device=x.device), output_size=x.size(0))
             out = out + self.fc2.bias[rows] * p
         return out
 
-    def _linears(self) -> list[_ExpertLinear]:
-        return [self.fc1_gate, self.fc1_up, self.fc2] if self.swiglu else [self.fc1, self.fc2]
+    def _act(self, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return swiglu(a, b) if self.swiglu else gelu(a, openai=self.openai_gelu)

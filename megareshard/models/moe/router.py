@@ -20,12 +20,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ...config.moe import capacity_factor, check_moe_config, is_moe_layer, moe_layer_pattern  # noqa: F401 (re-exported)
 from ...parallel import ParallelContext
-from ...tensor_parallel import set_tensor_model_parallel_attributes
+from ...tensor_parallel import linear_with_wgrad_store, set_tensor_model_parallel_attributes
 from .routing import (AuxLossAutoScaler, apply_token_dropping, aux_loss_scores, switch_load_balancing_loss,
                       topk_routing, z_loss)
 
@@ -47,6 +46,7 @@ class TopKRouter(nn.Module):
         full = init(f"{prefix}.router.weight", cfg.init_method_std)((cfg.num_experts, cfg.hidden_size))
         self.weight = nn.Parameter(full.to(device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, False, -1, sequence_parallel=sequence_parallel)
+        self.wgrad_store = None     # delayed weight gradients (pipeline I/W): read at backward time
         self.aux_loss_scale = 1.0   # the gradient each attached loss gets (the trainer's loss scale / micro-batches)
         self.losses: dict[str, torch.Tensor] = {}
         # every training forward's losses since the trainer last cleared it (Megatron's aux-loss tracker): the
@@ -54,7 +54,7 @@ class TopKRouter(nn.Module):
         self.tracked: dict[str, list[torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor, seq_length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = linear_with_wgrad_store(x, self.weight, None, self)   # its weight gradient may wait for W
         self.losses = {}
         training = self.training and torch.is_grad_enabled()
         tp = self.ctx.tp_size

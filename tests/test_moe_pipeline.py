@@ -1,0 +1,186 @@
+"""Mixture of experts inside pipeline stages (issue #52): every schedule family, expert parallelism per stage, the
+expert weights' gradients delayed into W like the dense ones', the router losses of every stage logged.
+
+One launch of 4 gloo ranks in NCCL's checking mode trains a dropless MoE GPT (4 layers, the first two dense and
+the last two MoE: one pipeline stage holds no expert) for 3 iterations in six layouts, and each reproduces the
+single-process run — the LM loss, the load-balancing and z losses (the mean over the model's MoE layers, summed
+over the stages as pp 1 logs it), the gradient norm of the first step and every weight after the last:
+
+* pp 2 · dp 2 · ep 2: 1F1B (alltoall, ZeRO 0), eager-1F1B (allgather, ZeRO 1), zb-h1 (delayed W; alltoall,
+  ZeRO 2, --overlap-grad-reduce: the expert buckets reduced over the expert-data-parallel group from the R
+  action), interleaved 1F1B with two virtual stages per rank and delayed W (alltoall: every rank holds an MoE
+  layer), zbv (allgather);
+* tp 2 · pp 2 · ep 2 (etp 1, sequence parallel): 1F1B with delayed W (alltoall).
+
+Tolerances (tests/tolerances.py), as tests/test_moe_training.py's: the first step runs the same weights through
+other row groupings and reduction orders, so the losses differ by a forward's rounding and the gradient norm by
+the gradients' (`RHO`); after t updates each weight element is apart by at most bound[t] (`element_error_bounds`),
+which moves a loss by at most the gradient norm times sqrt(n)·bound[t], twice for what first order leaves out; the
+router losses are held to the LM loss's relative bound.
+
+A single-process check shows the expert GEMMs' weight gradients (one GEMM per expert, and torch._grouped_mm on
+16-byte-aligned sizes where this torch runs it) and the router's wait for W under a weight-gradient store and
+equal the immediate ones bit for bit.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from megareshard.arguments import parse_args
+from megareshard.parallel import ParallelContext, Topology
+from megareshard.training import Trainer
+from tests.harness import run_ranks
+from tests.tolerances import RHO, element_error_bounds, forward_tolerance, gpt_forward_reductions
+
+ITERS, LR, BETAS = 3, 1e-2, (0.9, 0.999)
+H, F, FE, S, L, HEADS, E = 16, 32, 24, 8, 4, 2, 4
+NAMES = ("load_balancing_loss", "z_loss")
+PP2 = "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2"
+TP2 = f"{PP2} --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"
+# (label, flags): the 4-rank layouts; the tp-2 ones come last (their own context)
+LAYOUTS = [
+    ("1f1b alltoall zero0", f"{PP2} --pipeline-schedule 1f1b --moe-token-dispatcher-type alltoall"),
+    ("eager-1f1b allgather zero1", f"{PP2} --pipeline-schedule eager-1f1b --moe-token-dispatcher-type allgather "
+                                   "--zero-stage 1"),
+    ("zb-h1 alltoall zero2 R", f"{PP2} --pipeline-schedule zb-h1 --moe-token-dispatcher-type alltoall --zero-stage 2 "
+                               "--overlap-grad-reduce"),
+    ("interleaved V2 delayed W alltoall", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 --delay-wgrad-compute "
+                                          "--moe-token-dispatcher-type alltoall"),
+    ("zbv allgather", f"{PP2} --pipeline-schedule zbv --moe-token-dispatcher-type allgather"),
+    ("tp2 1f1b delayed W alltoall", f"{TP2} --pipeline-schedule 1f1b --delay-wgrad-compute "
+                                    "--moe-token-dispatcher-type alltoall"),
+]
+
+
+def _argv(flags: str = "") -> list[str]:
+    return (f"--mock-data --vocab-size 64 --num-layers {L} --hidden-size {H} --ffn-hidden-size {F} "
+            f"--num-attention-heads {HEADS} --seq-length {S} --micro-batch-size 1 --global-batch-size 8 "
+            f"--train-iters {ITERS} --lr {LR} --min-lr {LR} --device cpu --seed 5 --hidden-dropout 0 "
+            f"--attention-dropout 0 --swiglu --disable-bias-linear --clip-grad 0 "
+            f"--num-experts {E} --moe-router-topk 2 --moe-ffn-hidden-size {FE} --moe-aux-loss-coeff 0.01 "
+            f"--moe-z-loss-coeff 0.001 --moe-layer-freq [0,0,1,1] {flags}").split()
+
+
+def _records(trainer: Trainer) -> list[dict]:
+    return [{k: r[k] for k in ("loss", "grad_norm", "lr", *NAMES)} for r in trainer.train()]
+
+
+def _full_weights(trainer: Trainer, ctx) -> dict[str, torch.Tensor]:
+    """This stage's weights, whole: dense ones gathered over tp, experts over etp and ep (collective in the stage)."""
+    from megareshard.models.moe import gather_full_expert_tensor
+    from megareshard.tensor_parallel import gather_full_tensor
+
+    return {name: (gather_full_expert_tensor(p.data, p, ctx) if getattr(p, "expert_parallel", False)
+                   else gather_full_tensor(p.data, p, ctx)) for name, p in trainer.model.named_parameters()}
+
+
+def _ranks(rank, world):
+    out, ctx, tp = {}, None, None
+    for label, flags in LAYOUTS:
+        cfg = parse_args(_argv(flags), world_size=world)
+        if cfg.tp != tp:
+            if ctx is not None:
+                ctx.destroy()
+            tp = cfg.tp
+            ctx = ParallelContext.create(Topology(world, tp=tp, pp=cfg.pp), expert_model_parallel_size=2,
+                                         expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
+        log = io.StringIO()
+        t = Trainer(cfg, ctx, torch.device("cpu"), out=log)
+        records = _records(t)
+        t.close()
+        weights = _full_weights(t, ctx)
+        t.pipeline.close()
+        out[label] = {"records": records, "log": log.getvalue() if t.reporting else "",
+                      "weights": weights if ctx.tp_rank() == 0 and ctx.dp_rank() == 0 else {}}
+    ctx.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    ref = Trainer(parse_args(_argv(), world_size=1), ParallelContext.single_process(), torch.device("cpu"),
+                  out=io.StringIO())
+    records = _records(ref)
+    weights = _full_weights(ref, ref.ctx)   # the vocabulary's padding rows dropped, as the ranks' gathers drop them
+    return records, weights, run_ranks(_ranks, 4, timeout=400, nccl_check=True)
+
+
+def _loss_tolerances(ref, n_params):
+    bounds = element_error_bounds([r["lr"] for r in ref], BETAS)
+    fwd = forward_tolerance(gpt_forward_reductions(L, H, F + FE, HEADS, H // HEADS, S), 1.0)
+    return [2 * r["grad_norm"] * math.sqrt(n_params) * bounds[t] + fwd for t, r in enumerate(ref)], bounds[-1]
+
+
+@pytest.mark.parametrize("label", [label for label, _ in LAYOUTS])
+def test_moe_pipeline_matches_single_process(runs, label):
+    ref, ref_weights, per_rank = runs
+    assert all(r[name] > 0 for r in ref for name in NAMES)
+    tols, per_element = _loss_tolerances(ref, sum(w.numel() for w in ref_weights.values()))
+    weights = {}
+    for rank, res in enumerate(per_rank):
+        got = res[label]["records"]
+        assert len(got) == len(ref), (label, rank)
+        # the first step, at the same weights: the gradient norm apart by the gradients' rounding only
+        assert abs(got[0]["grad_norm"] - ref[0]["grad_norm"]) <= RHO * ref[0]["grad_norm"], (label, rank, got[0])
+        for t, (g, r) in enumerate(zip(got, ref)):
+            assert abs(g["loss"] - r["loss"]) <= tols[t], (label, rank, t, g["loss"], r["loss"], tols[t])
+            rel = tols[t] / abs(r["loss"])
+            for name in NAMES:   # every rank logs the model's mean over its MoE layers, both stages' summed
+                assert abs(g[name] - r[name]) <= rel * abs(r[name]) + 4 * 2.0 ** -24, (label, rank, t, name, g, r)
+        weights.update(res[label]["weights"])
+    log = "".join(res[label]["log"] for res in per_rank)   # the last stage's first rank reports
+    assert "load_balancing_loss: " in log and "z_loss: " in log, log
+    tied = weights.pop("output_layer.weight", None)   # the last stage's copy of the tied word embedding
+    assert weights.keys() == ref_weights.keys(), label
+    if tied is not None:
+        assert torch.equal(tied, weights["embedding.word_embeddings.weight"]), label
+    for name, w in ref_weights.items():
+        err = (weights[name] - w).norm().item()
+        assert err <= math.sqrt(w.numel()) * per_element, (label, name, err)
+
+
+def test_expert_and_router_weight_gradients_wait_for_w():
+    from megareshard.models.gpt import _normal_init
+    from megareshard.models.config import ModelConfig
+    from megareshard.models.moe import MoELayer
+    from megareshard.tensor_parallel import WeightGradStore
+
+    single = ParallelContext.single_process()
+    grouped = [False] + ([True] if hasattr(torch, "_grouped_mm") else [])
+    for use_grouped in grouped:
+        cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=S,
+                          vocab_size=64, swiglu=True, num_experts=E, moe_router_topk=2, moe_ffn_hidden_size=32,
+                          moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+        layer = MoELayer(cfg, single, "layers.0.mlp", lambda name, std: _normal_init(5, name, std), 0.01)
+        layer.experts.grouped_gemm = use_grouped   # torch._grouped_mm: on CPU where its strides are 16-byte aligned
+        x = torch.randn(S, 2, 16, generator=torch.Generator().manual_seed(3))
+        g = torch.randn(S, 2, 16, generator=torch.Generator().manual_seed(4))
+
+        def backward(store):
+            for m in layer.modules():
+                if hasattr(m, "wgrad_store"):
+                    m.wgrad_store = store
+            inp = x.clone().requires_grad_(True)
+            (layer(inp) * g).sum().backward()
+            for m in layer.modules():
+                if hasattr(m, "wgrad_store"):
+                    m.wgrad_store = None
+            return inp.grad
+
+        layer.zero_grad(set_to_none=True)
+        xg = backward(None)
+        now = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        store = WeightGradStore()
+        xg_delayed = backward(store)
+        waiting = [n for n, p in layer.named_parameters() if p.grad is None]
+        # the expert matrices, their fc1 biases and the router wait for W; fc2's bias, which the routing
+        # probability scales, is autograd's
+        assert sorted(waiting) == sorted(n for n, _ in layer.named_parameters() if n != "experts.fc2.bias"), waiting
+        assert torch.equal(xg, xg_delayed) and store.flush() == 4   # three expert GEMMs' closures, the router's
+        for n, p in layer.named_parameters():
+            assert torch.equal(p.grad, now[n]), (use_grouped, n)
