@@ -78,13 +78,18 @@ def test_every_destination_element_once_and_buckets_bounded(tp, pp, dp, virtual,
                 if b.local:
                     continue
                 assert _volume(got[(r, b.name)]) == b.numel, (r, b.name)  # disjoint pieces tiling the box
+    assert plan.streams > 1  # the tp-1 replica's rank needs pieces from several holders
     for b in plan.buckets:
-        assert b.numel * (2 if b.dtype == "bfloat16" else 4) <= plan.bucket_bytes
-    assert max(plan.staging_bytes().values()) <= plan.bucket_bytes
-    # a rank takes part in one bucket per wave
+        assert b.numel * (2 if b.dtype == "bfloat16" else 4) <= plan.bucket_bytes // plan.streams
+    # what a rank stages in one wave (the sum of its buckets there) stays within the bound
     for w in range(plan.num_waves):
-        ranks = [r for b in plan.buckets if b.wave == w for r in (b.sender, *b.receivers)]
-        assert len(ranks) == len(set(ranks))
+        staged: Counter = Counter()
+        for b in plan.buckets:
+            if b.wave == w:
+                for r in {b.sender, *b.receivers}:
+                    staged[r] += b.numel * (2 if b.dtype == "bfloat16" else 4)
+        assert max(staged.values()) <= plan.bucket_bytes
+    assert max(plan.staging_bytes().values()) <= plan.bucket_bytes
     assert "weight transfer" in plan.describe()
 
 

@@ -15,13 +15,17 @@ the host of every rank, a bucket size. Output: a `TransferPlan`, what every rank
 4. **Senders**: one sending host per piece by the library's scheduler (`schedulers.run_scheduler`, default
    ``loadbalance``: longest piece first to the least-loaded NIC, costed by the strategy's `task_cost`), then the
    host's holder that has sent least — every source rank and NIC works.
-5. **Buckets**: pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most
-   ``bucket_mb``; a bucket travels by the registered strategy's messages (default ``broadcast``: the pipelined
-   chain through the receiving hosts in K chunks from the network model, fanned out inside each host).
-6. **Waves and steps**: buckets go in waves whose participants are disjoint (each rank stages at most one
-   bucket at a time: staging memory ≤ one bucket per rank); inside a wave a message's step is its chunk's turn
-   on its (sender, receiver) pair, a forward one step after the message that brought its data — one batch of
-   point-to-point operations per rank and step, the same global order on every rank (`execute.py`).
+5. **Buckets**: ``bucket_mb`` bounds what a rank stages at once. A rank that receives from S holders (S at
+   most 8, the *streams*) should be able to receive from all of them at once, so buckets are ``bucket_mb / S``:
+   pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most that; a bucket
+   travels by the registered strategy's messages (default ``broadcast``: the pipelined chain through the
+   receiving hosts in K chunks from the network model, fanned out inside each host).
+6. **Waves and steps**: buckets go in waves, the k-th bucket of every route before the (k+1)-th of any, each
+   into the first wave where every participant's staged bytes stay within ``bucket_mb`` (staging memory ≤
+   ``bucket_mb`` per rank; the senders of a wave send at once, so every source NIC works); inside a wave a
+   message's step is its chunk's turn on its (sender, receiver) pair, a forward one step after the message that
+   brought its data — one batch of point-to-point operations per rank and step, the same global order on every
+   rank (`execute.py`).
 
 The plan is validated once, printable (`describe`) and cached (`plan_weight_transfer`) under a key of
 everything that determines it; `key` is its digest, which the executor checks on every rank.
@@ -126,7 +130,8 @@ class TransferPlan:
     hosts: dict[int, int]  # rank -> host
     strategy: str
     scheduler: str
-    bucket_bytes: int
+    bucket_bytes: int  # the staging bound per rank (``bucket_mb``)
+    streams: int  # buckets a rank may stage at once: each bucket holds at most bucket_bytes // streams
     pieces: list[UnitTask]  # every piece with remote receivers, sender chosen
     piece_names: list[str]
     piece_dtypes: list[str]
@@ -173,12 +178,15 @@ class TransferPlan:
         return self.network.lower_bound(self)
 
     def staging_bytes(self) -> dict[int, int]:
-        """Per rank, the most bucket bytes it stages at once (one bucket per wave by construction)."""
-        out: dict[int, int] = {}
+        """Per rank, the most bucket bytes it stages at once (the sum over its buckets of one wave)."""
+        per: dict[tuple[int, int], int] = {}
         for b in self.buckets:
             nb = b.numel * _itemsize(self, b)
-            for r in (b.sender, *b.receivers):
-                out[r] = max(out.get(r, 0), nb)
+            for r in {b.sender, *b.receivers}:
+                per[(b.wave, r)] = per.get((b.wave, r), 0) + nb
+        out: dict[int, int] = {}
+        for (_, r), nb in per.items():
+            out[r] = max(out.get(r, 0), nb)
         return out
 
     def describe(self) -> str:
@@ -189,7 +197,8 @@ class TransferPlan:
         srcs = sorted(self.source)
         lines = [f"weight transfer {self.key[:12]}: {len(self.params)} tensors, "
                  f"{sum(p.nbytes for p in self.params) / 2**20:.2f} MiB; strategy {self.strategy}, scheduler "
-                 f"{self.scheduler}, bucket {self.bucket_bytes / 2**20:g} MiB",
+                 f"{self.scheduler}, staging bound {self.bucket_bytes / 2**20:g} MiB in up to {self.streams} "
+                 f"bucket(s) per rank",
                  f"  source ranks {_ranks(srcs)} on hosts {_ranks(sorted({self.hosts[r] for r in srcs}))}"]
         for name in self.replicas:
             rs = self.replica_ranks[name]
@@ -271,6 +280,7 @@ def _check_ranks(source: Mapping[int, Sequence[Box]], replicas: Sequence[Replica
 # ---- planning -----------------------------------------------------------------------------------------------
 _CACHE: "OrderedDict[str, TransferPlan]" = OrderedDict()
 _CACHE_SIZE = 8
+_MAX_STREAMS = 8  # buckets a rank may stage at once (each bucket_mb / streams)
 
 
 def clear_plan_cache() -> None:
@@ -329,26 +339,35 @@ def _plan(key: str, params: list[ParamInfo], source: Mapping[int, Sequence[Box]]
     pieces: list[UnitTask] = []
     names: list[str] = []
     local: list[tuple[int, str, Region]] = []
+    tasks: list[tuple[ParamInfo, UnitTask]] = []
+    holders: dict[int, set[int]] = {}  # receiving rank -> the ranks holding what it needs from others
     for p in params:
         s = {r: b[p.name].region for r, b in src.items() if p.name in b}
         t = {r: b[p.name].region for r, b in dst.items() if p.name in b}
         if not t:
             continue
+        for task in decompose_boxes(p.name, p.shape, s, t, p.itemsize):
+            tasks.append((p, task))
+            for r in task.receivers:
+                if r not in task.senders:
+                    holders.setdefault(r, set()).update(task.senders)
+    streams = min(_MAX_STREAMS, max((len(h) for h in holders.values()), default=1))
+    piece_bytes = max(1, bucket_bytes // streams)
+    for p, task in tasks:
         item = p.itemsize
-        for task in decompose_boxes(p.name, p.shape, s, t, item):
-            region = tuple((sl.start, sl.stop) for sl in task.slice)
-            held = set(task.senders)
-            local += [(r, p.name, region) for r in task.receivers if r in held]
-            if all(r in held for r in task.receivers):
-                continue
-            n_hold = len({host_of[r] for r in task.senders}) if len(task.senders) > 1 else 1
-            parts = max(n_hold, len(task.senders)) if task.nbytes >= 4096 else 1
-            for sub in _split(region, parts, max(1, bucket_bytes // item)):
-                u = UnitTask(index=len(pieces), slice=tuple(slice(a, b) for a, b in sub), senders=task.senders,
-                             receivers=task.receivers)
-                u.nbytes = u.numel * item
-                pieces.append(u)
-                names.append(p.name)
+        region = tuple((sl.start, sl.stop) for sl in task.slice)
+        held = set(task.senders)
+        local += [(r, p.name, region) for r in task.receivers if r in held]
+        if all(r in held for r in task.receivers):
+            continue
+        n_hold = len({host_of[r] for r in task.senders}) if len(task.senders) > 1 else 1
+        parts = max(n_hold, len(task.senders)) if task.nbytes >= 4096 else 1
+        for sub in _split(region, parts, max(1, piece_bytes // item)):
+            u = UnitTask(index=len(pieces), slice=tuple(slice(a, b) for a, b in sub), senders=task.senders,
+                         receivers=task.receivers)
+            u.nbytes = u.numel * item
+            pieces.append(u)
+            names.append(p.name)
     dtypes = [by_name[n].dtype for n in names]
     # senders: the library's scheduler over NIC sides (hosts), then the host's least-loaded holder
     sched_tasks = []
@@ -371,13 +390,13 @@ def _plan(key: str, params: list[ParamInfo], source: Mapping[int, Sequence[Box]]
         h = sched_tasks[pos].options[sched.choice[pos]].host
         u.sender = min((r for r in u.senders if host_of[r] == h), key=lambda r: (sent[r], r))
         sent[u.sender] += u.nbytes
-    buckets = _buckets(pieces, dtypes, bucket_bytes, strategy, host_of, net)
-    steps, waves = _waves(buckets)
+    buckets = _buckets(pieces, dtypes, piece_bytes, strategy, host_of, net)
+    steps, waves = _waves(buckets, bucket_bytes)
     plan = TransferPlan(key=key, params=tuple(params), source=src, dest=dst, aliases=aliases,
                         replicas=tuple(r.name for r in replicas),
                         replica_ranks={r.name: tuple(sorted(r.boxes)) for r in replicas}, hosts=host_of,
                         strategy=strategy, scheduler=sched.scheduler if sched else scheduler,
-                        bucket_bytes=bucket_bytes, pieces=pieces, piece_names=names, piece_dtypes=dtypes,
+                        bucket_bytes=bucket_bytes, streams=streams, pieces=pieces, piece_names=names, piece_dtypes=dtypes,
                         local_copies=local, buckets=buckets, num_steps=steps, num_waves=waves, network=net)
     if strat.chunks is not None:
         for b in buckets:
@@ -421,16 +440,25 @@ def _buckets(pieces: list[UnitTask], dtypes: list[str], bucket_bytes: int, strat
     return out
 
 
-def _waves(buckets: list[Bucket]) -> tuple[int, int]:
-    """Assign each bucket (largest first) to the first wave whose participants it does not share, and every
-    message its global step; returns (steps, waves)."""
-    busy: list[set[int]] = []
-    for b in sorted(buckets, key=lambda b: (-b.numel, b.index)):
+def _waves(buckets: list[Bucket], budget: int) -> tuple[int, int]:
+    """Assign each bucket — the k-th of every route (sender, receivers) before the (k+1)-th of any, so that the
+    routes run side by side — to the first wave where every participant's staged bytes stay within ``budget``,
+    and every message its global step; returns (steps, waves)."""
+    turn: Counter[tuple] = Counter()
+    rank_of: dict[int, int] = {}
+    for b in buckets:
+        route = (b.sender, frozenset(b.receivers))
+        rank_of[b.index] = turn[route]
+        turn[route] += 1
+    used: list[Counter[int]] = []
+    for b in sorted(buckets, key=lambda b: (rank_of[b.index], b.index)):
         ranks = {b.sender, *b.receivers}
-        w = next((i for i, used in enumerate(busy) if not used & ranks), len(busy))
-        if w == len(busy):
-            busy.append(set())
-        busy[w] |= ranks
+        nb = b.numel * ParamInfo("", (1,), b.dtype).itemsize
+        w = next((i for i, u in enumerate(used) if all(u[r] + nb <= budget for r in ranks)), len(used))
+        if w == len(used):
+            used.append(Counter())
+        for r in ranks:
+            used[w][r] += nb
         b.wave = w
     local_steps: dict[int, int] = {}
     for b in buckets:
@@ -447,10 +475,10 @@ def _waves(buckets: list[Bucket]) -> tuple[int, int]:
             got[(m.dst, m.start, m.stop)] = s
             b.steps.append(s)
         local_steps[b.index] = 1 + max(b.steps, default=-1)
-    lengths = [0] * len(busy)
+    lengths = [0] * len(used)
     for b in buckets:
         lengths[b.wave] = max(lengths[b.wave], local_steps[b.index])
-    base = [sum(lengths[:w]) for w in range(len(busy))]
+    base = [sum(lengths[:w]) for w in range(len(used))]
     for b in buckets:
         b.steps = [base[b.wave] + s for s in b.steps]
-    return sum(lengths), len(busy)
+    return sum(lengths), len(used)
