@@ -20,6 +20,13 @@ Both sides issue these in the same order (NCCL's rules). The trainer waits only 
 samples after it, and the next collective it meets is the next control broadcast, which the trainer issues
 after its next N steps. A transfer's report (bytes, seconds, rate, fraction of the network bound) goes into the
 step's record (``transfer_*`` fields: the metrics file) and onto its log line.
+
+**A rank that dies** is a peer failure on both sides: the control broadcasts, the planning and the transfers are
+watchdog activities on the trainer's ranks (the trainer's watchdog) and on the generators' (one of their own; the
+wait for the trainer's next message has no time limit, a transfer and its sampling ``--comm-timeout``), so every
+survivor ends with the watchdog's one line naming its rank, what it was doing and that a peer died (exit 1),
+whichever side died. The transfer only reads the trainer's weights, and a step whose transfer failed is not
+saved: the newest complete checkpoint is the last step before it, as the trainer alone would have saved it.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from .config.generators import parse_generator_layouts
 from .config_fields import ConfigError
 from .generation_kv import greedy_kv
 from .inputs import resolve_vocab
+from .launch import PeerFailure, Watchdog, is_communication_error
 from .models import GPTModel
 from .parallel import ParallelContext
 from .parallel.topology import Topology
@@ -169,9 +177,23 @@ def _replica_context(launch: GeneratorLaunch, i: int) -> ParallelContext:
 
 
 def _serve(cfg: Config, launch: GeneratorLaunch, device: torch.device, out: TextIO) -> None:
-    """A generator rank: follow the trainer's control messages; after each transfer sample every prompt."""
+    """A generator rank: follow the trainer's control messages; after each transfer sample every prompt. A peer
+    that dies ends it with its watchdog's line (a `PeerFailure`), as on the trainer's ranks."""
+    dog = Watchdog(cfg.launch.comm_timeout, launch.rank)
+    try:
+        _serve_watched(cfg, launch, device, out, dog)
+    except BaseException as e:
+        if dog.failure is not None and not isinstance(e, PeerFailure):
+            raise PeerFailure(dog.failure) from None
+        raise
+    finally:
+        dog.stop()
+
+
+def _serve_watched(cfg: Config, launch: GeneratorLaunch, device: torch.device, out: TextIO, dog: Watchdog) -> None:
     i = launch.replica_index
-    d = launch.replicas[i]
+    d, me = launch.replicas[i], launch.name(i)
+    everyone = f"collective over all {launch.world} ranks of the launch"
     cfg, tokenizer = resolve_vocab(cfg)
     prompts = read_prompts(cfg, tokenizer)
     ctx = _replica_context(launch, i)
@@ -179,22 +201,28 @@ def _serve(cfg: Config, launch: GeneratorLaunch, device: torch.device, out: Text
     dtype = torch.bfloat16 if mem.bf16 else torch.float16 if mem.fp16 else torch.float32
     wt = model = None
     while True:
-        kind, step = _control(launch, device)
+        with dog.activity(f"{me}: waiting for the trainer's next control message (broadcast from rank 0, "
+                          f"{everyone})", timed=False):  # the trainer trains meanwhile: no time limit
+            kind, step = _control(launch, device)
         if kind == STOP:
             return
         if kind == PLAN:
-            wt = WeightTransfer(launch.replicas, group=launch.world_group, bucket_mb=cfg.generators.transfer_bucket_mb)
+            with dog.activity(f"{me}: planning the weight transfer ({everyone})"):
+                wt = WeightTransfer(launch.replicas, group=launch.world_group,
+                                    bucket_mb=cfg.generators.transfer_bucket_mb)
             mcfg = dataclasses.replace(wt.model_config, hidden_dropout=0.0, attention_dropout=0.0)
             model = GPTModel(mcfg, ctx, seed=cfg.training.seed, device=device, params_dtype=dtype).eval()
             continue
-        report = wt.run(into=model)
+        with dog.activity(f"{me}: weight transfer after iteration {step} ({everyone})"):
+            report = wt.run(into=model)
         samples = []
-        for text, ids in prompts:
-            full = greedy_kv(model, ids, max_new_tokens=cfg.generators.generator_max_new_tokens)
-            samples.append((ids, full))
-            if ctx.tp_rank() == 0:
-                print(f"{launch.name(i)} (step {step}): {text!r} -> {_decode(tokenizer, full[len(ids):])!r}",
-                      file=out, flush=True)
+        with dog.activity(f"{me}: sampling after iteration {step} (its tp group, ranks {list(d.ranks)})"):
+            for text, ids in prompts:
+                full = greedy_kv(model, ids, max_new_tokens=cfg.generators.generator_max_new_tokens)
+                samples.append((ids, full))
+                if ctx.tp_rank() == 0:
+                    print(f"{me} (step {step}): {text!r} -> {_decode(tokenizer, full[len(ids):])!r}",
+                          file=out, flush=True)
         for fn in transfer_observers:
             fn({"step": step, "replica": i, "tp": d.tp, "tp_rank": ctx.tp_rank(), "model": model,
                 "samples": samples, "report": report})
@@ -208,11 +236,12 @@ class _TrainerSide:
         self.wt: WeightTransfer | None = None
 
     def prepare(self, trainer) -> None:
-        _control(self.launch, self.device, PLAN, trainer.iteration)
         g = self.cfg.generators
-        self.wt = WeightTransfer(self.launch.replicas, model=trainer.model, ctx=trainer.ctx,
-                                 optimizer=trainer.optimizer, group=self.launch.world_group,
-                                 bucket_mb=g.transfer_bucket_mb)
+        with trainer._activity(f"planning the weight transfer to the generators ({self._everyone})"):
+            _control(self.launch, self.device, PLAN, trainer.iteration)
+            self.wt = WeightTransfer(self.launch.replicas, model=trainer.model, ctx=trainer.ctx,
+                                     optimizer=trainer.optimizer, group=self.launch.world_group,
+                                     bucket_mb=g.transfer_bucket_mb)
         if self.launch.rank == 0:
             p = self.wt.plan
             names = ", ".join(f"{self.launch.name(i)} on ranks {list(d.ranks)}"
@@ -226,16 +255,27 @@ class _TrainerSide:
         it, last = trainer.iteration, trainer.cfg.training.train_iters
         if it % self.cfg.generators.transfer_interval and it != last:
             return
-        _control(self.launch, self.device, PUSH, it)
         self.wt.refresh_sources(trainer.model, trainer.ctx, trainer.optimizer)
-        with trainer._activity(f"weight transfer after iteration {it} (collective over all "
-                               f"{self.launch.world} ranks of the launch)"):
+        with trainer._activity(f"weight transfer after iteration {it} ({self._everyone})"):
+            _control(self.launch, self.device, PUSH, it)
             r = self.wt.run()
         rec.update(transfer_bytes=r["bytes"], transfer_s=r["seconds"], transfer_gbps=r["rate_gbps"],
                    transfer_bound_s=r["bound_s"], transfer_bound_fraction=r["bound_fraction"])
 
+    @property
+    def _everyone(self) -> str:
+        return f"collective over all {self.launch.world} ranks of the launch"
+
     def finish(self) -> None:
-        _control(self.launch, self.device, STOP, -1)
+        """Tell the generators to stop (after the trainer's watchdog stopped: a dead peer is reported here)."""
+        try:
+            _control(self.launch, self.device, STOP, -1)
+        except Exception as e:
+            if not is_communication_error(e):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise PeerFailure(f"rank {self.launch.rank}: 'telling the generators to stop ({self._everyone})' failed: "
+                              f"{type(e).__name__}: {first} (a peer rank died, stalled or lost its network)") from None
 
 
 def _trainer_nproc(trainer: int) -> str | None:
