@@ -133,6 +133,23 @@ class Setup:
         return bad
 
 
+def _side_bytes(msgs, hosts: dict[int, int]) -> dict[str, int]:
+    """Bytes per host NIC side ("h2 in", "h0 out") of ``(src, dst, nbytes)`` messages between hosts."""
+    out: dict[str, int] = {}
+    for a, b, n in msgs:
+        if hosts[a] != hosts[b]:
+            out[f"h{hosts[a]} out"] = out.get(f"h{hosts[a]} out", 0) + n
+            out[f"h{hosts[b]} in"] = out.get(f"h{hosts[b]} in", 0) + n
+    return out
+
+
+def _numel(region: Region) -> int:
+    n = 1
+    for a, b in region:
+        n *= b - a
+    return n
+
+
 def _wait_all(ops: list) -> None:
     if ops:
         for w in dist.batch_isend_irecv(ops):
@@ -147,6 +164,11 @@ class Planned:
         self.plan = plan_weight_transfer(s.params, s.source, s.replicas, s.hosts, bucket_mb=bucket_mb, network=net)
         self.exe = TransferExecutor(self.plan)
         self.last: dict[str, Any] = {}
+
+    def nic_bytes(self) -> dict[str, int]:
+        item = {b.index: ParamInfo("", (1,), b.dtype).itemsize for b in self.plan.buckets}
+        return _side_bytes([(m.src, m.dst, (m.stop - m.start) * item[b.index]) for b in self.plan.buckets
+                            for m in b.msgs], self.s.hosts)
 
     def run(self) -> dict[str, torch.Tensor]:
         dests = self.s.fresh_dests()
@@ -172,6 +194,11 @@ class PerParam:
                 b.name == n for rep in s.replicas for b in rep.boxes.get(d, []))]) for n in names])
         for k in range(max(len(x) for x in per_stage)):
             self.steps.append([x[k] for x in per_stage if k < len(x)])
+
+    def nic_bytes(self) -> dict[str, int]:
+        s = self.s
+        return _side_bytes([(sender, d, s.by_name[name].nbytes) for step in self.steps
+                            for name, sender, _, dsts in step for d in dsts], s.hosts)
 
     def run(self) -> dict[str, torch.Tensor]:
         s, me = self.s, self.s.rank
@@ -229,6 +256,10 @@ class RoundRobin:
                     hs = sorted(holders)
                     self.msgs.append((p.name, tuple((x.start, x.stop) for x in sl), hs[d % len(hs)], d))
 
+    def nic_bytes(self) -> dict[str, int]:
+        s = self.s
+        return _side_bytes([(a, b, _numel(reg) * s.by_name[n].itemsize) for n, reg, a, b in self.msgs], s.hosts)
+
     def run(self) -> dict[str, torch.Tensor]:
         s, me = self.s, self.s.rank
         dests = s.fresh_dests()
@@ -258,12 +289,16 @@ class DCP:
         self.s, self.root, self.save_group, self.load_group = s, root, save_group, load_group
         self.n = 0
         self.phases: dict[str, float] = {}
+        self.copied: list[tuple[int, int, int]] = []  # (from, to, bytes) of the last copy
         self.host_head = {}
         for r in s.dst_ranks:
             self.host_head.setdefault(s.hosts[r], r)
 
     def _boxes(self, regions: dict[str, Region]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         return {f"model.{n}": (self.s.by_name[n].shape, tuple(a for a, _ in reg)) for n, reg in regions.items()}
+
+    def nic_bytes(self) -> dict[str, int]:
+        return _side_bytes(self.copied, self.s.hosts)
 
     def _copy(self, src_dir: str, dst_dir: str) -> None:
         """Every file of ``src_dir`` from the trainer rank that wrote it to each generator host's head rank."""
@@ -272,9 +307,11 @@ class DCP:
                    if me == TRAINER[0] else None]
         dist.broadcast_object_list(listing, TRAINER[0])
         ops, into = [], []
+        self.copied = []
         for f, size in listing[0]:
             owner = TRAINER[int(f[2:].split("_")[0])] if f.startswith("__") else TRAINER[0]
             for h, head in sorted(self.host_head.items()):
+                self.copied.append((owner, head, size))
                 if me == owner:
                     with open(os.path.join(src_dir, f), "rb") as fh:
                         data = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
@@ -498,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                 samples = sampler.stop() if sampler is not None else []
                 got: list[Any] = [None] * world
                 dist.all_gather_object(got, (hosts[me], samples) if sampler is not None else None)
+                nic = m.nic_bytes()
+                box.update(nic_bytes=nic, bound_s=max(nic.values(), default=0) * 8 / (gbps * 1e9))
                 box.update(seconds=statistics.median(times), repeats=times, wrong_elements=int(bad.item()),
                            traced_s=traced, nic_samples={str(h): relative(smp, t_start) for x in got if x
                                                          for h, smp in [x]})
@@ -530,24 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def ratios(entry: dict[str, Any]) -> dict[str, float]:
-    """The issue's ratios for one shape, from its JSON entry."""
-    m = entry["methods"]
-    ours = m["planned"]["seconds"]
-    out = {"planned_over_bound": ours / entry["plan"]["bound_s"], "planned_over_floor": ours / entry["floor_s"]}
-    for k in ("per_param", "round_robin", "dcp"):
-        if k in m:
-            out[f"{k}_over_planned"] = m[k]["seconds"] / ours
-    return out
-
-
 def summarize(doc: dict[str, Any]) -> None:
-    for sh, e in doc["shapes"].items():
-        if "planned" not in e["methods"]:
-            continue
-        r = ratios(e)
-        print(f"shape {sh}: planned {e['methods']['planned']['seconds']:.3f} s, bound {e['plan']['bound_s']:.3f} s, "
-              f"floor {e['floor_s']:.3f} s; " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()), flush=True)
+    from lab.bench.transfer_report import verdicts
+
+    for v in verdicts(doc):
+        print(f"shape {v['shape']}: {v['target']} {v['value']:.2f} (limit {v['limit']:g}): "
+              f"{'holds' if v['met'] else 'MISSED'}", flush=True)
 
 
 if __name__ == "__main__":
