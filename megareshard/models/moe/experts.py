@@ -14,8 +14,10 @@ way a matrix is one ``expert_gemm.expert_linear``, whose weight gradient a pipel
 gradients runs in W, as the dense linear layers' (the module's ``wgrad_store``).
 
 Parameter attributes: ``expert_parallel`` (True), ``expert_partition_dim`` (0: experts over ep),
-``expert_tp_partition_dim`` (the dim split over etp, or -1) and ``expert_box`` (global shape and offset of this
-shard in the full ``[E, ...]`` tensor: what checkpoints and ZeRO's optimizer shards record). When etp equals tp and ep is 1 they are also
+``expert_tp_partition_dim`` (the dim split over etp, or -1), ``expert_width_dim`` (the dim an etp > 1 splits, or
+-1, whatever this layout's etp: live weight transfer describes other layouts with it) and ``expert_box`` (global
+shape and offset of this shard in the full ``[E, ...]`` tensor: what checkpoints and ZeRO's optimizer shards
+record). When etp equals tp and ep is 1 they are also
 marked like any tensor-parallel weight (``tensor_model_parallel``, ``partition_dim``): the trainer, the
 gradient reduction over dp and checkpoints then treat them as the dense weights they equal in layout.
 """
@@ -91,6 +93,7 @@ class GroupedExperts(nn.Module):
                 set_tensor_model_parallel_attributes(p, dense_like and split, dim if dense_like and split else -1)
                 p.expert_parallel, p.expert_partition_dim = True, 0
                 p.expert_tp_partition_dim = dim if split else -1
+                p.expert_width_dim = dim   # the dim etp splits when > 1, whatever this layout's etp (weight transfer)
                 gshape, goff = list(p.shape), [0] * p.dim()
                 gshape[0], goff[0] = E, first
                 if split:

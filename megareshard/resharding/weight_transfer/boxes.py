@@ -8,8 +8,18 @@ vocabulary padding cut off, exactly as `checkpoint/state.py`'s ``_model_box`` / 
 is ``output_layer.weight`` holding the word embedding's box).
 
 `layout_boxes` describes a GPT layout analytically (tp, pp with virtual stages, dp, ZeRO-3 row chunks, padded
-vocabulary) for the planner's own tests and for destinations; a running trainer's source boxes are read from its
-parameters instead (`megareshard.transfer`), so the planner never guesses how the trainer split anything.
+vocabulary, and the MoE expert tensors' split over ep and etp) for the planner's own tests and for destinations; a
+running trainer's source boxes are read from its parameters instead (`megareshard.transfer`), so the planner never
+guesses how the trainer split anything.
+
+**Expert tensors** (``ParamInfo.expert_dim`` not None): an MoE layer's stacked expert weights ``[E, out, in]`` and
+biases ``[E, out]`` (`models/moe/experts.py`). Their description is layout-independent: the global ``[E, ...]``
+shape, ``partition_dim`` -1, and ``expert_dim`` the dim expert tensor parallelism splits (``fc1``/``fc1_gate``/
+``fc1_up``: 1, ``fc2.weight``: 2, ``fc2.bias``: -1, not split). A stage's ``tp × dp`` ranks ``j = dp_rank · tp +
+tp_rank`` are read as the expert grid of `parallel/expert_topology.py` (etp innermost, then ep, then edp): rank j
+holds experts ``[ep_rank · E/ep, (ep_rank + 1) · E/ep)`` and, on ``expert_dim``, its etp rank's ``1/etp`` — exactly
+the ``expert_box`` every expert parameter carries (tests/resharding/test_weight_transfer_boxes.py builds the models
+at many layouts and compares).
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ class ParamInfo:
     dtype: str  # torch dtype name without ``torch.``: float32, bfloat16, ...
     partition_dim: int = -1  # the dim tensor parallelism splits (-1: replicated over tp)
     vocab_padded: bool = False  # dim 0 is a vocabulary padded to a multiple of divisible_by × tp
+    expert_dim: int | None = None  # an MoE expert tensor [E, ...]: the dim etp splits (-1: none); None: not one
 
     @property
     def itemsize(self) -> int:
@@ -141,17 +152,54 @@ def _cut(p: ParamInfo, region: list[tuple[int, int]]) -> tuple[tuple[int, int], 
     return tuple(out)
 
 
+def _expert_region(p: ParamInfo, j: int, ep: int, etp: int) -> tuple[tuple[int, int], ...]:
+    """The box of expert tensor ``p`` on the stage's rank ``j`` (= dp_rank · tp + tp_rank) of an (ep, etp) grid."""
+    region = [(0, s) for s in p.shape]
+    e = p.shape[0] // ep
+    ep_rank, etp_rank = (j // etp) % ep, j % etp
+    region[0] = (ep_rank * e, (ep_rank + 1) * e)
+    if p.expert_dim is not None and p.expert_dim >= 0 and etp > 1:
+        w = p.shape[p.expert_dim] // etp
+        region[p.expert_dim] = (etp_rank * w, (etp_rank + 1) * w)
+    return tuple(region)
+
+
+def _check_experts(params: list[ParamInfo], tp: int, dp: int, ep: int, etp: int, zero3: bool) -> None:
+    """One line with the numbers when the expert tensors cannot be split over (ep, etp) in a tp × dp stage."""
+    experts = [p for p in params if p.expert_dim is not None]
+    if ep < 1 or etp < 1:
+        raise ValueError(f"expert-parallel size {ep} and expert-tensor-parallel size {etp} must be >= 1")
+    if not experts:
+        return
+    if (tp * dp) % (ep * etp):
+        raise ValueError(f"ep {ep} × etp {etp} = {ep * etp} does not divide the {tp * dp} ranks of a stage "
+                         f"(tp {tp} × dp {dp})")
+    if zero3 and dp > 1:
+        raise ValueError("ZeRO-3 row chunks of expert tensors are not described (the trainer refuses MoE at ZeRO-3)")
+    for p in experts:
+        if p.shape[0] % ep:
+            raise ValueError(f"parameter {p.name}: {p.shape[0]} experts are not divisible by expert-parallel size {ep}")
+        d = p.expert_dim
+        if d >= 0 and etp > 1 and p.shape[d] % etp:
+            raise ValueError(f"parameter {p.name}: dim {d} of size {p.shape[d]} is not divisible by "
+                             f"expert-tensor-parallel size {etp}")
+
+
 def layout_boxes(params: Iterable[ParamInfo], ranks: Sequence[int], *, tp: int = 1, pp: int = 1, dp: int = 1,
                  virtual: int = 1, zero3: bool = False, divisible_by: int = 128, num_layers: int | None = None,
-                 tied: bool = True, layer_ranges: Sequence[tuple[int, int]] | None = None) -> dict[int, list[Box]]:
+                 tied: bool = True, layer_ranges: Sequence[tuple[int, int]] | None = None, ep: int = 1,
+                 etp: int | None = None) -> dict[int, list[Box]]:
     """Per rank of ``ranks``, the boxes a GPT in layout (tp, pp, dp) holds. Ranks are placed tp innermost, then dp,
     then pp (the default order ``tp-dp-pp``): ``ranks[tp_rank + tp·(dp_rank + dp·pp_rank)]``. With ``virtual`` V
     there are pp·V stages, stage s on pp rank s mod pp (interleaved). ``zero3``: each dp rank holds its row chunk
     of the tp slice (else the whole slice, on every dp replica). Tied embeddings with pp·V > 1: the last stage
-    holds the word embedding as its ``output_layer.weight``. ``layer_ranges``: layers of each stage (default even)."""
+    holds the word embedding as its ``output_layer.weight``. ``layer_ranges``: layers of each stage (default even).
+    MoE expert tensors are split over ``ep`` and ``etp`` (default tp) inside each stage (module docstring)."""
     params = list(params)
     if tp < 1 or pp < 1 or dp < 1 or virtual < 1:
         raise ValueError(f"tp {tp}, pp {pp}, dp {dp} and virtual stages {virtual} must all be >= 1")
+    etp = tp if etp is None else etp
+    _check_experts(params, tp, dp, ep, etp, zero3)
     need = tp * pp * dp
     if len(ranks) != need:
         raise ValueError(f"layout tp {tp} × pp {pp} × dp {dp} needs {need} ranks, got {len(ranks)} ({list(ranks)})")
@@ -175,6 +223,10 @@ def layout_boxes(params: Iterable[ParamInfo], ranks: Sequence[int], *, tp: int =
             pr = st % pp
             for d in range(dp):
                 for t in range(tp):
+                    if p.expert_dim is not None:
+                        cut = _expert_region(p, d * tp + t, ep, etp)
+                        out[ranks[t + tp * (d + dp * pr)]].append(Box(p.name, cut))
+                        continue
                     region = _tp_region(p, tp, t, divisible_by)
                     if zero3 and dp > 1:
                         region = _zero3_rows(region, dp, d)
