@@ -41,9 +41,14 @@ rendezvous of their own, the trainer's ranks first; every member then builds the
 
 The group is made on a ``TCPStore`` of its own (rank 0 serves it on ``host:port``), gloo or NCCL (``backend``),
 and is not registered in torch's world: ``dist.get_world_size()`` and every group each job has stay as they were,
-and a process with no default group can join (`resharding/weight_transfer/group.py` says how and why). Its
-``timeout`` bounds every operation on it: a member that dies fails the others' transfer within it. Under
+and a process with no default group can join (`resharding/weight_transfer/group.py` says how and why). Under
 ``MEGARESHARD_NCCL_CHECK=DIR`` its operations are recorded in ``DIR/group-<name>/`` in transfer-group ranks.
+
+**A member that dies** (or stops answering) fails every other member's `run` with `TransferFailed` (naming its rank
+and the step, or the final all-reduce): at once where it talks to the dead rank, within the group's ``timeout``
+otherwise (a joined group's is `join_transfer_group`'s; gloo keeps a failed member's connections open until its
+process ends). The sources were only read, and the callers' own groups are untouched: a trainer can carry on, and
+join a new group with the generators that are left.
 """
 from __future__ import annotations
 
@@ -61,22 +66,32 @@ from .models.hf import hf_model_type, state_dict_to_hf
 from .resharding.network import NetworkModel
 from .resharding.weight_transfer import (Box, ParamInfo, Replica, TransferExecutor, TransferPlan, layout_boxes,
                                          plan_weight_transfer)
+from .resharding.weight_transfer.execute import TransferFailed
 from .resharding.weight_transfer.group import group_rank, join_transfer_group, leave_transfer_group
 
-__all__ = ["Destination", "WeightTransfer", "source_boxes", "destination_boxes", "join_transfer_group",
-           "leave_transfer_group"]
+__all__ = ["Destination", "WeightTransfer", "TransferFailed", "source_boxes", "destination_boxes",
+           "join_transfer_group", "leave_transfer_group"]
 
 
 @dataclass(frozen=True)
 class Destination:
     """One destination replica: its name, its ranks (of the transfer group), its layout. Ranks are placed tp
-    innermost, then pp; ``layer_ranges`` the layers of each pipeline stage (default: even)."""
+    innermost, then pp; ``layer_ranges`` the layers of each pipeline stage (default: even). An MoE model's experts
+    are split inside each stage's tp ranks over ``ep`` (default 1: every rank holds all experts) and ``etp``
+    (default tp, Megatron's default), as `ParallelContext.create` splits them (``ep × etp`` divides tp)."""
 
     name: str
     ranks: tuple[int, ...]
     tp: int = 1
     pp: int = 1
     layer_ranges: tuple[tuple[int, int], ...] | None = None
+    ep: int = 1
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert-tensor-parallel size in force (``etp``, default tp)."""
+        return self.tp if self.etp is None else self.etp
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -97,7 +112,11 @@ def source_boxes(model: torch.nn.Module, ctx, optimizer=None) -> tuple[list[Para
         rows = getattr(p, "unpadded_rows", None)
         shape = (rows, *tuple(gs)[1:]) if rows is not None else tuple(gs)
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
-        infos.append(ParamInfo(name, tuple(int(s) for s in shape), _dtype_name(t), int(dim), rows is not None))
+        expert = getattr(p, "expert_width_dim", None) if getattr(p, "expert_parallel", False) else None
+        if expert is not None:   # described layout-independently: [E, ...], the dim etp splits (boxes.py)
+            dim = -1
+        infos.append(ParamInfo(name, tuple(int(s) for s in shape), _dtype_name(t), int(dim), rows is not None,
+                               None if expert is None else int(expert)))
         piece = _cut(t.detach(), gs, go, rows)
         if piece is None:
             continue
@@ -119,13 +138,30 @@ def _check_destination(d: Destination, cfg: ModelConfig) -> None:
                          f"{len(d.ranks)} ({list(d.ranks)})")
     if d.pp > cfg.num_layers:
         raise ValueError(f"destination {d.name}: pp {d.pp} exceeds the model's {cfg.num_layers} layers")
+    ep, etp = d.ep, d.expert_tp
+    if ep < 1 or etp < 1:
+        raise ValueError(f"destination {d.name}: ep {ep} and etp {etp} must be >= 1")
+    if cfg.num_experts is None:
+        if ep != 1 or d.etp is not None:
+            raise ValueError(f"destination {d.name}: ep {ep} / etp {etp} given but the model has no experts")
+        return
+    f = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+    if d.tp % (ep * etp):
+        raise ValueError(f"destination {d.name}: ep {ep} × etp {etp} = {ep * etp} does not divide its tp {d.tp} (the "
+                         f"experts are split inside each stage's tp ranks; e.g. ep {ep} with etp {d.tp // ep or 1})")
+    if cfg.num_experts % ep or f % etp:
+        raise ValueError(f"destination {d.name}: {cfg.num_experts} experts of width {f} cannot be split over ep {ep} "
+                         f"× etp {etp}")
 
 
 def destination_boxes(d: Destination, params: Sequence[ParamInfo], cfg: ModelConfig) -> dict[int, list[Box]]:
-    """The boxes each rank of destination ``d`` needs: a GPTModel of ``cfg`` at (tp, pp) on its ranks."""
+    """The boxes each rank of destination ``d`` needs: a GPTModel of ``cfg`` at (tp, pp) on its ranks, its experts
+    at (ep, etp) (a context of ``ParallelContext.create(Topology(tp · pp, tp=tp, pp=pp), expert_model_parallel_size=ep,
+    expert_tensor_parallel_size=etp)``)."""
     _check_destination(d, cfg)
     return layout_boxes(params, list(d.ranks), tp=d.tp, pp=d.pp, divisible_by=cfg.make_vocab_size_divisible_by,
-                        num_layers=cfg.num_layers, tied=cfg.tied_embeddings, layer_ranges=d.layer_ranges)
+                        num_layers=cfg.num_layers, tied=cfg.tied_embeddings, layer_ranges=d.layer_ranges, ep=d.ep,
+                        etp=d.expert_tp)
 
 
 def _model_cfg(model) -> ModelConfig | None:
@@ -243,14 +279,23 @@ class WeightTransfer:
     def hf_pairs(self) -> list[tuple[str, torch.Tensor]]:
         """This destination rank's weights from the last `run` (without ``into``) as ``(hugging_face_name, tensor)``
         pairs (Llama or GPT-2 names and layouts, fp32 as `state_dict_to_hf` gives them); a tp > 1 rank gets its
-        shard of each tensor. pp > 1 destinations hand out no pairs (a stage is not a loadable model)."""
+        shard of each tensor. pp > 1 destinations hand out no pairs (a stage is not a loadable model). An MoE model's
+        pairs are Mixtral's or Qwen3-MoE's names (`models/hf_moe.py`) and need whole experts on the rank (ep 1,
+        etp 1: per-expert Hugging Face tensors have no expert-parallel or width shard)."""
         d = self.destination()
         if d is None or not self.received:
             raise ValueError(f"rank {self.rank} received no weights (not a destination, or run(into=...) was used)")
         if d.pp != 1:
             raise ValueError(f"destination {d.name} has pp {d.pp}: Hugging Face pairs need pp 1")
         cfg = self.model_config
-        hf_model_type(cfg)
+        kind = hf_model_type(cfg)
+        if cfg.num_experts is not None:
+            if kind not in ("mixtral", "qwen3_moe"):
+                raise ValueError(f"destination {d.name}: Hugging Face pairs of an MoE model need the Mixtral / "
+                                 f"Qwen3-MoE mapping, which models/hf.py does not have here (it maps it as {kind})")
+            if d.ep != 1 or d.expert_tp != 1:
+                raise ValueError(f"destination {d.name}: Hugging Face pairs of an MoE model need whole experts on "
+                                 f"every rank (ep 1, etp 1); it has ep {d.ep}, etp {d.expert_tp}")
         sd = {n: t for n, t in self.received.items() if n in {p.name for p in self.plan.params}}
         if d.tp > 1:
             # the rank's shard: its heads and groups, the same head width

@@ -4,7 +4,9 @@ torch.distributed world at all, tp 1), started independently, join one transfer 
 own on 127.0.0.1. After the transfer every generator's GPTModel holds the trainer's weights bitwise, cut to its
 layout (vocabulary padding zero); each job's world is as it was (its size, its registered groups, an all-reduce
 over it still works); the trainer's weights are untouched; and NCCL's checking mode saw the transfer's operations
-(the joined group's record, both jobs' files together, passes the check)."""
+(the joined group's record, both jobs' files together, passes the check). A generator process that dies as the
+transfer starts fails the trainer's `run` with `TransferFailed` (its rank, the step), within the group's timeout;
+the trainer's weights and world carry on."""
 from __future__ import annotations
 
 import shutil
@@ -143,3 +145,83 @@ def test_generators_in_separate_launches_join_the_trainer(tmp_path):
             shutil.copy(f, merged / f.name)
     assert sorted(f.name for f in merged.iterdir()) == [f"rank{r}.json" for r in range(T + G)]
     assert check_logs(str(merged)) == []
+
+
+# ---- a generator process that dies mid-transfer -------------------------------------------------------------------
+def _trainer_survives(rank: int, world: int, port: int, members: int):
+    """The trainer's side when a generator dies: `run` raises TransferFailed within the group's timeout; the
+    trainer's weights are as they were and its own world carries on."""
+    import time
+
+    from megareshard.parallel import ParallelContext
+    from megareshard.parallel.topology import Topology
+    from megareshard.transfer import Destination, TransferFailed, WeightTransfer, join_transfer_group
+    ctx = ParallelContext.create(Topology(world, pp=2, nproc_per_node=world))
+    model, opt = _source(_cfg(False), ctx, 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    group = join_transfer_group("127.0.0.1", port, rank, members, timeout=DEAD_TIMEOUT_S)
+    wt = WeightTransfer([Destination(f"g{r}", (r,)) for r in range(T, members)], model=model, ctx=ctx,
+                        group=group, bucket_mb=BUCKET_MB)
+    t0 = time.monotonic()
+    try:
+        wt.run()
+        error = None
+    except TransferFailed as e:
+        error = str(e)
+    waited = time.monotonic() - t0
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    ctx.destroy()
+    return {"error": error, "waited": waited, "sum": one.item(), "untouched": untouched}
+
+
+def _dying_generator(rank: int, world: int, port: int, members: int):
+    """Two bare generator processes (tp 1 replicas, no world of their own); the second dies as the transfer starts."""
+    import os
+    import signal
+
+    from megareshard.transfer import Destination, TransferFailed, WeightTransfer, join_transfer_group
+    group = join_transfer_group("127.0.0.1", port, T + rank, members, timeout=DEAD_TIMEOUT_S)
+    wt = WeightTransfer([Destination(f"g{r}", (r,)) for r in range(T, members)], group=group, bucket_mb=BUCKET_MB)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        wt.run()
+        return None
+    except TransferFailed as e:
+        return str(e)
+
+
+DEAD_TIMEOUT_S = 8
+
+
+def test_a_generator_that_dies_fails_the_transfer_not_the_trainer():
+    from tests.harness import RankFailure
+
+    port, members = free_port(), T + 2
+    res: dict[str, object] = {}
+
+    def launch(key, fn, n, **kw):
+        try:
+            res[key] = run_ranks(fn, n, port, members, timeout=90, **kw)
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            res[key] = e
+
+    threads = [threading.Thread(target=launch, args=("trainer", _trainer_survives, 2)),
+               threading.Thread(target=launch, args=("gen", _dying_generator, 2), kwargs={"init_group": False})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if isinstance(res["trainer"], BaseException):
+        raise res["trainer"]
+    gen = res["gen"]
+    assert isinstance(gen, RankFailure), gen  # its rank 1 was killed
+    story = str(gen)
+    assert "----- rank 1 -----\nprocess exited with code -9" in story and "rank 0 -----" not in story, story
+    for r, out in enumerate(res["trainer"]):
+        assert out["error"] is not None and out["error"].startswith(f"rank {r} of the transfer group failed in "), out
+        assert "(a peer rank died, stalled or lost its network)" in out["error"], out
+        assert out["waited"] < DEAD_TIMEOUT_S + 5, out  # no hang: the group's timeout bounds it
+        assert out["sum"] == 2.0 and out["untouched"], out

@@ -27,11 +27,18 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from ...launch.watchdog import is_communication_error
 from ...parallel.nccl_check import set_label, set_op_labels
 from .group import group_backend, group_rank, post_ops
 from .plan import Region, TransferPlan
 
-__all__ = ["TransferExecutor"]
+__all__ = ["TransferExecutor", "TransferFailed"]
+
+
+class TransferFailed(RuntimeError):
+    """A transfer's operation failed because a member of the group died, stalled (the group's timeout) or was cut
+    off; the message names this rank and the step (its peers) or the final all-reduce. The group is unusable
+    afterwards; the sources were only read."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -122,10 +129,14 @@ class TransferExecutor:
                     labels.append(f"wt{plan.key[:8]}/b{bi}/m{j}")
                     works_of.append(bi)
                 set_op_labels(labels)
-                works = post_ops(ops, self.group)
-                set_op_labels(None)
-                for w in works:
-                    w.wait()
+                try:
+                    for w in post_ops(ops, self.group):
+                        w.wait()
+                except Exception as e:
+                    self._failed(e, f"its step {step} of {plan.num_steps} (messages with ranks "
+                                    f"{sorted({p for _, _, p in ops})})")
+                finally:
+                    set_op_labels(None)
                 for bi in dict.fromkeys(works_of):
                     if self.last_step[bi] == step:
                         b = plan.buckets[bi]
@@ -140,8 +151,12 @@ class TransferExecutor:
         mine = time.perf_counter() - t0
         slowest = torch.tensor([mine], dtype=torch.float64, device=self.device)
         set_label(f"wt{plan.key[:8]}/time")
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-        set_label(None)
+        try:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as e:
+            self._failed(e, "the final all-reduce of the slowest rank's time (every rank of the group)")
+        finally:
+            set_label(None)
         seconds = float(slowest.item())
         bound = plan.lower_bound_s()
         return {"bytes": plan.wire_bytes, "delivered_bytes": plan.delivered_bytes, "seconds": seconds,
@@ -149,6 +164,14 @@ class TransferExecutor:
                 "bound_s": bound, "bound_fraction": bound / seconds if seconds > 0 and bound > 0 else None,
                 "buckets": len(plan.buckets), "steps": plan.num_steps, "rank_seconds": mine,
                 "rank_staging_bytes": peak}
+
+    def _failed(self, e: Exception, where: str) -> None:
+        """Raise a communication error as `TransferFailed`, naming this rank and where in the plan it was."""
+        if not is_communication_error(e):
+            raise e
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise TransferFailed(f"rank {self.rank} of the transfer group failed in {where}: {type(e).__name__}: "
+                             f"{first} (a peer rank died, stalled or lost its network)") from e
 
     def _stage(self, b, sources: Mapping[str, torch.Tensor], pack: bool) -> torch.Tensor:
         """The bucket's flat buffer: packed from this rank's source boxes when it is the bucket's sender."""
