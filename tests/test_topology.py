@@ -104,6 +104,32 @@ def test_show_topology_table_and_errors(capsys):
     assert code == 0 and set(recs[0]) == {"rank", "host", "local_rank", "tp_rank", "pp_rank", "dp_rank", "mp_rank"}
 
 
+def test_show_topology_expert_groups_with_num_experts(capsys):
+    # --num-experts alone (ep 1, etp = tp): the groups are listed, each rank holds all 8 experts' half widths
+    code, out, _ = _show_topology(["--world-size", "4", "--tp", "2", "--num-experts", "8"], capsys)
+    assert code == 0 and "expert groups (ep 1 × etp 2 × edp 2 per pipeline stage):" in out
+    assert "8 experts per MoE layer, 8 per rank, each expert's width in 2 slice(s):" in out
+    assert "r1[ep0 etp1 edp0 experts 0-7]" in out and "edp    expert-data-parallel" in out and "[0,2] [1,3]" in out
+    # ep 4 · etp 1 on tp 2 · dp 4: Megatron-Core's grid (etp, then ep, then edp over j = dp·tp + tp)
+    argv = ["--world-size", "8", "--tp", "2", "--num-experts", "8", "--expert-model-parallel-size", "4",
+            "--expert-tensor-parallel-size", "1"]
+    code, out, _ = _show_topology(argv, capsys)
+    assert code == 0 and "r5[ep1 etp0 edp1 experts 2-3]" in out and "ep     expert-parallel (token all-to-all): " \
+        "[0,1,2,3] [4,5,6,7]" in out and "[0,4] [1,5] [2,6] [3,7]" in out
+    code, out, _ = _show_topology(argv + ["--json"], capsys)
+    rec = json.loads(out)[5]
+    assert code == 0 and (rec["ep"], rec["etp"], rec["edp"], rec["experts"]) == (1, 0, 1, [2, 4])
+    code, _, err = _show_topology(["--world-size", "4", "--num-experts", "6", "--expert-model-parallel-size", "4"],
+                                  capsys)
+    assert code == 2 and err == "error: --num-experts 6 is not a positive multiple of --expert-model-parallel-size 4\n"
+    # the trainer's rank map: the same coordinates, the experts held
+    from megareshard.launch import RankInfo, rank_map_table
+    topo = Topology(8, tp=2, nproc_per_node=4)
+    table = rank_map_table([RankInfo(r, f"node{r // 4}", r % 4, 100 + r) for r in range(8)], topo, (4, 1, 8))
+    assert "experts ep 4 × etp 1 × edp 2, 8 per MoE layer, 2 per rank" in table
+    assert "r5[pp0 tp1 dp2 ep1 etp0 edp1 experts 2-3]" in table
+
+
 def test_show_topology_stage_layouts(capsys):
     code, out, _ = _show_topology(["--world-size", "8", "--nproc-per-node", "4", "--stage-layouts", "tp1dp4,tp2dp2"],
                                   capsys)

@@ -6,6 +6,12 @@
     python tools/show_topology.py --world-size 8 --nproc-per-node 4 --stage-layouts tp1dp4,tp2dp2
     python tools/show_topology.py --world-size 256 --nproc-per-node 8 --tp 8 --pp 8 --communicators
     python tools/show_topology.py --world-size 8 --nproc-per-node 4 --tp 2 --expert-model-parallel-size 2
+    python tools/show_topology.py --world-size 8 --tp 2 --num-experts 8 --expert-model-parallel-size 4 \
+        --expert-tensor-parallel-size 1    # MoE: each rank's expert coordinates and experts, the expert groups
+
+The expert groups (ep, etp, edp, etp × ep: Megatron-Core's order inside each pipeline stage) are listed when
+--num-experts is given (whatever ep and etp, the defaults 1 and --tp included) or ep / etp differ from the
+defaults; with --num-experts every rank's record also says which experts it holds.
 
 Without --order the order comes from per-layer communication volume (docs/design.md §1) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
@@ -42,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                         "sender and receiver set, the NCCL rule) for --reshard-strategy")
     p.add_argument("--reshard-strategy", default="broadcast", choices=strategy_names(planned=True))
     p.add_argument("--sequence-parallel", action="store_true", help="hidden states sharded over tp (S1,S0,R)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="MoE: experts per MoE layer; the expert groups and each rank's experts are listed")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="MoE: expert-parallel degree (ep); the expert groups are listed")
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -63,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         order = a.order or volume.order()
         topo = Topology(a.world_size, tp=a.tp, pp=a.pp, nproc_per_node=a.nproc_per_node, order=order,
                         keep_tp_in_host=a.keep_tp_in_host)
-        ep, etp = a.expert_model_parallel_size, a.expert_tensor_parallel_size
-        experts = ep > 1 or (etp is not None and etp != a.tp)
+        ep, etp, E = a.expert_model_parallel_size, a.expert_tensor_parallel_size, a.num_experts
+        experts = E is not None or ep > 1 or (etp is not None and etp != a.tp)
         etp = a.tp if etp is None else etp
+        if E is not None and (E < 1 or E % ep):
+            raise TopologyError(f"--num-experts {E} is not a positive multiple of --expert-model-parallel-size {ep}")
         groups = expert_groups(topo, ep, etp) if experts else None
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -74,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         records = topo.records(sagemaker=a.sagemaker)
         if experts:
             for r in records:
-                r.update({k: v for k, v in expert_coords(topo, r["rank"], ep, etp).items() if k != "pp"})
+                c = expert_coords(topo, r["rank"], ep, etp)
+                r.update({k: v for k, v in c.items() if k != "pp"})
+                if E is not None:
+                    r["experts"] = [c["ep"] * (E // ep), (c["ep"] + 1) * (E // ep)]   # [first, stop)
         print(json.dumps(records, indent=1))
         return 0
     if a.order is None:
@@ -84,19 +97,33 @@ def main(argv: list[str] | None = None) -> int:
     spans = {axis: hosts_spanned(topo, axis) for axis in ("tp", "dp", "pp")}
     print("hosts spanned by the widest group: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
     if groups is not None:
-        print(expert_group_lines(topo, groups, ep, etp))
+        print(expert_group_lines(topo, groups, ep, etp, E))
     if a.communicators:
         print(count_communicators(topo, a.seq_length, a.micro_batch_size, a.hidden_size, a.reshard_strategy,
                                   a.sequence_parallel))
     return 0
 
 
-def expert_group_lines(topo: Topology, groups: dict[str, list[tuple[int, ...]]], ep: int, etp: int) -> str:
+def expert_group_lines(topo: Topology, groups: dict[str, list[tuple[int, ...]]], ep: int, etp: int,
+                       num_experts: int | None = None) -> str:
     """The expert groups of an MoE layout (Megatron-Core's order: etp innermost, then ep, then edp), each family's
-    groups and the most hosts one of them spans (the ep group's all-to-all is the traffic to keep in a host)."""
+    groups and the most hosts one of them spans (the ep group's all-to-all is the traffic to keep in a host); with
+    ``num_experts`` also each rank's expert coordinates and the experts it holds (of every MoE layer)."""
     edp = topo.tp * topo.dp // (ep * etp)
     host = {r: topo.coords(r).host for r in range(topo.world_size)}
     lines = [f"expert groups (ep {ep} × etp {etp} × edp {edp} per pipeline stage):"]
+    if num_experts is not None:
+        per = num_experts // ep
+        cells = []
+        for r in range(topo.world_size):
+            c = expert_coords(topo, r, ep, etp)
+            held = f"{c['ep'] * per}" if per == 1 else f"{c['ep'] * per}-{(c['ep'] + 1) * per - 1}"
+            cells.append(f"r{r}[ep{c['ep']} etp{c['etp']} edp{c['edp']} experts {held}]")
+        width = f", each expert's width in {etp} slice(s)" if etp > 1 else ""
+        lines.append(f"  {num_experts} experts per MoE layer, {per} per rank{width}:")
+        lines += ["    " + " ".join(cells[i:i + 4]) for i in range(0, min(len(cells), 32), 4)]
+        if len(cells) > 32:
+            lines.append(f"    … ({len(cells)} ranks; --json lists every one)")
     names = {"ep": "expert-parallel (token all-to-all)", "etp": "expert-tensor-parallel",
              "edp": "expert-data-parallel (expert gradients reduced here only)",
              "etp_ep": "etp × ep (all-gather dispatcher, token counts)"}

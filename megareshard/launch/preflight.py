@@ -103,15 +103,24 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def rank_map_table(infos: list[RankInfo], topo: Topology, experts: tuple[int, int] | None = None) -> str:
+def rank_map_table(infos: list[RankInfo], topo: Topology, experts: tuple[int, ...] | None = None) -> str:
     """One line per host: which ranks it runs and each one's (pp stage, tp, dp) coordinates; with ``experts``
-    (ep, etp) of an MoE run also its expert coordinates (etp, ep, edp: parallel/expert_topology.py)."""
+    (ep, etp) or (ep, etp, num_experts) of an MoE run also its expert coordinates (etp, ep, edp:
+    parallel/expert_topology.py) and, given the number of experts, which experts it holds."""
     from ..parallel.expert_topology import expert_coords
 
     by_host: dict[str, list[RankInfo]] = {}
     for info in infos:
         by_host.setdefault(info.host, []).append(info)
-    title = topo.describe() + (f"; experts ep {experts[0]} × etp {experts[1]}" if experts else "")
+    title = topo.describe()
+    per = None
+    if experts:
+        ep, etp = experts[0], experts[1]
+        edp = max(topo.tp * topo.dp // (ep * etp), 1) if not getattr(topo, "per_stage", False) else "?"
+        title += f"; experts ep {ep} × etp {etp} × edp {edp}"
+        if len(experts) > 2 and experts[2]:
+            per = experts[2] // ep
+            title += f", {experts[2]} per MoE layer, {per} per rank"
     lines = [f"rank map ({title}):"]
     for host, members in by_host.items():
         cells = []
@@ -119,8 +128,10 @@ def rank_map_table(infos: list[RankInfo], topo: Topology, experts: tuple[int, in
             c = topo.coords(info.rank)
             extra = ""
             if experts:
-                e = expert_coords(topo, info.rank, *experts)
+                e = expert_coords(topo, info.rank, experts[0], experts[1])
                 extra = f" ep{e['ep']} etp{e['etp']} edp{e['edp']}"
+                if per:
+                    extra += f" experts {e['ep'] * per}" + (f"-{(e['ep'] + 1) * per - 1}" if per > 1 else "")
             cells.append(f"r{info.rank}[pp{c.pp} tp{c.tp} dp{c.dp}{extra}]")
         lines.append(f"  {host}: " + " ".join(cells))
     return "\n".join(lines)
