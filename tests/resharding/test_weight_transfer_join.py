@@ -13,6 +13,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -109,6 +110,7 @@ def _bare_generator(rank: int, world: int, port: int):
     return {"checked": _check_filled(wt, model), "initialized": dist.is_initialized()}
 
 
+@pytest.mark.slow
 def test_generators_in_separate_launches_join_the_trainer(tmp_path):
     port = free_port()
     dirs = {k: tmp_path / k for k in ("trainer", "gen", "bare")}
@@ -196,6 +198,7 @@ def _dying_generator(rank: int, world: int, port: int, members: int):
 DEAD_TIMEOUT_S = 8
 
 
+@pytest.mark.slow
 def test_a_generator_that_dies_fails_the_transfer_not_the_trainer():
     from tests.harness import RankFailure
 
