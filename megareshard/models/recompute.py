@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.utils.checkpoint as _cp
 
-__all__ = ["checkpoint", "configure_recompute", "RECOMPUTE_GRANULARITIES"]
+__all__ = ["checkpoint", "configure_recompute", "replaying", "RECOMPUTE_GRANULARITIES"]
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 
@@ -34,6 +34,14 @@ RECOMPUTE_GRANULARITIES = ("selective", "full")
 # region keeps its inputs alive outside autograd's saved tensors, so it reports them to them.
 # A ContextVar of immutable tuples: dynamically scoped by the meter's `with`, no shared mutable state.
 ACTIVE_METERS: ContextVar[tuple] = ContextVar("megareshard_activation_meters", default=())
+# True while a checkpointed region runs again in backward (set and read in the thread that replays it)
+_REPLAYING: ContextVar[bool] = ContextVar("megareshard_recompute_replaying", default=False)
+
+
+def replaying() -> bool:
+    """Whether the caller runs inside the backward's replay of a checkpointed region: what a forward records
+    beside its outputs (the MoE router's losses for the log) it recorded at the first run already."""
+    return _REPLAYING.get()
 
 
 def configure_recompute(layers: Iterable[Any], granularity: str | None, num_layers: int | None) -> int:
@@ -63,13 +71,19 @@ def checkpoint(fn: Callable[..., Any], *args: Any, streams=None) -> Any:
 
     def run(*a):
         calls[0] += 1
-        if calls[0] == 1 or snapshot is None:
+        if calls[0] == 1:
             return fn(*a)
-        current = streams.state_dict()
-        streams.load_state_dict(snapshot)
+        token = _REPLAYING.set(True)
         try:
-            return fn(*a)
+            if snapshot is None:
+                return fn(*a)
+            current = streams.state_dict()
+            streams.load_state_dict(snapshot)
+            try:
+                return fn(*a)
+            finally:
+                streams.load_state_dict(current)
         finally:
-            streams.load_state_dict(current)
+            _REPLAYING.reset(token)
 
     return _cp.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -13,6 +13,11 @@ Both only in training with gradients on, attached by `AuxLossAutoScaler` (the lo
 not into the LM loss) and kept, detached and without the coefficient, in ``router.losses`` for logging:
 ``load_balancing_loss`` / ``seq_load_balancing_loss`` (this rank's part: sum over tp, as Megatron's tracker
 reduces them over its tp group) and ``z_loss`` (this rank's mean; average over tp for the micro-batch's).
+Under full recomputation the backward runs the layer again (``recompute.replaying()``): the replay's losses
+are not recorded a second time, and its loss nodes are not back-propagated (a non-reentrant checkpoint takes
+only the saved tensors from the replay), so each loss reaches the gradient once.
+
+The router's weight gradient may be delayed into a pipeline's W (``wgrad_store``, as a linear layer's).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from torch import nn
 from ...config.moe import capacity_factor, check_moe_config, is_moe_layer, moe_layer_pattern  # noqa: F401 (re-exported)
 from ...parallel import ParallelContext
 from ...tensor_parallel import linear_with_wgrad_store, set_tensor_model_parallel_attributes
+from ..recompute import replaying
 from .routing import (AuxLossAutoScaler, apply_token_dropping, aux_loss_scores, switch_load_balancing_loss,
                       topk_routing, z_loss)
 
@@ -82,6 +88,7 @@ class TopKRouter(nn.Module):
             probs = AuxLossAutoScaler.apply(probs, aux, self)
             name = "seq_load_balancing_loss" if seq else "load_balancing_loss"
             self.losses[name] = (aux / self.aux_loss_coeff).detach()
-        for name, value in self.losses.items():
-            self.tracked.setdefault(name, []).append(value)
+        if not replaying():   # full recomputation runs the layer again in backward: its losses are recorded once
+            for name, value in self.losses.items():
+                self.tracked.setdefault(name, []).append(value)
         return probs, routing_map
