@@ -7,7 +7,8 @@ The checkpoint's full tensors are read whatever layout saved them (tp, pp, dp, Z
 piece is described by its global box), so no process group is needed; a Megatron-LM checkpoint
 directory (torch_dist or per-rank torch files) is read as ``pretrain_gpt.py --load`` reads it.
 No key/value cache: each new token runs the whole (truncated) context — meant for looking at
-what a fine-tune did, not for serving.
+what a fine-tune did, not for serving. An MoE checkpoint of any expert layout (ep, etp: each expert tensor is read
+whole) routes dropless here, whatever capacity factor it trained with (``models/moe/layer.py`` ``route_dropless``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .checkpoint import CheckpointError, read_full_model, read_info, resolve_che
 from .data.tokenizer import tokenizer_record
 from .models import GPTModel, ModelConfig
 from .models.config import KERNEL_FIELDS
+from .models.moe import route_dropless
 from .parallel import ParallelContext
 
 __all__ = ["read_model_weights", "load_for_generation", "generate_ids", "recorded_tokenizer", "TOKENIZER_FLAGS",
@@ -94,6 +96,7 @@ def load_for_generation(path: str, device: str | torch.device = "cpu",
     if missing:
         raise CheckpointError(f"{path}: the checkpoint has no weights for {missing[:5]}"
                               f"{' …' if len(missing) > 5 else ''}")
+    route_dropless(model)   # MoE: no capacity at inference (Megatron-Core's inference router drops no token)
     return model.eval(), cfg
 
 

@@ -49,6 +49,7 @@ from .generation_kv import greedy_kv
 from .inputs import resolve_vocab
 from .launch import PeerFailure, Watchdog, is_communication_error
 from .models import GPTModel
+from .models.moe import route_dropless
 from .parallel import ParallelContext
 from .parallel.topology import Topology
 from .transfer import Destination, WeightTransfer
@@ -212,6 +213,7 @@ def _serve_watched(cfg: Config, launch: GeneratorLaunch, device: torch.device, o
                                     bucket_mb=cfg.generators.transfer_bucket_mb)
             mcfg = dataclasses.replace(wt.model_config, hidden_dropout=0.0, attention_dropout=0.0)
             model = GPTModel(mcfg, ctx, seed=cfg.training.seed, device=device, params_dtype=dtype).eval()
+            route_dropless(model)   # MoE: no capacity at inference, as Megatron-Core's inference router
             continue
         with dog.activity(f"{me}: weight transfer after iteration {step} ({everyone})"):
             report = wt.run(into=model)

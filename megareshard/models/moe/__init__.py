@@ -4,12 +4,12 @@ all-to-all or all-gather token dispatch. `MoELayer` replaces a GPT layer's dense
 ``ModelConfig.num_experts`` is set (``moe_layer_freq`` chooses the layers)."""
 from .experts import GroupedExperts, grouped_gemm_refusal
 from .layer import (MoELayer, SharedExpertMLP, expert_parameters, gather_full_expert_tensor, moe_losses,
-                    reduce_expert_grads)
+                    reduce_expert_grads, route_dropless)
 from .router import TopKRouter, capacity_factor, check_moe_config, is_moe_layer, moe_layer_pattern
 from .routing import (AuxLossAutoScaler, apply_token_dropping, get_capacity, switch_load_balancing_loss,
                       topk_routing, z_loss)
 
 __all__ = ["MoELayer", "SharedExpertMLP", "GroupedExperts", "TopKRouter", "AuxLossAutoScaler", "check_moe_config",
            "is_moe_layer", "moe_layer_pattern", "capacity_factor", "grouped_gemm_refusal", "expert_parameters",
-           "reduce_expert_grads", "gather_full_expert_tensor", "moe_losses", "apply_token_dropping", "get_capacity",
-           "switch_load_balancing_loss", "topk_routing", "z_loss"]
+           "reduce_expert_grads", "gather_full_expert_tensor", "moe_losses", "route_dropless", "apply_token_dropping",
+           "get_capacity", "switch_load_balancing_loss", "topk_routing", "z_loss"]

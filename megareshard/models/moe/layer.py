@@ -10,6 +10,11 @@ only), `reduce_expert_grads` (that reduction: summed over edp and divided by dp 
 loss is a mean over the dp replicas' micro-batches whose tokens the ep group already brought together),
 `gather_full_expert_tensor` (the full ``[E, out, in]`` of a sharded expert weight, for tests and exports) and
 `moe_losses` (the per-layer router losses of the last forward, reduced over tp for logging).
+
+For generation, `route_dropless` turns a model's routers dropless: the capacity factor is a training device
+(Megatron-Core's ``InferenceTopKRouter`` skips token dropping, the auxiliary losses and the z-loss), and with a
+key/value cache a capacity would also depend on how many tokens one forward holds (a prompt's prefill vs one new
+token), so the cached decode would not equal a full-sequence forward.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from .experts import GroupedExperts, grouped_gemm_refusal
 from .router import TopKRouter, check_moe_config
 
 __all__ = ["MoELayer", "SharedExpertMLP", "expert_parameters", "reduce_expert_grads", "gather_full_expert_tensor",
-           "moe_losses"]
+           "moe_losses", "route_dropless"]
 
 
 class SharedExpertMLP(nn.Module):
@@ -148,6 +153,17 @@ def gather_full_expert_tensor(t: torch.Tensor, param: torch.Tensor, ctx: Paralle
     if dim >= 0:
         t = _gather_dim(t, ctx.etp_group, dim)
     return _gather_dim(t, ctx.ep_group, 0).clone()
+
+
+def route_dropless(model: nn.Module) -> int:
+    """Every MoE router of ``model`` routes without a capacity from now on (generation: module docstring); returns
+    how many routers had a capacity factor (0 for a dense model or a dropless one)."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            n += m.capacity_factor is not None
+            m.capacity_factor, m.pad_to_capacity = None, False
+    return n
 
 
 def moe_losses(model: nn.Module, ctx: ParallelContext) -> dict[str, torch.Tensor]:
