@@ -43,6 +43,7 @@ def _attention_step(attn, x: torch.Tensor, cache: KVCache, key: str, pos: int) -
     qkv = qkv.view(s, b, attn.groups_local, per + 2, attn.head_dim)
     q = qkv[:, :, :, :per].reshape(s, b, attn.heads_local, attn.head_dim)
     k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
+    q, k = attn.norm_qk(q, k)                                      # --qk-layernorm (the identity without)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))          # [b, heads (groups), s, d]
     if attn.rotary_dim:
         cos, sin = rotary_cos_sin(pos + s, attn.rotary_dim, attn.rotary_base, device=q.device, dtype=q.dtype)

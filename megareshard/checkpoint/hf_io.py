@@ -97,7 +97,8 @@ def hf_tokenizer_record(hf_dir: str) -> dict | None:
 
 
 def import_hf(hf_dir: str, out_dir: str, force: bool = False) -> tuple[str, ModelConfig]:
-    """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama or GPT-2 directory (or a hub name,
+    """A fresh checkpoint (iteration 0, weights only) from a Hugging Face Llama, GPT-2, Mixtral or Qwen3-MoE
+    directory (or a hub name,
     through ``resolve_hf_source``). Its tokenizer, when the directory has a ``tokenizer.json``, is recorded
     (generate.py and export-hf use it)."""
     writable_destination(out_dir, force)
@@ -143,10 +144,10 @@ def import_hf(hf_dir: str, out_dir: str, force: bool = False) -> tuple[str, Mode
 
 
 def export_hf(path: str, hf_dir: str, force: bool = False, tokenizer: dict | None = None):
-    """``config.json`` + ``model.safetensors`` (Llama or GPT-2) of a checkpoint's weights, and its tokenizer
-    (``tokenizer``, a ``tokenizer_record``, else the one the checkpoint records) as files ``AutoTokenizer`` loads
-    with its bos/eos/pad ids in ``config.json`` and ``generation_config.json`` (``megareshard/models/hf_tokenizer.py``);
-    returns (the config, what was written of the tokenizer)."""
+    """``config.json`` + ``model.safetensors`` (Llama, GPT-2, Mixtral or Qwen3-MoE) of a checkpoint's weights, and its
+    tokenizer (``tokenizer``, a ``tokenizer_record``, else the one the checkpoint records) as files
+    ``AutoTokenizer`` loads with its bos/eos/pad ids in ``config.json`` and ``generation_config.json``
+    (``megareshard/models/hf_tokenizer.py``); returns (the config, what was written of the tokenizer)."""
     writable_destination(hf_dir, force)
     st = _safetensors()
     ckpt = resolve_checkpoint_dir(path)

@@ -5,7 +5,7 @@
     python tools/checkpoint_util.py inspect CKPT --summary  # without the per-key listing
     python tools/checkpoint_util.py export CKPT OUT.pt [--weights-only]
     python tools/checkpoint_util.py import IN.pt OUTDIR [--iteration N] [--weights-only]
-    python tools/checkpoint_util.py import-hf HF_DIR OUTDIR     # Llama / GPT-2: config.json + safetensors
+    python tools/checkpoint_util.py import-hf HF_DIR OUTDIR     # Llama, GPT-2, Mixtral, Qwen3-MoE (safetensors)
     python tools/checkpoint_util.py import-hf org/model OUTDIR  # a hub name: the local cache, else a download
     python tools/checkpoint_util.py export-hf CKPT HF_DIR       # with the checkpoint's tokenizer
 
@@ -27,18 +27,18 @@ directory is refused even with ``--force``.
 model's global names) into a fresh checkpoint directory ``OUTDIR/iter_N`` + ``OUTDIR/latest``
 that the trainer loads in any layout (``--load OUTDIR``; ``--finetune`` for weights only).
 
-``import-hf`` reads a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` directory
-(``config.json`` and ``model.safetensors``, or shards listed in ``model.safetensors.index.json``),
-derives the architecture flags from the config, writes a fresh checkpoint recording them and
-prints them (pass them with ``--load OUTDIR --finetune``); a directory's ``tokenizer.json`` is recorded as its
-tokenizer. A name that is not a path (``org/model``) is a Hugging Face Hub repository, read through
-``huggingface_hub``: its snapshot in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``), else downloaded unless
-``HF_HUB_OFFLINE`` is set; the tool says which. ``export-hf`` writes a checkpoint's weights back as
-``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads, and the tokenizer the checkpoint records
+``import-hf`` reads a Hugging Face ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``MixtralForCausalLM`` or
+``Qwen3MoeForCausalLM`` directory (``config.json`` and ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``), derives the architecture flags from the config, writes a fresh checkpoint
+recording them and prints them, quoted for a shell (pass them with ``--load OUTDIR --finetune``); a directory's
+``tokenizer.json`` is recorded as its tokenizer. A name that is not a path (``org/model``) is a Hugging Face Hub
+repository, read through ``huggingface_hub``: its snapshot in the local cache (``HF_HUB_CACHE`` / ``HF_HOME``),
+else downloaded unless ``HF_HUB_OFFLINE`` is set; the tool says which. ``export-hf`` writes a checkpoint's weights
+back as ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads, and the tokenizer the checkpoint records
 (or the tokenizer flags name) as files ``AutoTokenizer.from_pretrained`` loads, its bos/eos/pad ids in
 ``config.json`` and ``generation_config.json`` (``megareshard/models/hf_tokenizer.py``; null ids when there is
-no tokenizer). The mappings are ``megareshard/models/hf.py``, the conversion ``megareshard/checkpoint/hf_io.py``;
-needs the ``safetensors`` package.
+no tokenizer). The mappings are ``megareshard/models/hf.py`` (routers and experts: ``megareshard/models/hf_moe.py``),
+the conversion ``megareshard/checkpoint/hf_io.py``; needs the ``safetensors`` package.
 
 ``import-megatron`` reads a Megatron-LM checkpoint (``torch_dist``, or the per-rank ``torch`` format
 ``mp_rank_TT[_PPP]/model_optim_rng.pt``; a root with ``latest_checkpointed_iteration.txt`` or an
@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 
 import torch
@@ -310,12 +311,14 @@ def main(argv=None) -> int:
     c.add_argument("--weights-only", action="store_true", help="drop optimizer state from the input")
     c.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (a root's latest moves to "
                                                         "the imported iteration)")
-    d = sub.add_parser("import-hf", help="a fresh checkpoint from a Hugging Face Llama or GPT-2 directory")
+    d = sub.add_parser("import-hf", help="a fresh checkpoint from a Hugging Face Llama, GPT-2, Mixtral or Qwen3-MoE "
+                                         "directory")
     d.add_argument("hf_dir")
     d.add_argument("out_dir")
     d.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR (a root's latest moves to "
                                                         "the imported iteration)")
-    e = sub.add_parser("export-hf", help="a checkpoint's weights as a Hugging Face Llama or GPT-2 directory")
+    e = sub.add_parser("export-hf", help="a checkpoint's weights as a Hugging Face Llama, GPT-2, Mixtral or "
+                                         "Qwen3-MoE directory")
     e.add_argument("ckpt")
     e.add_argument("hf_dir")
     e.add_argument("--force", action="store_true", help="overwrite the files of a non-empty HF_DIR")
@@ -353,7 +356,7 @@ def main(argv=None) -> int:
             path, cfg = import_hf(src, args.out_dir, args.force)
             _say_tokenizer(path)
             print(f"imported {args.hf_dir} -> {path}; train it with --load {args.out_dir} --finetune "
-                  + " ".join(hf_map.megatron_flags(cfg)))
+                  + shlex.join(hf_map.megatron_flags(cfg)))   # quoted: --moe-layer-freq [1,0,1] is a glob
         elif args.cmd == "import-megatron":
             path, cfg, notes = import_megatron(args.megatron_dir, args.out_dir, args.vocab_size, args.force,
                                                _tokenizer_flags(args))

@@ -62,6 +62,9 @@ class ModelConfig:
                                                           "embedding's)")
     disable_bias_linear: bool = _f(False, "no biases in the attention and MLP linear layers")
     add_qkv_bias: bool = _f(False, "a bias in the query/key/value projection even with --disable-bias-linear")
+    qk_layernorm: bool = _f(False, "normalize every head's queries and keys (--normalization, over the head's "
+                                   "channels, one weight per q and k shared by the heads) before the rotary "
+                                   "embeddings (Megatron-Core's q_layernorm / k_layernorm; Qwen3's q_norm / k_norm)")
     # kernel choices (Megatron-LM's flags and defaults). A fusion is what --torch-compile fuses: turned off, its
     # element-wise chain runs outside the compiled region, op by op (models/fusion.py)
     bias_gelu_fusion: bool = _f(True, "fuse the MLP's fc1 bias and GELU in the compiled layer (off: run them op by "
@@ -239,6 +242,11 @@ def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, 
                               f"{m.rotary_dim}: it must be an even number of at least 2")
     if m.norm_epsilon < 0:
         raise ConfigError(f"{n('norm_epsilon')} must be >= 0, got {m.norm_epsilon}")
+    if m.qk_layernorm and tp > 1 and not sequence_parallel:
+        sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
+        raise ConfigError(f"{n('qk_layernorm')} with {tp_name} {tp} needs {sp_name}: each tp rank normalizes its own "
+                          "heads, and the query/key norm weights' gradients are summed over tp with the "
+                          "sequence-parallel ones")
     check_fusion_flags(m, as_flags=as_flags)
     if sequence_parallel and tp > 1 and m.seq_length % tp:
         sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"

@@ -95,21 +95,22 @@ def _fused_layer_norm_cls():
     return FusedLayerNorm
 
 
-def _norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> nn.Module:
+def _norm(cfg: ModelConfig, sequence_parallel: bool, device, dtype, size: int | None = None) -> nn.Module:
     """The configured normalization: RMSNorm, or LayerNorm (apex's fused kernel on GPU when importable:
     same parameters, same names), each with a zero-centred scale under ``apply_layernorm_1p``. Replicated
-    over tp; under sequence parallelism its gradient covers this rank's sequence chunk only."""
+    over tp; under sequence parallelism its gradient covers this rank's sequence chunk only. ``size``: the
+    channels normalized (default the hidden size; the query/key norms' head_dim)."""
+    size = cfg.hidden_size if size is None else size
     if cfg.normalization == "RMSNorm":
-        norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=device, dtype=dtype,
-                       zero_centered_gamma=cfg.apply_layernorm_1p)
+        norm = RMSNorm(size, cfg.norm_epsilon, device=device, dtype=dtype, zero_centered_gamma=cfg.apply_layernorm_1p)
     elif cfg.apply_layernorm_1p:
-        norm = LayerNorm1P(cfg.hidden_size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
+        norm = LayerNorm1P(size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
     else:
         fused = _fused_layer_norm_cls() if device is not None and torch.device(device).type == "cuda" else None
         if fused is not None:
-            norm = fused(cfg.hidden_size, eps=cfg.norm_epsilon).to(device=device, dtype=dtype)
+            norm = fused(size, eps=cfg.norm_epsilon).to(device=device, dtype=dtype)
         else:
-            norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
+            norm = nn.LayerNorm(size, eps=cfg.norm_epsilon, device=device, dtype=dtype)
     for p in norm.parameters():
         set_tensor_model_parallel_attributes(p, False, -1, sequence_parallel=sequence_parallel)
     return norm
@@ -147,7 +148,11 @@ class ParallelAttention(nn.Module):
     attention every head is its own group, ``[heads, (q, k, v), head_dim]``. A contiguous tp
     split therefore gives each rank whole groups with their query heads. Rotary embeddings
     (``position_embedding_type="rope"``) rotate q and k over the full sequence (the input is
-    all-gathered first under sequence parallelism, so positions are global).
+    all-gathered first under sequence parallelism, so positions are global). With ``qk_layernorm`` every
+    head's query and key are normalized over its channels first (``q_layernorm`` / ``k_layernorm``, one
+    ``[head_dim]`` weight each, shared by the heads: Megatron-Core's and Qwen3's order). Each tp rank
+    normalizes its own heads, so those weights' gradients are partial sums over tp: they are marked
+    ``sequence_parallel`` (summed over tp), which is why tp > 1 needs sequence parallelism with them.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, seed: int, sequence_parallel: bool,
@@ -170,6 +175,10 @@ class ParallelAttention(nn.Module):
                                         sequence_parallel=sequence_parallel,
                                         init_method=_normal_init(seed, f"{prefix}.qkv.weight", cfg.init_method_std),
                                         device=device, dtype=dtype)
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            self.q_layernorm = _norm(cfg, sequence_parallel, device, dtype, size=d)
+            self.k_layernorm = _norm(cfg, sequence_parallel, device, dtype, size=d)
         out_std = scaled_init_std(cfg.init_method_std, cfg.num_layers)
         self.proj = RowParallelLinear(heads * d, h, ctx, bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel,
                                       init_method=_normal_init(seed, f"{prefix}.proj.weight", out_std),
@@ -182,6 +191,7 @@ class ParallelAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups_local, per + 2, self.head_dim)
         q = qkv[:, :, :, :per].reshape(s, b, self.heads_local, self.head_dim)
         k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]          # [s, b, groups/tp, d]
+        q, k = self.norm_qk(q, k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))     # [b, heads (groups), s, d]
         if self.rotary_dim:
             cos, sin = rotary_cos_sin(s, self.rotary_dim, self.rotary_base, device=q.device, dtype=q.dtype)
@@ -193,6 +203,12 @@ class ParallelAttention(nn.Module):
             ctx = self._core(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * self.head_dim)
         return self.proj(ctx)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query/key norms (``qk_layernorm``; the identity without): ``[..., d]`` each."""
+        if self.q_layernorm is None:
+            return q, k
+        return self.q_layernorm(q), self.k_layernorm(k)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(QKᵀ/√d)V with dropout on the probabilities: the selectively recomputed part.

@@ -1,4 +1,7 @@
-"""Hugging Face checkpoints in and out: Llama (``LlamaForCausalLM``) and GPT-2 (``GPT2LMHeadModel``).
+"""Hugging Face checkpoints in and out: Llama (``LlamaForCausalLM``), GPT-2 (``GPT2LMHeadModel``), and the
+mixtures of experts Mixtral (``MixtralForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``), whose attention,
+norms and embeddings are Llama's (Qwen3's ``q_norm`` / ``k_norm`` are ``--qk-layernorm``) and whose routers and
+experts ``models/hf_moe.py`` maps.
 
 Pure mappings, no file access and no ``transformers`` import: between a Hugging Face
 ``config.json`` (a dict) and a ``ModelConfig``, and between a Hugging Face state dict and this
@@ -19,32 +22,37 @@ import dataclasses
 
 import torch
 
+from ..config.moe import is_moe_layer
 from ..config_fields import ConfigError
+from . import hf_moe
 from .config import KERNEL_FIELDS, ModelConfig, check_model_shape
+from .hf_moe import HFInteropError
 
 __all__ = ["HFInteropError", "model_config_from_hf", "hf_config_from_model_config", "state_dict_from_hf",
            "state_dict_to_hf", "megatron_flags", "hf_model_type"]
 
 # buffers some versions save that carry no weights
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
-
-
-class HFInteropError(ValueError):
-    """A Hugging Face checkpoint or a model configuration that the other side cannot express; says why."""
+# Llama's attention, norms and embeddings (and its dense MLP)
+_LLAMA_LIKE = ("llama", *hf_moe.MOE_ARCHITECTURES)
 
 
 # ---- configurations ---------------------------------------------------------------------------------
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face ``config.json`` (``model_type`` llama or gpt2). Every size is checked
-    first (a positive integer; heads dividing the hidden size, under the config's own key names): a bad config
-    is one ``HFInteropError`` line, never a reshape error in the weights."""
+    """The ``ModelConfig`` of a Hugging Face ``config.json`` (``model_type`` llama, gpt2, mixtral or qwen3_moe).
+    Every size is checked first (a positive integer; heads dividing the hidden size, under the config's own key
+    names): a bad config is one ``HFInteropError`` line, never a reshape error in the weights."""
     kind = hf.get("model_type") if isinstance(hf, dict) else None
-    if kind not in ("llama", "gpt2"):
-        raise HFInteropError(f"model_type {kind!r} is not supported: only 'llama' (LlamaForCausalLM) and 'gpt2' "
-                             "(GPT2LMHeadModel)")
+    if kind not in ("llama", "gpt2", *hf_moe.MOE_ARCHITECTURES):
+        raise HFInteropError(f"model_type {kind!r} is not supported: only 'llama' (LlamaForCausalLM), 'gpt2' "
+                             "(GPT2LMHeadModel), 'mixtral' (MixtralForCausalLM) and 'qwen3_moe' (Qwen3MoeForCausalLM)")
     _check_sizes(hf, kind)
     try:
-        cfg = _llama_config(hf) if kind == "llama" else _gpt2_config(hf)
+        if kind in hf_moe.MOE_ARCHITECTURES:
+            moe = hf_moe.moe_fields_from_hf(hf, kind)      # its refusals first: they name the MoE keys
+            cfg = dataclasses.replace(_llama_config(hf), **moe)
+        else:
+            cfg = _llama_config(hf) if kind == "llama" else _gpt2_config(hf)
     except HFInteropError:
         raise
     except (TypeError, ValueError) as e:  # a float field that is not a number, ...
@@ -67,7 +75,8 @@ _NUMBERS = {"gpt2": ("resid_pdrop", "attn_pdrop", "initializer_range", "layer_no
 
 
 def _check_sizes(hf: dict, kind: str) -> None:
-    for key, required in _SIZES[kind]:
+    table = "gpt2" if kind == "gpt2" else "llama"      # Mixtral and Qwen3-MoE size their attention as Llama
+    for key, required in _SIZES[table]:
         v = hf.get(key)
         if v is None:
             if required:
@@ -75,16 +84,16 @@ def _check_sizes(hf: dict, kind: str) -> None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise HFInteropError(f"config.json: {key} {v!r} must be a positive integer")
-    for key in _NUMBERS[kind]:
+    for key in _NUMBERS[table]:
         v = hf.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise HFInteropError(f"config.json: {key} {v!r} must be a number")
     h, heads = (hf["n_embd"], hf["n_head"]) if kind == "gpt2" else (hf["hidden_size"], hf["num_attention_heads"])
     hk, nk = ("n_embd", "n_head") if kind == "gpt2" else ("hidden_size", "num_attention_heads")
-    if h % heads and not (kind == "llama" and hf.get("head_dim")):
+    if h % heads and not (kind != "gpt2" and hf.get("head_dim")):
         raise HFInteropError(f"config.json: {hk} {h} is not divisible by {nk} {heads}: each of the {heads} attention "
                              f"heads takes {hk} / {nk} channels")
-    kv = hf.get("num_key_value_heads") if kind == "llama" else None
+    kv = hf.get("num_key_value_heads") if kind != "gpt2" else None
     if kv and heads % kv:
         raise HFInteropError(f"config.json: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}: "
                              "every key/value head serves the same number of query heads")
@@ -140,16 +149,24 @@ def _gpt2_config(hf: dict) -> ModelConfig:
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """``llama`` or ``gpt2``: the Hugging Face architecture that expresses ``cfg`` (refused otherwise, with why)."""
+    """``llama``, ``gpt2``, ``mixtral`` or ``qwen3_moe``: the Hugging Face architecture that expresses ``cfg``
+    (refused otherwise, with why)."""
     llama = cfg.normalization == "RMSNorm" and cfg.position_embedding_type == "rope" and cfg.swiglu
     gpt2 = cfg.normalization == "LayerNorm" and cfg.position_embedding_type == "learned_absolute" and not cfg.swiglu
+    if cfg.num_experts is not None and not llama:
+        raise HFInteropError(f"an MoE model exports as Mixtral or Qwen3-MoE, which need RMSNorm, rope and SwiGLU: "
+                             f"this one has --normalization {cfg.normalization}, --position-embedding-type "
+                             f"{cfg.position_embedding_type}, --swiglu {cfg.swiglu}")
+    if cfg.qk_layernorm and cfg.num_experts is None:
+        raise HFInteropError("--qk-layernorm without experts (a dense Qwen3) is not exported: Llama and GPT-2 have "
+                             "no query/key norms")
     if llama:
         if cfg.rotary_percent != 1.0:
             raise HFInteropError(f"--rotary-percent {cfg.rotary_percent}: LlamaForCausalLM rotates whole heads")
         if cfg.disable_bias_linear and cfg.add_qkv_bias:
             raise HFInteropError("--add-qkv-bias with --disable-bias-linear: Llama's attention_bias also puts a bias "
                                  "on o_proj")
-        return "llama"
+        return hf_moe.moe_hf_type(cfg) if cfg.num_experts is not None else "llama"
     if gpt2:
         if cfg.query_groups != cfg.num_attention_heads or cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
             raise HFInteropError("GPT-2 has neither grouped-query attention nor --kv-channels")
@@ -164,17 +181,27 @@ def hf_model_type(cfg: ModelConfig) -> str:
 def hf_config_from_model_config(cfg: ModelConfig) -> dict:
     """A Hugging Face ``config.json`` dict for ``cfg`` (Llama or GPT-2, see ``hf_model_type``)."""
     kind = hf_model_type(cfg)
-    if kind == "llama":
-        bias = cfg.add_bias_linear
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
-                "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-                "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
-                "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-                "rms_norm_eps": cfg.norm_epsilon, "rope_theta": cfg.rotary_base,
-                "rope_parameters": {"rope_theta": cfg.rotary_base, "rope_type": "default"},
-                "attention_bias": bias, "mlp_bias": bias, "attention_dropout": cfg.attention_dropout,
-                "tie_word_embeddings": cfg.tied_embeddings, "vocab_size": cfg.vocab_size,
-                "initializer_range": cfg.init_method_std, "dtype": "float32"}
+    if kind in hf_moe.MOE_ARCHITECTURES:
+        out = {k: v for k, v in _llama_hf_config(cfg).items() if k not in ("mlp_bias", "attention_bias")}
+        out.update(architectures=[hf_moe.MOE_ARCHITECTURES[kind]], model_type=kind, **hf_moe.moe_hf_fields(cfg, kind))
+        return out
+    return _llama_hf_config(cfg) if kind == "llama" else _gpt2_hf_config(cfg)
+
+
+def _llama_hf_config(cfg: ModelConfig) -> dict:
+    bias = cfg.add_bias_linear
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.norm_epsilon, "rope_theta": cfg.rotary_base,
+            "rope_parameters": {"rope_theta": cfg.rotary_base, "rope_type": "default"},
+            "attention_bias": bias, "mlp_bias": bias, "attention_dropout": cfg.attention_dropout,
+            "tie_word_embeddings": cfg.tied_embeddings, "vocab_size": cfg.vocab_size,
+            "initializer_range": cfg.init_method_std, "dtype": "float32"}
+
+
+def _gpt2_hf_config(cfg: ModelConfig) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.hidden_size,
             "n_head": cfg.num_attention_heads, "n_layer": cfg.num_layers, "n_positions": cfg.max_position_embeddings,
             "n_inner": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size,
@@ -238,19 +265,25 @@ def _name_pairs(cfg: ModelConfig, kind: str) -> list[tuple[str, str, str]]:
     """(our name, Hugging Face name, how) for every tensor but the fused QKV; how: 'copy' or 't' (transpose)."""
     bias = cfg.add_bias_linear
     pairs = []
-    if kind == "llama":
+    if kind in _LLAMA_LIKE:      # an MoE layer's router and experts: hf_moe (not in these pairs)
         pairs.append(("embedding.word_embeddings.weight", "model.embed_tokens.weight", "copy"))
         for i in range(cfg.num_layers):
             o, t = f"layers.{i}.", f"model.layers.{i}."
             pairs += [(o + "input_layernorm.weight", t + "input_layernorm.weight", "copy"),
                       (o + "attention.proj.weight", t + "self_attn.o_proj.weight", "copy"),
-                      (o + "post_attention_layernorm.weight", t + "post_attention_layernorm.weight", "copy"),
-                      (o + "mlp.fc1_gate.weight", t + "mlp.gate_proj.weight", "copy"),
+                      (o + "post_attention_layernorm.weight", t + "post_attention_layernorm.weight", "copy")]
+            if cfg.qk_layernorm:
+                pairs += [(o + "attention.q_layernorm.weight", t + "self_attn.q_norm.weight", "copy"),
+                          (o + "attention.k_layernorm.weight", t + "self_attn.k_norm.weight", "copy")]
+            if bias:
+                pairs.append((o + "attention.proj.bias", t + "self_attn.o_proj.bias", "copy"))
+            if is_moe_layer(cfg, i):
+                continue
+            pairs += [(o + "mlp.fc1_gate.weight", t + "mlp.gate_proj.weight", "copy"),
                       (o + "mlp.fc1_up.weight", t + "mlp.up_proj.weight", "copy"),
                       (o + "mlp.fc2.weight", t + "mlp.down_proj.weight", "copy")]
             if bias:
-                pairs += [(o + "attention.proj.bias", t + "self_attn.o_proj.bias", "copy"),
-                          (o + "mlp.fc1_gate.bias", t + "mlp.gate_proj.bias", "copy"),
+                pairs += [(o + "mlp.fc1_gate.bias", t + "mlp.gate_proj.bias", "copy"),
                           (o + "mlp.fc1_up.bias", t + "mlp.up_proj.bias", "copy"),
                           (o + "mlp.fc2.bias", t + "mlp.down_proj.bias", "copy")]
         pairs.append(("final_layernorm.weight", "model.norm.weight", "copy"))
@@ -285,13 +318,16 @@ def _hf_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
         ours.update({o + "input_layernorm.weight": (h,), o + "input_layernorm.bias": (h,),
                      o + "post_attention_layernorm.weight": (h,), o + "post_attention_layernorm.bias": (h,),
                      o + "attention.proj.weight": (h, heads * d), o + "attention.proj.bias": (h,),
-                     o + "mlp.fc2.weight": (h, f), o + "mlp.fc2.bias": (h,)})
+                     o + "mlp.fc2.weight": (h, f), o + "mlp.fc2.bias": (h,),
+                     o + "attention.q_layernorm.weight": (d,), o + "attention.k_layernorm.weight": (d,)})
         for fc1 in ("mlp.fc1", "mlp.fc1_gate", "mlp.fc1_up"):
             ours.update({o + fc1 + ".weight": (f, h), o + fc1 + ".bias": (f,)})
     out = {theirs: (ours[o][::-1] if how == "t" else ours[o]) for o, theirs, how in _name_pairs(cfg, kind)}
     for i in range(cfg.num_layers):
         n = _qkv_names(cfg, kind, i)
-        if kind == "llama":
+        if kind in hf_moe.MOE_ARCHITECTURES and is_moe_layer(cfg, i):
+            out.update(hf_moe.expert_shapes(cfg, kind, i))
+        if kind in _LLAMA_LIKE:
             for part, rows in (("q", heads * d), ("k", groups * d), ("v", groups * d)):
                 out[n[part] + ".weight"] = (rows, h)
                 out[n[part] + ".bias"] = (rows,)
@@ -302,7 +338,7 @@ def _hf_shapes(cfg: ModelConfig, kind: str) -> dict[str, tuple[int, ...]]:
 
 
 def _qkv_names(cfg: ModelConfig, kind: str, i: int) -> dict[str, str]:
-    if kind == "llama":
+    if kind in _LLAMA_LIKE:
         t = f"model.layers.{i}.self_attn."
         return {"q": t + "q_proj", "k": t + "k_proj", "v": t + "v_proj"}
     return {"c_attn": f"transformer.h.{i}.attn.c_attn"}
@@ -335,7 +371,9 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     for i in range(cfg.num_layers):
         n = _qkv_names(cfg, kind, i)
         pre = f"layers.{i}.attention.qkv."
-        if kind == "llama":
+        if kind in hf_moe.MOE_ARCHITECTURES and is_moe_layer(cfg, i):
+            out.update(hf_moe.experts_from_hf(hf_sd, take, cfg, kind, i))
+        if kind in _LLAMA_LIKE:
             out[pre + "weight"] = _fuse_qkv(take(n["q"] + ".weight"), take(n["k"] + ".weight"),
                                             take(n["v"] + ".weight"), cfg)
             if cfg.qkv_bias:
@@ -355,10 +393,15 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict (Llama or GPT-2 names and layouts) of full tensors ``sd`` of ``cfg``."""
+    """The Hugging Face state dict (Llama, GPT-2, Mixtral or Qwen3-MoE names and layouts) of full tensors ``sd`` of
+    ``cfg``."""
     kind = hf_model_type(cfg)
     expected = {ours for ours, _, _ in _name_pairs(cfg, kind)}
+    moe_layers = [i for i in range(cfg.num_layers) if kind in hf_moe.MOE_ARCHITECTURES and is_moe_layer(cfg, i)]
     for i in range(cfg.num_layers):
+        if i in moe_layers:
+            expected.update(f"layers.{i}.mlp.{n}.weight" for n in ("router", "experts.fc1_gate", "experts.fc1_up",
+                                                                   "experts.fc2"))
         expected.add(f"layers.{i}.attention.qkv.weight")
         if cfg.qkv_bias:
             expected.add(f"layers.{i}.attention.qkv.bias")
@@ -376,7 +419,9 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         n = _qkv_names(cfg, kind, i)
         w = sd[f"layers.{i}.attention.qkv.weight"].detach().float()
         b = sd.get(f"layers.{i}.attention.qkv.bias")
-        if kind == "llama":
+        if i in moe_layers:
+            out.update(hf_moe.experts_to_hf(sd, cfg, kind, i))
+        if kind in _LLAMA_LIKE:
             for part, t in zip("qkv", _split_qkv(w, cfg)):
                 out[n[part] + ".weight"] = t.contiguous()
             if b is not None:
