@@ -234,3 +234,17 @@ def test_grouped_gemm_refused_off_cuda():
     assert why is not None and "\n" not in why and "CUDA" in why
     with pytest.raises(RuntimeError, match="moe_grouped_gemm needs"):
         _layer(_cfg(moe_grouped_gemm=True))
+
+
+def test_tp_without_sequence_parallelism_is_for_generation_only():
+    """tp 2 without sequence parallelism: built (generation runs it, eval mode), refused by a training forward in
+    one line before any communication (Megatron-Core's rule, in its MoE layer's forward); the start-up check of a
+    training run keeps refusing it (test_one_line_refusals)."""
+    from megareshard.parallel import Topology
+    topo = Topology(2, tp=2, nproc_per_node=2)
+    ranks = {n: (0, 1) for n in ("tp", "mp", "stage", "etp", "etp_ep")} | {n: (0,) for n in ("pp", "dp", "ep", "edp")}
+    ctx = ParallelContext(topology=topo, rank=0, groups={n: None for n in ranks}, group_ranks=ranks)
+    layer = MoELayer(_cfg(), ctx, "layers.0.mlp", lambda name, std: _normal_init(7, name, std), 0.02)
+    with pytest.raises(ConfigError) as e:
+        layer.train()(torch.zeros(4, 1, 16))
+    assert "need sequence parallelism in training" in str(e.value) and "\n" not in str(e.value)

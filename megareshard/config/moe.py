@@ -58,8 +58,11 @@ def capacity_factor(cfg) -> float | None:
     return None if f is None or f < 0 else f
 
 
-def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequence_parallel: bool = False) -> None:
-    """One line with the numbers for an MoE configuration that cannot be built (nothing without num_experts)."""
+def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequence_parallel: bool = False, *,
+                     training: bool = True) -> None:
+    """One line with the numbers for an MoE configuration that cannot be built (nothing without num_experts).
+    ``training`` False: a model that may only ever run for inference (generation at tp > 1 needs no sequence
+    parallelism: Megatron-Core refuses tp > 1 without it during training only, in the MoE layer's forward)."""
     if cfg.num_experts is None:
         return
     etp = tp if etp is None else etp
@@ -76,7 +79,7 @@ def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequ
     if cfg.moe_shared_expert_intermediate_size is not None and cfg.moe_shared_expert_intermediate_size % tp:
         raise ConfigError(f"moe_shared_expert_intermediate_size {cfg.moe_shared_expert_intermediate_size} is not "
                           f"divisible by tensor-parallel size {tp}")
-    if tp > 1 and not sequence_parallel:
+    if tp > 1 and not sequence_parallel and training:
         raise ConfigError(f"MoE layers with tensor-parallel size {tp} need sequence parallelism (Megatron-LM's rule: "
                           "each tp rank routes its own sequence chunk)")
     if cfg.add_bias_linear and etp > 1:

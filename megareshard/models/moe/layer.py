@@ -1,7 +1,10 @@
 """The MoE layer (Megatron-Core's ``MoELayer``): router -> dispatch -> experts -> combine (+ shared experts).
 
 Input and output ``[s(/tp), b, h]`` like the dense MLP it replaces: under sequence parallelism each tp rank
-routes its own sequence chunk (tp > 1 without it is refused, as Megatron refuses it). The shared experts
+routes its own sequence chunk. tp > 1 without it trains nothing (refused at start-up, and by a training forward,
+as Megatron-Core's MoE layer refuses it), but runs for generation: every tp rank then routes the same full
+sequence, the dispatcher treats each rank's copy as its own tokens (the etp ranks all-gather and reduce-scatter
+them as always), so each rank gets its own copy's output — redundant work, the same numbers. The shared experts
 (``moe_shared_expert_intermediate_size``) are a dense tensor-parallel MLP of that width run on every token,
 added to the routed output.
 
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...compile_boundary import outside_compiled_regions
+from ...config.fields import ConfigError
 from ...parallel import ParallelContext
 from ...tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..components import gelu, swiglu
@@ -75,7 +79,8 @@ class MoELayer(nn.Module):
                  sequence_parallel: bool = False, device=None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         sp = sequence_parallel and ctx.tp_size > 1
-        check_moe_config(cfg, ctx.tp_size, ctx.ep_size, ctx.etp_size, sp)
+        check_moe_config(cfg, ctx.tp_size, ctx.ep_size, ctx.etp_size, sp, training=False)
+        self.tp_without_sp = ctx.tp_size if ctx.tp_size > 1 and not sp else 0   # inference only (forward)
         if cfg.moe_grouped_gemm:
             why = grouped_gemm_refusal(device)
             if why is not None:
@@ -90,6 +95,10 @@ class MoELayer(nn.Module):
                                                   device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.tp_without_sp:
+            raise ConfigError(f"MoE layers with tensor-parallel size {self.tp_without_sp} need sequence parallelism "
+                              "in training (Megatron-LM's rule: each tp rank routes its own sequence chunk); "
+                              "without it the model runs for generation only (eval mode)")
         out = _routed(self, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
