@@ -322,3 +322,21 @@ def test_qk_layernorm_with_tp_needs_sequence_parallelism():
                                           r"--sequence-parallel"):
         parse_args(argv, world_size=2)
     parse_args(argv + ["--sequence-parallel"], world_size=2)
+
+
+@pytest.mark.parametrize("kind", sorted(MAKERS))
+def test_generation_greedy_with_and_without_the_cache_equals_transformers(imported, kind):
+    """tools/generate.py's loader on the imported checkpoint: greedy decoding with the key/value cache (the
+    generator replicas' path, where the query/key norms are applied too) and without it continue a prompt as
+    transformers' ``generate`` does (argmax of logits that agree to rounding: no near-tie in these tiny models)."""
+    from megareshard.generation import generate_ids, load_for_generation
+    from megareshard.generation_kv import greedy_kv
+
+    ref = imported[kind]
+    model, cfg = load_for_generation(str(ref["root"] / "ck"))
+    prompt = ref["tokens"][0, :5].tolist()
+    with torch.no_grad():
+        theirs = ref["model"].generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                       pad_token_id=0)[0].tolist()
+    assert generate_ids(model, cfg, prompt, max_new_tokens=6) == theirs
+    assert greedy_kv(model, prompt, max_new_tokens=6) == theirs
