@@ -242,10 +242,10 @@ def check_model_shape(m: ModelConfig, tp: int, sequence_parallel: bool = False, 
                               f"{m.rotary_dim}: it must be an even number of at least 2")
     if m.norm_epsilon < 0:
         raise ConfigError(f"{n('norm_epsilon')} must be >= 0, got {m.norm_epsilon}")
-    if m.qk_layernorm and tp > 1 and not sequence_parallel:
-        sp_name = "--sequence-parallel" if as_flags else "sequence parallelism"
-        raise ConfigError(f"{n('qk_layernorm')} with {tp_name} {tp} needs {sp_name}: each tp rank normalizes its own "
-                          "heads, and the query/key norm weights' gradients are summed over tp with the "
+    if m.qk_layernorm and tp > 1 and not sequence_parallel and as_flags:   # training's rule (a model built for
+        # inference may run without: the attention refuses a training forward instead, ParallelAttention.norm_qk)
+        raise ConfigError(f"{n('qk_layernorm')} with {tp_name} {tp} needs --sequence-parallel: each tp rank normalizes "
+                          "its own heads, and the query/key norm weights' gradients are summed over tp with the "
                           "sequence-parallel ones")
     check_fusion_flags(m, as_flags=as_flags)
     if sequence_parallel and tp > 1 and m.seq_length % tp:

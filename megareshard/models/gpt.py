@@ -152,7 +152,8 @@ class ParallelAttention(nn.Module):
     head's query and key are normalized over its channels first (``q_layernorm`` / ``k_layernorm``, one
     ``[head_dim]`` weight each, shared by the heads: Megatron-Core's and Qwen3's order). Each tp rank
     normalizes its own heads, so those weights' gradients are partial sums over tp: they are marked
-    ``sequence_parallel`` (summed over tp), which is why tp > 1 needs sequence parallelism with them.
+    ``sequence_parallel`` (summed over tp), which is why training at tp > 1 needs sequence parallelism with them
+    (a model built without it runs for inference; a training forward is refused).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, prefix: str, seed: int, sequence_parallel: bool,
@@ -176,6 +177,7 @@ class ParallelAttention(nn.Module):
                                         init_method=_normal_init(seed, f"{prefix}.qkv.weight", cfg.init_method_std),
                                         device=device, dtype=dtype)
         self.q_layernorm = self.k_layernorm = None
+        self._qk_norm_untrainable = cfg.qk_layernorm and ctx.tp_size > 1 and not sequence_parallel
         if cfg.qk_layernorm:
             self.q_layernorm = _norm(cfg, sequence_parallel, device, dtype, size=d)
             self.k_layernorm = _norm(cfg, sequence_parallel, device, dtype, size=d)
@@ -208,6 +210,10 @@ class ParallelAttention(nn.Module):
         """The query/key norms (``qk_layernorm``; the identity without): ``[..., d]`` each."""
         if self.q_layernorm is None:
             return q, k
+        if self._qk_norm_untrainable and self.training and torch.is_grad_enabled():
+            raise RuntimeError("qk_layernorm at tensor-parallel size > 1 trains with sequence parallelism only (the "
+                               "query/key norm weights' gradients are summed over tp with the sequence-parallel "
+                               "ones); this model was built without it: inference only")
         return self.q_layernorm(q), self.k_layernorm(k)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

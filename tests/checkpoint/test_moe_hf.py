@@ -316,12 +316,24 @@ def test_exports_that_cannot_be_expressed_are_refused():
 
 
 def test_qk_layernorm_with_tp_needs_sequence_parallelism():
+    """Training at tp > 1 needs sequence parallelism (the query/key norm gradients are summed over tp with the
+    sequence-parallel ones): the command line says so in one line; a model built without it (for inference) runs
+    in eval and refuses a training forward (shown on one process with the attention's flag set as tp 2 sets it)."""
     argv = ("--mock-data --vocab-size 10 --num-layers 1 --hidden-size 16 --num-attention-heads 2 "
             "--qk-layernorm --tensor-model-parallel-size 2").split()
-    with pytest.raises(ConfigError, match=r"--qk-layernorm with --tensor-model-parallel-size 2 needs "
-                                          r"--sequence-parallel"):
+    with pytest.raises(ConfigError, match=r"^--qk-layernorm with --tensor-model-parallel-size 2 needs "
+                                          r"--sequence-parallel: [^\n]*$"):
         parse_args(argv, world_size=2)
     parse_args(argv + ["--sequence-parallel"], world_size=2)
+    from megareshard.models.gpt import GPTModel
+
+    model = GPTModel(parse_args(argv[:-2], world_size=1).model, ParallelContext.single_process())
+    model.layers["0"].attention._qk_norm_untrainable = True
+    tokens = torch.zeros((1, 4), dtype=torch.long)
+    with torch.no_grad():
+        model.eval()(tokens)
+    with pytest.raises(RuntimeError, match="trains with sequence parallelism only"):
+        model.train()(tokens)
 
 
 @pytest.mark.parametrize("kind", sorted(MAKERS))
