@@ -35,6 +35,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, TextIO
 
 import torch
@@ -78,6 +79,8 @@ class GeneratorLaunch:
     trainer_group: Any               # ranks [0, trainer) (NON_GROUP_MEMBER elsewhere)
     tp_groups: list[Any]             # each replica's tp group (None for tp 1; NON_GROUP_MEMBER elsewhere)
     rank: int
+    store: Any = None                # the launch's rendezvous store (the control messages' announcements)
+    controls: int = 0                # control messages so far
 
     @property
     def replica_index(self) -> int | None:
@@ -104,7 +107,8 @@ def split_launch(cfg: Config, world: int) -> GeneratorLaunch:
     world_group = c10d._get_default_group()
     trainer_group = dist.new_group(list(range(trainer)))
     tp_groups = [dist.new_group(list(d.ranks)) if d.tp > 1 else None for d in replicas]
-    return GeneratorLaunch(world, trainer, replicas, world_group, trainer_group, tp_groups, dist.get_rank())
+    return GeneratorLaunch(world, trainer, replicas, world_group, trainer_group, tp_groups, dist.get_rank(),
+                           c10d._get_default_store())
 
 
 @contextlib.contextmanager
@@ -118,8 +122,20 @@ def _default_group(group):
         c10d._world.default_pg = before
 
 
+_IDLE = timedelta(days=7)  # how long a generator may wait for the trainer's next message
+
+
 def _control(launch: GeneratorLaunch, device: torch.device, kind: int = 0, step: int = 0) -> tuple[int, int]:
-    """The control broadcast from rank 0 over the launch: (kind, iteration)."""
+    """The control broadcast from rank 0 over the launch: (kind, iteration). Rank 0 announces it on the launch's
+    store first, and a generator waits for that before it joins the broadcast: between transfers the trainer may
+    train for longer than any collective may take (NCCL's watchdog aborts one past its timeout, --comm-timeout),
+    and nothing is posted while it waits. A rank 0 that dies takes the store with it, or the launcher stops all."""
+    launch.controls += 1
+    key = f"megareshard/generators/control/{launch.controls}"
+    if launch.rank == 0:
+        launch.store.set(key, "1")
+    elif launch.rank >= launch.trainer:
+        launch.store.wait([key], _IDLE)
     t = torch.tensor([kind, step], dtype=torch.int64, device=device)
     dist.broadcast(t, src=0, group=launch.world_group)
     k, s = t.tolist()
