@@ -13,7 +13,8 @@ each replica's tp group. On a trainer rank the trainer's group is then the *defa
 so the trainer runs unchanged on its ranks, and the launch's world group carries only this module's traffic:
 
 * a control broadcast from rank 0 before each action (``[kind, iteration]``: plan, transfer or stop), so that the
-  generators follow whatever the trainer does (a resume, an early exit, no training at all);
+  generators follow whatever the trainer does (a resume, an early exit, no training at all); a generator waits for
+  it on the launch's store, where rank 0 announces each one (`_control`);
 * the transfer's own construction (object all-gathers) and runs (point-to-point plus one all-reduce).
 
 Both sides issue these in the same order (NCCL's rules). The trainer waits only for the transfer: a generator
