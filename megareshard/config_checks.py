@@ -222,9 +222,9 @@ def _moe_flags_given(cfg: Config) -> list[str]:
 
 def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
     """Mixture of experts (Megatron-LM's flags): one line with the numbers for what cannot run, and for the
-    compositions the trainer does not wire yet (per-stage layouts, ZeRO-3). Pipeline parallelism composes
-    (expert groups per stage, every schedule, expert weight gradients delayed into W), and so does full
-    recomputation (the replay records no router loss again)."""
+    compositions the trainer does not wire yet (per-stage layouts). Pipeline parallelism composes (expert groups
+    per stage, every schedule, expert weight gradients delayed into W), and so do full recomputation (the replay
+    records no router loss again) and ZeRO-3 (expert weights sharded over the expert-data-parallel group)."""
     m, p, mem = cfg.model, cfg.parallel, cfg.memory
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     for flag, v in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
@@ -262,9 +262,6 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
                                                or m.moe_expert_capacity_factor < 0):
         raise ConfigError(f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor: "
                           "without a capacity no token is dropped")
-    if mem.zero_stage == 3:
-        raise ConfigError("--num-experts with ZeRO stage 3 (--zero-stage 3 / --use-torch-fsdp2) is not supported "
-                          "yet: expert parameters are not sharded over the expert-data-parallel group; use ZeRO 0-2")
     if m.moe_grouped_gemm and cfg.training.device == "cpu":
         raise ConfigError("--moe-grouped-gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); "
                           "this run is on cpu: leave it off for one GEMM per expert")

@@ -2,15 +2,17 @@
 expert weights' gradients delayed into W like the dense ones', the router losses of every stage logged.
 
 One launch of 4 gloo ranks in NCCL's checking mode trains a dropless MoE GPT (4 layers, the first two dense and
-the last two MoE: one pipeline stage holds no expert) for 3 iterations in six layouts, and each reproduces the
+the last two MoE: one pipeline stage holds no expert) for 3 iterations in seven layouts, and each reproduces the
 single-process run — the LM loss, the load-balancing and z losses (the mean over the model's MoE layers, summed
 over the stages as pp 1 logs it), the gradient norm of the first step and every weight after the last:
 
 * pp 2 · dp 2 · ep 2: 1F1B (alltoall, ZeRO 0), eager-1F1B (allgather, ZeRO 1), zb-h1 (delayed W; alltoall,
   ZeRO 2, --overlap-grad-reduce: the expert buckets reduced over the expert-data-parallel group from the R
   action; --recompute-granularity full: every layer replayed in I), interleaved 1F1B with two virtual stages
-  per rank and delayed W (alltoall: every rank holds an MoE layer), zbv (allgather);
-* tp 2 · pp 2 · ep 2 (etp 1, sequence parallel): 1F1B with delayed W (alltoall).
+  per rank and delayed W (alltoall, ZeRO-3: every rank holds an MoE layer), zbv (allgather);
+* tp 2 · pp 2 · ep 2 (etp 1, sequence parallel): 1F1B with delayed W (alltoall);
+* ZeRO-3, the expert weights in units of their own sharded over the expert-data-parallel group: the interleaved
+  layout above (edp 1: each rank's experts whole) and pp 1 · dp 4 · ep 2 (allgather; edp 2).
 
 Tolerances (tests/tolerances.py), as tests/test_moe_training.py's: the first step runs the same weights through
 other row groupings and reduction orders, so the losses differ by a forward's rounding and the gradient norm by
@@ -58,9 +60,10 @@ LAYOUTS = [
                                    "--zero-stage 1"),
     ("zb-h1 alltoall zero2 R recompute", f"{PP2} --pipeline-schedule zb-h1 --moe-token-dispatcher-type alltoall "
                                          "--zero-stage 2 --overlap-grad-reduce --recompute-granularity full"),
-    ("interleaved V2 delayed W alltoall", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 --delay-wgrad-compute "
-                                          "--moe-token-dispatcher-type alltoall"),
+    ("interleaved V2 delayed W alltoall zero3", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
+                                                "--delay-wgrad-compute --moe-token-dispatcher-type alltoall --zero-stage 3"),
     ("zbv allgather", f"{PP2} --pipeline-schedule zbv --moe-token-dispatcher-type allgather"),
+    ("pp1 dp4 allgather zero3", "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --zero-stage 3"),
     ("tp2 1f1b delayed W alltoall", f"{TP2} --pipeline-schedule 1f1b --delay-wgrad-compute "
                                     "--moe-token-dispatcher-type alltoall"),
 ]
@@ -100,22 +103,26 @@ def _full_weights(trainer: Trainer, ctx) -> dict[str, torch.Tensor]:
 
 
 def _ranks(rank, world):
-    out, ctx, tp = {}, None, None
+    out, ctx, shape = {}, None, None
     for label, flags in LAYOUTS:
         cfg = parse_args(_argv(flags), world_size=world)
-        if cfg.tp != tp:
+        if (cfg.tp, cfg.pp) != shape:   # a context per layout shape, in LAYOUTS order on every rank
             if ctx is not None:
                 ctx.destroy()
-            tp = cfg.tp
-            ctx = ParallelContext.create(Topology(world, tp=tp, pp=cfg.pp), expert_model_parallel_size=2,
+            shape = cfg.tp, cfg.pp
+            ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp), expert_model_parallel_size=2,
                                          expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
         log = io.StringIO()
         t = Trainer(cfg, ctx, torch.device("cpu"), out=log)
         records = _records(t)
         t.close()
-        weights = _full_weights(t, ctx)
-        t.pipeline.close()
+        with t.optimizer.full_params():   # ZeRO-3: every unit gathered (collective over dp and edp)
+            weights = _full_weights(t, ctx)
+        if t.pipeline is not None:
+            t.pipeline.close()
+        sharder = t.optimizer.sharder   # ZeRO-3: the expert weights' units and the ranks sharing their rows
         out[label] = {"records": records, "log": log.getvalue() if t.reporting else "",
+                      "expert_units": [u.D for u in sharder.units if u.entries[0].expert] if sharder else None,
                       "weights": weights if ctx.tp_rank() == 0 and ctx.dp_rank() == 0 else {}}
     ctx.destroy()
     return out
@@ -154,6 +161,9 @@ def test_moe_pipeline_matches_single_process(runs, label):
             for name in NAMES:   # every rank logs the model's mean over its MoE layers, both stages' summed
                 assert abs(g[name] - r[name]) <= rel * abs(r[name]) + 4 * 2.0 ** -24, (label, rank, t, name, g, r)
         weights.update(res[label]["weights"])
+        if "zero3" in label:   # expert weights in units of their own, sharded over edp: a stage's ranks / ep 2
+            edp = 4 // (1 if "pp1" in label else 2) // 2
+            assert res[label]["expert_units"] and set(res[label]["expert_units"]) == {edp}, (label, rank, res[label])
     log = "".join(res[label]["log"] for res in per_rank)   # the last stage's first rank reports
     assert "load_balancing_loss: " in log and "z_loss: " in log, log
     tied = weights.pop("output_layer.weight", None)   # the last stage's copy of the tied word embedding

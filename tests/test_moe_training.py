@@ -137,7 +137,6 @@ def test_moe_expert_parallel_training_matches_single_process_and_checkpoints_rel
     ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 without --num-experts"),
     ("--num-experts 2 --moe-pad-expert-input-to-capacity", "--moe-pad-expert-input-to-capacity needs "
                                                            "--moe-expert-capacity-factor"),
-    ("--num-experts 2 --zero-stage 3", "--num-experts with ZeRO stage 3"),
 ])
 def test_moe_bad_input_one_line(flags, message):
     with pytest.raises(ConfigError) as err:

@@ -122,16 +122,14 @@ class ZeroOptimizer:
         if stage == 3 and ctx.dp_size < 2:
             raise ValueError(f"ZeRO stage 3 shards parameters over data parallelism, but dp is {ctx.dp_size}")
         named_params = list(named_params)
-        if stage == 3 and any(getattr(p, "expert_parallel", False) for _, p in named_params):
-            raise ValueError("ZeRO stage 3 with MoE expert weights is not supported yet (their shards would live on "
-                             "the expert-data-parallel group); use ZeRO stage 0, 1 or 2")
         self.ctx, self.stage = ctx, stage
         self.dp = ctx.dp_size
         self.shard_dp = self.dp if stage >= 1 else 1
         self.shard_rank = ctx.dp_rank() if stage >= 1 else 0
         # MoE expert weights (``expert_box`` set: models/moe/experts.py) are replicated over the expert-data-parallel
         # group only: their gradients are summed there (divided by dp, like every gradient: Megatron's scaling) and,
-        # at stages 1/2, their optimizer state is sharded over it
+        # at stages 1/2, their optimizer state is sharded over it; at stage 3 the weights themselves (zero3.py: units
+        # of their own, gathered from that group)
         self.edp = ctx.edp_size
         self.expert_shard_dp = self.edp if stage >= 1 else 1
         self.expert_shard_rank = ctx.edp_rank() if stage >= 1 else 0

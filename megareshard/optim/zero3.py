@@ -95,10 +95,12 @@ class Unit:
     gathered."""
 
     __slots__ = ("name", "entries", "offsets", "seg", "dtype", "packed", "holders", "state", "recv", "work",
-                 "pinned", "reduce_buckets", "nbytes", "keep")
+                 "pinned", "reduce_buckets", "nbytes", "keep", "D", "group")
 
-    def __init__(self, name: str, entries: list[ShardEntry]) -> None:
+    def __init__(self, name: str, entries: list[ShardEntry], D: int, group) -> None:
         self.name, self.entries = name, entries
+        # the ranks sharing the unit's rows: the dp group, or for MoE expert weights the expert-data-parallel one
+        self.D, self.group = D, group
         self.offsets, off = [], 0
         for e in entries:
             self.offsets.append(off)
@@ -181,17 +183,19 @@ class ParamSharder:
         self.hooked: list[_Hooked] = []
 
         def make_units(name: str, params) -> list[Unit]:
-            # one unit per dtype; parameters under the persistence threshold in units of their own, kept
-            groups: dict[tuple[torch.dtype, bool], list[ShardEntry]] = {}
+            # one unit per dtype; parameters under the persistence threshold in units of their own, kept; MoE
+            # expert weights in units of their own, sharded over (and gathered from) the expert-data-parallel group
+            groups: dict[tuple[torch.dtype, bool, bool], list[ShardEntry]] = {}
             for p in params:
                 e = entry_of.get(id(p))
                 if e is not None and id(p) not in owner:
-                    groups.setdefault((p.dtype, p.numel() < persistence_threshold), []).append(e)
+                    groups.setdefault((p.dtype, p.numel() < persistence_threshold, e.expert), []).append(e)
                     owner[id(p)] = None  # claimed (set below)
             out = []
-            for (dtype, small), entries in groups.items():
-                u = Unit(name + (f" [{dtype}]" if len({d for d, _ in groups}) > 1 else "")
-                         + (" (persistent)" if small else ""), entries)
+            for (dtype, small, expert), entries in groups.items():
+                D, group = (opt.expert_shard_dp, self.ctx.edp_group) if expert else (self.D, self.ctx.dp_group)
+                u = Unit(name + (f" [{dtype}]" if len({d for d, _, _ in groups}) > 1 else "")
+                         + (" (persistent)" if small else "") + (" (experts)" if expert else ""), entries, D, group)
                 u.keep = keep_params_for_step or small
                 for e in entries:
                     owner[id(e.param)] = u
@@ -231,7 +235,7 @@ class ParamSharder:
     @torch.no_grad()
     def _lay_out(self, u: Unit) -> None:
         """Move the unit's parameters into their shards (one packed buffer) and empty their storages."""
-        D = self.D
+        D = u.D
         first = u.entries[0].param
         u.packed = torch.zeros(u.seg, dtype=u.dtype, device=first.device)
         for e, off in zip(u.entries, u.offsets):
@@ -262,8 +266,12 @@ class ParamSharder:
         if len(u.entries) == 1:  # straight into the parameter's storage: nothing to copy out
             u.recv = u.entries[0].padded.view(-1)
         else:
-            u.recv = torch.empty(self.D * u.seg, dtype=u.dtype, device=u.packed.device)
-        u.work = all_gather_into(u.recv, u.packed, group=self.ctx.dp_group, async_op=True)
+            u.recv = torch.empty(u.D * u.seg, dtype=u.dtype, device=u.packed.device)
+        if u.D == 1:   # expert weights without replicas (edp 1): the whole tensor is this rank's shard
+            u.recv.copy_(u.packed)
+            u.work = None
+        else:
+            u.work = all_gather_into(u.recv, u.packed, group=u.group, async_op=True)
         u.state = _GATHERING
         self.gathers += 1
         self.live_bytes += u.nbytes
@@ -276,9 +284,10 @@ class ParamSharder:
             self._start_gather(u)
         if u.state != _GATHERING:
             return
-        u.work.wait()
+        if u.work is not None:
+            u.work.wait()
         if len(u.entries) > 1:
-            grid = u.recv.view(self.D, u.seg)
+            grid = u.recv.view(u.D, u.seg)
             if _split_copy is not None:
                 _split_copy(grid, [e.seg for e in u.entries], 1, out=[e.padded for e in u.entries])
             else:
