@@ -1,5 +1,5 @@
 """``broadcast`` (paper §3.1): the slice in K chunks pipelined along a chain sender → first receiver of each
-other host (ascending host id), each hop forwarding chunk k as soon as it has it and fanning it out to the other
+other host (hosts in the order they first appear in ``remote``: ascending for a sorted list), each hop forwarding chunk k as soon as it has it and fanning it out to the other
 receivers on its host — t + (A−1)·t/K ≈ t, the NIC lower bound. On NCCL one ``broadcast`` per task on its
 communicator (NCCL pipelines it itself); gloo's broadcast is not host-aware, so the chain of point-to-point
 messages runs there."""
@@ -17,7 +17,7 @@ def messages(numel: int, sender: int, remote: Sequence[int], host_of: Mapping[in
         return []
     groups = by_host(remote, host_of)
     local = groups.pop(host_of[sender], [])  # the sender is the head of its own host
-    hosts = sorted(groups)
+    hosts = list(groups)
     heads = [groups[h][0] for h in hosts]
     msgs: list[Msg] = []
     for a, b in split_bounds(numel, max(1, min(chunks, numel))):

@@ -15,9 +15,9 @@ Under NCCL's rules (docs/design.md §4b), checked on gloo by ``MEGARESHARD_NCCL_
 * **One thread.** The calling thread issues everything; no stream threads.
 
 Deadlock-free by induction on the steps: every operation of step s has its peer in step s, and the data a step
-forwards arrived in an earlier one. Staging is one bucket per rank at a time (the plan's waves): a sender packs
-its bucket at its first send, a receiver allocates at its first receive and unpacks into its destination tensors
-after its last operation on the bucket.
+forwards arrived in an earlier one. Staging stays within the plan's bound (`TransferPlan.staging_bytes`): a sender
+packs a bucket at its first send, a receiver allocates it at its first receive and unpacks it into its destination
+tensors after its last operation on it, when it is freed.
 """
 from __future__ import annotations
 

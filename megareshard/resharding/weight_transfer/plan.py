@@ -17,15 +17,17 @@ the host of every rank, a bucket size. Output: a `TransferPlan`, what every rank
    host's holder that has sent least — every source rank and NIC works.
 5. **Buckets**: ``bucket_mb`` bounds what a rank stages at once. A rank that receives from S holders (S at
    most 8, the *streams*) should be able to receive from all of them at once, so buckets are ``bucket_mb / S``:
-   pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most that; a bucket
+   pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most that, a
+   route's bytes in as few buckets as fit and about equal ones (no small last bucket to wait for); a bucket
    travels by the registered strategy's messages (default ``broadcast``: the pipelined chain through the
-   receiving hosts in K chunks from the network model, fanned out inside each host).
-6. **Waves and steps**: buckets go in waves, the k-th bucket of every route before the (k+1)-th of any, each
-   into the first wave where every participant's staged bytes stay within ``bucket_mb`` (staging memory ≤
-   ``bucket_mb`` per rank; the senders of a wave send at once, so every source NIC works); inside a wave a
-   message's step is its chunk's turn on its (sender, receiver) pair, a forward one step after the message that
-   brought its data — one batch of point-to-point operations per rank and step, the same global order on every
-   rank (`execute.py`).
+   receiving hosts in K chunks from the network model, fanned out inside each host; successive buckets to the
+   same hosts enter them at successive hosts, so the receiving hosts share the forwarding).
+6. **Streams and steps**: each route sends its buckets one after the other and all routes at once from the
+   start, so every source NIC works and no wave boundary drains the pipelines — when a rank's one bucket per
+   route fits ``bucket_mb`` (it does when no rank is in more routes than it has holders); otherwise in waves
+   that keep every rank within ``bucket_mb``. A message's step is its chunk's turn on its (sender, receiver)
+   pair, a forward one step after the message that brought its data — one batch of point-to-point operations
+   per rank and step, the same global order on every rank (`execute.py`).
 
 The plan is validated once, printable (`describe`) and cached (`plan_weight_transfer`) under a key of
 everything that determines it; `key` is its digest, which the executor checks on every rank.
@@ -71,7 +73,7 @@ class Bucket:
     chunks: int = 1
     msgs: list = field(default_factory=list)  # wire.Msg, in global posting order
     steps: list[int] = field(default_factory=list)  # per message: its global step
-    wave: int = 0
+    wave: int = 0  # its index in its route (streams) or its wave (`_schedule`)
 
 
 def decompose_boxes(name: str, shape: Sequence[int], src: Mapping[int, Region], dst: Mapping[int, Region],
@@ -138,7 +140,7 @@ class TransferPlan:
     local_copies: list[tuple[int, str, Region]]  # (rank, name, region) copied from its own source box
     buckets: list[Bucket]
     num_steps: int
-    num_waves: int
+    num_waves: int  # streams: the most buckets of one route; waves (when streams do not fit): the waves
     network: NetworkModel
     _costs: dict[int, TaskCost] = field(default_factory=dict, repr=False)
 
@@ -178,15 +180,26 @@ class TransferPlan:
         return self.network.lower_bound(self)
 
     def staging_bytes(self) -> dict[int, int]:
-        """Per rank, the most bucket bytes it stages at once (the sum over its buckets of one wave)."""
-        per: dict[tuple[int, int], int] = {}
+        """Per rank, the most bucket bytes it stages at once: a bucket is staged on a rank from its first step
+        there to its last (as `execute.py` allocates and frees it)."""
+        spans: dict[int, list[tuple[int, int, int]]] = {}
         for b in self.buckets:
-            nb = b.numel * _itemsize(self, b)
-            for r in {b.sender, *b.receivers}:
-                per[(b.wave, r)] = per.get((b.wave, r), 0) + nb
+            first: dict[int, int] = {}
+            last: dict[int, int] = {}
+            for m, st in zip(b.msgs, b.steps):
+                for r in (m.src, m.dst):
+                    first[r] = min(first.get(r, st), st)
+                    last[r] = max(last.get(r, st), st)
+            for r in first:
+                spans.setdefault(r, []).append((first[r], last[r], _nbytes(b)))
         out: dict[int, int] = {}
-        for (_, r), nb in per.items():
-            out[r] = max(out.get(r, 0), nb)
+        for r, sp in spans.items():
+            events = sorted([(a, 0, n) for a, _, n in sp] + [(z, 1, -n) for _, z, n in sp])
+            cur = top = 0
+            for _, _, n in events:  # at one step: allocations first, then frees
+                cur += n
+                top = max(top, cur)
+            out[r] = top
         return out
 
     def describe(self) -> str:
@@ -205,7 +218,7 @@ class TransferPlan:
             lines.append(f"  replica {name}: ranks {_ranks(rs)} on hosts {_ranks(sorted({self.hosts[r] for r in rs}))}")
         lines.append(f"  {len(self.pieces)} pieces ({self.wire_bytes / 2**20:.2f} MiB leave the sources, "
                      f"{self.delivered_bytes / 2**20:.2f} MiB delivered), {len(self.local_copies)} local copies, "
-                     f"{len(self.buckets)} buckets in {self.num_waves} waves / {self.num_steps} steps")
+                     f"{len(self.buckets)} buckets, {self.num_waves} per route at most / {self.num_steps} steps")
         if sent:
             lines.append("  bytes sent per source rank: " + ", ".join(
                 f"{r}:{sent.get(r, 0) / 2**20:.2f}M" for r in srcs))
@@ -391,7 +404,7 @@ def _plan(key: str, params: list[ParamInfo], source: Mapping[int, Sequence[Box]]
         u.sender = min((r for r in u.senders if host_of[r] == h), key=lambda r: (sent[r], r))
         sent[u.sender] += u.nbytes
     buckets = _buckets(pieces, dtypes, piece_bytes, strategy, host_of, net)
-    steps, waves = _waves(buckets, bucket_bytes)
+    steps, waves = _schedule(buckets, bucket_bytes)
     plan = TransferPlan(key=key, params=tuple(params), source=src, dest=dst, aliases=aliases,
                         replicas=tuple(r.name for r in replicas),
                         replica_ranks={r.name: tuple(sorted(r.boxes)) for r in replicas}, hosts=host_of,
@@ -417,14 +430,17 @@ def _buckets(pieces: list[UnitTask], dtypes: list[str], bucket_bytes: int, strat
     strat = get_strategy(strategy)
     out: list[Bucket] = []
     turns: dict[int, int] = {}
+    heads: Counter[tuple[int, ...]] = Counter()
     for (sender, remote, dtype), idxs in routes.items():
         item = ParamInfo("", (1,), dtype).itemsize
+        total = sum(pieces[i].numel for i in idxs) * item
+        target = total / -(-total // bucket_bytes)  # the route's bytes in as few buckets as fit, about equal
         cur: list[tuple[int, int]] = []
         off = 0
         groups = []
         for i in idxs:
             n = pieces[i].numel
-            if cur and (off + n) * item > bucket_bytes:
+            if cur and ((off + n) * item > bucket_bytes or off * item >= target):
                 groups.append((cur, off))
                 cur, off = [], 0
             cur.append((i, off))
@@ -432,7 +448,7 @@ def _buckets(pieces: list[UnitTask], dtypes: list[str], bucket_bytes: int, strat
         if cur:
             groups.append((cur, off))
         for entries, numel in groups:
-            recv = tuple(rotate_receivers(sorted(remote), host_of, turns))
+            recv = _rotate_hosts(rotate_receivers(sorted(remote), host_of, turns), host_of, heads)
             hosts = len({host_of[r] for r in recv} - {host_of[sender]})
             k = strat.chunks(net, numel * item, hosts, numel) if strat.chunks is not None else 1
             msgs = build_messages(strategy, numel, sender, list(recv), host_of, k)
@@ -440,44 +456,84 @@ def _buckets(pieces: list[UnitTask], dtypes: list[str], bucket_bytes: int, strat
     return out
 
 
-def _waves(buckets: list[Bucket], budget: int) -> tuple[int, int]:
-    """Assign each bucket — the k-th of every route (sender, receivers) before the (k+1)-th of any, so that the
-    routes run side by side — to the first wave where every participant's staged bytes stay within ``budget``,
-    and every message its global step; returns (steps, waves)."""
-    turn: Counter[tuple] = Counter()
-    rank_of: dict[int, int] = {}
+def _rotate_hosts(recv: Sequence[int], host_of: Mapping[int, int], heads: Counter) -> tuple[int, ...]:
+    """``recv`` with its hosts rotated by the number of earlier buckets to the same hosts (``heads``, updated): the
+    broadcast chain enters the receiving hosts in that order, so successive buckets start at successive hosts and
+    the forwarding (and its NIC send side) is shared among them."""
+    hosts = list(dict.fromkeys(host_of[r] for r in recv))
+    k = heads[tuple(sorted(hosts))] % len(hosts) if hosts else 0
+    heads[tuple(sorted(hosts))] += 1
+    order = {h: i for i, h in enumerate(hosts[k:] + hosts[:k])}
+    return tuple(sorted(recv, key=lambda r: order[host_of[r]]))
+
+
+def _local_steps(b: Bucket) -> int:
+    """Each message of ``b`` its step counted from the bucket's start (its chunk's turn on its (sender,
+    receiver) pair; a forward one step after the message that brought its data); returns the bucket's length."""
+    pair: Counter[tuple[int, int]] = Counter()
+    got: dict[tuple[int, int, int], int] = {}  # (rank, start, stop) -> step its data arrived
+    b.steps = []
+    for m in b.msgs:
+        if m.forward:
+            src = next(s for (r, a, z), s in got.items() if r == m.src and a <= m.start and m.stop <= z)
+            s = max(src + 1, pair[(m.src, m.dst)])
+        else:
+            s = pair[(m.src, m.dst)]
+        pair[(m.src, m.dst)] = s + 1
+        got[(m.dst, m.start, m.stop)] = s
+        b.steps.append(s)
+    return 1 + max(b.steps, default=-1)
+
+
+def _nbytes(b: Bucket) -> int:
+    return b.numel * ParamInfo("", (1,), b.dtype).itemsize
+
+
+def _schedule(buckets: list[Bucket], budget: int) -> tuple[int, int]:
+    """Every message its global step; returns (steps, waves).
+
+    **Streams** when they fit: each route (sender, receivers) sends its buckets one after the other, every route
+    from step 0 on — a route's next bucket starts the step after its previous one ends, while the other routes
+    go on (no pipeline drains between waves, packing and unpacking overlap other routes' traffic). A rank then
+    stages at most one bucket of each route it is in: that sum must stay within ``budget``.
+    **Waves** otherwise: the k-th bucket of every route before the (k+1)-th of any, each in the first wave after
+    its route's previous bucket where every participant's staged bytes stay within ``budget``; a wave starts
+    when the previous one has ended. ``Bucket.wave`` is the bucket's index in its route (streams) or its wave."""
+    routes: dict[tuple, list[Bucket]] = {}
     for b in buckets:
-        route = (b.sender, frozenset(b.receivers))
-        rank_of[b.index] = turn[route]
-        turn[route] += 1
+        routes.setdefault((b.sender, frozenset(b.receivers)), []).append(b)
+    length = {b.index: _local_steps(b) for b in buckets}
+    need: Counter[int] = Counter()
+    for bs in routes.values():
+        top = max(_nbytes(b) for b in bs)
+        for r in {bs[0].sender, *bs[0].receivers}:
+            need[r] += top
+    if not need or max(need.values()) <= budget:
+        end = 0
+        for bs in routes.values():
+            base = 0
+            for k, b in enumerate(bs):
+                b.wave, b.steps = k, [base + s for s in b.steps]
+                base += length[b.index]
+            end = max(end, base)
+        return end, max((len(bs) for bs in routes.values()), default=0)
+    turn = {b.index: k for bs in routes.values() for k, b in enumerate(bs)}
     used: list[Counter[int]] = []
-    for b in sorted(buckets, key=lambda b: (rank_of[b.index], b.index)):
+    after: dict[tuple, int] = {}  # route -> the wave of its previous bucket (one bucket of a route per wave)
+    for b in sorted(buckets, key=lambda b: (turn[b.index], b.index)):
         ranks = {b.sender, *b.receivers}
-        nb = b.numel * ParamInfo("", (1,), b.dtype).itemsize
-        w = next((i for i, u in enumerate(used) if all(u[r] + nb <= budget for r in ranks)), len(used))
+        route = (b.sender, frozenset(b.receivers))
+        nb = _nbytes(b)
+        w = next((i for i in range(after.get(route, -1) + 1, len(used))
+                  if all(used[i][r] + nb <= budget for r in ranks)), len(used))
         if w == len(used):
             used.append(Counter())
         for r in ranks:
             used[w][r] += nb
-        b.wave = w
-    local_steps: dict[int, int] = {}
-    for b in buckets:
-        pair: Counter[tuple[int, int]] = Counter()
-        got: dict[tuple[int, int, int], int] = {}  # (rank, start, stop) -> step its data arrived
-        b.steps = []
-        for m in b.msgs:
-            if m.forward:
-                src = next(s for (r, a, z), s in got.items() if r == m.src and a <= m.start and m.stop <= z)
-                s = max(src + 1, pair[(m.src, m.dst)])
-            else:
-                s = pair[(m.src, m.dst)]
-            pair[(m.src, m.dst)] = s + 1
-            got[(m.dst, m.start, m.stop)] = s
-            b.steps.append(s)
-        local_steps[b.index] = 1 + max(b.steps, default=-1)
+        b.wave = after[route] = w
     lengths = [0] * len(used)
     for b in buckets:
-        lengths[b.wave] = max(lengths[b.wave], local_steps[b.index])
+        lengths[b.wave] = max(lengths[b.wave], length[b.index])
     base = [sum(lengths[:w]) for w in range(len(used))]
     for b in buckets:
         b.steps = [base[b.wave] + s for s in b.steps]
