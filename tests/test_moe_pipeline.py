@@ -12,7 +12,8 @@ over the stages as pp 1 logs it), the gradient norm of the first step and every 
   per rank and delayed W (alltoall, ZeRO-3: every rank holds an MoE layer), zbv (allgather);
 * tp 2 · pp 2 · ep 2 (etp 1, sequence parallel): 1F1B with delayed W (alltoall);
 * ZeRO-3, the expert weights in units of their own sharded over the expert-data-parallel group: the interleaved
-  layout above (edp 1: each rank's experts whole) and pp 1 · dp 4 · ep 2 (allgather; edp 2).
+  layout above (edp 1: each rank's experts whole) and pp 1 · dp 4 · ep 2 (allgather; edp 2), whose checkpoint
+  (the weights saved from their shards) loads into one process bit for bit.
 
 Tolerances (tests/tolerances.py), as tests/test_moe_training.py's: the first step runs the same weights through
 other row groupings and reduction orders, so the losses differ by a forward's rounding and the gradient norm by
@@ -68,6 +69,8 @@ LAYOUTS = [
                                     "--moe-token-dispatcher-type alltoall"),
 ]
 
+SAVED = "pp1 dp4 allgather zero3"
+
 
 def _argv(flags: str = "", iters: int = ITERS) -> list[str]:
     return (f"--mock-data --vocab-size 64 --num-layers {L} --hidden-size {H} --ffn-hidden-size {F} "
@@ -102,9 +105,11 @@ def _full_weights(trainer: Trainer, ctx) -> dict[str, torch.Tensor]:
                    else gather_full_tensor(p.data, p, ctx)) for name, p in trainer.model.named_parameters()}
 
 
-def _ranks(rank, world):
+def _ranks(rank, world, save_dir):
     out, ctx, shape = {}, None, None
     for label, flags in LAYOUTS:
+        if label == SAVED:   # saves at its last iteration (ZeRO-3: the expert weights from their edp shards)
+            flags += f" --save {save_dir} --save-interval 100"
         cfg = parse_args(_argv(flags), world_size=world)
         if (cfg.tp, cfg.pp) != shape:   # a context per layout shape, in LAYOUTS order on every rank
             if ctx is not None:
@@ -129,13 +134,18 @@ def _ranks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def save_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("moe-zero3-save"))
+
+
+@pytest.fixture(scope="module")
+def runs(save_dir):
     with _one_thread():
         ref = Trainer(parse_args(_argv(), world_size=1), ParallelContext.single_process(), torch.device("cpu"),
                       out=io.StringIO())
         records = _records(ref)
         weights = _full_weights(ref, ref.ctx)   # the vocabulary's padding rows dropped, as the ranks' gathers do
-    return records, weights, run_ranks(_ranks, 4, timeout=400, nccl_check=True)
+    return records, weights, run_ranks(_ranks, 4, save_dir, timeout=400, nccl_check=True)
 
 
 def _loss_tolerances(ref, n_params):
@@ -173,6 +183,22 @@ def test_moe_pipeline_matches_single_process(runs, label):
     for name, w in ref_weights.items():
         err = (weights[name] - w).norm().item()
         assert err <= math.sqrt(w.numel()) * per_element, (label, name, err)
+
+
+def test_zero3_expert_shards_save_and_load_in_one_process(runs, save_dir):
+    """The ZeRO-3 run's checkpoint (expert weights saved from their edp shards, each its box of the [E, ...]
+    tensor) loads into one process: every weight the ranks held after the last step, bit for bit."""
+    weights = {}
+    for res in runs[2]:
+        weights.update(res[SAVED]["weights"])
+    with _one_thread():
+        loaded = Trainer(parse_args(_argv(f"--load {save_dir}"), world_size=1), ParallelContext.single_process(),
+                         torch.device("cpu"), out=io.StringIO())
+        assert loaded.iteration == ITERS
+        got = _full_weights(loaded, loaded.ctx)
+    assert got.keys() == weights.keys()
+    for name, w in weights.items():
+        assert torch.equal(got[name], w), name
 
 
 def test_expert_and_router_weight_gradients_wait_for_w():
