@@ -228,3 +228,27 @@ def test_a_generator_that_dies_fails_the_transfer_not_the_trainer():
         assert "(a peer rank died, stalled or lost its network)" in out["error"], out
         assert out["waited"] < DEAD_TIMEOUT_S + 5, out  # no hang: the group's timeout bounds it
         assert out["sum"] == 2.0 and out["untouched"], out
+
+
+def test_joining_mistakes_are_one_line():
+    """In this process, no transfer group formed: a rank outside the group, a port already taken, a rank missing."""
+    import socket
+
+    from megareshard.transfer import join_transfer_group
+    with pytest.raises(ValueError, match=r"^join_transfer_group: rank 3 is outside 0\.\.2$"):
+        join_transfer_group("127.0.0.1", free_port(), 3, 3)
+    with pytest.raises(ValueError, match="backend 'mpi' is not 'gloo' or 'nccl'"):
+        join_transfer_group("127.0.0.1", free_port(), 0, 2, backend="mpi")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConnectionError) as e:
+            join_transfer_group("127.0.0.1", port, 0, 2, timeout=2)
+    assert str(e.value).startswith(f"join_transfer_group: rank 0 could not serve the rendezvous on 127.0.0.1:{port} "
+                                   "within 2s: ") and "\n" not in str(e.value)
+    port = free_port()
+    with pytest.raises(ConnectionError) as e:
+        join_transfer_group("127.0.0.1", port, 0, 3, timeout=1)
+    assert str(e.value) == (f"join_transfer_group: rank 0: 2 of 3 ranks did not join 127.0.0.1:{port} within 1s "
+                            "(missing ranks [1, 2])")

@@ -95,7 +95,12 @@ def join_transfer_group(host: str, port: int, rank: int, world_size: int, *, bac
         raise ValueError(f"join_transfer_group: rank {rank} is outside 0..{world_size - 1}")
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     name = f"megareshard-transfer-{host}-{port}"
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=td, wait_for_workers=False)
+    except dist.DistError as e:
+        what = "serve the rendezvous on" if rank == 0 else "reach the rendezvous at"
+        raise ConnectionError(f"join_transfer_group: rank {rank} could not {what} {host}:{port} within "
+                              f"{td.total_seconds():g}s: {_first_line(e)}") from None
     store = dist.PrefixStore("megareshard-transfer/", store)
     if store.add(f"joined/{rank}", 1) != 1:
         raise ValueError(f"join_transfer_group: two processes joined {host}:{port} as rank {rank}")
@@ -104,6 +109,17 @@ def join_transfer_group(host: str, port: int, rank: int, world_size: int, *, bac
     elif int(store.get("world_size")) != world_size:
         raise ValueError(f"join_transfer_group: rank {rank} joined {host}:{port} with world_size {world_size}, "
                          f"rank 0 with {int(store.get('world_size'))}")
+    keys = [f"joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, td)
+    except dist.DistError as e:
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except dist.DistError:  # rank 0, which serves the store, is gone
+            raise ConnectionError(f"join_transfer_group: rank {rank} lost the rendezvous at {host}:{port} (rank 0 "
+                                  f"serves it) while waiting for the other ranks: {_first_line(e)}") from None
+        raise ConnectionError(f"join_transfer_group: rank {rank}: {len(missing)} of {world_size} ranks did not join "
+                              f"{host}:{port} within {td.total_seconds():g}s (missing ranks {missing})") from None
     if backend == "nccl" and device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     group = _make_group(store, rank, world_size, backend, td, device, name)
@@ -111,6 +127,10 @@ def join_transfer_group(host: str, port: int, rank: int, world_size: int, *, bac
     nccl_check.maybe_install()
     nccl_check.register_group(group, re.sub(r"[^A-Za-z0-9_.-]", "_", name), rank, world_size)
     return group
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _make_group(store, rank: int, size: int, backend: str, timeout: timedelta, device, name: str) -> Any:
