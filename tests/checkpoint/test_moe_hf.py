@@ -3,8 +3,9 @@ through ``tools/checkpoint_util.py import-hf`` / ``export-hf`` against ``transfo
 
 Tiny random models (``save_pretrained``: transformers 5 writes the experts one tensor each) are imported; the flags
 the tool prints parse into the same architecture; the trainer loads the checkpoint (``--load --finetune``) and
-runs its first iteration, ``train_step``, on two sequences (micro-batch 1, two micro-batches at ep 1; at ep 2 ·
-tp 2 with sequence parallelism on 4 gloo ranks, dp 2, one each). What is compared with transformers' forward of
+runs its first iteration, ``train_step``, on two sequences (micro-batch 1, two micro-batches at ep 1; on 4 gloo
+ranks at ep 2 · tp 2 with sequence parallelism, dp 2, one each, and at ep 2 · tp 2 · pp 2, etp 1, both through the
+pipeline). What is compared with transformers' forward of
 the same two sequences (``output_router_logits=True``, labels the next tokens via ``shift_labels``):
 
 * the LM loss: our step's loss against transformers' cross-entropy (its ``loss`` less ``router_aux_loss_coef ·
@@ -54,7 +55,7 @@ from ._helpers import load_tool
 
 VOCAB, S, COEF, E, K = 100, 16, 0.02, 4, 2
 SHAPES = {"mixtral": dict(layers=2, heads=4, head_dim=8, ffn=48),        # every layer MoE, width 48
-          "qwen3_moe": dict(layers=3, heads=4, head_dim=16, ffn=64 + 24)}  # dense 64 (layer 1), experts 24
+          "qwen3_moe": dict(layers=4, heads=4, head_dim=16, ffn=64 + 24)}  # dense 64 (layer 1), experts 24
 
 
 def _randomize_norms(model: torch.nn.Module) -> None:
@@ -77,7 +78,7 @@ def _mixtral():
 def _qwen3_moe():   # norm_topk_prob False: --moe-router-pre-softmax; layer 1 dense; head_dim 16 != 32 / 4
     import transformers
     return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=K,
         norm_topk_prob=False, mlp_only_layers=[1], max_position_embeddings=64, router_aux_loss_coef=COEF))
 
@@ -206,30 +207,42 @@ def _keep_qk_norm_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return kept
 
 
-def _ep2_tp2(rank: int, world: int, runs: dict) -> dict:
+# the layouts of the 4-rank launch: (name, flags, (tp, pp, dp, ep, etp))
+LAYOUTS = (("ep 2 · tp 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
+                            "2"], (2, 1, 2, 2, 2)),
+           ("ep 2 · tp 2 · pp 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                   "--expert-tensor-parallel-size", "1"], (2, 2, 1, 2, 1)))
+
+
+def _four_ranks(rank: int, world: int, runs: dict) -> dict:
     out = {}
     for kind, (argv, tokens) in runs.items():
-        cfg = parse_args(argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--expert-model-parallel-size", "2"], world_size=world)
-        ctx, _ = build_context(cfg, world)
-        assert (ctx.tp_size, ctx.ep_size, ctx.dp_size) == (2, 2, 2)
-        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
-        trainer.model.train()
-        grads = _keep_qk_norm_grads(trainer)
-        res = trainer.train_step([{"tokens": tokens[ctx.dp_rank():ctx.dp_rank() + 1]}])
-        out[kind] = (res.loss, res.moe["load_balancing_loss"], res.grad_norm, grads)
-        trainer.close()
-        ctx.destroy()
+        for name, flags, sizes in LAYOUTS:
+            cfg = parse_args(argv + flags, world_size=world)
+            ctx, _ = build_context(cfg, world)
+            assert (ctx.tp_size, ctx.pp_size, ctx.dp_size, ctx.ep_size, ctx.etp_size) == sizes
+            trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+            trainer.model.train()
+            grads = _keep_qk_norm_grads(trainer)
+            per = 2 // ctx.dp_size          # the two sequences, one per micro-batch, split over dp
+            res = trainer.train_step([{"tokens": tokens[i:i + 1]}
+                                      for i in range(ctx.dp_rank() * per, (ctx.dp_rank() + 1) * per)])
+            out[kind, name] = (ctx.is_last_stage(), res.loss, res.moe["load_balancing_loss"], res.grad_norm, grads)
+            trainer.close()
+            ctx.destroy()
     return out
 
 
-def test_import_first_iteration_at_ep2_tp2(imported):
-    """The imported checkpoints load at ep 2 · tp 2 (sequence parallelism, dp 2: one sequence per dp rank, the same
-    micro-batches as at ep 1) with the same first-iteration LM and load-balancing losses, and the gradient norm of
-    the single process's first step (its gradients summed in another order: `RHO`; Qwen3's query/key norm weights
-    get their gradients from every tp rank's heads)."""
+def test_import_first_iteration_at_ep2_tp2_and_pp2(imported):
+    """The imported checkpoints load at ep 2 · tp 2 (sequence parallelism, dp 2: one sequence per dp rank) and at
+    ep 2 · tp 2 · pp 2 (etp 1, dp 1: both sequences through the pipeline), the same micro-batches as at ep 1, with
+    the same first-iteration LM loss (on the last stage) and load-balancing loss (every rank: reduced over the
+    stages), and the gradient norm and query/key norm gradients of the single process's first step (the same
+    contributions summed in another order, grouped by tp rank: `RHO`; Qwen3's q/k norm weights get their
+    gradients from every tp rank's heads)."""
     runs = {kind: (ref["argv"], ref["tokens"]) for kind, ref in imported.items()}
-    results = run_ranks(_ep2_tp2, 4, runs, timeout=240)
+    results = run_ranks(_four_ranks, 4, runs, timeout=300)
     for kind, ref in imported.items():
         tol = _tolerances(kind, ref)
         logged, _ = _expected_megatron_lb(ref)
@@ -237,13 +250,18 @@ def test_import_first_iteration_at_ep2_tp2(imported):
                          out=io.StringIO())
         grads = _keep_qk_norm_grads(single)
         norm = _first_step(single, [ref["tokens"][:1], ref["tokens"][1:]])[0].grad_norm
-        assert len(grads) == (6 if kind == "qwen3_moe" else 0)
-        for loss, lb, grad_norm, got in (r[kind] for r in results):
-            assert abs(loss - ref["lm"]) <= tol["lm"], (kind, loss, ref["lm"])
-            assert abs(lb - logged) <= tol["lb_rel"] * logged, (kind, lb, logged)
-            assert abs(grad_norm - norm) <= RHO * norm, (kind, grad_norm, norm)
-            for n, g in grads.items():   # sums of the same contributions in another order, grouped by tp rank
-                assert (got[n] - g).abs().max().item() <= RHO * g.abs().max().item(), (kind, n)
+        assert len(grads) == (2 * SHAPES[kind]["layers"] if kind == "qwen3_moe" else 0)
+        for name, _, _ in LAYOUTS:
+            seen = set()
+            for last, loss, lb, grad_norm, got in (r[kind, name] for r in results):
+                if last:
+                    assert abs(loss - ref["lm"]) <= tol["lm"], (kind, name, loss, ref["lm"])
+                assert abs(lb - logged) <= tol["lb_rel"] * logged, (kind, name, lb, logged)
+                assert abs(grad_norm - norm) <= RHO * norm, (kind, name, grad_norm, norm)
+                for n, g in got.items():
+                    assert (g - grads[n]).abs().max().item() <= RHO * grads[n].abs().max().item(), (kind, name, n)
+                seen.update(got)
+            assert seen == grads.keys(), (kind, name)
 
 
 def test_fused_expert_tensors_read_as_the_saved_ones(imported):
