@@ -8,15 +8,16 @@ torch.distributed worlds: ``init_process_group`` makes one default group per pro
 jobs. `join_transfer_group` therefore builds the group as torch's experimental ``torch.distributed._dist2.new_group``
 and vLLM's ``stateless_init_torch_distributed_process_group`` do: a ``TCPStore`` of its own (rank 0 of the transfer
 group serves it on ``host:port``), a backend (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore`` of
-it, and a ``ProcessGroup`` that carries that backend — three private ``ProcessGroup`` methods
-(``_set_default_backend``, ``_register_backend``, ``_set_group_name``), used only in `_make_group`. The group is not
-registered in torch's world (``_world``), so this process's default group and every group it has are untouched,
-and a process with no default group at all can join. torch's collectives (``all_reduce``, ``all_gather_object``)
+it, and a ``ProcessGroup`` that carries that backend — private methods (``_set_default_backend``,
+``_register_backend``, ``_set_group_name``, the backend's ``_set_sequence_number_for_group``), used only in
+`_make_group`, checked on the pinned torch by the tests. The group is not registered in torch's world
+(``_world``), so this process's default group and every group it has are untouched, and a process with no default
+group at all can join. torch's collectives (``all_reduce``, ``all_gather_object``)
 and ``isend``/``irecv`` with ``group_dst``/``group_src`` work on such a group; what needs the registry — a group
 rank through ``dist.get_rank(group)``, ``dist.get_backend``, ``P2POp`` (it maps ranks through the registry, so
 ``batch_isend_irecv`` cannot take it) — is replaced here: `group_rank`, `group_backend`, and `post_ops`, which does
-exactly what ``batch_isend_irecv`` does (gloo: the operations one after the other; NCCL: inside torch's
-coalescing manager, ncclGroupStart/End — private as well).
+exactly what ``batch_isend_irecv`` does (gloo: the operations one after the other; NCCL: inside torch's private
+``_coalescing_manager``, ncclGroupStart/End — not run here on a GPU yet).
 
 The NCCL checking mode (``MEGARESHARD_NCCL_CHECK``) sees a joined group's operations: the group is registered with
 the recorder, which keeps them in a record of their own, ``DIR/group-<name>/rank<k>.json`` in transfer-group ranks
@@ -72,7 +73,7 @@ def post_ops(ops: Sequence[tuple[str, torch.Tensor, int]], group: Any) -> list[A
                                                   group_peer=p) for k, t, p in ops])
     device = ops[0][1].device
     with nccl_check.op_batch(group):
-        if group._get_backend(device).supports_coalescing:  # NCCL: batch_isend_irecv's own coalescing path
+        if _JOINED[group] == "nccl":  # batch_isend_irecv's own path for a backend that coalesces
             from torch.distributed.distributed_c10d import _coalescing_manager
             with _coalescing_manager(group, device, async_ops=True) as cm:
                 for op in ops:
