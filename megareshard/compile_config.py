@@ -18,9 +18,19 @@ def compiler_failure(e: BaseException) -> bool:
     return isinstance(e, tuple(kinds))
 
 
+#: torch.compile modes that turn on inductor's CUDA graphs (``torch._inductor.list_mode_options``)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def check_compile_config(c: CompileConfig) -> None:
     """The backend must be one torch.compile knows (checked before anything is built; the default, inductor,
-    without importing the compiler)."""
+    without importing the compiler); a mode that cannot train is refused (issue #53 part 3)."""
+    if c.torch_compile is not False and c.torch_compile_mode in CUDA_GRAPH_MODES:
+        raise ConfigError(f"--torch-compile-mode {c.torch_compile_mode} cannot train here: it turns on inductor's CUDA "
+                          "graphs, which give a compiled region's next run the memory of its outputs while the "
+                          "backward still needs them (reduce-overhead on an H200: 'accessing tensor output of "
+                          "CUDAGraphs that has been overwritten by a subsequent run', the logits, at the first "
+                          "backward); use default or max-autotune-no-cudagraphs")
     if c.torch_compile is False or c.torch_compile_backend == "inductor":
         return
     import torch._dynamo

@@ -266,7 +266,9 @@ def test_compile_failure_is_one_line_from_the_entry_point(capsys):
     (["--use-flash-attn", "--attention-backend", "unfused"], "conflict"),
     (["--cross-entropy-fusion-impl", "te"], "--cross-entropy-fusion-impl te"),
     (["--torch-compile-backend", "no-such-backend"], "is not a torch.compile backend"),
-    (["--torch-compile-backend", "aot_eager", "--torch-compile-mode", "max-autotune"], "needs --torch-compile-backend"),
+    (["--torch-compile-backend", "aot_eager", "--torch-compile-mode", "max-autotune-no-cudagraphs"], "needs --torch-compile-backend"),
+    (["--torch-compile-mode", "reduce-overhead"], "reduce-overhead cannot train here"),
+    (["--torch-compile", "--torch-compile-mode", "max-autotune"], "max-autotune cannot train here: it turns on"),
 ])
 def test_bad_fast_path_flags_are_refused_in_one_line(extra, message):
     with pytest.raises(ConfigError, match=message) as e:

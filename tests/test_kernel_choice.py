@@ -189,8 +189,8 @@ def test_deterministic_mode_parses_refuses_and_applies(monkeypatch):
     for argv, what in ((["--attention-backend", "flash"], "--attention-backend flash (FlashAttention's backward"),
                        (["--use-flash-attn"], "--attention-backend flash"),
                        (["--attention-backend", "fused"], "--attention-backend fused"),
-                       (["--torch-compile", "--torch-compile-mode", "max-autotune"],
-                        "--torch-compile-mode max-autotune (it chooses kernels by timing them)")):
+                       (["--torch-compile", "--torch-compile-mode", "max-autotune-no-cudagraphs"],
+                        "--torch-compile-mode max-autotune-no-cudagraphs (it chooses kernels by timing them)")):
         with pytest.raises(ConfigError) as e:
             parse_args(MODEL + ["--deterministic-mode"] + argv, world_size=1)
         assert str(e.value).startswith("--deterministic-mode cannot make ") and what in str(e.value)

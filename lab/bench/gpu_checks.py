@@ -18,8 +18,7 @@
   or of the whole model with ``--hf-compile full`` (longer to compile);
 * ``megareshard-eager``: megareshard with ``--no-torch-compile`` (the earlier tables' configuration);
 
-and, on request (``--variants``), ``megareshard-fast-cudagraphs`` (``--torch-compile-mode reduce-overhead``),
-``megareshard-fast-unfused-ce`` (no ``--cross-entropy-loss-fusion``), ``hf-eager``. Every variant runs the
+and, on request (``--variants``), ``megareshard-fast-unfused-ce`` (no ``--cross-entropy-loss-fusion``), ``hf-eager``. Every variant runs the
 same micro and global batch, gradient clipping at 1.0, dropout 0, mock tokens.
 
 One FLOP count for all: Megatron-LM's model FLOPs (``models/gpt.py: gpt_flops_per_token``; per token and
@@ -74,8 +73,6 @@ TINY_SEQ, TINY_VOCAB = 64, 512
 MEGARESHARD_VARIANTS = {
     "megareshard-fast": ["--torch-compile", "--cross-entropy-loss-fusion", "--attention-backend", "auto"],
     "megareshard-eager": ["--no-torch-compile"],
-    "megareshard-fast-cudagraphs": ["--torch-compile", "--cross-entropy-loss-fusion", "--torch-compile-mode",
-                                    "reduce-overhead"],
     "megareshard-fast-unfused-ce": ["--torch-compile"],
 }
 HF_VARIANTS = ("hf-compile", "hf-eager")

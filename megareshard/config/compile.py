@@ -31,8 +31,9 @@ class CompileConfig:
                                           "--no-torch-compile turns it off)")
     torch_compile_backend: str = _f("inductor", "torch.compile backend (inductor: generated kernels; aot_eager: "
                                                 "the same graphs run by PyTorch's own kernels, for checking)")
-    torch_compile_mode: str = _f("default", "torch.compile mode (reduce-overhead adds CUDA graphs; max-autotune "
-                                            "searches kernel configurations, longer to compile)",
+    torch_compile_mode: str = _f("default", "torch.compile mode (max-autotune-no-cudagraphs searches kernel "
+                                            "configurations, longer to compile; reduce-overhead and max-autotune "
+                                            "add CUDA graphs, which cannot train here: refused)",
                                  choices=COMPILE_MODES)
 
 
