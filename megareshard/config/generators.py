@@ -49,6 +49,7 @@ def trainer_world_size(cfg, world_size: int) -> int:
     took the last ones; checks the generator flags against the model and the launch (one line with the numbers).
     Without --generator-layouts: ``world_size``."""
     from .model import check_model_shape
+    from .moe import check_moe_config
 
     g = cfg.generators
     tps = parse_generator_layouts(g.generator_layouts)
@@ -69,6 +70,10 @@ def trainer_world_size(cfg, world_size: int) -> int:
                               f"not divide --num-attention-heads {m.num_attention_heads} and the "
                               f"{groups} key/value head(s) (--num-query-groups)")
         check_model_shape(m, tp, tp_name=f"{name}'s tensor-parallel size")
+        try:   # MoE: a replica holds all experts (ep 1) split over etp = its tp, without sequence parallelism
+            check_moe_config(m, tp, 1, tp, training=False)
+        except ConfigError as e:
+            raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}: {e}") from None
     trainer = world_size - sum(tps)
     need = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
     if cfg.parallel.stage_layouts:

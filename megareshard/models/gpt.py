@@ -77,7 +77,9 @@ def check_gpt_config(cfg: ModelConfig, tp: int, sequence_parallel: bool = False,
     if cfg.vocab_size is None or cfg.vocab_size < 1:
         raise ConfigError(f"vocab_size must be a positive integer, got {cfg.vocab_size}")
     check_model_shape(cfg, tp, sequence_parallel, as_flags=False)
-    check_moe_config(cfg, tp, ep=1, etp=1, sequence_parallel=sequence_parallel)  # ep, etp: checked by MoELayer
+    # ep, etp: checked by MoELayer; tp > 1 without sequence parallelism builds (generation) and is refused by a
+    # training forward (MoELayer) and at start-up (config_checks)
+    check_moe_config(cfg, tp, ep=1, etp=1, sequence_parallel=sequence_parallel, training=False)
     if layer_range is not None:
         start, stop = layer_range
         if not 0 <= start < stop <= cfg.num_layers:
