@@ -24,7 +24,8 @@ step's record (``transfer_*`` fields: the metrics file) and onto its log line.
 
 **A rank that dies** is a peer failure on both sides: the control broadcasts, the planning and the transfers are
 watchdog activities on the trainer's ranks (the trainer's watchdog) and on the generators' (one of their own; the
-wait for the trainer's next message has no time limit, a transfer and its sampling ``--comm-timeout``), so every
+wait for the trainer's next message and the planning have no time limit, a transfer and its sampling
+``--comm-timeout``), so every
 survivor ends with the watchdog's one line naming its rank, what it was doing and that a peer died (exit 1),
 whichever side died. The transfer only reads the trainer's weights, and a step whose transfer failed is not
 saved: the newest complete checkpoint is the last step before it, as the trainer alone would have saved it.
@@ -225,7 +226,7 @@ def _serve_watched(cfg: Config, launch: GeneratorLaunch, device: torch.device, o
         if kind == STOP:
             return
         if kind == PLAN:
-            with dog.activity(f"{me}: planning the weight transfer ({everyone})"):
+            with dog.activity(f"{me}: planning the weight transfer ({everyone})", timed=False):  # a big plan: long
                 wt = WeightTransfer(launch.replicas, group=launch.world_group,
                                     bucket_mb=cfg.generators.transfer_bucket_mb)
             mcfg = dataclasses.replace(wt.model_config, hidden_dropout=0.0, attention_dropout=0.0)
@@ -256,7 +257,8 @@ class _TrainerSide:
 
     def prepare(self, trainer) -> None:
         g = self.cfg.generators
-        with trainer._activity(f"planning the weight transfer to the generators ({self._everyone})"):
+        # untimed: planning a big model's transfer may outlast --comm-timeout; its errors are still reported
+        with trainer._activity(f"planning the weight transfer to the generators ({self._everyone})", timed=False):
             _control(self.launch, self.device, PLAN, trainer.iteration)
             self.wt = WeightTransfer(self.launch.replicas, model=trainer.model, ctx=trainer.ctx,
                                      optimizer=trainer.optimizer, group=self.launch.world_group,
