@@ -38,6 +38,8 @@ rendezvous of their own, the trainer's ranks first; every member then builds the
     # generator job, each of its G ranks (its own world, or none at all):
     group = join_transfer_group("trainer-0", 29700, rank=T + gen_rank, world_size=T + G, timeout=300)
     wt = WeightTransfer([Destination("vllm", ranks=tuple(range(T, T + G)), tp=G)], ..., group=group)
+    wt.run()  /  wt.run(into=model)           # trainer / generator (its GPTModel on its own tp group), every step
+    leave_transfer_group(group)               # every member, after its last transfer
 
 The group is made on a ``TCPStore`` of its own (rank 0 serves it on ``host:port``), gloo or NCCL (``backend``),
 and is not registered in torch's world: ``dist.get_world_size()`` and every group each job has stay as they were,
