@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointError
 from .config import Config
+from .config.moe import moe_layer_pattern
 from .config_fields import ConfigError
 from .launch import RankInfo, preflight_rendezvous
 from .memory import MemoryReport
@@ -50,20 +51,34 @@ def init_distributed(device: torch.device, preflight_timeout: float = 300.0,
     return world, infos
 
 
+def _moe_share(m) -> float:
+    """The share of the model's layers that are MoE layers (`--moe-layer-freq`)."""
+    pattern = moe_layer_pattern(m.moe_layer_freq, m.num_layers)
+    return sum(pattern) / max(1, len(pattern))
+
+
 def build_context(cfg: Config, world_size: int) -> tuple[ParallelContext, str]:
     """The ParallelContext for this run and a line saying how ranks were placed and why."""
     nproc = cfg.parallel.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    m, t = cfg.model, cfg.training
+    ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size
     if cfg.parallel.stage_layouts:  # every stage its own (tp, dp), on consecutive rank blocks
         stopo = StageTopology(world_size, parse_stage_layouts(cfg.parallel.stage_layouts), nproc_per_node=nproc)
         if world_size == 1:
             return ParallelContext.single_process(), stopo.describe()
-        return ParallelContext.create(stopo), f"{stopo.describe()}; given by --stage-layouts"
-    m, t = cfg.model, cfg.training
+        if m.num_experts is None:
+            return ParallelContext.create(stopo), f"{stopo.describe()}; given by --stage-layouts"
+        # MoE: each stage's expert grid over its own ranks (etp None: the stage's tp)
+        ctx = ParallelContext.create(stopo, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        return ctx, (f"{stopo.describe()}; given by --stage-layouts; experts: ep {ep}, etp "
+                     f"{etp if etp is not None else 'each stage tp'}")
+    moe = m.num_experts is not None and ep > 1
     volume = CommVolume.for_gpt(m.hidden_size, m.seq_length, t.micro_batch_size, tp=cfg.tp,
-                                dp=data_parallel_size(cfg, world_size), pp=cfg.pp)
+                                dp=data_parallel_size(cfg, world_size), pp=cfg.pp, ep=ep if moe else 1,
+                                topk=m.moe_router_topk if moe else 0,
+                                moe_share=_moe_share(m) if moe else 0.0)
     order = cfg.parallel.rank_order or volume.order()
     why = "given by --rank-order" if cfg.parallel.rank_order else f"chosen by {volume.describe()}"
-    ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size
     experts = m.num_experts is not None and (ep > 1 or (etp is not None and etp != cfg.tp))
     if experts and not cfg.parallel.rank_order and isinstance(order, (tuple, list)) and \
             list(order).index("dp") < list(order).index("tp"):   # expert groups read tp inside dp (Megatron's tp-dp)

@@ -147,6 +147,22 @@ def test_default_order_follows_volume():
     assert "order tp-dp-pp" in CommVolume.for_gpt(4096, 2048, 8).describe()
 
 
+def test_expert_all_to_all_counts_on_the_data_parallel_axis_so_expert_groups_stay_in_a_host():
+    """The expert groups are cut from the data-parallel ranks: with ep > 1 their token all-to-alls (4·k·b·s·h per
+    MoE layer) add to dp's volume, which can move dp inside pp and put an expert group inside one host."""
+    from megareshard.parallel.expert_topology import expert_groups
+
+    dense = CommVolume.for_gpt(64, 2048, 8, tp=2, dp=2, pp=2)
+    assert dense.order() == ("tp", "pp", "dp")
+    moe = CommVolume.for_gpt(64, 2048, 8, tp=2, dp=2, pp=2, ep=2, topk=2, moe_share=0.5)
+    assert moe.dp == dense.dp + 4 * 2 * 8 * 2048 * 64 * 0.5 and moe.order() == ("tp", "dp", "pp")
+    assert CommVolume.for_gpt(64, 2048, 8, tp=2, dp=2, pp=2, ep=1, topk=2, moe_share=1.0) == dense
+    hosts = lambda order: [{r // 4 for r in g} for g in expert_groups(  # noqa: E731
+        Topology(8, tp=2, pp=2, nproc_per_node=4, order=order), 2, None)["ep"]]
+    assert all(len(h) == 2 for h in hosts(dense.order()))  # across the NIC
+    assert all(len(h) == 1 for h in hosts(moe.order()))  # inside a host
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=6, tp=4), "world size 6 is not divisible by tp 4 × pp 1"),
     (dict(world_size=8, tp=2, pp=3), "world size 8 is not divisible by tp 2 × pp 3"),

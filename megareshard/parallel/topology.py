@@ -45,7 +45,10 @@ class CommVolume:
     """Bytes-ish moved per Transformer layer per step by each parallel axis (docs/design.md §1).
 
     TP: 4 collectives of b·s·h activations forward and backward -> 8·b·s·h;
-    DP: one all-reduce of the 12·h² layer weights, ring cost ~ 16·h² (rounded as in docs/design.md §1);
+    DP: one all-reduce of the 12·h² layer weights, ring cost ~ 16·h² (rounded as in docs/design.md §1), plus,
+    with expert parallelism (ep > 1: the expert groups are cut from the data-parallel ranks, as Megatron-LM's),
+    the MoE layers' token all-to-alls — dispatch and combine, forward and backward, top-k copies of each
+    token: 4·k·b·s·h per MoE layer, times the share ``moe_share`` of the layers that are MoE;
     PP: the b·s·h activation forward and its gradient backward -> 2·b·s·h.
     An axis of degree 1 moves nothing.
     """
@@ -56,10 +59,12 @@ class CommVolume:
 
     @classmethod
     def for_gpt(cls, hidden_size: int, seq_length: int, micro_batch_size: int,
-                tp: int = 2, dp: int = 2, pp: int = 2) -> "CommVolume":
+                tp: int = 2, dp: int = 2, pp: int = 2, *, ep: int = 1, topk: int = 0,
+                moe_share: float = 0.0) -> "CommVolume":
         bsh = micro_batch_size * seq_length * hidden_size
+        a2a = 4.0 * topk * bsh * moe_share if ep > 1 else 0.0
         return cls(tp=8.0 * bsh if tp > 1 else 0.0,
-                   dp=16.0 * hidden_size ** 2 if dp > 1 else 0.0,
+                   dp=(16.0 * hidden_size ** 2 if dp > 1 else 0.0) + a2a,
                    pp=2.0 * bsh if pp > 1 else 0.0)
 
     def order(self) -> tuple[str, ...]:
