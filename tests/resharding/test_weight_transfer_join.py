@@ -5,8 +5,9 @@ own on 127.0.0.1. After the transfer every generator's GPTModel holds the traine
 layout (vocabulary padding zero); each job's world is as it was (its size, its registered groups, an all-reduce
 over it still works); the trainer's weights are untouched; and NCCL's checking mode saw the transfer's operations
 (the joined group's record, both jobs' files together, passes the check). A generator process that dies as the
-transfer starts fails the trainer's `run` with `TransferFailed` (its rank, the step), within the group's timeout;
-the trainer's weights and world carry on."""
+transfer starts fails the others' `run` with `TransferFailed` (its rank, the step), within the group's timeout; the
+trainer's weights and world carry on, and the trainer and the generator left join a new group and transfer
+exactly. Mistakes in joining are one line."""
 from __future__ import annotations
 
 import shutil
@@ -150,20 +151,37 @@ def test_generators_in_separate_launches_join_the_trainer(tmp_path):
 
 
 # ---- a generator process that dies mid-transfer -------------------------------------------------------------------
-def _trainer_survives(rank: int, world: int, port: int, members: int):
-    """The trainer's side when a generator dies: `run` raises TransferFailed within the group's timeout; the
-    trainer's weights are as they were and its own world carries on."""
-    import time
+DEAD_TIMEOUT_S = 8
 
+
+def _trainer_model(world: int):
+    """The trainer's pp 2 model on its own world, every source box set to the truth's slice."""
     from megareshard.parallel import ParallelContext
     from megareshard.parallel.topology import Topology
-    from megareshard.transfer import Destination, TransferFailed, WeightTransfer, join_transfer_group
+    from megareshard.transfer import source_boxes
     ctx = ParallelContext.create(Topology(world, pp=2, nproc_per_node=world))
     model, opt = _source(_cfg(False), ctx, 0)
+    got = [None] * world
+    dist.all_gather_object(got, [(p.name, p.shape) for p in source_boxes(model, ctx, opt)[0]])
+    _SHAPES.clear()
+    _SHAPES.update({k: v for g in got for k, v in g})
+    _set_truth(model, ctx, opt)
+    return ctx, model, opt
+
+
+def _trainer_survives(rank: int, world: int, ports: list[int]):
+    """The trainer's side when a generator dies: `run` raises TransferFailed within the group's timeout; the
+    trainer's weights are as they were, its own world carries on, and it joins a new group with the generator
+    that is left and transfers to it."""
+    import time
+
+    from megareshard.transfer import (Destination, TransferFailed, WeightTransfer, join_transfer_group,
+                                      leave_transfer_group)
+    ctx, model, opt = _trainer_model(world)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    group = join_transfer_group("127.0.0.1", port, rank, members, timeout=DEAD_TIMEOUT_S)
-    wt = WeightTransfer([Destination(f"g{r}", (r,)) for r in range(T, members)], model=model, ctx=ctx,
-                        group=group, bucket_mb=BUCKET_MB)
+    group = join_transfer_group("127.0.0.1", ports[0], rank, T + 2, timeout=DEAD_TIMEOUT_S)
+    wt = WeightTransfer([Destination("g0", (T,)), Destination("g1", (T + 1,))], model=model, ctx=ctx, group=group,
+                        bucket_mb=BUCKET_MB)
     t0 = time.monotonic()
     try:
         wt.run()
@@ -171,63 +189,77 @@ def _trainer_survives(rank: int, world: int, port: int, members: int):
     except TransferFailed as e:
         error = str(e)
     waited = time.monotonic() - t0
+    leave_transfer_group(group)
     one = torch.ones(1)
     dist.all_reduce(one)
+    again = join_transfer_group("127.0.0.1", ports[1], rank, T + 1, timeout=60)  # with the generator left
+    report = WeightTransfer([Destination("g0", (T,))], model=model, ctx=ctx, group=again, bucket_mb=BUCKET_MB).run()
+    leave_transfer_group(again)
     untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     ctx.destroy()
-    return {"error": error, "waited": waited, "sum": one.item(), "untouched": untouched}
+    return {"error": error, "waited": waited, "sum": one.item(), "untouched": untouched, "bytes": report["bytes"]}
 
 
-def _dying_generator(rank: int, world: int, port: int, members: int):
-    """Two bare generator processes (tp 1 replicas, no world of their own); the second dies as the transfer starts."""
+def _generator(rank: int, world: int, ports: list[int], which: int):
+    """A bare generator process (a tp 1 replica, no world of its own), a launch of its own: ``which`` 1 dies as the
+    transfer starts; ``which`` 0 fails its transfer, joins the trainer again and receives its weights."""
     import os
     import signal
 
-    from megareshard.transfer import Destination, TransferFailed, WeightTransfer, join_transfer_group
-    group = join_transfer_group("127.0.0.1", port, T + rank, members, timeout=DEAD_TIMEOUT_S)
-    wt = WeightTransfer([Destination(f"g{r}", (r,)) for r in range(T, members)], group=group, bucket_mb=BUCKET_MB)
-    if rank == 1:
+    from megareshard.transfer import (Destination, TransferFailed, WeightTransfer, join_transfer_group,
+                                      leave_transfer_group)
+    group = join_transfer_group("127.0.0.1", ports[0], T + which, T + 2, timeout=DEAD_TIMEOUT_S)
+    wt = WeightTransfer([Destination("g0", (T,)), Destination("g1", (T + 1,))], group=group, bucket_mb=BUCKET_MB)
+    if which == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         wt.run()
-        return None
+        error = None
     except TransferFailed as e:
-        return str(e)
-
-
-DEAD_TIMEOUT_S = 8
+        error = str(e)
+    leave_transfer_group(group)
+    again = join_transfer_group("127.0.0.1", ports[1], T, T + 1, timeout=60)
+    wt = WeightTransfer([Destination("g0", (T,))], group=again, bucket_mb=BUCKET_MB)
+    wt.run()
+    leave_transfer_group(again)
+    shapes = {p.name: p.shape for p in wt.plan.params}
+    exact = wt.received.keys() == wt.plan.dest[T].keys() and all(
+        torch.equal(t, _truth(n, shapes[n])[tuple(slice(a, z) for a, z in wt.plan.dest[T][n].region)])
+        for n, t in wt.received.items())
+    return {"error": error, "exact": exact}
 
 
 @pytest.mark.slow
 def test_a_generator_that_dies_fails_the_transfer_not_the_trainer():
     from tests.harness import RankFailure
 
-    port, members = free_port(), T + 2
+    ports = [free_port(), free_port()]
     res: dict[str, object] = {}
 
-    def launch(key, fn, n, **kw):
+    def launch(key, fn, n, *args, **kw):
         try:
-            res[key] = run_ranks(fn, n, port, members, timeout=90, **kw)
+            res[key] = run_ranks(fn, n, ports, *args, timeout=90, **kw)
         except BaseException as e:  # noqa: BLE001 (checked below)
             res[key] = e
 
     threads = [threading.Thread(target=launch, args=("trainer", _trainer_survives, 2)),
-               threading.Thread(target=launch, args=("gen", _dying_generator, 2), kwargs={"init_group": False})]
+               threading.Thread(target=launch, args=("left", _generator, 1, 0), kwargs={"init_group": False}),
+               threading.Thread(target=launch, args=("dead", _generator, 1, 1), kwargs={"init_group": False})]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    if isinstance(res["trainer"], BaseException):
-        raise res["trainer"]
-    gen = res["gen"]
-    assert isinstance(gen, RankFailure), gen  # its rank 1 was killed
-    story = str(gen)
-    assert "----- rank 1 -----\nprocess exited with code -9" in story and "rank 0 -----" not in story, story
+    for key in ("trainer", "left"):
+        if isinstance(res[key], BaseException):
+            raise res[key]
+    assert isinstance(res["dead"], RankFailure) and "process exited with code -9" in str(res["dead"]), res["dead"]
+    left = res["left"][0]
+    assert left["error"].startswith(f"rank {T} of the transfer group failed in ") and left["exact"], left
     for r, out in enumerate(res["trainer"]):
         assert out["error"] is not None and out["error"].startswith(f"rank {r} of the transfer group failed in "), out
         assert "(a peer rank died, stalled or lost its network)" in out["error"], out
         assert out["waited"] < DEAD_TIMEOUT_S + 5, out  # no hang: the group's timeout bounds it
-        assert out["sum"] == 2.0 and out["untouched"], out
+        assert out["sum"] == 2.0 and out["untouched"] and out["bytes"] > 0, out
 
 
 def test_joining_mistakes_are_one_line():
