@@ -20,6 +20,7 @@ from .config_fields import ConfigError
 from .config.generators import trainer_world_size
 from .input_checks import validate_checkpoint, validate_data, validate_deterministic, validate_schedule
 from .models.config import check_model_shape, fusion_notes
+from .parallel.stage_topology import parse_stage_layouts
 from .parallel.topology import TopologyError, parse_order
 from .pipeline.schedules import schedule_names
 from .resharding.strategies import get_strategy, strategy_names
@@ -221,10 +222,11 @@ def _moe_flags_given(cfg: Config) -> list[str]:
 
 
 def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
-    """Mixture of experts (Megatron-LM's flags): one line with the numbers for what cannot run, and for the
-    compositions the trainer does not wire yet (per-stage layouts). Pipeline parallelism composes (expert groups
-    per stage, every schedule, expert weight gradients delayed into W), and so do full recomputation (the replay
-    records no router loss again) and ZeRO-3 (expert weights sharded over the expert-data-parallel group)."""
+    """Mixture of experts (Megatron-LM's flags): one line with the numbers for what cannot run. Pipeline
+    parallelism composes (expert groups per stage, every schedule, expert weight gradients delayed into W), and
+    so do per-stage layouts (each stage's tp × dp tiled by ep × etp, etp defaulting to the stage's tp), full
+    recomputation (the replay records no router loss again) and ZeRO-3 (expert weights sharded over the
+    expert-data-parallel group)."""
     m, p, mem = cfg.model, cfg.parallel, cfg.memory
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     for flag, v in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
@@ -237,7 +239,6 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
                               "--num-experts, or drop the MoE flags)")
         return
     E, k, tp, pp = m.num_experts, m.moe_router_topk, cfg.tp, cfg.pp
-    etp = tp if etp is None else etp
     if E < 1:
         raise ConfigError(f"--num-experts must be at least 1, got {E}")
     if not 1 <= k <= E:
@@ -246,14 +247,20 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
     if E % ep:
         raise ConfigError(f"--num-experts {E} is not divisible by --expert-model-parallel-size {ep} (every "
                           "expert-parallel rank holds the same number of experts)")
-    if p.stage_layouts:
-        raise ConfigError("--num-experts with --stage-layouts is not supported yet: MoE layers train with a uniform "
-                          "layout (per-stage expert groups are not wired)")
-    if (tp * dp) % (ep * etp):
-        raise ConfigError(f"--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {etp} = {ep * etp} does "
-                          f"not divide the {tp * dp} ranks of a pipeline stage (--tensor-model-parallel-size {tp} × "
-                          f"data-parallel {dp}; Megatron-LM's rule: world size / pp = {world_size // pp} must be a "
-                          "multiple of ep × etp)")
+    # (tp, dp) of every stage: per-stage layouts give each its own, and etp defaults to each stage's tp
+    stages = parse_stage_layouts(p.stage_layouts) if p.stage_layouts else ((tp, dp),)
+    for i, (stp, sdp) in enumerate(stages):
+        setp = stp if etp is None else etp
+        if (stp * sdp) % (ep * setp) == 0:
+            continue
+        if p.stage_layouts:
+            raise ConfigError(f"--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {setp} = "
+                              f"{ep * setp} does not divide the {stp * sdp} ranks of pipeline stage {i} "
+                              f"(--stage-layouts entry tp{stp}dp{sdp})")
+        raise ConfigError(f"--expert-model-parallel-size {ep} × --expert-tensor-parallel-size {setp} = {ep * setp} "
+                          f"does not divide the {stp * sdp} ranks of a pipeline stage (--tensor-model-parallel-size "
+                          f"{tp} × data-parallel {dp}; Megatron-LM's rule: world size / pp = {world_size // pp} must "
+                          "be a multiple of ep × etp)")
     if m.moe_pad_expert_input_to_capacity and (m.moe_expert_capacity_factor is None
                                                or m.moe_expert_capacity_factor < 0):
         raise ConfigError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (the capacity to "
@@ -265,10 +272,12 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
     if m.moe_grouped_gemm and cfg.training.device == "cpu":
         raise ConfigError("--moe-grouped-gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); "
                           "this run is on cpu: leave it off for one GEMM per expert")
-    try:
-        check_moe_config(m, tp, ep, etp, p.sequence_parallel and tp > 1)
-    except ConfigError as e:
-        raise ConfigError(f"--num-experts {E}: {e}") from None
+    for i, (stp, _) in enumerate(stages):
+        try:
+            check_moe_config(m, stp, ep, stp if etp is None else etp, p.sequence_parallel and stp > 1)
+        except ConfigError as e:
+            where = f" (pipeline stage {i}, --stage-layouts entry tp{stp})" if p.stage_layouts else ""
+            raise ConfigError(f"--num-experts {E}{where}: {e}") from None
 
 
 #: Megatron-FSDP's --data-parallel-sharding-strategy values and the ZeRO stage each is

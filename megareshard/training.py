@@ -526,7 +526,8 @@ def _pretrain(cfg: Config, out: TextIO, model_spec: ModelSpec | None, device: to
             print(f"megareshard: Megatron-LM flags without effect or mapped here: {'; '.join(cfg.notes)}", file=out,
                   flush=True)
         if infos:
-            experts = (ctx.ep_size, ctx.etp_size, cfg.model.num_experts) if cfg.model.num_experts is not None else None
+            etp = cfg.parallel.expert_tensor_parallel_size if ctx.per_stage_layouts else ctx.etp_size  # None: stage tp
+            experts = (ctx.ep_size, etp, cfg.model.num_experts) if cfg.model.num_experts is not None else None
             print(rank_map_table(infos, ctx.topology, experts), file=out, flush=True)
             for warning in tp_placement_warnings(infos, ctx.topology):
                 print(f"WARNING: {warning}", file=out, flush=True)

@@ -2,8 +2,8 @@
 expert weights' gradients delayed into W like the dense ones', the router losses of every stage logged.
 
 One launch of 4 gloo ranks in NCCL's checking mode trains a dropless MoE GPT (4 layers, the first two dense and
-the last two MoE: one pipeline stage holds no expert) for 3 iterations in seven layouts, and each reproduces the
-single-process run — the LM loss, the load-balancing and z losses (the mean over the model's MoE layers, summed
+the last two MoE: one pipeline stage holds no expert, except where said) for 3 iterations in eight layouts, and
+each reproduces the single-process run — the LM loss, the load-balancing and z losses (the mean over the model's MoE layers, summed
 over the stages as pp 1 logs it), the gradient norm of the first step and every weight after the last:
 
 * pp 2 · dp 2 · ep 2: 1F1B (alltoall, ZeRO 0), eager-1F1B (allgather, ZeRO 1), zb-h1 (delayed W; alltoall,
@@ -11,6 +11,8 @@ over the stages as pp 1 logs it), the gradient norm of the first step and every 
   action; --recompute-granularity full: every layer replayed in I), interleaved 1F1B with two virtual stages
   per rank and delayed W (alltoall, ZeRO-3: every rank holds an MoE layer), zbv (allgather);
 * tp 2 · pp 2 · ep 2 (etp 1, sequence parallel): 1F1B with delayed W (alltoall);
+* per-stage layouts tp 2 · dp 1 then tp 1 · dp 2 (--stage-layouts; ep 2, etp 1, sequence parallel, an MoE layer
+  in each stage, the load-balancing loss per sequence: the stages' local micro-batches differ);
 * ZeRO-3, the expert weights in units of their own sharded over the expert-data-parallel group: the interleaved
   layout above (edp 1: each rank's experts whole) and pp 1 · dp 4 · ep 2 (allgather; edp 2), whose checkpoint
   (the weights saved from their shards) loads into one process bit for bit.
@@ -40,6 +42,7 @@ import torch
 
 from megareshard.arguments import parse_args
 from megareshard.parallel import ParallelContext, Topology
+from megareshard.run_setup import build_context
 from megareshard.training import Trainer
 from tests.harness import run_ranks
 from tests.tolerances import U, element_error_bounds, forward_tolerance, gpt_forward_reductions
@@ -51,7 +54,10 @@ H, F, FE, S, L, HEADS, E, GBS = 16, 32, 24, 8, 4, 2, 4, 8
 # rows gathered from every ep rank into one GEMM): the same terms summed in another order, at most S·GBS·u
 # apart relative to their magnitudes, times the cancellation kappa <= 16 of tests/tolerances.py
 RHO_TOKENS = S * GBS * 16 * U
-NAMES = ("load_balancing_loss", "z_loss")
+NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+# per-stage layouts give the stages different local micro-batches (2 samples at dp 1, 1 at dp 2): the
+# load-balancing loss per sequence (seq_aux_loss) is the same whatever the grouping; an MoE layer on each stage
+SEQ = "--moe-router-load-balancing-type seq_aux_loss --moe-layer-freq [1,0,0,1]"
 PP2 = "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2"
 TP2 = f"{PP2} --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"
 # (label, flags): the 4-rank layouts; the tp-2 ones come last (their own context)
@@ -67,6 +73,8 @@ LAYOUTS = [
     ("pp1 dp4 allgather zero3", "--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather --zero-stage 3"),
     ("tp2 1f1b delayed W alltoall", f"{TP2} --pipeline-schedule 1f1b --delay-wgrad-compute "
                                     "--moe-token-dispatcher-type alltoall"),
+    ("stage layouts tp2dp1,tp1dp2", f"--stage-layouts tp2dp1,tp1dp2 --sequence-parallel --expert-model-parallel-size 2 "
+                                    f"--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall {SEQ}"),
 ]
 
 SAVED = "pp1 dp4 allgather zero3"
@@ -93,7 +101,12 @@ def _one_thread():
 
 
 def _records(trainer: Trainer) -> list[dict]:
-    return [{k: r[k] for k in ("loss", "grad_norm", "lr", *NAMES)} for r in trainer.train()]
+    return [{k: r[k] for k in ("loss", "grad_norm", "lr", *NAMES) if k in r} for r in trainer.train()]
+
+
+def _model_flags(flags: str) -> str:
+    """The flags of a layout that change the model (the single-process reference runs with them)."""
+    return SEQ if SEQ in flags else ""
 
 
 def _full_weights(trainer: Trainer, ctx) -> dict[str, torch.Tensor]:
@@ -111,12 +124,15 @@ def _ranks(rank, world, save_dir):
         if label == SAVED:   # saves at its last iteration (ZeRO-3: the expert weights from their edp shards)
             flags += f" --save {save_dir} --save-interval 100"
         cfg = parse_args(_argv(flags), world_size=world)
-        if (cfg.tp, cfg.pp) != shape:   # a context per layout shape, in LAYOUTS order on every rank
+        if (cfg.tp, cfg.pp, cfg.parallel.stage_layouts) != shape:   # a context per layout shape, in LAYOUTS order
             if ctx is not None:
                 ctx.destroy()
-            shape = cfg.tp, cfg.pp
-            ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp), expert_model_parallel_size=2,
-                                         expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
+            shape = cfg.tp, cfg.pp, cfg.parallel.stage_layouts
+            if cfg.parallel.stage_layouts:   # the trainer's own: every stage its expert grid
+                ctx = build_context(cfg, world)[0]
+            else:
+                ctx = ParallelContext.create(Topology(world, tp=cfg.tp, pp=cfg.pp), expert_model_parallel_size=2,
+                                             expert_tensor_parallel_size=cfg.parallel.expert_tensor_parallel_size)
         log = io.StringIO()
         t = Trainer(cfg, ctx, torch.device("cpu"), out=log)
         records = _records(t)
@@ -140,12 +156,15 @@ def save_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(save_dir):
+    """The single-process references (records, whole weights) by model flags, and every rank's results."""
+    refs = {}
     with _one_thread():
-        ref = Trainer(parse_args(_argv(), world_size=1), ParallelContext.single_process(), torch.device("cpu"),
-                      out=io.StringIO())
-        records = _records(ref)
-        weights = _full_weights(ref, ref.ctx)   # the vocabulary's padding rows dropped, as the ranks' gathers do
-    return records, weights, run_ranks(_ranks, 4, save_dir, timeout=400, nccl_check=True)
+        for model in dict.fromkeys(_model_flags(flags) for _, flags in LAYOUTS):
+            ref = Trainer(parse_args(_argv(model), world_size=1), ParallelContext.single_process(),
+                          torch.device("cpu"), out=io.StringIO())
+            # the vocabulary's padding rows dropped, as the ranks' gathers drop them
+            refs[model] = _records(ref), _full_weights(ref, ref.ctx)
+    return refs, run_ranks(_ranks, 4, save_dir, timeout=400, nccl_check=True)
 
 
 def _loss_tolerances(ref, n_params):
@@ -154,10 +173,12 @@ def _loss_tolerances(ref, n_params):
     return [2 * r["grad_norm"] * math.sqrt(n_params) * bounds[t] + fwd for t, r in enumerate(ref)], bounds[-1]
 
 
-@pytest.mark.parametrize("label", [label for label, _ in LAYOUTS])
-def test_moe_pipeline_matches_single_process(runs, label):
-    ref, ref_weights, per_rank = runs
-    assert all(r[name] > 0 for r in ref for name in NAMES)
+@pytest.mark.parametrize("label, flags", LAYOUTS)
+def test_moe_pipeline_matches_single_process(runs, label, flags):
+    refs, per_rank = runs
+    ref, ref_weights = refs[_model_flags(flags)]
+    names = [n for n in NAMES if n in ref[0]]
+    assert len(names) == 2 and all(r[name] > 0 for r in ref for name in names)
     tols, per_element = _loss_tolerances(ref, sum(w.numel() for w in ref_weights.values()))
     weights = {}
     for rank, res in enumerate(per_rank):
@@ -168,14 +189,14 @@ def test_moe_pipeline_matches_single_process(runs, label):
         for t, (g, r) in enumerate(zip(got, ref)):
             assert abs(g["loss"] - r["loss"]) <= tols[t], (label, rank, t, g["loss"], r["loss"], tols[t])
             rel = tols[t] / abs(r["loss"])
-            for name in NAMES:   # every rank logs the model's mean over its MoE layers, both stages' summed
+            for name in names:   # every rank logs the model's mean over its MoE layers, both stages' summed
                 assert abs(g[name] - r[name]) <= rel * abs(r[name]) + 4 * 2.0 ** -24, (label, rank, t, name, g, r)
         weights.update(res[label]["weights"])
         if "zero3" in label:   # expert weights in units of their own, sharded over edp: a stage's ranks / ep 2
             edp = 4 // (1 if "pp1" in label else 2) // 2
             assert res[label]["expert_units"] and set(res[label]["expert_units"]) == {edp}, (label, rank, res[label])
     log = "".join(res[label]["log"] for res in per_rank)   # the last stage's first rank reports
-    assert "load_balancing_loss: " in log and "z_loss: " in log, log
+    assert all(f"{name}: " in log for name in names), log
     tied = weights.pop("output_layer.weight", None)   # the last stage's copy of the tied word embedding
     assert weights.keys() == ref_weights.keys(), label
     if tied is not None:
@@ -189,7 +210,7 @@ def test_zero3_expert_shards_save_and_load_in_one_process(runs, save_dir):
     """The ZeRO-3 run's checkpoint (expert weights saved from their edp shards, each its box of the [E, ...]
     tensor) loads into one process: every weight the ranks held after the last step, bit for bit."""
     weights = {}
-    for res in runs[2]:
+    for res in runs[1]:
         weights.update(res[SAVED]["weights"])
     with _one_thread():
         loaded = Trainer(parse_args(_argv(f"--load {save_dir}"), world_size=1), ParallelContext.single_process(),
@@ -253,3 +274,14 @@ def test_full_recomputation_counts_router_losses_once():
     with _one_thread():
         plain, recomputed = run(""), run("--recompute-granularity full")
     assert plain == recomputed, (plain, recomputed)
+
+
+def test_stage_layouts_whose_expert_grid_does_not_tile_a_stage_one_line():
+    from megareshard.arguments import ConfigError
+
+    with pytest.raises(ConfigError) as err:   # stage 0: ep 2 × etp (its tp) 2 = 4 over its 2 ranks
+        parse_args(_argv("--stage-layouts tp2dp1,tp1dp2 --sequence-parallel --expert-model-parallel-size 2"),
+                   world_size=4)
+    text = str(err.value)
+    assert "\n" not in text and ("--expert-model-parallel-size 2 × --expert-tensor-parallel-size 2 = 4 does not divide "
+                                 "the 2 ranks of pipeline stage 0 (--stage-layouts entry tp2dp1)") in text, text

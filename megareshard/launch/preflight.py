@@ -115,9 +115,11 @@ def rank_map_table(infos: list[RankInfo], topo: Topology, experts: tuple[int, ..
     title = topo.describe()
     per = None
     if experts:
-        ep, etp = experts[0], experts[1]
-        edp = max(topo.tp * topo.dp // (ep * etp), 1) if not getattr(topo, "per_stage", False) else "?"
-        title += f"; experts ep {ep} × etp {etp} × edp {edp}"
+        ep, etp = experts[0], experts[1]   # etp None: each stage's tp (per-stage layouts)
+        if getattr(topo, "per_stage", False):
+            title += f"; experts ep {ep} × etp {etp if etp is not None else 'the stage tp'} in each stage"
+        else:
+            title += f"; experts ep {ep} × etp {etp} × edp {max(topo.tp * topo.dp // (ep * etp), 1)}"
         if len(experts) > 2 and experts[2]:
             per = experts[2] // ep
             title += f", {experts[2]} per MoE layer, {per} per rank"

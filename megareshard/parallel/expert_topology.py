@@ -20,6 +20,10 @@ Group families (members sorted by global rank, groups by first member — one gl
 
 A group's rank order (torch sorts a group's members) must be its grid order; that holds when tp sits
 inside dp in the placement order (``tp`` before ``dp`` in ``--rank-order``), or one of them is 1.
+
+Per-stage layouts (``StageTopology``: every stage its own tp × dp, tp innermost in its block) read each stage's
+ranks the same way with the stage's own tp, one ep for the model and ``ETP`` given or, when None, each stage's
+tp; ``EDP`` is then per stage too (a stage's ranks / (ETP · EP)).
 """
 from __future__ import annotations
 
@@ -31,34 +35,46 @@ EXPERT_FAMILIES = ("ep", "etp", "edp", "etp_ep")
 _KEY = {"ep": ("pp", "etp", "edp"), "etp": ("pp", "ep", "edp"), "edp": ("pp", "etp", "ep"), "etp_ep": ("pp", "edp")}
 
 
-def check_expert_layout(topology, ep: int, etp: int) -> None:
-    """One line with the numbers when ``ep × etp`` cannot tile a stage's ``tp × dp`` ranks."""
+def _stage_tp(topology, stage: int) -> int:
+    return topology.tp_of(stage) if getattr(topology, "per_stage", False) else topology.tp
+
+
+def _stage_dp(topology, stage: int) -> int:
+    return topology.dp_of(stage) if getattr(topology, "per_stage", False) else topology.dp
+
+
+def check_expert_layout(topology, ep: int, etp: int | None) -> None:
+    """One line with the numbers when ``ep × etp`` cannot tile a stage's ``tp × dp`` ranks (``etp`` None: each
+    stage's tp)."""
     for name, v in (("expert-model-parallel-size", ep), ("expert-tensor-parallel-size", etp)):
-        if not isinstance(v, int) or v < 1:
+        if v is not None and (not isinstance(v, int) or v < 1):
             raise TopologyError(f"{name} must be a positive integer, got {v!r}")
-    if ep == 1 and etp == getattr(topology, "tp", None):
-        return
-    if getattr(topology, "per_stage", False):
-        raise TopologyError(f"expert parallelism (ep {ep}, etp {etp}) with per-stage layouts is not supported; "
-                            "use a uniform layout")
-    tp, dp = topology.tp, topology.dp
-    if (tp * dp) % (ep * etp):
-        raise TopologyError(f"expert-model-parallel-size {ep} × expert-tensor-parallel-size {etp} = {ep * etp} does "
-                            f"not divide the {tp * dp} ranks of a pipeline stage (tp {tp} × dp {dp})")
-    order = tuple(topology.order)
-    if tp > 1 and dp > 1 and order.index("dp") < order.index("tp"):
-        raise TopologyError(f"expert parallelism needs tp placed inside dp (rank order {'-'.join(order)} puts dp "
-                            "inside tp); use an order with tp before dp, e.g. tp-dp-pp")
+    per_stage = getattr(topology, "per_stage", False)
+    for stage in range(topology.pp if per_stage else 1):
+        tp, dp = _stage_tp(topology, stage), _stage_dp(topology, stage)
+        e = tp if etp is None else etp
+        if ep == 1 and e == tp:
+            continue
+        if (tp * dp) % (ep * e):
+            where = f"stage {stage} (tp {tp} × dp {dp})" if per_stage else f"a pipeline stage (tp {tp} × dp {dp})"
+            raise TopologyError(f"expert-model-parallel-size {ep} × expert-tensor-parallel-size {e} = {ep * e} does "
+                                f"not divide the {tp * dp} ranks of {where}")
+        order = tuple(getattr(topology, "order", ("tp", "dp", "pp")))
+        if tp > 1 and dp > 1 and order.index("dp") < order.index("tp"):
+            raise TopologyError(f"expert parallelism needs tp placed inside dp (rank order {'-'.join(order)} puts dp "
+                                "inside tp); use an order with tp before dp, e.g. tp-dp-pp")
 
 
-def expert_coords(topology: Topology, rank: int, ep: int, etp: int) -> dict[str, int]:
-    """``{"pp", "etp", "ep", "edp"}`` of ``rank`` in the expert grid."""
+def expert_coords(topology, rank: int, ep: int, etp: int | None) -> dict[str, int]:
+    """``{"pp", "etp", "ep", "edp"}`` of ``rank`` in the expert grid (``etp`` None: its stage's tp)."""
     c = topology.coords(rank)
-    j = c.dp * topology.tp + c.tp
-    return {"pp": c.pp, "etp": j % etp, "ep": (j // etp) % ep, "edp": j // (etp * ep)}
+    tp = _stage_tp(topology, c.pp)
+    e = tp if etp is None else etp
+    j = c.dp * tp + c.tp
+    return {"pp": c.pp, "etp": j % e, "ep": (j // e) % ep, "edp": j // (e * ep)}
 
 
-def expert_groups(topology: Topology, ep: int, etp: int) -> dict[str, list[tuple[int, ...]]]:
+def expert_groups(topology: Topology, ep: int, etp: int | None) -> dict[str, list[tuple[int, ...]]]:
     """Every group of every expert family (`EXPERT_FAMILIES` order), members sorted, groups by first member."""
     check_expert_layout(topology, ep, etp)
     coords = [expert_coords(topology, r, ep, etp) for r in range(topology.world_size)]
