@@ -16,16 +16,17 @@ the host of every rank, a bucket size. Output: a `TransferPlan`, what every rank
    ``loadbalance``: longest piece first to the least-loaded NIC, costed by the strategy's `task_cost`), then the
    host's holder that has sent least — every source rank and NIC works.
 5. **Buckets**: ``bucket_mb`` bounds what a rank stages at once. A rank that receives from S holders (S at
-   most 8, the *streams*) should be able to receive from all of them at once, so buckets are ``bucket_mb / S``:
+   most 8, the *streams*) should be able to receive from all of them at once, two buckets of each at a time
+   (step 6), so buckets are ``bucket_mb / 2S``:
    pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most that, a
    route's bytes in as few buckets as fit and about equal ones (no small last bucket to wait for); a bucket
    travels by the registered strategy's messages (default ``broadcast``: the pipelined chain through the
    receiving hosts in K chunks from the network model, fanned out inside each host; successive buckets to the
    same hosts enter them at successive hosts, so the receiving hosts share the forwarding).
-6. **Streams and steps**: each route sends its buckets one after the other and all routes at once from the
-   start, so every source NIC works and no wave boundary drains the pipelines — when a rank's one bucket per
-   route fits ``bucket_mb`` (it does when no rank is in more routes than it has holders); otherwise in waves
-   that keep every rank within ``bucket_mb``. A message's step is its chunk's turn on its (sender, receiver)
+6. **Streams and steps**: each route sends its buckets one after the other, the next leaving the sender as
+   soon as the previous has, and all routes at once from the start, so every source NIC works and no
+   boundary drains the pipelines — when that fits ``bucket_mb`` (it does when no rank is in more routes than it
+   has holders); otherwise in waves that keep every rank within ``bucket_mb``. A message's step is its chunk's turn on its (sender, receiver)
    pair, a forward one step after the message that brought its data — one batch of point-to-point operations
    per rank and step, the same global order on every rank (`execute.py`).
 
@@ -182,25 +183,7 @@ class TransferPlan:
     def staging_bytes(self) -> dict[int, int]:
         """Per rank, the most bucket bytes it stages at once: a bucket is staged on a rank from its first step
         there to its last (as `execute.py` allocates and frees it)."""
-        spans: dict[int, list[tuple[int, int, int]]] = {}
-        for b in self.buckets:
-            first: dict[int, int] = {}
-            last: dict[int, int] = {}
-            for m, st in zip(b.msgs, b.steps):
-                for r in (m.src, m.dst):
-                    first[r] = min(first.get(r, st), st)
-                    last[r] = max(last.get(r, st), st)
-            for r in first:
-                spans.setdefault(r, []).append((first[r], last[r], _nbytes(b)))
-        out: dict[int, int] = {}
-        for r, sp in spans.items():
-            events = sorted([(a, 0, n) for a, _, n in sp] + [(z, 1, -n) for _, z, n in sp])
-            cur = top = 0
-            for _, _, n in events:  # at one step: allocations first, then frees
-                cur += n
-                top = max(top, cur)
-            out[r] = top
-        return out
+        return _staging(self.buckets)
 
     def describe(self) -> str:
         """A readable summary: sizes, replicas, senders' load, buckets, waves, the bound."""
@@ -293,7 +276,7 @@ def _check_ranks(source: Mapping[int, Sequence[Box]], replicas: Sequence[Replica
 # ---- planning -----------------------------------------------------------------------------------------------
 _CACHE: "OrderedDict[str, TransferPlan]" = OrderedDict()
 _CACHE_SIZE = 8
-_MAX_STREAMS = 8  # buckets a rank may stage at once (each bucket_mb / streams)
+_MAX_STREAMS = 8  # routes a rank may take part in at once (each bucket bucket_mb / (2·streams))
 
 
 def clear_plan_cache() -> None:
@@ -365,7 +348,7 @@ def _plan(key: str, params: list[ParamInfo], source: Mapping[int, Sequence[Box]]
                 if r not in task.senders:
                     holders.setdefault(r, set()).update(task.senders)
     streams = min(_MAX_STREAMS, max((len(h) for h in holders.values()), default=1))
-    piece_bytes = max(1, bucket_bytes // streams)
+    piece_bytes = max(1, bucket_bytes // (2 * streams))  # two buckets of a route may be staged at once
     for p, task in tasks:
         item = p.itemsize
         region = tuple((sl.start, sl.stop) for sl in task.slice)
@@ -489,13 +472,38 @@ def _nbytes(b: Bucket) -> int:
     return b.numel * ParamInfo("", (1,), b.dtype).itemsize
 
 
+def _staging(buckets: Sequence[Bucket]) -> dict[int, int]:
+    """Per rank, the most bucket bytes staged at once, each bucket from the rank's first step on it to its last."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for b in buckets:
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for m, st in zip(b.msgs, b.steps):
+            for r in (m.src, m.dst):
+                first[r] = min(first.get(r, st), st)
+                last[r] = max(last.get(r, st), st)
+        for r in first:
+            spans.setdefault(r, []).append((first[r], last[r], _nbytes(b)))
+    out: dict[int, int] = {}
+    for r, sp in spans.items():
+        events = sorted([(a, 0, n) for a, _, n in sp] + [(z, 1, -n) for _, z, n in sp])
+        cur = top = 0
+        for _, _, n in events:  # at one step: allocations first, then frees
+            cur += n
+            top = max(top, cur)
+        out[r] = top
+    return out
+
+
 def _schedule(buckets: list[Bucket], budget: int) -> tuple[int, int]:
     """Every message its global step; returns (steps, waves).
 
     **Streams** when they fit: each route (sender, receivers) sends its buckets one after the other, every route
-    from step 0 on — a route's next bucket starts the step after its previous one ends, while the other routes
-    go on (no pipeline drains between waves, packing and unpacking overlap other routes' traffic). A rank then
-    stages at most one bucket of each route it is in: that sum must stay within ``budget``.
+    from step 0 on — a route's next bucket leaves its sender the step after the sender's last message of the
+    previous one, so it fills the chain while the previous one drains (no pipeline drains, packing and unpacking
+    overlap the traffic). A rank then stages at most two buckets of each route it is in (checked exactly: the
+    plan's staging must stay within ``budget``); where that does not fit, each bucket waits for the previous
+    one's end (one bucket per route).
     **Waves** otherwise: the k-th bucket of every route before the (k+1)-th of any, each in the first wave after
     its route's previous bucket where every participant's staged bytes stay within ``budget``; a wave starts
     when the previous one has ended. ``Bucket.wave`` is the bucket's index in its route (streams) or its wave."""
@@ -508,15 +516,24 @@ def _schedule(buckets: list[Bucket], budget: int) -> tuple[int, int]:
         top = max(_nbytes(b) for b in bs)
         for r in {bs[0].sender, *bs[0].receivers}:
             need[r] += top
-    if not need or max(need.values()) <= budget:
+    local = {b.index: list(b.steps) for b in buckets}
+    for overlap in (True, False):
+        if need and max(need.values()) * (2 if overlap else 1) > budget:
+            continue
         end = 0
         for bs in routes.values():
             base = 0
             for k, b in enumerate(bs):
-                b.wave, b.steps = k, [base + s for s in b.steps]
-                base += length[b.index]
-            end = max(end, base)
-        return end, max((len(bs) for bs in routes.values()), default=0)
+                b.wave, b.steps = k, [base + s for s in local[b.index]]
+                end = max(end, base + length[b.index])
+                if overlap:  # the next bucket leaves the sender right after this one; it fills as this one drains
+                    base = 1 + max((s for m, s in zip(b.msgs, b.steps) if m.src == b.sender), default=base)
+                else:
+                    base += length[b.index]
+        if not need or max(_staging(buckets).values()) <= budget:
+            return end, max((len(bs) for bs in routes.values()), default=0)
+    for b in buckets:
+        b.steps = list(local[b.index])
     turn = {b.index: k for bs in routes.values() for k, b in enumerate(bs)}
     used: list[Counter[int]] = []
     after: dict[tuple, int] = {}  # route -> the wave of its previous bucket (one bucket of a route per wave)
