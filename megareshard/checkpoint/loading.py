@@ -30,9 +30,9 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "max_position_embeddings", "normalization", "position_embedding_type", "rotary_base",
                        "rotary_percent", "swiglu", "openai_gelu", "group_query_attention", "num_query_groups",
                        "kv_channels", "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
-                       "apply_layernorm_1p")
+                       "apply_layernorm_1p", "qk_layernorm")
 # architecture fields that checkpoints written before them lack: their value then
-_LATER_FIELD_DEFAULTS = {"apply_layernorm_1p": False}
+_LATER_FIELD_DEFAULTS = {"apply_layernorm_1p": False, "qk_layernorm": False}
 # fields that only change numerics / the data: a mismatch is a warning
 _ADVISORY_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon")
 

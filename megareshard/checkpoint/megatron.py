@@ -30,8 +30,15 @@ same table:
 * Tied output layer: no ``output_layer.weight`` in ``torch_dist`` (the word embedding serves); a
   ``torch`` last pipeline stage holds a copy, which is not read.
 
+* Mixture of experts (``torch_dist``): ``mlp.router.weight`` ``[layers, E, h]``, and the experts as
+  SequentialMLP and TEGroupedMLP save them, ``mlp.experts.experts.linear_fc1.weight`` ``[layers, E, 2f, h]`` (each
+  expert's gate rows, then up rows) and ``linear_fc2.weight`` ``[layers, E, h, f]``: this model's ``[E, ...]``
+  ``mlp.experts.fc1_gate`` / ``fc1_up`` / ``fc2`` are boxes of them (``Source.expert``); ``--qk-layernorm``'s
+  ``self_attention.q_layernorm`` / ``k_layernorm``. Dense and MoE layers mixed (Megatron-Core then keys every
+  layer apart, ``decoder.layers.N.``) and shared experts are refused, as are MoE per-rank ``torch`` files.
+
 The architecture comes from the checkpoint's saved ``args`` (``model_config_from_args``); what this
-model does not build (experts, multi-latent attention, ...) is refused with its name.
+model does not build (multi-latent attention, ...) is refused with its name.
 """
 from __future__ import annotations
 
@@ -39,10 +46,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..config.moe import is_moe_layer
 from ..models.config import ModelConfig
 from .format import CheckpointError
 
-__all__ = ["TRACKER_FILE", "Source", "sources", "model_config_from_args", "args_from_model_config",
+__all__ = ["TRACKER_FILE", "Source", "sources", "model_config_from_args", "args_from_model_config", "swiglu_rows",
            "padded_vocab", "megatron_shape", "refused_key", "LAYERS"]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -64,9 +72,14 @@ def _arg(args: Mapping[str, Any], name: str, default: Any = None) -> Any:
 
 # arguments that name a feature this model does not build: (argument, its neutral values, the feature)
 _NOT_BUILT = (
-    ("num_experts", (None, 0), "mixture of experts (--num-experts)"),
     ("multi_latent_attention", (None, False), "multi-latent attention (--multi-latent-attention)"),
-    ("qk_layernorm", (None, False), "query/key normalization (--qk-layernorm)"),
+    ("moe_shared_expert_intermediate_size", (None, 0), "MoE shared experts (--moe-shared-expert-intermediate-size)"),
+    ("moe_router_topk_scaling_factor", (None, 1, 1.0), "a scaled top-k (--moe-router-topk-scaling-factor)"),
+    ("moe_router_num_groups", (None, 0, 1), "group-limited routing (--moe-router-num-groups)"),
+    ("moe_router_enable_expert_bias", (None, False), "expert bias routing (--moe-router-enable-expert-bias)"),
+    ("moe_input_jitter_eps", (None, 0, 0.0), "router input jitter (--moe-input-jitter-eps)"),
+    ("moe_use_legacy_grouped_gemm", (None, False), "the legacy grouped-GEMM experts (--moe-use-legacy-grouped-gemm)"),
+    ("add_bias_linear_experts", (None,), "expert biases"),
     ("qk_l2_norm", (None, False), "query/key L2 normalization (--qk-l2-norm)"),
     ("squared_relu", (None, False), "the squared-ReLU MLP (--squared-relu)"),
     ("quick_geglu", (None, False), "the quick-GeGLU MLP (--quick-geglu)"),
@@ -89,11 +102,10 @@ _NOT_BUILT = (
 )
 
 # stacked-tensor name prefixes that belong to features not built here (a checkpoint without args says so too)
-_REFUSED_KEYS = (("mlp.router", "mixture of experts"), ("mlp.experts", "mixture of experts"),
-                 ("mlp.shared_experts", "mixture of experts"), ("linear_q_down_proj", "multi-latent attention"),
+_REFUSED_KEYS = (("mlp.shared_experts", "MoE shared experts"), ("linear_q_down_proj", "multi-latent attention"),
                  ("linear_kv_down_proj", "multi-latent attention"), ("linear_q_up_proj", "multi-latent attention"),
-                 ("linear_kv_up_proj", "multi-latent attention"), ("q_layernorm", "query/key normalization"),
-                 ("k_layernorm", "query/key normalization"), ("mtp.", "multi-token prediction"),
+                 ("linear_kv_up_proj", "multi-latent attention"), ("mlp.router.expert_bias", "expert bias routing"),
+                 ("mtp.", "multi-token prediction"),
                  ("language_model.", "Megatron-LM's legacy model (language_model.* names; convert it to Megatron-Core "
                                      "names with Megatron-LM's tools/checkpoint/convert.py)"))
 
@@ -134,6 +146,11 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
     norm = args.get("normalization") or "LayerNorm"
     if norm not in ("LayerNorm", "RMSNorm"):
         problems.append(f"--normalization {norm}")
+    experts = _arg(args, "num_experts")
+    freq = args.get("moe_layer_freq", 1)
+    if experts and freq != 1 and not (isinstance(freq, (list, tuple)) and all(v == 1 for v in freq)):
+        problems.append(f"--moe-layer-freq {freq!r} (dense and MoE layers mixed: Megatron-Core stores such a model "
+                        "per layer, which is not read here yet)")
     if problems:
         raise CheckpointError("the checkpoint's model uses what megareshard does not build: " + "; ".join(problems))
     missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if not args.get(n)]
@@ -186,8 +203,37 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
         num_query_groups=int(groups) if groups is not None and int(groups) != heads else 1,
         kv_channels=int(kv) if kv and int(kv) * heads != h else None,
         untie_embeddings_and_output_weights=bool(args.get("untie_embeddings_and_output_weights", False)),
-        disable_bias_linear=not bias, add_qkv_bias=bool(args.get("add_qkv_bias", False)) and not bias)
+        disable_bias_linear=not bias, add_qkv_bias=bool(args.get("add_qkv_bias", False)) and not bias,
+        qk_layernorm=bool(args.get("qk_layernorm", False)), **_moe_fields(args))
     return cfg, notes
+
+
+# Megatron-LM's MoE arguments carried as they are (the same names here): (name, default)
+_MOE_ARGS = (("moe_router_topk", 2), ("moe_router_score_function", "softmax"), ("moe_router_pre_softmax", False),
+             ("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 0.0), ("moe_z_loss_coeff", None),
+             ("moe_expert_capacity_factor", None), ("moe_token_drop_policy", "probs"),
+             ("moe_pad_expert_input_to_capacity", False), ("moe_token_dispatcher_type", "allgather"))
+
+
+def _moe_fields(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ModelConfig`` MoE fields of Megatron-LM's saved arguments (none without ``num_experts``)."""
+    experts = _arg(args, "num_experts")
+    if not experts:
+        return {}
+    out = {"num_experts": int(experts), "moe_layer_freq": 1}
+    if args.get("moe_ffn_hidden_size"):
+        out["moe_ffn_hidden_size"] = int(args["moe_ffn_hidden_size"])
+    for name, default in _MOE_ARGS:
+        value = args.get(name)
+        out[name] = default if value is None else value
+    if isinstance(out["moe_router_load_balancing_type"], (list, tuple)):   # Megatron-LM allows one per loss
+        kinds = list(out["moe_router_load_balancing_type"])
+        if len(kinds) != 1:
+            raise CheckpointError(f"--moe-router-load-balancing-type {kinds}: one kind only is built here")
+        out["moe_router_load_balancing_type"] = kinds[0]
+    if isinstance(out["moe_aux_loss_coeff"], (list, tuple)):
+        out["moe_aux_loss_coeff"] = float(out["moe_aux_loss_coeff"][0])
+    return out
 
 
 def args_from_model_config(cfg: ModelConfig, tp: int, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -209,8 +255,17 @@ def args_from_model_config(cfg: ModelConfig, tp: int, extra: Mapping[str, Any] |
            "padded_vocab_size": padded_vocab(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
            "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
            "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout,
-           "init_method_std": cfg.init_method_std, "num_experts": None, "use_mcore_models": True,
-           "ckpt_format": "torch_dist"}
+           "init_method_std": cfg.init_method_std, "num_experts": cfg.num_experts, "use_mcore_models": True,
+           "ckpt_format": "torch_dist", "qk_layernorm": cfg.qk_layernorm}
+    if cfg.num_experts is not None:
+        if cfg.moe_layer_freq != 1:
+            raise CheckpointError(f"--moe-layer-freq {cfg.moe_layer_freq}: dense and MoE layers mixed are stored per "
+                                  "layer by Megatron-Core, which is not written here yet")
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            raise CheckpointError("MoE shared experts are not written to Megatron-LM checkpoints yet")
+        out.update({"num_experts": cfg.num_experts, "moe_layer_freq": 1, "moe_ffn_hidden_size":
+                    cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "expert_model_parallel_size": 1,
+                    **{name: getattr(cfg, name) for name, _ in _MOE_ARGS}})
     out.update(extra or {})
     return out
 
@@ -225,7 +280,8 @@ class Source:
     of the same tensor. ``layer``: the index on the leading layer axis. ``part``: 0 (gate) or 1 (up) — a
     half of the rows of SwiGLU's fused ``linear_fc1``. ``vocab``: the rows are the padded vocabulary
     (this model's are its first ``vocab_size``). ``tp_dim``: the dim Megatron splits over tensor
-    parallelism in per-rank files (None: every rank holds all of it).
+    parallelism in per-rank files (None: every rank holds all of it). ``expert``: an MoE expert tensor, whose
+    first dim here (the experts) is Megatron's axis after the layers'; its SwiGLU halves split the dim after it.
     """
 
     key: str
@@ -234,6 +290,12 @@ class Source:
     part: int | None = None
     vocab: bool = False
     tp_dim: int | None = None
+    expert: bool = False
+
+    @property
+    def part_dim(self) -> int:
+        """The dim of this model's tensor that SwiGLU's halves split in Megatron's."""
+        return 1 if self.expert else 0
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -262,9 +324,20 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
         put("attention.qkv.weight", "self_attention.linear_qkv.weight", tp_dim=0)
         if cfg.qkv_bias:
             put("attention.qkv.bias", "self_attention.linear_qkv.bias", tp_dim=0)
+        if cfg.qk_layernorm:
+            for qk in ("q_layernorm", "k_layernorm"):
+                put(f"attention.{qk}.weight", f"self_attention.{qk}.weight")
+                if layer_norm:
+                    put(f"attention.{qk}.bias", f"self_attention.{qk}.bias")
         put("attention.proj.weight", "self_attention.linear_proj.weight", tp_dim=1)
         if bias:
             put("attention.proj.bias", "self_attention.linear_proj.bias")
+        if is_moe_layer(cfg, i):   # Megatron-Core's SequentialMLP / TEGroupedMLP: [layers, experts, ...]
+            put("mlp.router.weight", "mlp.router.weight")
+            for ours, key, part in (("fc1_gate", "linear_fc1", 0), ("fc1_up", "linear_fc1", 1), ("fc2", "linear_fc2",
+                                                                                                   None)):
+                put(f"mlp.experts.{ours}.weight", f"mlp.experts.experts.{key}.weight", part=part, expert=True)
+            continue
         for suffix in ("weight", "bias") if bias else ("weight",):
             if cfg.swiglu:
                 put(f"mlp.fc1_gate.{suffix}", f"mlp.linear_fc1.{suffix}", part=0, tp_dim=0)
@@ -287,6 +360,12 @@ def our_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
     h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    E, fe = cfg.num_experts, cfg.moe_ffn_hidden_size or f
+    if leaf.startswith("mlp.router") or leaf.startswith("mlp.experts"):
+        return {"mlp.router.weight": (E, h), "mlp.experts.fc1_gate.weight": (E, fe, h),
+                "mlp.experts.fc1_up.weight": (E, fe, h), "mlp.experts.fc2.weight": (E, h, fe)}[leaf]
+    if leaf.startswith(("attention.q_layernorm", "attention.k_layernorm")):
+        return (d,)
     table = {"embedding.word_embeddings.weight": (cfg.vocab_size, h), "output_layer.weight": (cfg.vocab_size, h),
              "embedding.position_embeddings.weight": (cfg.max_position_embeddings, h),
              "attention.qkv.weight": (qkv, h), "attention.qkv.bias": (qkv,),
@@ -300,7 +379,7 @@ def megatron_shape(name: str, src: Source, cfg: ModelConfig, padded: int) -> tup
     """The global shape of ``src``'s Megatron tensor (stacked over layers, fused SwiGLU rows, padded vocabulary)."""
     shape = list(our_shape(name, cfg))
     if src.part is not None:
-        shape[0] *= 2
+        shape[src.part_dim] *= 2
     if src.vocab:
         shape[0] = padded
     return tuple(([cfg.num_layers] if src.layer is not None else []) + shape)
@@ -312,7 +391,7 @@ def megatron_box(src: Source, offset: tuple[int, ...], size: tuple[int, ...],
     the rows of one SwiGLU half (ffn)."""
     offset, size = list(offset), list(size)
     if src.part is not None:
-        offset[0] += src.part * rows
+        offset[src.part_dim] += src.part * rows
     if src.layer is not None:
         return (src.layer, *offset), (1, *size)
     return tuple(offset), tuple(size)
@@ -343,12 +422,30 @@ def to_megatron(model: Mapping[str, Any], cfg: ModelConfig, tp: int) -> tuple[di
             raise CheckpointError(f"{name} has shape {tuple(t.shape)}, its configuration needs {our_shape(name, cfg)}")
         if src.key not in tensors:
             tensors[src.key] = t.new_zeros(megatron_shape(name, src, cfg, padded))
-        offset, size = megatron_box(src, (0,) * t.dim(), tuple(t.shape), cfg.ffn_hidden_size)
+        offset, size = megatron_box(src, (0,) * t.dim(), tuple(t.shape), swiglu_rows(name, cfg))
         box = tensors[src.key]
         for d, (o, n) in enumerate(zip(offset, size)):
             box = box.narrow(d, o, n)
         box.copy_(t.reshape(size))
     n = cfg.num_layers
+    if cfg.num_experts is not None:   # the pre-MLP norm of an MoE layer: the local spec saves it under the fused
+        # name, Transformer Engine's spec (no linear_fc1 to fuse it into) as pre_mlp_layernorm: both, for either
+        for part in ("weight", "bias"):
+            fused = f"{LAYERS}mlp.linear_fc1.layer_norm_{part}"
+            if fused in tensors:
+                tensors[f"{LAYERS}pre_mlp_layernorm.{part}"] = tensors[fused].clone()
     # Megatron-Core stores the objects of one unique key as the list of every saving rank's (here: one, None)
-    objects = {f"{LAYERS}{m}._extra_state/shard_{i}_{n}": [None] for m in _EXTRA_STATE for i in range(n)}
+    moe = [i for i in range(n) if is_moe_layer(cfg, i)]
+    objects = {f"{LAYERS}{m}._extra_state/shard_{i}_{n}": [None] for m in _EXTRA_STATE for i in range(n)
+               if not (i in moe and m.startswith("mlp."))}
+    for i in moe:      # the experts' linears: one object per layer and expert (the router has none)
+        objects.update({f"{LAYERS}mlp.experts.experts.{m}._extra_state/shard_{i}.{e}_{n}.{cfg.num_experts}": [None]
+                        for m in ("linear_fc1", "linear_fc2") for e in range(cfg.num_experts)})
     return tensors, objects
+
+
+def swiglu_rows(name: str, cfg: ModelConfig) -> int:
+    """The rows of one SwiGLU half of ``name``'s Megatron tensor (the experts' width for expert tensors)."""
+    if name.split(".", 2)[-1].startswith("mlp.experts."):
+        return cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    return cfg.ffn_hidden_size

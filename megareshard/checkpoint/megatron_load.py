@@ -22,7 +22,7 @@ from ..models.config import ModelConfig
 from .format import CHECKPOINT_JSON, LATEST_FILE, CheckpointError
 from .loading import _ADVISORY_FIELDS, ARCHITECTURE_FIELDS, LoadResult
 from .state import _all_gather_object, _canonical, _cut, _layout, _tp_box, describe_layout
-from .megatron import LAYERS, Source, megatron_shape, model_config_from_args, our_shape, sources
+from .megatron import LAYERS, Source, megatron_shape, model_config_from_args, our_shape, sources, swiglu_rows
 from .megatron_io import MegatronCheckpoint, find_megatron_checkpoint, has_fp8_state
 
 __all__ = ["Opened", "open_checked", "read_full", "load_into_model", "megatron_checkpoint_dir"]
@@ -70,6 +70,9 @@ def open_checked(path: str, vocab_size: int | None = None) -> Opened:
     file and the tensor), every tensor's presence and shape, and stored tensors this model has no place for."""
     ckpt = MegatronCheckpoint(path)
     cfg, notes = model_config_from_args(ckpt.args, vocab_size)
+    if cfg.num_experts is not None and ckpt.format != "torch_dist":
+        raise CheckpointError(f"{ckpt.path}: an MoE model in per-rank torch files (one per expert-parallel rank) is "
+                              "not read: resave it with --ckpt-format torch_dist")
     refused = ckpt.refused_tensors()
     if refused:
         raise CheckpointError(f"{ckpt.path} holds tensors of what megareshard does not build: {', '.join(refused[:4])}")
@@ -131,7 +134,7 @@ def _legacy_dtype(opened: Opened, src: Source) -> torch.dtype:
 
 
 def _rows(cfg: ModelConfig) -> dict[str, int]:
-    return {n: cfg.ffn_hidden_size for n, s in sources(cfg).items() if s.part is not None}
+    return {n: swiglu_rows(n, cfg) for n, s in sources(cfg).items() if s.part is not None}
 
 
 def _flag(field: str) -> str:
@@ -187,7 +190,8 @@ def load_into_model(path: str, *, ctx, model, cfg: ModelConfig, optimizer,
             requests[f"{key}@{name}"] = (table[key], piece.offset, piece.tensor)
     # requests are keyed 'stored name@parameter name': a tied copy on a last stage reads the embedding's box
     shapes = {rkey: opened.expected[rkey.split("@", 1)[0]][1] for rkey in requests}
-    rows = {rkey: cur.ffn_hidden_size for rkey, (src, _, _) in requests.items() if src.part is not None}
+    rows = {rkey: swiglu_rows(rkey.split("@", 1)[0], cur) for rkey, (src, _, _) in requests.items()
+            if src.part is not None}
     distributed = dist.is_available() and dist.is_initialized()
     opened.ckpt.read(requests, shapes, rows, no_dist=not distributed)
     with torch.no_grad():

@@ -75,12 +75,14 @@ def test_round_trip_of_the_mapping(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, tensors, words", [
-    ({"num_experts": 8}, None, "mixture of experts (--num-experts) = 8"),
+    ({"num_experts": 8, "moe_shared_expert_intermediate_size": 16}, None,
+     "MoE shared experts (--moe-shared-expert-intermediate-size) = 16"),
     ({"multi_latent_attention": True}, None, "multi-latent attention"),
-    ({}, {f"{LAYERS}mlp.router.weight": torch.zeros(2, 8, 32)},
-     "decoder.layers.mlp.router.weight (mixture of experts)"),
+    ({}, {f"{LAYERS}mlp.shared_experts.linear_fc1.weight": torch.zeros(2, 8, 32)},
+     "decoder.layers.mlp.shared_experts.linear_fc1.weight (MoE shared experts)"),
+    ({"num_experts": 8}, None, "has no tensor decoder.layers.mlp.router.weight"),
     ({"position_embedding_type": "yarn"}, None, "--position-embedding-type yarn"),
-], ids=["experts", "mla", "expert-tensors", "yarn"])
+], ids=["shared-experts", "mla", "shared-expert-tensors", "experts-without-tensors", "yarn"])
 def test_features_not_built_are_named(tmp_path, capsys, change, tensors, words):
     src = _write(tmp_path / "meg", args=change, tensors=tensors)
     err = _refused(load_tool(), ["import-megatron", src, str(tmp_path / "ours")], capsys)
