@@ -43,15 +43,21 @@ class ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, weight, bias, counts, owner, grouped):
-        if grouped:
-            out = torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
-            if bias is not None:
-                out = out + bias[_row_experts(counts, x.device)]
-        else:
-            outs = [F.linear(xe, weight[e], None if bias is None else bias[e])
-                    for e, xe in enumerate(x.split(counts))]
-            out = torch.cat(outs)
-        fctx.save_for_backward(x, weight)
+        dev = x.device.type
+        xc, wc, bc = x, weight, bias
+        if torch.is_autocast_enabled(dev):   # autocast does not reach a Function's backward: cast here, as
+            dtype = torch.get_autocast_dtype(dev)   # LinearWithWeightGradStore does
+            xc, wc, bc = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(dev, enabled=False):
+            if grouped:
+                out = torch._grouped_mm(xc, wc.transpose(1, 2), offs=_offsets(counts, x.device))
+                if bc is not None:
+                    out = out + bc[_row_experts(counts, x.device)]
+            else:
+                outs = [F.linear(xe, wc[e], None if bc is None else bc[e]) for e, xe in enumerate(xc.split(counts))]
+                out = torch.cat(outs)
+        fctx.save_for_backward(xc, wc)
+        fctx.x_dtype = x.dtype
         # the parameters themselves, for the delayed accumulation (a saved tensor unpacks as another object)
         fctx.params = (weight, bias)
         fctx.counts, fctx.owner, fctx.grouped = list(counts), owner, grouped
@@ -62,13 +68,14 @@ class ExpertLinear(torch.autograd.Function):
         x, w = fctx.saved_tensors
         weight, bias = fctx.params
         counts, grouped = fctx.counts, fctx.grouped
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.to(w.dtype).contiguous()
         grad_x = None
         if fctx.needs_input_grad[0]:
             if grouped:
                 grad_x = torch._grouped_mm(grad_out, w, offs=_offsets(counts, x.device))
             else:
                 grad_x = torch.cat([ge.matmul(w[e]) for e, ge in enumerate(grad_out.split(counts))])
+            grad_x = grad_x.to(fctx.x_dtype)
         need_w = fctx.needs_input_grad[1]
         need_b = bias is not None and fctx.needs_input_grad[2]
         if not (need_w or need_b):
