@@ -22,8 +22,9 @@ class GeneratorConfig:
                                              "--generator-prompts with a key/value cache between updates")
     transfer_interval: int = _f(1, "push the trainer's weights to the generator replicas after every N-th "
                                    "optimizer step (and after the last one)", metavar="N")
-    transfer_bucket_mb: float = _f(64.0, "the weight transfer's staging bound: small tensors packed into flat "
-                                         "buckets of at most this many MiB, one bucket per rank in flight")
+    transfer_bucket_mb: float = _f(64.0, "the weight transfer's staging bound: the MiB of flat buckets (small "
+                                         "tensors packed together) a rank holds at once, over all the senders it "
+                                         "receives from")
     generator_prompts: str | None = _f(None, "the generators' prompts: texts separated by |, or a file of one prompt "
                                              "per line (default: three short code prompts)")
     generator_max_new_tokens: int = _f(16, "tokens each generator replica adds to every prompt (greedy)")
