@@ -285,3 +285,25 @@ def test_stage_layouts_whose_expert_grid_does_not_tile_a_stage_one_line():
     text = str(err.value)
     assert "\n" not in text and ("--expert-model-parallel-size 2 × --expert-tensor-parallel-size 2 = 4 does not divide "
                                  "the 2 ranks of pipeline stage 0 (--stage-layouts entry tp2dp1)") in text, text
+
+
+def test_expert_gemm_equals_autograd_per_expert_linear():
+    """The experts' Function against autograd through one F.linear per expert (the layer before it), an expert
+    without rows included: one GEMM per expert runs the same kernels (bit for bit); torch._grouped_mm may sum in
+    another order, so it is held to the longest reduction's rounding (32 products: 4·32·u of the largest value)."""
+    from megareshard.models.moe.expert_gemm import expert_linear
+
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(12, 16, generator=g), torch.randn(3, 32, 16, generator=g), torch.randn(3, 32, generator=g)
+    grad, counts = torch.randn(12, 32, generator=g), [4, 0, 8]
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    ref = torch.cat([torch.nn.functional.linear(xe, leaves[1][e], leaves[2][e])
+                     for e, xe in enumerate(leaves[0].split(counts))])
+    ref.backward(grad)
+    for grouped in [False] + ([True] if hasattr(torch, "_grouped_mm") else []):
+        mine = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        out = expert_linear(*mine, counts, object(), grouped)
+        out.backward(grad)
+        for got, want in [(out, ref)] + [(a.grad, r.grad) for a, r in zip(mine, leaves)]:
+            tol = 4 * 32 * U * want.abs().max().item() if grouped else 0.0
+            assert (got - want).abs().max().item() <= tol, grouped
