@@ -110,3 +110,43 @@ def test_export_megatron_refuses_mixed_layers_in_one_line():
                      "--num-attention-heads 2 --num-experts 4 --moe-layer-freq [1,0]".split(), world_size=1).model
     with pytest.raises(CheckpointError, match=r"^--moe-layer-freq \[1,0\]: dense and MoE layers mixed"):
         args_from_model_config(cfg, 1)
+
+
+def _ep2_tp2_logits(rank: int, world: int, runs: dict) -> dict:
+    from megareshard.tensor_parallel import all_gather_dim
+    from megareshard.training import build_context
+
+    out = {}
+    for arch, argv in runs.items():
+        cfg = parse_args(argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--expert-model-parallel-size", "2"], world_size=world)
+        ctx, _ = build_context(cfg, world)
+        assert (ctx.tp_size, ctx.ep_size, ctx.dp_size) == (2, 2, 2)
+        trainer = Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+        with torch.no_grad():
+            out[arch] = all_gather_dim(trainer.model.eval()(base.tokens()), ctx, -1)[..., :base.VOCAB]
+        trainer.close()
+        ctx.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_moe_directories_load_at_ep2_tp2(megatron):
+    """``--load`` of the Megatron-LM directories straight into ep 2 · tp 2 (sequence parallelism; 4 gloo ranks,
+    each reading the boxes of its experts): Megatron-Core's logits within the forward's rounding."""
+    from megareshard.models import hf as hf_map
+    from tests.harness import run_ranks
+
+    work, res = megatron
+    runs = {}
+    for arch in oracle.ARCHS:
+        cfg, _ = model_config_from_args(MegatronCheckpoint(str(work / arch)).args)
+        runs[arch] = _argv(str(work / arch), hf_map.megatron_flags(cfg))
+    L = base.ARCHS["llama"]
+    reductions = gpt_forward_reductions(L["num_layers"], L["hidden_size"], oracle.FE * oracle.K, L["num_attention_heads"],
+                                        L["hidden_size"] // L["num_attention_heads"], base.SEQ)
+    for got in run_ranks(_ep2_tp2_logits, 4, runs, timeout=300):
+        for arch, logits in got.items():
+            ref = res["logits"][arch]
+            err = (logits - ref).abs().max().item()
+            assert err <= forward_tolerance(reductions, ref.abs().max().item()), f"{arch}: differ by {err:.3g}"
