@@ -49,6 +49,13 @@ def _argv(load: str, flags: list[str]) -> list[str]:
             "--global-batch-size", "2", *flags]
 
 
+def _reductions() -> int:
+    """The sums a logit depends on (tests/tolerances.py): the Llama's shape, each token's MLP the k experts'."""
+    L = base.ARCHS["llama"]
+    return gpt_forward_reductions(L["num_layers"], L["hidden_size"], oracle.FE * oracle.K, L["num_attention_heads"],
+                                  L["hidden_size"] // L["num_attention_heads"], base.SEQ)
+
+
 def _logits(argv: list[str]) -> torch.Tensor:
     trainer = Trainer(parse_args(argv, world_size=1), ParallelContext.single_process(), torch.device("cpu"),
                       out=io.StringIO())
@@ -72,9 +79,7 @@ def test_import_megatron_moe_gives_megatron_cores_logits(megatron, arch, tmp_pat
     assert cfg.model.moe_router_pre_softmax == oracle.ARCHS[arch]["pre_softmax"]
     ref = res["logits"][arch]
     got = _logits(_argv(out, flags + ["--finetune"]))
-    L = base.ARCHS["llama"]
-    reductions = gpt_forward_reductions(L["num_layers"], L["hidden_size"], oracle.FE * oracle.K, L["num_attention_heads"],
-                                        L["hidden_size"] // L["num_attention_heads"], base.SEQ)
+    reductions = _reductions()
     err = (got - ref).abs().max().item()
     assert err <= forward_tolerance(reductions, ref.abs().max().item()), f"{arch}: logits differ by {err:.3g}"
     assert torch.equal(got, _logits(_argv(src, flags)))      # --load of the Megatron-LM directory: the same weights
@@ -142,9 +147,7 @@ def test_megatron_moe_directories_load_at_ep2_tp2(megatron):
     for arch in oracle.ARCHS:
         cfg, _ = model_config_from_args(MegatronCheckpoint(str(work / arch)).args)
         runs[arch] = _argv(str(work / arch), hf_map.megatron_flags(cfg))
-    L = base.ARCHS["llama"]
-    reductions = gpt_forward_reductions(L["num_layers"], L["hidden_size"], oracle.FE * oracle.K, L["num_attention_heads"],
-                                        L["hidden_size"] // L["num_attention_heads"], base.SEQ)
+    reductions = _reductions()
     for got in run_ranks(_ep2_tp2_logits, 4, runs, timeout=300):
         for arch, logits in got.items():
             ref = res["logits"][arch]
