@@ -112,7 +112,10 @@ def _matrix(rank: int, world: int):
                                        Destination("gen_tp1", (5,))]),
              # MoE: experts over ep 2 in each of 2 stages -> ep 2 · etp 1, ep 1 · etp 2 (dense-like), all on pp 2
              ("moe", 1, 2, 2, 0, 1, [Destination("gen_tp2_ep2", (4, 5), tp=2, ep=2, etp=1),
-                                     Destination("same_tp2", (0, 1), tp=2), Destination("gen_pp2", (2, 3), pp=2)])]
+                                     Destination("same_tp2", (0, 1), tp=2), Destination("gen_pp2", (2, 3), pp=2)]),
+             # MoE at ZeRO-3 over dp 4 · ep 2: every expert tensor's rows sharded over its edp pair
+             ("moe", 1, 1, 4, 3, 1, [Destination("gen_tp2_ep2", (4, 5), tp=2, ep=2, etp=1),
+                                     Destination("gen_tp1", (0,))])]
     for kind, tp, pp, dp, zero, virtual, dests in cases:
         cfg = _cfg(kind == "llama", kind == "moe")
         n = tp * pp * dp
@@ -141,7 +144,7 @@ def _matrix(rank: int, world: int):
 @pytest.mark.slow
 def test_layout_matrix_exact_under_nccl_rules():
     res = run_ranks(_matrix, 6, nccl_check=True, timeout=240)
-    for case in range(4):
+    for case in range(5):
         assert sum(r[case][0] for r in res) > 0
         assert all(r[case][1] > 0 and r[case][2] for r in res)
 
