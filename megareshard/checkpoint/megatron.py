@@ -34,8 +34,9 @@ same table:
   SequentialMLP and TEGroupedMLP save them, ``mlp.experts.experts.linear_fc1.weight`` ``[layers, E, 2f, h]`` (each
   expert's gate rows, then up rows) and ``linear_fc2.weight`` ``[layers, E, h, f]``: this model's ``[E, ...]``
   ``mlp.experts.fc1_gate`` / ``fc1_up`` / ``fc2`` are boxes of them (``Source.expert``); ``--qk-layernorm``'s
-  ``self_attention.q_layernorm`` / ``k_layernorm``. Dense and MoE layers mixed (Megatron-Core then keys every
-  layer apart, ``decoder.layers.N.``) and shared experts are refused, as are MoE per-rank ``torch`` files.
+  ``self_attention.q_layernorm`` / ``k_layernorm``. With dense and MoE layers mixed (``--moe-layer-freq`` not
+  1) Megatron-Core keys every layer apart, ``decoder.layers.N.…`` without the layer axis (``per_layer_keys``).
+  Shared experts are refused, as are MoE per-rank ``torch`` files.
 
 The architecture comes from the checkpoint's saved ``args`` (``model_config_from_args``); what this
 model does not build (multi-latent attention, ...) is refused with its name.
@@ -46,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..config.moe import is_moe_layer
+from ..config.moe import is_moe_layer, moe_layer_pattern
 from ..models.config import ModelConfig
 from .format import CheckpointError
 
@@ -146,11 +147,6 @@ def model_config_from_args(args: Mapping[str, Any], vocab_size: int | None = Non
     norm = args.get("normalization") or "LayerNorm"
     if norm not in ("LayerNorm", "RMSNorm"):
         problems.append(f"--normalization {norm}")
-    experts = _arg(args, "num_experts")
-    freq = args.get("moe_layer_freq", 1)
-    if experts and freq != 1 and not (isinstance(freq, (list, tuple)) and all(v == 1 for v in freq)):
-        problems.append(f"--moe-layer-freq {freq!r} (dense and MoE layers mixed: Megatron-Core stores such a model "
-                        "per layer, which is not read here yet)")
     if problems:
         raise CheckpointError("the checkpoint's model uses what megareshard does not build: " + "; ".join(problems))
     missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if not args.get(n)]
@@ -220,7 +216,10 @@ def _moe_fields(args: Mapping[str, Any]) -> dict[str, Any]:
     experts = _arg(args, "num_experts")
     if not experts:
         return {}
-    out = {"num_experts": int(experts), "moe_layer_freq": 1}
+    freq = args.get("moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):     # Megatron-LM parses its pattern into a list of 0/1
+        freq = "[" + ",".join(str(int(v)) for v in freq) + "]"
+    out = {"num_experts": int(experts), "moe_layer_freq": freq}
     if args.get("moe_ffn_hidden_size"):
         out["moe_ffn_hidden_size"] = int(args["moe_ffn_hidden_size"])
     for name, default in _MOE_ARGS:
@@ -258,12 +257,11 @@ def args_from_model_config(cfg: ModelConfig, tp: int, extra: Mapping[str, Any] |
            "init_method_std": cfg.init_method_std, "num_experts": cfg.num_experts, "use_mcore_models": True,
            "ckpt_format": "torch_dist", "qk_layernorm": cfg.qk_layernorm}
     if cfg.num_experts is not None:
-        if cfg.moe_layer_freq != 1:
-            raise CheckpointError(f"--moe-layer-freq {cfg.moe_layer_freq}: dense and MoE layers mixed are stored per "
-                                  "layer by Megatron-Core, which is not written here yet")
         if cfg.moe_shared_expert_intermediate_size is not None:
             raise CheckpointError("MoE shared experts are not written to Megatron-LM checkpoints yet")
-        out.update({"num_experts": cfg.num_experts, "moe_layer_freq": 1, "moe_ffn_hidden_size":
+        freq = cfg.moe_layer_freq if isinstance(cfg.moe_layer_freq, int) else moe_layer_pattern(cfg.moe_layer_freq,
+                                                                                                 cfg.num_layers)
+        out.update({"num_experts": cfg.num_experts, "moe_layer_freq": freq, "moe_ffn_hidden_size":
                     cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "expert_model_parallel_size": 1,
                     **{name: getattr(cfg, name) for name, _ in _MOE_ARGS}})
     out.update(extra or {})
@@ -310,11 +308,15 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
     if cfg.position_embedding_type == "learned_absolute":
         out["embedding.position_embeddings.weight"] = Source("embedding.position_embeddings.weight")
     D = LAYERS
+    apart = per_layer_keys(cfg)
     for i in range(cfg.num_layers):
         o = f"layers.{i}."
 
         def put(ours: str, key: str, alt: tuple[str, ...] = (), **kw: Any) -> None:
-            out[o + ours] = Source(D + key, tuple(D + a for a in alt), layer=i, **kw)
+            if apart:       # Megatron-Core's non-homogeneous layers: each its own tensors, no layer axis
+                out[o + ours] = Source(f"{D}{i}.{key}", tuple(f"{D}{i}.{a}" for a in alt), **kw)
+            else:
+                out[o + ours] = Source(D + key, tuple(D + a for a in alt), layer=i, **kw)
 
         for ours, fused, module in (("input_layernorm", "self_attention.linear_qkv.layer_norm_", "input_layernorm."),
                                     ("post_attention_layernorm", "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")):
@@ -353,6 +355,12 @@ def sources(cfg: ModelConfig) -> dict[str, Source]:
     if not cfg.tied_embeddings:
         out["output_layer.weight"] = Source("output_layer.weight", vocab=True, tp_dim=0)
     return out
+
+
+def per_layer_keys(cfg: ModelConfig) -> bool:
+    """Whether Megatron-Core keys every layer apart (``decoder.layers.N.…``, no layer axis): an MoE model whose
+    ``--moe-layer-freq`` is not 1 (its ``non_homogeneous_layers``)."""
+    return cfg.num_experts is not None and cfg.moe_layer_freq != 1
 
 
 def our_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
@@ -427,20 +435,27 @@ def to_megatron(model: Mapping[str, Any], cfg: ModelConfig, tp: int) -> tuple[di
         for d, (o, n) in enumerate(zip(offset, size)):
             box = box.narrow(d, o, n)
         box.copy_(t.reshape(size))
-    n = cfg.num_layers
-    if cfg.num_experts is not None:   # the pre-MLP norm of an MoE layer: the local spec saves it under the fused
-        # name, Transformer Engine's spec (no linear_fc1 to fuse it into) as pre_mlp_layernorm: both, for either
-        for part in ("weight", "bias"):
-            fused = f"{LAYERS}mlp.linear_fc1.layer_norm_{part}"
-            if fused in tensors:
-                tensors[f"{LAYERS}pre_mlp_layernorm.{part}"] = tensors[fused].clone()
-    # Megatron-Core stores the objects of one unique key as the list of every saving rank's (here: one, None)
+    n, E, apart = cfg.num_layers, cfg.num_experts, per_layer_keys(cfg)
     moe = [i for i in range(n) if is_moe_layer(cfg, i)]
-    objects = {f"{LAYERS}{m}._extra_state/shard_{i}_{n}": [None] for m in _EXTRA_STATE for i in range(n)
-               if not (i in moe and m.startswith("mlp."))}
-    for i in moe:      # the experts' linears: one object per layer and expert (the router has none)
-        objects.update({f"{LAYERS}mlp.experts.experts.{m}._extra_state/shard_{i}.{e}_{n}.{cfg.num_experts}": [None]
-                        for m in ("linear_fc1", "linear_fc2") for e in range(cfg.num_experts)})
+    for i in moe:   # the pre-MLP norm of an MoE layer: the local spec saves it under the fused name, Transformer
+        # Engine's spec (no linear_fc1 to fuse it into) as pre_mlp_layernorm: both, for either
+        pre = f"{LAYERS}{i}." if apart else LAYERS
+        for part in ("weight", "bias"):
+            if pre + f"mlp.linear_fc1.layer_norm_{part}" in tensors:
+                tensors[pre + f"pre_mlp_layernorm.{part}"] = tensors[pre + f"mlp.linear_fc1.layer_norm_{part}"].clone()
+    # Megatron-Core stores the objects of one unique key as the list of every saving rank's (here: one, None); the
+    # experts' linears one per layer and expert (the router has none)
+    objects: dict[str, Any] = {}
+    for i in range(n):
+        dense = [m for m in _EXTRA_STATE if not (i in moe and m.startswith("mlp."))]
+        experts = [f"mlp.experts.experts.{m}" for m in ("linear_fc1", "linear_fc2")] if i in moe else []
+        if apart:
+            objects.update({f"{LAYERS}{i}.{m}._extra_state/shard_0_1": [None] for m in dense})
+            objects.update({f"{LAYERS}{i}.{m}._extra_state/shard_{e}_{E}": [None] for m in experts for e in range(E)})
+        else:
+            objects.update({f"{LAYERS}{m}._extra_state/shard_{i}_{n}": [None] for m in dense})
+            objects.update({f"{LAYERS}{m}._extra_state/shard_{i}.{e}_{n}.{E}": [None] for m in experts
+                            for e in range(E)})
     return tensors, objects
 
 

@@ -2,7 +2,8 @@
 
 ``run_oracle(work)`` starts this file in a process of its own (Megatron-Core patches torch.cuda calls for the
 CPU, see megatron_oracle.py), which for each architecture of ``ARCHS`` (a Mixtral-like MoE, and a Qwen3-MoE-like
-one: query/key layernorm, softmax before the top-k) builds a Megatron-Core GPTModel with the local layer spec
+one: query/key layernorm, softmax before the top-k; and one whose first layer is dense, which Megatron-Core keys
+per layer) builds a Megatron-Core GPTModel with the local layer spec
 (SequentialMLP experts, the allgather dispatcher), gives its norms random values, runs it on the oracle's
 tokens (eval: no router loss), saves it as Megatron-LM does (``torch_dist``), then has megareshard's
 ``import-megatron`` and ``export-megatron`` write it back and loads that export with ``dist_checkpointing.load``
@@ -27,14 +28,16 @@ else:   # run as a script
 
 ROOT = base.ROOT
 E, K, FE = 4, 2, 24
-ARCHS = {"mixtral": dict(qk_layernorm=False, pre_softmax=False), "qwen": dict(qk_layernorm=True, pre_softmax=True)}
+ARCHS = {"mixtral": dict(qk_layernorm=False, pre_softmax=False, freq=1),
+         "qwen": dict(qk_layernorm=True, pre_softmax=True, freq=1),
+         "first_dense": dict(qk_layernorm=False, pre_softmax=False, freq=[0, 1, 1, 1])}   # layers keyed apart
 LLAMA = base.ARCHS["llama"]
 
 
 def megatron_args(arch: str) -> argparse.Namespace:
     args = base.megatron_args("llama", 1)
     a = ARCHS[arch]
-    args.__dict__.update(num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=FE, moe_layer_freq=1,
+    args.__dict__.update(num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=FE, moe_layer_freq=a["freq"],
                          moe_router_pre_softmax=a["pre_softmax"], moe_router_load_balancing_type="aux_loss",
                          moe_aux_loss_coeff=0.01, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                          qk_layernorm=a["qk_layernorm"], expert_model_parallel_size=1)
@@ -43,7 +46,7 @@ def megatron_args(arch: str) -> argparse.Namespace:
 
 def build(arch: str, seed: int = 0):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     a, L = ARCHS[arch], LLAMA
@@ -55,9 +58,13 @@ def build(arch: str, seed: int = 0):
         init_method_std=0.02, tensor_model_parallel_size=1, pipeline_dtype=torch.float32, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=FE, moe_token_dispatcher_type="allgather",
-        moe_router_pre_softmax=a["pre_softmax"], moe_aux_loss_coeff=0.01, qk_layernorm=a["qk_layernorm"])
+        moe_router_pre_softmax=a["pre_softmax"], moe_aux_loss_coeff=0.01, qk_layernorm=a["qk_layernorm"],
+        moe_layer_freq=a["freq"])
     torch.manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=E, qk_layernorm=a["qk_layernorm"], normalization="RMSNorm")
+    if a["freq"] == 1:
+        spec = get_gpt_layer_local_spec(num_experts=E, qk_layernorm=a["qk_layernorm"], normalization="RMSNorm")
+    else:       # dense and MoE layers: a spec per layer
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=base.padded(1), max_sequence_length=64, parallel_output=False,
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=base.ROTARY_BASE, rotary_percent=1.0)

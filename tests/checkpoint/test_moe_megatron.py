@@ -10,8 +10,9 @@ softmax before the top-k, built, run and saved by Megatron-Core on one CPU proce
 * ``export-megatron`` of the imported checkpoint, loaded by Megatron-Core's ``dist_checkpointing.load`` into a
   freshly seeded model, gives back every weight (routers and ``[layers, experts, ...]`` expert tensors included)
   and Megatron-Core's logits bit for bit;
-* what is not read or written yet is one line: dense and MoE layers mixed (Megatron-Core stores such a model per
-  layer), shared experts, per-rank ``torch`` files of an MoE model.
+* dense and MoE layers mixed (``--moe-layer-freq [0,1,1,1]``), which Megatron-Core keys layer by layer
+  (``decoder.layers.N.…``, no layer axis), go in and out the same way;
+* what is not read or written yet is one line: shared experts, per-rank ``torch`` files of an MoE model.
 """
 from __future__ import annotations
 
@@ -73,7 +74,11 @@ def test_import_megatron_moe_gives_megatron_cores_logits(megatron, arch, tmp_pat
         assert load_tool().main(["import-megatron", src, out]) == 0
     flags = shlex.split(buf.getvalue().split("--finetune ", 1)[1])
     cfg = parse_args(_argv(out, flags + ["--finetune"]), world_size=1)
-    expected, _ = model_config_from_args(MegatronCheckpoint(src).args)
+    stored = MegatronCheckpoint(src)
+    expected, _ = model_config_from_args(stored.args)
+    apart = oracle.ARCHS[arch]["freq"] != 1         # Megatron-Core keyed the layers apart: no layer axis
+    assert any(k.startswith("decoder.layers.0.") for k in stored.shapes) == apart
+    assert any(k.startswith("decoder.layers.0.mlp.linear_fc2") for k in stored.shapes) == apart   # a dense layer
     assert cfg.model.__dict__ == {**expected.__dict__, "seq_length": base.SEQ}     # the printed flags say it all
     assert cfg.model.num_experts == oracle.E and cfg.model.qk_layernorm == oracle.ARCHS[arch]["qk_layernorm"]
     assert cfg.model.moe_router_pre_softmax == oracle.ARCHS[arch]["pre_softmax"]
@@ -99,21 +104,21 @@ ARGS = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidde
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"moe_layer_freq": [1, 0]}, r"--moe-layer-freq \[1, 0\] \(dense and MoE layers mixed"),
     ({"moe_shared_expert_intermediate_size": 32}, r"MoE shared experts \(--moe-shared-expert-intermediate-size\)"),
     ({"moe_router_topk_scaling_factor": 2.5}, r"a scaled top-k"),
     ({"moe_router_num_groups": 2}, r"group-limited routing"),
-], ids=["mixed-layers", "shared-experts", "topk-scaling", "group-limited"])
+], ids=["shared-experts", "topk-scaling", "group-limited"])
 def test_megatron_moe_arguments_not_built_are_one_line(extra, match):
     with pytest.raises(CheckpointError, match=match) as e:
         model_config_from_args({**ARGS, **extra})
     assert "\n" not in str(e.value)
 
 
-def test_export_megatron_refuses_mixed_layers_in_one_line():
+def test_export_megatron_refuses_shared_experts_in_one_line():
     cfg = parse_args("--mock-data --vocab-size 10 --num-layers 2 --hidden-size 16 --ffn-hidden-size 32 "
-                     "--num-attention-heads 2 --num-experts 4 --moe-layer-freq [1,0]".split(), world_size=1).model
-    with pytest.raises(CheckpointError, match=r"^--moe-layer-freq \[1,0\]: dense and MoE layers mixed"):
+                     "--num-attention-heads 2 --num-experts 4 --moe-shared-expert-intermediate-size 8".split(),
+                     world_size=1).model
+    with pytest.raises(CheckpointError, match=r"^MoE shared experts are not written to Megatron-LM checkpoints yet$"):
         args_from_model_config(cfg, 1)
 
 
