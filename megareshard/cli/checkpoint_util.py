@@ -364,7 +364,7 @@ def main(argv=None) -> int:
                 print(f"note: {note}")
             _say_tokenizer(path)
             print(f"imported {args.megatron_dir} -> {path}; train it with --load {args.out_dir} --finetune "
-                  + " ".join(hf_map.megatron_flags(cfg)))
+                  + shlex.join(hf_map.megatron_flags(cfg)))
         elif args.cmd == "export-megatron":
             path = export_megatron(args.ckpt, args.megatron_dir, args.tensor_model_parallel_size, args.force)
             print(f"exported {args.ckpt} -> {path} (Megatron-LM torch_dist, vocabulary padded for tensor parallelism "
