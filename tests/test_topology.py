@@ -122,6 +122,11 @@ def test_show_topology_expert_groups_with_num_experts(capsys):
     code, _, err = _show_topology(["--world-size", "4", "--num-experts", "6", "--expert-model-parallel-size", "4"],
                                   capsys)
     assert code == 2 and err == "error: --num-experts 6 is not a positive multiple of --expert-model-parallel-size 4\n"
+    # per-stage layouts: every stage its own grid (etp default: the stage's tp)
+    code, out, _ = _show_topology(["--world-size", "4", "--stage-layouts", "tp2dp1,tp1dp2", "--num-experts", "4",
+                                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], capsys)
+    assert code == 0 and "expert groups (ep 2 × etp 1 in each stage):" in out
+    assert "r1[ep1 etp0 edp0 experts 2-3] r2[ep0 etp0 edp0 experts 0-1]" in out
     # the trainer's rank map: the same coordinates, the experts held
     from megareshard.launch import RankInfo, rank_map_table
     topo = Topology(8, tp=2, nproc_per_node=4)

@@ -11,7 +11,8 @@
 
 The expert groups (ep, etp, edp, etp × ep: Megatron-Core's order inside each pipeline stage) are listed when
 --num-experts is given (whatever ep and etp, the defaults 1 and --tp included) or ep / etp differ from the
-defaults; with --num-experts every rank's record also says which experts it holds.
+defaults; with --num-experts every rank's record also says which experts it holds. With --stage-layouts every
+stage is its own expert grid (etp default: the stage's tp).
 
 Without --order the order comes from per-layer communication volume (docs/design.md §1) for the
 model shape given by --hidden-size/--seq-length/--micro-batch-size, and the volumes are printed.
@@ -55,13 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="MoE: expert-tensor-parallel degree (etp; default --tp)")
     a = p.parse_args(argv)
-    if a.stage_layouts:
+    ep, E = a.expert_model_parallel_size, a.num_experts
+    if a.stage_layouts:   # every stage its own expert grid (etp default: each stage's tp)
+        etp = a.expert_tensor_parallel_size
         try:
             topo = StageTopology(a.world_size, a.stage_layouts, a.nproc_per_node)
+            experts = E is not None or ep > 1 or etp is not None
+            _check_num_experts(E, ep)
+            groups = expert_groups(topo, ep, etp) if experts else None
         except (TopologyError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(topo.records(), indent=1) if a.json else topo.table())
+        if a.json:
+            print(json.dumps(_with_experts(topo.records(), topo, ep, etp, E) if experts else topo.records(), indent=1))
+            return 0
+        print(topo.table())
+        if groups is not None:
+            print(expert_group_lines(topo, groups, ep, etp, E))
         return 0
     try:
         if a.world_size < 1 or a.tp < 1 or a.pp < 1:
@@ -71,24 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         order = a.order or volume.order()
         topo = Topology(a.world_size, tp=a.tp, pp=a.pp, nproc_per_node=a.nproc_per_node, order=order,
                         keep_tp_in_host=a.keep_tp_in_host)
-        ep, etp, E = a.expert_model_parallel_size, a.expert_tensor_parallel_size, a.num_experts
+        etp = a.expert_tensor_parallel_size
         experts = E is not None or ep > 1 or (etp is not None and etp != a.tp)
         etp = a.tp if etp is None else etp
-        if E is not None and (E < 1 or E % ep):
-            raise TopologyError(f"--num-experts {E} is not a positive multiple of --expert-model-parallel-size {ep}")
+        _check_num_experts(E, ep)
         groups = expert_groups(topo, ep, etp) if experts else None
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.json:
         records = topo.records(sagemaker=a.sagemaker)
-        if experts:
-            for r in records:
-                c = expert_coords(topo, r["rank"], ep, etp)
-                r.update({k: v for k, v in c.items() if k != "pp"})
-                if E is not None:
-                    r["experts"] = [c["ep"] * (E // ep), (c["ep"] + 1) * (E // ep)]   # [first, stop)
-        print(json.dumps(records, indent=1))
+        print(json.dumps(_with_experts(records, topo, ep, etp, E) if experts else records, indent=1))
         return 0
     if a.order is None:
         print(f"order chosen by {volume.describe()} "
@@ -104,14 +108,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def expert_group_lines(topo: Topology, groups: dict[str, list[tuple[int, ...]]], ep: int, etp: int,
+def _check_num_experts(E: int | None, ep: int) -> None:
+    if E is not None and (E < 1 or E % ep):
+        raise TopologyError(f"--num-experts {E} is not a positive multiple of --expert-model-parallel-size {ep}")
+
+
+def _with_experts(records: list[dict], topo, ep: int, etp: int | None, E: int | None) -> list[dict]:
+    """``records`` with each rank's expert coordinates (and, given E, its experts ``[first, stop)``)."""
+    for r in records:
+        c = expert_coords(topo, r["rank"], ep, etp)
+        r.update({k: v for k, v in c.items() if k != "pp"})
+        if E is not None:
+            r["experts"] = [c["ep"] * (E // ep), (c["ep"] + 1) * (E // ep)]
+    return records
+
+
+def expert_group_lines(topo, groups: dict[str, list[tuple[int, ...]]], ep: int, etp: int | None,
                        num_experts: int | None = None) -> str:
     """The expert groups of an MoE layout (Megatron-Core's order: etp innermost, then ep, then edp), each family's
     groups and the most hosts one of them spans (the ep group's all-to-all is the traffic to keep in a host); with
-    ``num_experts`` also each rank's expert coordinates and the experts it holds (of every MoE layer)."""
-    edp = topo.tp * topo.dp // (ep * etp)
+    ``num_experts`` also each rank's expert coordinates and the experts it holds (of every MoE layer). Per-stage
+    layouts (``etp`` None: each stage's tp): every stage is its own grid."""
     host = {r: topo.coords(r).host for r in range(topo.world_size)}
-    lines = [f"expert groups (ep {ep} × etp {etp} × edp {edp} per pipeline stage):"]
+    if getattr(topo, "per_stage", False):
+        lines = [f"expert groups (ep {ep} × etp {etp if etp is not None else 'the stage tp'} in each stage):"]
+    else:
+        lines = [f"expert groups (ep {ep} × etp {etp} × edp {topo.tp * topo.dp // (ep * etp)} per pipeline stage):"]
     if num_experts is not None:
         per = num_experts // ep
         cells = []
@@ -119,7 +141,7 @@ def expert_group_lines(topo: Topology, groups: dict[str, list[tuple[int, ...]]],
             c = expert_coords(topo, r, ep, etp)
             held = f"{c['ep'] * per}" if per == 1 else f"{c['ep'] * per}-{(c['ep'] + 1) * per - 1}"
             cells.append(f"r{r}[ep{c['ep']} etp{c['etp']} edp{c['edp']} experts {held}]")
-        width = f", each expert's width in {etp} slice(s)" if etp > 1 else ""
+        width = f", each expert's width in {etp} slice(s)" if etp is not None and etp > 1 else ""
         lines.append(f"  {num_experts} experts per MoE layer, {per} per rank{width}:")
         lines += ["    " + " ".join(cells[i:i + 4]) for i in range(0, min(len(cells), 32), 4)]
         if len(cells) > 32:
