@@ -182,7 +182,7 @@ class WeightTransfer:
 
     def __init__(self, destinations: Sequence[Destination], *, model: torch.nn.Module | None = None, ctx=None,
                  optimizer=None, group: Any = None, bucket_mb: float = 64.0, host_of: dict[int, int] | None = None,
-                 strategy: str = "broadcast", scheduler: str = "loadbalance", allow_overlap: bool = True,
+                 strategy: str = "auto", scheduler: str = "loadbalance", allow_overlap: bool = True,
                  nic_gbps: float | None = None) -> None:
         if (model is None) != (ctx is None):
             raise ValueError("a source rank passes both model and ctx (a destination-only rank neither)")

@@ -144,3 +144,21 @@ def test_bad_input_one_line_with_numbers():
         plan_weight_transfer(PARAMS, half, [Replica("g", layout_boxes(PARAMS, [2], divisible_by=8))], _hosts(3))
     for msg in ("tensor-parallel size 4", "needs 2 ranks"):
         assert "\n" not in msg
+
+
+def test_auto_sends_directly_unless_a_chain_unloads_the_busiest_nic():
+    """``auto`` (the default): one replica per host, the model's halves on two source hosts — direct sends load
+    no NIC side more than a chain would, so no forwarding hop; two replicas on one host — the chain enters that
+    host once and fans out inside it, half the bytes on its NIC."""
+    src = layout_boxes(PARAMS, [0, 1], pp=2, divisible_by=8)
+    hosts = {0: 0, 1: 1, 2: 2, 3: 3, 4: 2}
+    def reps(*ranks):
+        return [Replica(n, layout_boxes(PARAMS, [r], divisible_by=8)) for n, r in zip("ab", ranks)]
+
+    apart, together = reps(2, 3), reps(2, 4)
+    assert plan_weight_transfer(PARAMS, src, apart, hosts, bucket_mb=0.002).strategy == "sendrecv"
+    plan = plan_weight_transfer(PARAMS, src, together, hosts, bucket_mb=0.002)
+    assert plan.strategy == "broadcast"
+    direct = plan_weight_transfer(PARAMS, src, together, hosts, bucket_mb=0.002, strategy="sendrecv")
+    into = lambda p: p.network.host_bytes(p)[2][1]  # noqa: E731
+    assert 2 * into(plan) == into(direct)

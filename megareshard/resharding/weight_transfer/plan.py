@@ -20,15 +20,18 @@ the host of every rank, a bucket size. Output: a `TransferPlan`, what every rank
    (step 6), so buckets are ``bucket_mb / 2S``:
    pieces with the same (sender, remote receivers, dtype) are packed into flat buckets of at most that, a
    route's bytes in as few buckets as fit and about equal ones (no small last bucket to wait for); a bucket
-   travels by the registered strategy's messages (default ``broadcast``: the pipelined chain through the
-   receiving hosts in K chunks from the network model, fanned out inside each host; successive buckets to the
-   same hosts enter them at successive hosts, so the receiving hosts share the forwarding).
+   travels by the registered strategy's messages: ``broadcast``, the pipelined chain through the receiving
+   hosts in K chunks from the network model, fanned out inside each host (successive buckets to the same hosts
+   enter them at successive hosts, so the receiving hosts share the forwarding), or ``sendrecv``, one message
+   to each receiver; the default ``auto`` plans both and keeps the one whose busiest NIC side carries fewer
+   bytes, direct sends unless the chain saves more than a bucket there (no forwarding hop).
 6. **Streams and steps**: each route sends its buckets one after the other, the next leaving the sender as
    soon as the previous has, and all routes at once from the start, so every source NIC works and no
    boundary drains the pipelines — when that fits ``bucket_mb`` (it does when no rank is in more routes than it
-   has holders); otherwise in waves that keep every rank within ``bucket_mb``. A message's step is its chunk's turn on its (sender, receiver)
-   pair, a forward one step after the message that brought its data — one batch of point-to-point operations
-   per rank and step, the same global order on every rank (`execute.py`).
+   has holders); otherwise in waves that keep every rank within ``bucket_mb``. A message's step is its
+   chunk's turn on its (sender, receiver) pair, a forward one step after the message that brought its data —
+   one batch of point-to-point operations per rank and step, the same global order on every rank
+   (`execute.py`).
 
 The plan is validated once, printable (`describe`) and cached (`plan_weight_transfer`) under a key of
 everything that determines it; `key` is its digest, which the executor checks on every rank.
@@ -289,13 +292,17 @@ def _key(*parts: object) -> str:
 
 def plan_weight_transfer(params: Sequence[ParamInfo], source: Mapping[int, Sequence[Box]],
                          replicas: Sequence[Replica], host_of: Mapping[int, int], *, bucket_mb: float = 64.0,
-                         strategy: str = "broadcast", scheduler: str = "loadbalance", allow_overlap: bool = True,
+                         strategy: str = "auto", scheduler: str = "loadbalance", allow_overlap: bool = True,
                          network: NetworkModel | None = None) -> TransferPlan:
     """The plan (module docstring), from the cache when everything that determines it is the same: the
-    parameters (names, shapes, dtypes), every box, the replicas, the hosts, the bucket size, the strategy, the
-    scheduler, the overlap rule and the network model. Bad input raises one line with the numbers."""
+    parameters (names, shapes, dtypes), every box, the replicas, the hosts, the bucket size, the strategy (a
+    registered one, or ``auto``: `_auto`), the scheduler, the overlap rule and the network model. Bad input
+    raises one line with the numbers."""
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if strategy == "auto":
+        return _auto(params, source, replicas, host_of, bucket_mb=bucket_mb, scheduler=scheduler,
+                     allow_overlap=allow_overlap, network=network)
     get_strategy(strategy)
     get_scheduler(scheduler)
     net = network if network is not None else NetworkModel()
@@ -314,6 +321,26 @@ def plan_weight_transfer(params: Sequence[ParamInfo], source: Mapping[int, Seque
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return plan
+
+
+#: what ``strategy="auto"`` chooses from, the first winning ties (direct sends: no forwarding hop)
+AUTO_STRATEGIES = ("sendrecv", "broadcast")
+
+
+def _busiest_side(plan: TransferPlan) -> int:
+    """The bytes of the busiest NIC side (a host's out or in) under the plan's strategy and senders."""
+    return max((max(o, i) for o, i in plan.network.host_bytes(plan).values()), default=0)
+
+
+def _auto(params, source, replicas, host_of, **kw) -> TransferPlan:
+    """The first plan of `AUTO_STRATEGIES` whose busiest NIC side carries no more than one bucket above the
+    fewest bytes any of them does (a difference under a bucket — small tensors placed otherwise — is no
+    difference in a transfer that moves whole buckets). Direct sends win where a chain would not unload any NIC
+    (every shard to one replica per host, the senders' NICs as free as the receivers'): no forwarding hop; the
+    broadcast chain wins where a host holds several replicas or a sender's NIC would carry a shard twice."""
+    plans = [plan_weight_transfer(params, source, replicas, host_of, strategy=s, **kw) for s in AUTO_STRATEGIES]
+    least = min(_busiest_side(p) for p in plans)
+    return next(p for p in plans if _busiest_side(p) <= least + p.bucket_bytes // (2 * p.streams))
 
 
 def _plan(key: str, params: list[ParamInfo], source: Mapping[int, Sequence[Box]], replicas: list[Replica],
