@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from lab.bench import peers_report, pipeline_grid
+from lab.bench import peers_report, pipeline_grid, transfer_report
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -194,8 +194,31 @@ def zero_rows() -> list[Row]:
     ]
 
 
+def weight_transfer_rows() -> list[Row]:
+    """Live weight transfer against the network bound and the methods users would pick instead (issue #50)."""
+    doc = _load("weight_transfer_1gbit.json")
+    vs = transfer_report.verdicts(doc)
+    tps = {sh: ", ".join("tp %d" % r["tp"] for r in e["replicas"]) for sh, e in doc["shapes"].items()}
+    shapes = "; ".join(f"shape {sh}: {t}" for sh, t in tps.items())
+    cond = (f"{doc['model']['bytes'] / 2**20:.0f} MiB fp32 GPT, trainer tp 2 · pp 2 on 2 hosts, generator replicas "
+            f"on 2 more ({shapes}), emulated {doc['nic_gbps_nominal']:g} Gbit/s NICs, CPU/gloo")
+
+    def row(target: str, what: str, limit: str) -> Row:
+        pts = [v for v in vs if v["target"] == target]
+        held = sum(v["met"] for v in pts)
+        verdict = "**holds**" if held == len(pts) else f"**missed** ({held} of {len(pts)} shapes)"
+        return Row(what, ", ".join(f"{v['shape']} {v['value']:.2f}×" for v in pts), cond, f"{limit}: {verdict}")
+
+    return [row("planned / lower bound", "live weight transfer, planned: time / network lower bound", "≤ 1.2×"),
+            row("per_param / planned", "live weight transfer vs per-parameter sends: speedup", "≥ 3×"),
+            row("round_robin / planned", "live weight transfer vs round-robin point-to-point (Megatron-Core's "
+                "refit plan): speedup", "≥ 1.5×"),
+            row("dcp / planned", "live weight transfer vs DCP save + copy + load: speedup", "> 1×")]
+
+
 def rows() -> list[Row]:
-    return peers_rows() + pipeline_rows() + resharding_rows() + gpu_rows() + zero_rows()
+    return (peers_rows() + pipeline_rows() + resharding_rows() + weight_transfer_rows() + gpu_rows()
+            + zero_rows())
 
 
 def markdown(rs: list[Row] | None = None) -> str:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+RESULT = "weight_transfer_1gbit.json"  # the run the tables quote (docs/results/)
+RUNS = "weight_transfer_runs.json"  # every run started, summarised
 ORDER = ("planned", "round_robin", "per_param", "dcp")
 NAMES = {"planned": "megareshard (planned)", "round_robin": "round-robin point-to-point (Megatron-Core refit)",
          "per_param": "per-parameter sends, one rank per stage", "dcp": "DCP save + copy + load"}
@@ -69,16 +71,36 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def runs_table(runs: list[dict[str, Any]]) -> str:
+    """Every run of the benchmark started (``weight_transfer_runs.json``): the planned transfer over its bound,
+    and how much faster it was than each other method, per shape."""
+    lines = ["| run | what changed | A: planned × bound | B: planned × bound | A: vs round-robin, per-parameter, DCP "
+             "| B: vs round-robin, per-parameter, DCP |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        cells = []
+        for sh in ("A", "B"):
+            e = r["shapes"][sh]
+            cells.append(f"{e['planned_over_bound']:.2f}")
+        for sh in ("A", "B"):
+            m = r["shapes"][sh]["methods"]
+            ours = m["planned"]["seconds"]
+            cells.append(", ".join(f"{m[k]['seconds'] / ours:.2f}×" if k in m else "—"
+                                   for k in ("round_robin", "per_param", "dcp")))
+        lines.append(f"| {r['run']} | {r['design']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json")
+    ap.add_argument("--runs", action="store_true", help="JSON is weight_transfer_runs.json: print every run's row")
     a = ap.parse_args(argv)
     try:
         doc = json.loads(Path(a.json).read_text())
     except (OSError, ValueError) as e:
         print(f"transfer_report: {a.json}: {e}", file=sys.stderr)
         return 2
-    print(table(doc))
+    print(runs_table(doc) if a.runs else table(doc))
     return 0
 
 

@@ -75,3 +75,21 @@ def test_verdicts_follow_the_issue_targets():
     got = {v["target"]: v["met"] for v in verdicts(doc)}
     assert all(got.values()), got
     assert "| planned / lower bound | A | 1.00 | 1.2 | yes |" in table(doc)
+
+
+def test_the_docs_quote_the_committed_runs():
+    """docs/benchmarks.md's weight-transfer tables are transfer_report's output for the committed JSON."""
+    import json
+    from pathlib import Path
+
+    from lab.bench.transfer_report import RESULT, RUNS, runs_table
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "benchmarks.md").read_text()
+    result = json.loads((root / "docs" / "results" / RESULT).read_text())
+    runs = json.loads((root / "docs" / "results" / RUNS).read_text())
+    assert table(result) in doc
+    assert runs_table(runs) in doc
+    last = runs[-1]["shapes"]
+    assert {sh: e["methods"]["planned"]["seconds"] for sh, e in last.items()} == \
+        {sh: e["methods"]["planned"]["seconds"] for sh, e in result["shapes"].items()}
