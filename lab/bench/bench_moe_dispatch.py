@@ -70,6 +70,18 @@ def argv_for(a: argparse.Namespace, world: int, ep: int, kind: str) -> list[str]
             "--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", kind]
 
 
+def table(doc: dict[str, Any]) -> str:
+    """The markdown table docs/benchmarks.md shows (``--table JSON``): tokens/s, ratios to alltoall at the same
+    ep, and the dispatch share (the median rank's median iteration)."""
+    lines = ["| ep | dispatcher | ms / iteration (median) | tokens/s | vs alltoall at this ep | dispatch share of the "
+             "iteration |", "|---|---|---|---|---|---|"]
+    base = {r["ep"]: r["tokens_per_s"] for r in doc["rows"] if r["dispatcher"] == "alltoall"}
+    for r in doc["rows"]:
+        lines.append(f"| {r['ep']} | {r['dispatcher']} | {r['ms_per_iter']:.0f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['tokens_per_s'] / base[r['ep']]:.2f}× | {100 * r['dispatch_share_median_rank']:.0f} % |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -84,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--nic-gbps", type=float, default=1.0, help="the emulator's NIC rate (reported)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="JSON", help="print the table of a run's JSON and exit")
     a = ap.parse_args(argv)
+    if a.table:
+        print(table(json.loads(Path(a.table).read_text())))
+        return 0
 
     import torch.distributed as dist
 

@@ -93,3 +93,14 @@ def test_the_docs_quote_the_committed_runs():
     last = runs[-1]["shapes"]
     assert {sh: e["methods"]["planned"]["seconds"] for sh, e in last.items()} == \
         {sh: e["methods"]["planned"]["seconds"] for sh, e in result["shapes"].items()}
+
+
+def test_the_docs_quote_the_moe_dispatch_run():
+    import json
+    from pathlib import Path
+
+    from lab.bench.bench_moe_dispatch import table as moe_table
+
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "docs" / "results" / "moe_dispatch_1gbit.json").read_text())
+    assert moe_table(run) in (root / "docs" / "benchmarks.md").read_text()
