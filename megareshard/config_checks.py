@@ -270,7 +270,8 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
         raise ConfigError(f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor: "
                           "without a capacity no token is dropped")
     if m.moe_grouped_gemm and cfg.training.device == "cpu":
-        raise ConfigError("--moe-grouped-gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); "
+        raise ConfigError("--moe-grouped-gemm needs a CUDA device (on CPU torch._grouped_mm refuses strides that are not "
+                          "16-byte aligned and its autograd backward fails); "
                           "this run is on cpu: leave it off for one GEMM per expert")
     for i, (stp, _) in enumerate(stages):
         try:

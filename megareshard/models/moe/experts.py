@@ -45,7 +45,8 @@ def grouped_gemm_refusal(device) -> str | None:
     if not hasattr(torch, "_grouped_mm"):
         return f"moe_grouped_gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
     if dev.type != "cuda":
-        return (f"moe_grouped_gemm needs a CUDA device (torch._grouped_mm's backward runs on CUDA only); this run "
+        return (f"moe_grouped_gemm needs a CUDA device (on CPU torch._grouped_mm refuses strides that are not 16-byte "
+                f"aligned and its autograd backward fails); this run "
                 f"is on {dev.type}: leave it off for one GEMM per expert")
     return None
 
