@@ -227,7 +227,7 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
     so do per-stage layouts (each stage's tp × dp tiled by ep × etp, etp defaulting to the stage's tp), full
     recomputation (the replay records no router loss again) and ZeRO-3 (expert weights sharded over the
     expert-data-parallel group)."""
-    m, p, mem = cfg.model, cfg.parallel, cfg.memory
+    m, p = cfg.model, cfg.parallel
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     for flag, v in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if v is not None and v < 1:

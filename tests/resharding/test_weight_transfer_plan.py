@@ -44,7 +44,6 @@ def _delivered(plan):
     """(rank, name) -> Counter of elements delivered (pieces and local copies)."""
     got: dict = {}
     for u, name in zip(plan.pieces, plan.piece_names):
-        cells = Counter()
         for r in u.receivers:
             if r not in u.senders:
                 got.setdefault((r, name), []).append(tuple((s.start, s.stop) for s in u.slice))
