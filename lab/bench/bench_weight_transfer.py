@@ -57,6 +57,8 @@ from megareshard.resharding.decompose import cells
 from megareshard.resharding.network import NetworkModel
 from megareshard.resharding.weight_transfer import (ParamInfo, Replica, TransferExecutor, layout_boxes,
                                                     plan_weight_transfer)
+from megareshard.resharding.weight_transfer.boxes import ITEMSIZE
+from megareshard.transfer import Destination, destination_boxes
 
 Region = tuple[tuple[int, int], ...]
 SHAPES = {"A": [("gen_a_tp2", (6, 7), 2), ("gen_b_tp2", (9, 10), 2)],
@@ -166,7 +168,7 @@ class Planned:
         self.last: dict[str, Any] = {}
 
     def nic_bytes(self) -> dict[str, int]:
-        item = {b.index: ParamInfo("", (1,), b.dtype).itemsize for b in self.plan.buckets}
+        item = {b.index: ITEMSIZE[b.dtype] for b in self.plan.buckets}
         return _side_bytes([(m.src, m.dst, (m.stop - m.start) * item[b.index]) for b in self.plan.buckets
                             for m in b.msgs], self.s.hosts)
 
@@ -493,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
               f"(nominal {a.nic_gbps:g})", flush=True)
     try:
         for sh in a.shapes.split(","):
-            from megareshard.transfer import Destination, destination_boxes
-
             reps = [Replica(n, destination_boxes(Destination(n, rs, tp=tp), params, cfg)) for n, rs, tp in SHAPES[sh]]
             s = Setup(params, source, reps, hosts, me)
             floor = dest_floor_bytes(s)
@@ -561,10 +561,25 @@ def main(argv: list[str] | None = None) -> int:
         summarize(doc)
         if a.out:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+            Path(a.out).write_text(dump(doc))
             print(f"wrote {a.out}")
     dist.destroy_process_group()
     return 0
+
+
+def dump(doc: dict[str, Any]) -> str:
+    """The JSON text: indented, except each host's NIC samples, one line apiece (thousands of triples)."""
+    lines: list[str] = []
+    copy = json.loads(json.dumps(doc))
+    for e in copy["shapes"].values():
+        for box in e["methods"].values():
+            for h, smp in box.get("nic_samples", {}).items():
+                lines.append(json.dumps(smp, separators=(",", ":")))
+                box["nic_samples"][h] = f"@@{len(lines) - 1}@@"
+    text = json.dumps(copy, indent=1)
+    for i, line in enumerate(lines):
+        text = text.replace(f'"@@{i}@@"', line, 1)
+    return text + "\n"
 
 
 def summarize(doc: dict[str, Any]) -> None:

@@ -49,7 +49,7 @@ from ..network import NetworkModel, task_cost
 from ..schedulers import Option, SchedTask, get_scheduler, run_scheduler
 from ..strategies import get_strategy
 from ..wire import RECV, SEND, TaskCost
-from .boxes import Box, ParamInfo
+from .boxes import ITEMSIZE, Box, ParamInfo
 
 __all__ = ["Replica", "Bucket", "TransferPlan", "plan_weight_transfer", "decompose_boxes", "clear_plan_cache"]
 
@@ -221,10 +221,6 @@ def _ranks(rs: Sequence[int]) -> str:
     if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
         return f"{rs[0]}-{rs[-1]}"
     return ",".join(map(str, rs))
-
-
-def _itemsize(plan: TransferPlan, b: Bucket) -> int:
-    return ParamInfo("", (1,), b.dtype).itemsize
 
 
 # ---- validation -------------------------------------------------------------------------------------------
@@ -442,7 +438,7 @@ def _buckets(pieces: list[UnitTask], dtypes: list[str], bucket_bytes: int, strat
     turns: dict[int, int] = {}
     heads: Counter[tuple[int, ...]] = Counter()
     for (sender, remote, dtype), idxs in routes.items():
-        item = ParamInfo("", (1,), dtype).itemsize
+        item = ITEMSIZE[dtype]
         total = sum(pieces[i].numel for i in idxs) * item
         target = total / -(-total // bucket_bytes)  # the route's bytes in as few buckets as fit, about equal
         cur: list[tuple[int, int]] = []
@@ -496,7 +492,7 @@ def _local_steps(b: Bucket) -> int:
 
 
 def _nbytes(b: Bucket) -> int:
-    return b.numel * ParamInfo("", (1,), b.dtype).itemsize
+    return b.numel * ITEMSIZE[b.dtype]
 
 
 def _staging(buckets: Sequence[Bucket]) -> dict[int, int]:
