@@ -171,7 +171,7 @@ def test_no_product_file_touches_sys_path():
 
 
 def _console_scripts() -> dict[str, str]:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11 on")
     with open(ROOT / "pyproject.toml", "rb") as f:
         return tomllib.load(f)["project"]["scripts"]
 
