@@ -6,7 +6,7 @@ calls each builder once at set-up and holds the loop; it builds none of these it
 A builder takes the run's configuration and what it needs of the running job, and returns the piece::
 
     build_tokenizer(cfg) -> (cfg with the tokenizer's vocabulary, tokenizer or None)
-    build_optimizer(model, cfg, ctx, device) -> optimizer (the ZeRO optimizer's surface: step, clip_grad_norm,
+    build_optimizer(model, cfg, ctx, device) -> optimizer (the ZeRO optimizer's surface: step, clip_grads,
                                                            finish_grad_sync, scale_loss, ...)
     build_lr_schedule(optimizer, cfg) -> scheduler (step() -> lr, skipped(), state_dict())
     build_data(cfg, ctx, local_micro_batch, out) -> TrainData

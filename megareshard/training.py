@@ -45,7 +45,7 @@ from .launch import PeerFailure, RankInfo, Watchdog, exit_with_launcher, rank_ma
 from .inputs import resume_plan
 from .memory import ActivationMeter, MemoryReport, memory_report, optimizer_state_bytes
 from .model_spec.protocol import DEFAULT_MODEL_SPEC, ModelSpec, get_model_spec
-from .optim.numerics import NonFiniteError, check_loss_and_grad, first_nonfinite_grad
+from .optim.numerics import NonFiniteError, check_loss_and_grad, grad_norms, nonfinite_anywhere
 from .parallel import ParallelContext
 from .pipeline.runtime import PipelineRuntime
 from .pipeline.chunks import build_chunks
@@ -168,6 +168,7 @@ class Trainer(Checkpointing, Reporting):
         self.train_data, self.valid_data, self.sampler = data.train, data.valid, data.sampler
         self.eval_interval = data.eval_interval
         self._train_iter: Iterator[list[list[int]]] = data.batches()
+        self._prefetched: tuple[list[list[int]], list[dict[str, torch.Tensor]]] | None = None
         self.iteration = 0
         # checkpoints (megareshard/checkpoint): --load restores model, optimizer, schedule, data position,
         # RNG and the W&B run id in any layout, before the tracker starts (it resumes the saved run)
@@ -231,18 +232,41 @@ class Trainer(Checkpointing, Reporting):
         mbs = [collate([dataset[i] for i in mb]) for mb in indices]
         vocab = self.cfg.model.vocab_size
         for mb in mbs:  # data made with another tokenizer would index past the embedding
-            top = int(mb["tokens"].max())
+            top = int(mb["tokens"].numpy().max())  # host data: numpy, never a device read
             if top >= vocab:
                 data = " ".join(self.cfg.data.data_path or self.cfg.data.train_data_path or ["the data"])
                 raise ConfigError(f"token id {top} in {data} is outside the "
                                   f"model's vocabulary of {vocab}: was the dataset made with another tokenizer?")
+        if self.device.type == "cuda":  # page-locked: the copy to the device (non_blocking) leaves the host free
+            mbs = [{k: v.pin_memory() for k, v in mb.items()} for mb in mbs]
         return mbs
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _prefetch_next_batch(self) -> None:
+        """Read and collate the next iteration's microbatches now, while the device still runs this iteration's
+        backward (``train_step`` calls it right before the iteration's host read), instead of after it with the
+        device idle. The sampler is not advanced: the next iteration draws its indices as always and takes these
+        tensors when they are the same samples. A batch that fails its checks is dropped here and read (and
+        refused) again at its own iteration."""
+        s, t = self.sampler, self.cfg.training
+        if not isinstance(s, GlobalBatchSampler) or self.iteration + 1 >= t.train_iters \
+                or s.consumed_samples + s.global_batch_size > s.total_samples:
+            return
+        indices = s.global_batch(s.consumed_samples)
+        try:
+            self._prefetched = (indices, self._microbatches(self.train_data, indices))
+        except ConfigError:
+            self._prefetched = None
+
+    def _dp_mean_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the data-parallel replicas (a new tensor; the all-reduce launched, not read)."""
         if self.dp > 1:
+            value = value.clone()
             dist.all_reduce(value, group=self.ctx.dp_group)
             value = value / self.dp
-        return value.item()
+        return value
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        return self._dp_mean_tensor(value).item()
 
     def finalize_grads(self) -> None:
         """Gradient reductions after the backward: sequence-parallel (tp), data-parallel, tied embedding.
@@ -257,8 +281,9 @@ class Trainer(Checkpointing, Reporting):
                 sync_sequence_parallel_grads(self.model, ctx)
             self._reduce_tied_embedding()  # before the dp reduction, which may free full gradients (ZeRO 2)
             if self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.memory.overlap_grad_reduce:
-                # this rank's own first non-finite gradient, before the reduction spreads it to every replica
-                self._nonfinite_before_reduction = first_nonfinite_grad(self.model.named_parameters())
+                # this rank's gradient norms (on the device, read only if the check fails): its own first
+                # non-finite gradient, before the reduction spreads it to every replica
+                self._nonfinite_before_reduction = grad_norms(self.model.named_parameters())
             self.optimizer.finish_grad_sync()
 
     def start_stage_grad_reduce(self, stage: int) -> None:
@@ -310,7 +335,11 @@ class Trainer(Checkpointing, Reporting):
             return
         dist.all_reduce(w.grad, group=ctx.embedding_group)
 
-    def train_step(self, microbatches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, microbatches: list[dict[str, torch.Tensor]],
+                   prefetch: Callable[[], None] | None = None) -> StepResult:
+        """One iteration: forward and backward over ``microbatches``, gradient reductions, clipping, the non-finite
+        check, the optimizer step. Reads the device once (the logged loss and gradient norm, and the check's
+        flags, in one transfer), after calling ``prefetch`` (the loop's: the next batch read meanwhile)."""
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         meter = ActivationMeter(exclude=self.model.parameters(), device=self.device,  # ZeRO-3: gathered params
@@ -337,13 +366,25 @@ class Trainer(Checkpointing, Reporting):
         with self._activity(f"stage {self.ctx.pp_rank()} optimizer step (gradient-norm all-reduce over all "
                             f"{self.world_size} ranks, parameter all-gathers over data-parallel ranks "
                             f"{list(self.ctx.group_ranks.get('dp', ()))})"):
-            grad_norm = self.optimizer.clip_grad_norm(self.cfg.training.clip_grad)
-            if self.cfg.training.check_for_nan_in_loss_and_grad:  # collective: every rank stops together
+            norm = self.optimizer.clip_grads(self.cfg.training.clip_grad)   # on the device: nothing read yet
+            local = loss.detach().float().reshape(())
+            check = self.cfg.training.check_for_nan_in_loss_and_grad
+            # the iteration's one host read: the loss to log (its dp mean), the gradient norm and, for the
+            # non-finite check, this rank's loss and the flag of every rank's (collectives launched first)
+            reads = [self._dp_mean_tensor(local), norm.float().reshape(())]
+            if check:
+                reads += [local, nonfinite_anywhere(local).reshape(())]
+            if prefetch is not None:
+                prefetch()
+            values = torch.stack(reads).tolist()
+            mean_loss, grad_norm = values[0], values[1]
+            if check:  # collective when it raises: every rank stops together
                 entries = getattr(self.optimizer, "entries", ())
-                check_loss_and_grad(iteration=self.iteration + 1, rank=self.ctx.rank, local_loss=float(loss.item()),
-                                    grad_norm=grad_norm, overflow_skips=getattr(self.optimizer, "loss_scaler", None)
-                                    is not None, named_params=self.model.named_parameters(),
-                                    master_grads={e.name: e.master.grad for e in entries}, device=self.device,
+                check_loss_and_grad(iteration=self.iteration + 1, rank=self.ctx.rank, local_loss=values[2],
+                                    bad_loss_anywhere=values[3] > 0, grad_norm=grad_norm,
+                                    overflow_skips=getattr(self.optimizer, "loss_scaler", None) is not None,
+                                    named_params=self.model.named_parameters(),
+                                    master_grads={e.name: e.master.grad for e in entries},
                                     before_reduction=self._nonfinite_before_reduction)
                 self._nonfinite_before_reduction = None
             # first iteration: params, gradients and activations now; the optimizer's state after its step
@@ -354,7 +395,7 @@ class Trainer(Checkpointing, Reporting):
                 self.memory = memory_per_stage(self.ctx, report, self.device)
         if not stepped:  # Megatron-LM: the learning-rate schedule advances only with an applied update
             self.scheduler.skipped()
-        return StepResult(loss=self._dp_mean(loss), grad_norm=grad_norm, lr=lr, skipped=not stepped,
+        return StepResult(loss=mean_loss, grad_norm=grad_norm, lr=lr, skipped=not stepped,
                           moe=self._moe_step_losses(len(microbatches)))
 
     @torch.no_grad()
@@ -391,8 +432,11 @@ class Trainer(Checkpointing, Reporting):
                 profiler = self._start_profiler()
             indices = next(self._train_iter)
             start = time.perf_counter()
+            ready, self._prefetched = self._prefetched, None
             with self._activity(f"iteration {self.iteration + 1}"):
-                res = self.train_step(self._microbatches(self.train_data, indices))
+                batch = ready[1] if ready is not None and ready[0] == indices else \
+                    self._microbatches(self.train_data, indices)
+                res = self.train_step(batch, prefetch=self._prefetch_next_batch)
             elapsed = time.perf_counter() - start
             self.iteration += 1
             self._report_compile_time(elapsed)

@@ -1,11 +1,12 @@
 """Megatron's ``--check-for-nan-in-loss-and-grad``: stop at the first non-finite loss or gradient.
 
-Before the data-parallel gradient reduction each rank notes its first non-finite gradient (one
-pass over its gradients, as Megatron checks each bucket before its collective; not possible with
-``--overlap-grad-reduce``, whose reductions start during the backward). After the backward and
-before the optimizer step, every rank knows the
-global gradient norm (it is all-reduced over the world), and one MAX all-reduce of a flag tells
-every rank whether any rank's loss is non-finite. When either is, all ranks take the same path:
+Before the data-parallel gradient reduction each rank computes the norm of each of its gradients
+(``GradNorms``: one multi-tensor kernel, kept on the device; as Megatron checks each bucket before its
+collective; not possible with ``--overlap-grad-reduce``, whose reductions start during the backward).
+After the backward and before the optimizer step, every rank knows the global gradient norm (it is
+all-reduced over the world), and one MAX all-reduce of a flag (``nonfinite_anywhere``) tells every rank
+whether any rank's loss is non-finite; the trainer reads both, with the logged loss, in the iteration's one
+host read. When either is non-finite, all ranks take the same path:
 each names its first parameter whose gradient holds a NaN or an inf, the names are gathered, and
 every rank raises the same ``NonFiniteError`` (iteration, ranks, parameter): no rank steps, no
 rank is left waiting in a collective. The parameters are untouched, so the last checkpoint is clean.
@@ -21,7 +22,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonFiniteError", "first_nonfinite_grad", "check_loss_and_grad"]
+__all__ = ["NonFiniteError", "GradNorms", "grad_norms", "first_nonfinite_grad", "nonfinite_anywhere",
+           "check_loss_and_grad"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -47,30 +49,61 @@ def first_nonfinite_grad(named_params: Iterable[tuple[str, torch.nn.Parameter]],
     return None
 
 
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+class GradNorms:
+    """Each gradient's norm, computed on the device (``grad_norms``) and read on the host only when asked: a
+    gradient holding a NaN has a NaN norm, one holding an inf (and no NaN) an infinite one. A gradient whose
+    sum of squares overflows fp32 (elements beyond about 1e19) counts as infinite too, as it does in the
+    global norm."""
+
+    def __init__(self, names: list[str], norms: torch.Tensor | None):
+        self.names, self.norms = names, norms
+
+    def first_nonfinite(self) -> tuple[str, str] | None:
+        """(name, 'nan' or 'inf') of the first gradient (model order) whose norm is not finite, else None."""
+        if self.norms is None:
+            return None
+        for name, v in zip(self.names, self.norms.tolist()):
+            if not math.isfinite(v):
+                return name, "nan" if math.isnan(v) else "inf"
+        return None
+
+
+def grad_norms(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> GradNorms:
+    """The norms of the parameters' current gradients (one ``torch._foreach_norm``, no host read)."""
+    grads = [(name, p.grad) for name, p in named_params if p.grad is not None and p.grad.numel()]
+    if not grads:
+        return GradNorms([], None)
+    dev = grads[0][1].device
+    norms = torch._foreach_norm([g for _, g in grads])
+    return GradNorms([name for name, _ in grads], torch.stack([n.float().to(dev) for n in norms]))
+
+
+def nonfinite_anywhere(loss: torch.Tensor) -> torch.Tensor:
+    """A 1-element fp32 flag, 1 where any rank's ``loss`` is not finite (MAX all-reduce over the world, launched
+    here, read with the iteration's other numbers)."""
+    flag = (~torch.isfinite(loss.detach().float())).any().float().reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
 
 
-def check_loss_and_grad(*, iteration: int, rank: int, local_loss: float, grad_norm: float, overflow_skips: bool,
-                        named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                        master_grads: dict[str, torch.Tensor] | None, device: torch.device,
-                        before_reduction: tuple[str, str] | None = None) -> None:
-    """Collective over the world (every rank calls it at the same point). Raises ``NonFiniteError`` on
-    every rank when any rank's loss, or the global gradient norm, is not finite (gradients: unless
-    ``overflow_skips``, fp16 loss scaling, where the step is skipped instead).
+def check_loss_and_grad(*, iteration: int, rank: int, local_loss: float, bad_loss_anywhere: bool, grad_norm: float,
+                        overflow_skips: bool, named_params: Iterable[tuple[str, torch.nn.Parameter]],
+                        master_grads: dict[str, torch.Tensor] | None,
+                        before_reduction: GradNorms | None = None) -> None:
+    """Collective over the world when it raises (every rank calls it at the same point with the same
+    ``bad_loss_anywhere`` and ``grad_norm``). Raises ``NonFiniteError`` on every rank when any rank's loss
+    (``bad_loss_anywhere``: ``nonfinite_anywhere``, read), or the global gradient norm, is not finite
+    (gradients: unless ``overflow_skips``, fp16 loss scaling, where the step is skipped instead).
 
-    ``before_reduction``: this rank's first non-finite gradient before the data-parallel reduction
-    (which spreads it to every replica), so the message names the rank it came from."""
-    bad_loss = _any_rank(not math.isfinite(local_loss), device)
+    ``before_reduction``: this rank's gradient norms before the data-parallel reduction (which spreads a
+    non-finite gradient to every replica), so the message names the rank it came from."""
     bad_grad = not math.isfinite(grad_norm) and not overflow_skips
-    if not (bad_loss or bad_grad):
+    if not (bad_loss_anywhere or bad_grad):
         return
+    origin = before_reduction.first_nonfinite() if before_reduction is not None else None
     mine = {"rank": rank, "loss": local_loss if not math.isfinite(local_loss) else None,
-            "grad": before_reduction or first_nonfinite_grad(named_params, master_grads),
-            "origin": before_reduction is not None}
+            "grad": origin or first_nonfinite_grad(named_params, master_grads), "origin": origin is not None}
     if dist.is_initialized() and dist.get_world_size() > 1:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)

@@ -37,14 +37,13 @@ Per iteration::
     for mb in microbatches: opt.scale_loss(loss(mb)).backward()   # scale_loss: ×loss scale (fp16), else identity
     sync_sequence_parallel_grads(model, ctx)   # (and tied-embedding all-reduce) BEFORE the dp reduction
     opt.finish_grad_sync()                     # dp reduction (bucketed), unscale, fp32 shard grads
-    grad_norm = opt.clip_grad_norm(max_norm)   # fp32, across dp shards and model-parallel ranks
+    grad_norm = opt.clip_grads(max_norm)       # fp32 0-d tensor, across dp shards and model-parallel ranks
     stepped = opt.step()                       # False when an overflow skipped it on every rank
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import asdict
 from typing import Callable, Iterable, Iterator
 
@@ -64,6 +63,13 @@ logger = logging.getLogger("megareshard")
 #: gradient reductions a hook-driven stage (2 with overlap, 3) keeps in flight before it waits for the oldest:
 #: each holds its bucket's packed gradients, which would otherwise pile up over the microbatches
 MAX_INFLIGHT_REDUCTIONS = 2  # planner/costs.py holds the same number
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖g‖² over ``grads`` (fp32, 0-d, on ``device``; a fresh tensor, safe to all-reduce in place)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
 
 def apex_fused_adam_available() -> bool:
@@ -370,20 +376,22 @@ class ZeroOptimizer:
     def _master_grads(self) -> list[torch.Tensor]:
         return [e.master.grad for e in self.entries if e.master.grad is not None]
 
-    def grad_norm(self) -> float:
-        """Global L2 norm (fp32) of the gradients of the full model, each element counted once:
-        summed over this rank's shards, over dp (stage>=1: shards are disjoint) and over the
-        model-parallel group with the tp rules of ``clip_grads`` (replicated-over-tp params only on
-        tp rank 0, a tied-embedding duplicate never)."""
+    def grad_norm_tensor(self) -> torch.Tensor:
+        """Global L2 norm (fp32, a 0-d tensor on the gradients' device, no host read) of the gradients of the full
+        model, each element counted once: summed over this rank's shards, over dp (stage>=1: shards are disjoint)
+        and over the model-parallel group with the tp rules of ``clip_grads`` (replicated-over-tp params only on
+        tp rank 0, a tied-embedding duplicate never). Per-shard norms come from one multi-tensor kernel
+        (``torch._foreach_norm``, as ``torch.nn.utils.clip_grad_norm_`` computes them), not two kernels a shard."""
         tp_rank = self.ctx.tp_rank()
         dev = self.entries[0].master.device
-        sq = torch.zeros((), dtype=torch.float32, device=dev)
-        esq = torch.zeros((), dtype=torch.float32, device=dev)     # MoE expert weights
+        dense: list[torch.Tensor] = []
+        experts: list[torch.Tensor] = []     # MoE expert weights
         for e in self.entries:
             if not e.expert and not counts_in_grad_norm(e.param, tp_rank):
                 continue
             if e.master.grad is not None and e.master.grad.numel():
-                (esq if e.expert else sq).add_(e.master.grad.float().pow(2).sum())
+                (experts if e.expert else dense).append(e.master.grad)
+        sq, esq = _sum_of_squares(dense, dev), _sum_of_squares(experts, dev)
         if self.shard_dp > 1:
             dist.all_reduce(sq, group=self.ctx.dp_group)
         if self.has_experts:   # every expert element once: over its edp shards, then over the experts of the stage
@@ -394,25 +402,37 @@ class ZeroOptimizer:
             if tp_rank == 0:   # the stage's whole expert norm, counted on one tp rank of the model-parallel sum
                 sq += esq
         self.ctx.sum_over_model_parallel(sq)  # tp × pp (per-stage layouts: once per stage replica)
-        return sq.sqrt().item()
+        return sq.sqrt()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the sharded gradients to ``max_norm`` (0 disables); returns the norm before clipping.
-        A non-finite norm (fp16 overflow) leaves the gradients alone: ``step()`` will skip."""
-        total = self.grad_norm()
-        if max_norm > 0 and math.isfinite(total) and total > max_norm:
-            torch._foreach_mul_(self._master_grads(), max_norm / (total + 1e-6))
+    def grad_norm(self) -> float:
+        """``grad_norm_tensor`` read on the host."""
+        return self.grad_norm_tensor().item()
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """Clip the sharded gradients to ``max_norm`` (0 disables) without reading anything on the host; returns
+        the norm before clipping (a 0-d fp32 tensor). The gradients are multiplied by
+        ``max_norm / (norm + 1e-6)`` (computed in fp64, as the host would) when the norm is finite and above
+        ``max_norm``, else by exactly 1: a non-finite norm (fp16 overflow) leaves them alone, ``step()`` skips."""
+        total = self.grad_norm_tensor()
+        if max_norm > 0:
+            wide = total.double()
+            coef = torch.where(torch.isfinite(wide) & (wide > max_norm), max_norm / (wide + 1e-6),
+                               torch.ones_like(wide)).float()
+            torch._foreach_mul_(self._master_grads(), coef)
         return total
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """``clip_grads`` with the norm read on the host."""
+        return self.clip_grads(max_norm).item()
+
     def found_inf(self) -> bool:
-        """Any inf/nan in any rank's gradient shard (all-reduced MAX over the whole world)."""
-        grads = self._master_grads()
+        """Any inf/nan in any rank's gradient shard (all-reduced MAX over the whole world): one multi-tensor
+        check of every shard (``torch._amp_foreach_non_finite_check_and_unscale_`` at scale 1), one host read."""
+        grads = [g for g in self._master_grads() if g.numel()]
         dev = self.entries[0].master.device
         flag = torch.zeros((), dtype=torch.float32, device=dev)
-        for g in grads:
-            if g.numel() and not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones((), device=dev))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -445,13 +465,14 @@ class ZeroOptimizer:
         """Copy master shards into the model's rows (when not views) and all-gather over dp; at stage 3 into the
         parameters' shards, which the next use gathers."""
         if self.sharder is not None:
-            for e in self.entries:
-                if not e.master_is_view:
-                    e.shard.copy_(e.master)
+            copies = [(e.shard, e.master) for e in self.entries if not e.master_is_view]
+        else:
+            copies = [(e.param_rows()[e.start:e.stop], e.master.view(e.stop - e.start, e.row_size))
+                      for e in self.entries if not e.master_is_view and e.stop > e.start]
+        if copies:  # one multi-tensor copy (fp32 masters into bf16/fp16 rows), not a kernel per parameter
+            torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
+        if self.sharder is not None:
             return
-        for e in self.entries:
-            if not e.master_is_view and e.stop > e.start:
-                e.param_rows()[e.start:e.stop].copy_(e.master.view(e.stop - e.start, e.row_size))
         pending = []
         for b in self.buckets:
             D, rank, group, _ = self._dims(b)

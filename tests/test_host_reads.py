@@ -1,0 +1,91 @@
+"""Issue #53: an iteration of the training loop reads the device once — the logged loss, the gradient norm and the
+non-finite check's flags in one transfer (on a GPU every read is a host synchronisation that leaves the device
+idle while the host prepares what comes next) — and the next batch is read and collated before that read, while
+the device still works. On CPU the reads are counted where the trainer makes them: every ``Tensor`` method that
+copies a value to the host, called from megareshard's own code."""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pytest
+import torch
+
+import megareshard
+from megareshard.arguments import parse_args
+from megareshard.training import Trainer, build_context
+
+PACKAGE = os.path.dirname(megareshard.__file__) + os.sep
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+MODEL = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+         "--log-interval", "100", "--device", "cpu", "--train-iters", "4", "--no-torch-compile"]
+
+
+def _trainer(argv: list[str]) -> Trainer:
+    cfg = parse_args(MODEL + argv, world_size=1)
+    ctx, _ = build_context(cfg, 1)
+    return Trainer(cfg, ctx, torch.device("cpu"), out=io.StringIO())
+
+
+def _count_reads(monkeypatch, trainer: Trainer) -> list[list[tuple[str, str, int]]]:
+    """Per train_step call, the host reads megareshard's code made in it: (method, file, line)."""
+    steps: list[list[tuple[str, str, int]]] = []
+    inside = []
+
+    def wrap(name, orig):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if inside and caller.f_code.co_filename.startswith(PACKAGE):
+                steps[-1].append((name, os.path.basename(caller.f_code.co_filename), caller.f_lineno))
+            return orig(self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    step = trainer.train_step
+
+    def counted(*args, **kwargs):
+        steps.append([])
+        inside.append(1)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(trainer, "train_step", counted)
+    return steps
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["nan-check", "no-nan-check"])
+def test_an_iteration_reads_the_device_once(monkeypatch, check):
+    trainer = _trainer([] if check else ["--no-check-for-nan-in-loss-and-grad"])
+    steps = _count_reads(monkeypatch, trainer)
+    records = trainer.train()
+    assert len(steps) == 4
+    for reads in steps[1:]:   # the first iteration also measures memory
+        assert [(name, where) for name, where, _ in reads] == [("tolist", "training.py")], reads
+    assert [r["consumed_samples"] for r in records] == [4, 8, 12, 16]  # prefetching does not advance the sampler
+    trainer.close()
+
+
+def test_the_prefetched_batch_is_the_one_trained_on(monkeypatch):
+    """The loop's batches (prefetched during the previous iteration) are the sampler's, bitwise: the same losses and
+    gradient norms as a loop that reads each batch at its own iteration."""
+    loop = _trainer([])
+    used, made = [], []
+    step, read = loop.train_step, loop._microbatches
+    monkeypatch.setattr(loop, "train_step", lambda mbs, prefetch=None: used.append(mbs) or step(mbs, prefetch))
+    monkeypatch.setattr(loop, "_microbatches", lambda data, indices: made.append(read(data, indices)) or made[-1])
+    records = loop.train()
+    loop.close()
+    # one read per batch: the first at its iteration, the next three during the iteration before theirs
+    assert len(made) == 4 and all(u is m for u, m in zip(used, made))
+    plain = _trainer([])
+    got = []
+    for _ in range(4):
+        res = plain.train_step(plain._microbatches(plain.train_data, next(plain._train_iter)))
+        plain.iteration += 1
+        got.append((res.loss, res.grad_norm))
+    plain.close()
+    assert [(r["loss"], r["grad_norm"]) for r in records] == got
