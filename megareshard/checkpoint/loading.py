@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from ..config.moe import moe_layer_pattern
 from ..tensor_parallel.random import RNGStreams
 from .format import (CheckpointError, Piece, check_files, read_info, read_metadata, read_pieces,
                      resolve_checkpoint_dir, verify_checksum_share)
@@ -22,7 +23,8 @@ from .state import (_all_gather_object, _canonical, _cut, _distributed, _layout,
                     _optimizer_entries, _param_shards, _sizes, describe_layout, dp_changed, model_key, optim_key,
                     stage_layouts_of)
 
-__all__ = ["load_checkpoint", "LoadResult", "ARCHITECTURE_FIELDS"]
+__all__ = ["load_checkpoint", "LoadResult", "ARCHITECTURE_FIELDS", "MOE_ARCHITECTURE_FIELDS", "moe_architecture",
+           "architecture_differences"]
 
 
 # model-config fields that change a tensor's shape or meaning: a mismatch is an error
@@ -33,6 +35,32 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "apply_layernorm_1p", "qk_layernorm")
 # architecture fields that checkpoints written before them lack: their value then
 _LATER_FIELD_DEFAULTS = {"apply_layernorm_1p": False, "qk_layernorm": False}
+# the mixture-of-experts shape (``moe_architecture``: compared normalised; a configuration without them is dense)
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+
+
+def moe_architecture(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts shape of a model configuration (its fields as a dict), normalised so that equal
+    models compare equal: the MoE layers as one 0/1 per layer (``--moe-layer-freq 2`` = ``[1,0,1,0]``), each
+    expert's width resolved (``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size``); {} for a dense model."""
+    if cfg.get("num_experts") is None:
+        return {}
+    return {"num_experts": cfg["num_experts"],
+            "moe_layer_freq": moe_layer_pattern(cfg.get("moe_layer_freq", 1), cfg["num_layers"]),
+            "moe_ffn_hidden_size": cfg.get("moe_ffn_hidden_size") or cfg["ffn_hidden_size"],
+            "moe_shared_expert_intermediate_size": cfg.get("moe_shared_expert_intermediate_size")}
+
+
+def architecture_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
+                             skip: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, this run's) for every architecture field that differs: ``ARCHITECTURE_FIELDS`` both
+    configurations hold (less ``skip``), then the MoE shape (a differing expert count alone, the rest following)."""
+    out = [(f, saved[f], current[f]) for f in ARCHITECTURE_FIELDS
+           if f not in skip and f in saved and f in current and saved[f] != current[f]]
+    a, b = moe_architecture(saved), moe_architecture(current)
+    if a.get("num_experts") != b.get("num_experts"):
+        return out + [("num_experts", a.get("num_experts"), b.get("num_experts"))]
+    return out + [(f, a[f], b[f]) for f in MOE_ARCHITECTURE_FIELDS if a.get(f) != b.get(f)]
 # fields that only change numerics / the data: a mismatch is a warning
 _ADVISORY_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon")
 
@@ -76,9 +104,8 @@ def load_checkpoint(ctx, root: str, *, model, optimizer=None, scheduler=None, sa
                         "shapes are checked")
     elif cur_cfg is not None:
         saved_cfg = {**_LATER_FIELD_DEFAULTS, **saved_cfg}
-        for f in ARCHITECTURE_FIELDS:
-            if f in saved_cfg and f in cur_cfg and saved_cfg[f] != cur_cfg[f]:
-                errors.append(f"model config {f}: checkpoint {saved_cfg[f]}, this run {cur_cfg[f]}")
+        for f, a, b in architecture_differences(saved_cfg, cur_cfg):
+            errors.append(f"model config {f}: checkpoint {a}, this run {b}")
         for f in _ADVISORY_FIELDS if not finetune else ():   # a fine-tune chooses its own (no one to warn)
             if f in saved_cfg and f in cur_cfg and saved_cfg[f] != cur_cfg[f]:
                 messages.append(f"model config {f} differs: checkpoint {saved_cfg[f]}, this run {cur_cfg[f]} "

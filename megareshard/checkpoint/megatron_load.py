@@ -10,6 +10,7 @@ position and RNG. A load is therefore ``--finetune``: a fresh optimizer at itera
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from ..models.config import ModelConfig
 from .format import CHECKPOINT_JSON, LATEST_FILE, CheckpointError
-from .loading import _ADVISORY_FIELDS, ARCHITECTURE_FIELDS, LoadResult
+from .loading import _ADVISORY_FIELDS, LoadResult, architecture_differences
 from .state import _all_gather_object, _canonical, _cut, _layout, _tp_box, describe_layout
 from .megatron import LAYERS, Source, megatron_shape, model_config_from_args, our_shape, sources, swiglu_rows
 from .megatron_io import MegatronCheckpoint, find_megatron_checkpoint, has_fp8_state
@@ -157,10 +158,9 @@ def load_into_model(path: str, *, ctx, model, cfg: ModelConfig, optimizer,
         errors = []
         if given is not None and given.vocab_size != cur.vocab_size:
             errors.append(f"vocabulary: checkpoint {given.vocab_size}, this run {cur.vocab_size}")
-        for f in ARCHITECTURE_FIELDS:
-            a, b = getattr(opened.cfg, f), getattr(cur, f)
-            if f != "vocab_size" and a != b:
-                errors.append(f"{_flag(f)}: checkpoint {a}, this run {b}")
+        for f, a, b in architecture_differences(dataclasses.asdict(opened.cfg), dataclasses.asdict(cur),
+                                                skip=("vocab_size",)):
+            errors.append(f"{_flag(f)}: checkpoint {a}, this run {b}")
         if errors:
             raise CheckpointError(f"{opened.describe()} does not fit this model (nothing was loaded): "
                                   + "; ".join(errors) + " (tools/checkpoint_util.py import-megatron prints the flags)")
