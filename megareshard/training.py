@@ -232,13 +232,14 @@ class Trainer(Checkpointing, Reporting):
         mbs = [collate([dataset[i] for i in mb]) for mb in indices]
         vocab = self.cfg.model.vocab_size
         for mb in mbs:  # data made with another tokenizer would index past the embedding
-            top = int(mb["tokens"].numpy().max())  # host data: numpy, never a device read
+            tokens = mb["tokens"]
+            top = int(tokens.numpy().max() if tokens.device.type == "cpu" else tokens.max())  # host data: no device read
             if top >= vocab:
                 data = " ".join(self.cfg.data.data_path or self.cfg.data.train_data_path or ["the data"])
                 raise ConfigError(f"token id {top} in {data} is outside the "
                                   f"model's vocabulary of {vocab}: was the dataset made with another tokenizer?")
         if self.device.type == "cuda":  # page-locked: the copy to the device (non_blocking) leaves the host free
-            mbs = [{k: v.pin_memory() for k, v in mb.items()} for mb in mbs]
+            mbs = [{k: v.pin_memory() if v.device.type == "cpu" else v for k, v in mb.items()} for mb in mbs]
         return mbs
 
     def _prefetch_next_batch(self) -> None:
