@@ -233,7 +233,7 @@ class Trainer(Checkpointing, Reporting):
         vocab = self.cfg.model.vocab_size
         for mb in mbs:  # data made with another tokenizer would index past the embedding
             tokens = mb["tokens"]
-            top = int(tokens.numpy().max() if tokens.device.type == "cpu" else tokens.max())  # host data: no device read
+            top = int(tokens.numpy().max() if tokens.device.type == "cpu" else tokens.max())  # host: no device read
             if top >= vocab:
                 data = " ".join(self.cfg.data.data_path or self.cfg.data.train_data_path or ["the data"])
                 raise ConfigError(f"token id {top} in {data} is outside the "

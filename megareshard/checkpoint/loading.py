@@ -36,7 +36,8 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
 # architecture fields that checkpoints written before them lack: their value then
 _LATER_FIELD_DEFAULTS = {"apply_layernorm_1p": False, "qk_layernorm": False}
 # the mixture-of-experts shape (``moe_architecture``: compared normalised; a configuration without them is dense)
-MOE_ARCHITECTURE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+MOE_ARCHITECTURE_FIELDS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
+                           "moe_shared_expert_intermediate_size")
 
 
 def moe_architecture(cfg: Mapping[str, Any]) -> dict[str, Any]:
