@@ -1,48 +1,99 @@
 #!/usr/bin/env python
-"""Everything that needs one CUDA GPU, in one run: the device's ceilings, the CUDA tests, the bf16 training path
-(fp32 vs bf16 loss, save and resume bitwise) and a fixed speed grid, side by side on the same card.
+"""Everything that needs one CUDA GPU (issue #53), in one run on one card, the most important first: the bf16 path's
+determinism, the speed grid against a lean single-file peer, every ``--torch-compile-mode`` that ``--help`` offers.
 
-    python -m lab.bench.gpu_checks --out DIR                        # DIR/gpu_checks.json, DIR/*.log
-    python -m lab.bench.gpu_checks --out DIR --skip tests,bf16      # the speed grid alone (about 8 minutes, H100)
-    python -m lab.bench.gpu_checks --out DIR --tiny                 # the same machinery on CPU, tiny models
+    python -m lab.bench.gpu_checks --out DIR                      # DIR/gpu_checks.json, DIR/*.log (about 540 s)
+    python -m lab.bench.gpu_checks --out DIR --skip determinism,compile_modes --deadline-s 540   # the grid alone
+    python -m lab.bench.gpu_checks --out DIR --tiny               # the same machinery on CPU, tiny models
 
-**The speed grid** (fixed here, before running): GPT 125M, 350M, 760M, 1.3B and a Llama-style 1.2B at sequence
-2048, vocabulary 50304, bf16, AdamW, each trained by
+``--tiny`` runs every part on CPU with tiny shapes: the determinism runs on ``--device cpu`` (not compiled: the
+CPU default), the grid's megareshard-cli and lean-compile with torch.compile's aot_eager backend, the compile
+modes with aot_eager (which runs the default mode only: the others are refused for that backend).
 
-* ``megareshard-fast``: megareshard with the fast path (``--torch-compile``: every layer and the loss head
-  compiled, ``--cross-entropy-loss-fusion``, ``--attention-backend auto``, fused AdamW), bf16 parameters
-  with fp32 master weights;
-* ``hf-compile``: Hugging Face transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` of the same shapes,
-  SDPA attention, fp32 parameters under bf16 autocast, PyTorch's fused AdamW, torch.compile — per decoder
-  layer by default (regional compilation, the fast-starting scheme that megareshard's fast path also uses),
-  or of the whole model with ``--hf-compile full`` (longer to compile);
-* ``megareshard-eager``: megareshard with ``--no-torch-compile`` (the earlier tables' configuration);
+The JSON is rewritten as soon as any run or point finishes, so a run cut off at its limit keeps what it finished;
+every run's command, return code, seconds and log (DIR/*.log) are in it. The parts, in this order:
 
-and, on request (``--variants``), ``megareshard-fast-unfused-ce`` (no ``--cross-entropy-loss-fusion``), ``hf-eager``. Every variant runs the
-same micro and global batch, gradient clipping at 1.0, dropout 0, mock tokens.
+1. **determinism** (``--determinism-budget-s``, 240 s): ``pretrain_gpt.py`` on a small GPT (4 layers, hidden 512,
+   8 heads, sequence 512, vocabulary 8192, micro batch 4, global batch 8, 20 iterations, ``--bf16``) as a user
+   runs it: torch.compile on (the default on CUDA) and **Megatron's default dropout 0.1** (no dropout flags).
+   (a) the same command twice: ``same_command_bitwise_equal`` (the 20 printed ``lm loss:`` and ``grad norm:``
+   fields equal); (b) ``--save D --exit-interval 10`` then ``--load D``: ``resume_bitwise_equal`` with the
+   uninterrupted run; (c) the same pair again with ``--deterministic-mode`` (``deterministic_mode``); then the
+   fp32 run (``max_rel_diff_bf16_vs_fp32``: mock tokens keep the loss near ln V, so this compares the arithmetic).
+   Each run's attention kernel is read from its start-up line (``fast path: attention ...``), and whether the
+   resumed run reused the checkpoint's recorded choice (``as recorded in``). H200 estimate (the earlier H200 runs:
+   megareshard's regional compile 7-13 s cold, 3 s from inductor's cache): the first run 30-40 s (process start,
+   imports, CUDA, attention measured, compiling cold), the runs of the same graphs after it 15-20 s each, the first
+   deterministic-mode and the fp32 run compile again (25-35 s each): 150-200 s for all nine. A run that cannot
+   start within the budget is recorded as skipped.
+2. **speed** (until ``--compile-modes-reserve-s`` before the deadline): the grid, fixed before running, in the
+   issue's order: GPT 125M, GPT 1.3B, the Llama-style "1.2B" (ffn 5632, GQA 32/8, 16 layers: 0.93 B parameters
+   with this vocabulary; the name is the earlier tables'), GPT 350M (760M only with ``--models``);
+   sequence 2048, vocabulary 50304, bf16, the micro and global batch of `GRID`, mock tokens, dropout 0, gradient
+   clipping 1.0, AdamW. A first round runs ``--variants`` (default ``megareshard-cli``, then ``lean-compile``)
+   model by model, a second round ``--late-variants`` (default ``hf-compile``) over the models in the time left.
+   The models run by priority: each may use all the time left, a variant that cannot start with
+   ``MIN_START_S`` left is recorded as skipped. H200 estimates (start-up and compiling dominate; the timed
+   iterations take seconds): megareshard-cli 25-45 s (process start and imports about 10 s, at 1.3B the model's
+   build and initialisation 10-20 s, compiling 7-13 s, the 125M trace's export a few seconds), lean-compile 30-60 s
+   (the whole unrolled model compiled cold: not measured before), hf-compile 10-15 s: about 60 s for 125M, 100 s
+   each for 1.3B and the Llama, 80 s for 350M, 60 s for the hf-compile round: more than the default deadline
+   leaves after the determinism part, so 350M and the hf-compile round may be recorded as skipped (run the grid
+   alone, ``--skip determinism,compile_modes``, to get them all).
+3. **compile_modes** (the rest, at least ``--compile-modes-reserve-s``, 90 s): the small model of part 1 for 5
+   iterations under every mode ``pretrain_gpt.py --help`` offers for ``--torch-compile-mode`` (read from
+   megareshard's parser): rc, losses, whether it trained, seconds; a mode refused with one line (the CUDA-graph
+   modes, ``compile_config.CUDA_GRAPH_MODES``, run first) is recorded as ``refused`` with that line. H200
+   estimate: the refused ones under 1 s each, default 15 s (the determinism part's graphs, from the cache),
+   max-autotune-no-cudagraphs 60-120 s (autotuning the GEMMs; a guess). A mode that cannot start with 30 s left
+   is recorded as skipped.
+4. **tests** (only with ``--parts``): the CUDA tests (pytest, up to 400 s).
 
-One FLOP count for all: Megatron-LM's model FLOPs (``models/gpt.py: gpt_flops_per_token``; per token and
-layer 2·h·(q + 2·kv) + 2·q·h + 2·h·f·(3 with SwiGLU, else 2) + 4·s·q forward, attention counted non-causal,
-plus 2·h·V for the logits, times 3 for forward and backward; q, kv the query and key/value channels, f
-the MLP width). TFLOP/s = that × tokens/s; MFU against the datasheet peak (``--peak-tflops``, H100 SXM
-dense bf16: 989) and against the bf16 matrix-product rate measured at the start of the same run.
+**The speed grid's variants** (every one the same shapes, batch, clipping, dropout 0 and mock tokens):
 
-Each model runs in its own process, its variants one after another: megareshard eager, then the fast path
-compiling that same model in place (one initialisation for both), then transformers (a crash costs that
-model's remaining variants, which are recorded as such). Every point is recorded in the JSON as soon as it starts, finished or
-not, and the JSON is rewritten after every point. A deadline (``--deadline-s``, counted from the start of the
-grid) bounds the grid: each model gets an equal share of the time left, and a variant that cannot start
-within its model's share is recorded as skipped. Steady-state time per iteration is the median of the timed
-iterations after the warm-up ones; compile time is the first iteration's time less that median; peak memory
-is the allocator's peak over the timed iterations.
+* ``megareshard-cli`` (the megareshard number; "the number a user sees is the one that counts"): the point run
+  by ``python pretrain_gpt.py --mock-data --device cuda --bf16 <model flags> --seq-length 2048
+  --max-position-embeddings 2048 --vocab-size 50304 --micro-batch-size M --global-batch-size G
+  --cross-entropy-loss-fusion --hidden-dropout 0 --attention-dropout 0 --train-iters W+I --log-interval 1
+  --eval-interval 0`` in its own process as a user launches it (torch.compile by its default: on with CUDA), its
+  tokens/s read from its log lines (``tokens/s:``, the trainer's own count); steady state is the median over the
+  ``--iters`` iterations after the ``--warmup`` ones. The command line is in the JSON. For ``--profile-model``
+  (GPU default: gpt-125m) two iterations more run under Megatron's ``--profile --profile-step-start
+  --profile-step-end --tensorboard-dir`` (after the timed ones, left out of the median): the chrome trace's path
+  is ``profile_trace``.
+* ``lean-compile``: our lean single-file peer (``lab/bench/lean_peer.py``: nanoGPT-style GPT or Llama-style
+  decoder, fp32 parameters under bf16 autocast, SDPA causal attention, ``F.cross_entropy``, fused AdamW with
+  megareshard's defaults, clipping at 1.0, the whole model under one torch.compile); ``lean-eager`` on request.
+* ``hf-compile``: Hugging Face transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` of the same shapes, SDPA,
+  fp32 parameters under bf16 autocast, fused AdamW, torch.compile per decoder layer (``--hf-compile full``: the
+  whole model); ``hf-eager`` on request.
+* in-process megareshard on request: ``megareshard-fast`` (the Trainer's step with the fast path: regional
+  torch.compile, ``--cross-entropy-loss-fusion``, ``--attention-backend auto``), ``megareshard-eager``
+  (``--no-torch-compile``), ``megareshard-fast-unfused-ce``.
+
+Every ok point has ``vs_lean`` (its tokens/s over lean-compile's, same model and run) and ``vs_hf_compile``. One
+FLOP count for all: Megatron-LM's model FLOPs (``models/gpt.py: gpt_flops_per_token``; per token and layer
+2·h·(q + 2·kv) + 2·q·h + 2·h·f·(3 with SwiGLU, else 2) + 4·s·q forward, attention counted non-causal, plus 2·h·V
+for the logits, times 3 for forward and backward). TFLOP/s = that × tokens/s; MFU against the datasheet peak
+(``--peak-tflops``, H100/H200 SXM dense bf16: 989) and against the bf16 matrix-product rate measured at the start.
+The issue's targets (``TARGETS``, in the JSON): megareshard ≥ 1.0× lean-compile at 125M, 350M, 1.3B and the Llama
+1.2B; MFU ≥ 45 % at 125M and ≥ 55 % at 1.3B against 989 TFLOP/s.
+
+The in-process variants of one model run in one worker process (``--worker``), one after another (a crash costs
+that model's remaining variants, recorded as such); the in-process steady state is the median of the timed
+iterations after the warm-up ones, compile time the first iteration's time less that median, peak memory the
+allocator's peak over the timed iterations.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
+import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,39 +103,56 @@ import time
 from lab import ROOT
 
 ROOT = str(ROOT)
-# (name, family, megareshard model flags, micro batch, global batch): fixed before running
+# (name, family, megareshard model flags, micro batch, global batch): fixed before running, in the issue's order
 GRID = [
     ("gpt-125m", "gpt", "--num-layers 12 --hidden-size 768 --num-attention-heads 12", 8, 32),
-    ("gpt-350m", "gpt", "--num-layers 24 --hidden-size 1024 --num-attention-heads 16", 8, 32),
-    ("gpt-760m", "gpt", "--num-layers 24 --hidden-size 1536 --num-attention-heads 16", 4, 16),
     ("gpt-1.3b", "gpt", "--num-layers 24 --hidden-size 2048 --num-attention-heads 16", 4, 16),
     ("llama-1.2b", "llama", "--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
      "--num-query-groups 8 --swiglu --normalization RMSNorm --position-embedding-type rope "
-     "--untie-embeddings-and-output-weights --disable-bias-linear", 4, 16),
+     "--untie-embeddings-and-output-weights --disable-bias-linear --ffn-hidden-size 5632", 4, 16),
+    ("gpt-350m", "gpt", "--num-layers 24 --hidden-size 1024 --num-attention-heads 16", 8, 32),
+    ("gpt-760m", "gpt", "--num-layers 24 --hidden-size 1536 --num-attention-heads 16", 4, 16),
 ]
+DEFAULT_MODELS = ("gpt-125m", "gpt-1.3b", "llama-1.2b", "gpt-350m")
 SEQ, VOCAB = 2048, 50304
 TINY_GRID = [
     ("gpt-tiny", "gpt", "--num-layers 2 --hidden-size 64 --num-attention-heads 4", 2, 4),
     ("llama-tiny", "llama", "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
      "--num-query-groups 2 --swiglu --normalization RMSNorm --position-embedding-type rope "
-     "--untie-embeddings-and-output-weights --disable-bias-linear", 2, 4),
+     "--untie-embeddings-and-output-weights --disable-bias-linear --ffn-hidden-size 96", 2, 4),
 ]
 TINY_SEQ, TINY_VOCAB = 64, 512
+#: the issue's targets (#53 part 2), fixed before running
+TARGETS = {"vs_lean": {"gpt-125m": 1.0, "gpt-350m": 1.0, "gpt-1.3b": 1.0, "llama-1.2b": 1.0},
+           "mfu_vs_peak": {"gpt-125m": 0.45, "gpt-1.3b": 0.55}}
+CLI_VARIANT = "megareshard-cli"
 MEGARESHARD_VARIANTS = {
     "megareshard-fast": ["--torch-compile", "--cross-entropy-loss-fusion", "--attention-backend", "auto"],
     "megareshard-eager": ["--no-torch-compile"],
     "megareshard-fast-unfused-ce": ["--torch-compile"],
 }
+LEAN_VARIANTS = ("lean-compile", "lean-eager")
 HF_VARIANTS = ("hf-compile", "hf-eager")
-DEFAULT_VARIANTS = ("megareshard-eager", "megareshard-fast", "hf-compile")
-#: seconds a variant needs at least to be worth starting (start-up, compile, a few iterations)
-MIN_START_S = {"megareshard-eager": 15.0, "hf-eager": 15.0}
-MIN_START_COMPILED_S = 30.0
+ALL_VARIANTS = (CLI_VARIANT, *LEAN_VARIANTS, *MEGARESHARD_VARIANTS, *HF_VARIANTS)
+DEFAULT_VARIANTS = (CLI_VARIANT, "lean-compile")
+DEFAULT_LATE_VARIANTS = ("hf-compile",)
+#: seconds a variant needs at least to be worth starting on the GPU (start-up, compile, a few iterations)
+MIN_START_S = {"megareshard-eager": 15.0, "hf-eager": 15.0, "lean-eager": 15.0, "hf-compile": 45.0}
+MIN_START_COMPILED_S = 35.0
+TINY_MIN_START_S = 3.0
+PROFILED_ITERS = 2  # --profile-model: iterations after the timed ones, under the profiler
+PARTS = ("determinism", "speed", "compile_modes", "tests")
+DEFAULT_PARTS = ("determinism", "speed", "compile_modes")
 FLOP_FORMULA = ("Megatron-LM model FLOPs per token: 3 × [layers × (2·h·(q + 2·kv) + 2·q·h + 2·h·f·m + 4·s·q) "
                 "+ 2·h·V], m = 3 with SwiGLU else 2, attention counted non-causal (models/gpt.py)")
+ENV = {"WANDB_MODE": "disabled"}
 
 
-# ---- the parts that need no model ---------------------------------------------------------------------
+def _min_start(variant: str, tiny: bool) -> float:
+    return TINY_MIN_START_S if tiny else MIN_START_S.get(variant, MIN_START_COMPILED_S)
+
+
+# ---- processes and their logs -----------------------------------------------------------------------------
 def _run(cmd: list[str], log: str, timeout: float, env: dict | None = None) -> tuple[int, str, float]:
     t0 = time.perf_counter()
     try:
@@ -92,11 +160,61 @@ def _run(cmd: list[str], log: str, timeout: float, env: dict | None = None) -> t
                            env=dict(os.environ, **(env or {})))
         rc, text = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        out = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
         rc, text = 124, f"{out[0]}{out[1]}\n[timed out after {timeout:.0f} s]"
     with open(log, "w") as f:
-        f.write(" ".join(cmd) + "\n" + text)
+        f.write(shlex.join(cmd) + "\n" + text)
     return rc, text, time.perf_counter() - t0
+
+
+_ITER = re.compile(r"^ iteration +(\d+)/ *\d+ \|(.*)$", re.M)
+_FIELDS = {"ms": r"elapsed time per iteration \(ms\): ([0-9.]+)", "loss": r"lm loss: ([^ |]+)",
+           "grad_norm": r"grad norm: ([^ |]+)", "tokens_per_s": r"tokens/s: ([0-9.]+)",
+           "tflops_per_rank": r"TFLOP/s per rank: ([0-9.]+)"}
+
+
+def log_iterations(text: str) -> list[dict]:
+    """The trainer's iteration lines (``tracking.format_log_line``): iteration, ms, loss and grad norm as printed
+    (strings: compared bitwise as logged), tokens/s and TFLOP/s per rank (floats)."""
+    recs = []
+    for m in _ITER.finditer(text):
+        rec: dict = {"iteration": int(m.group(1))}
+        for key, pat in _FIELDS.items():
+            f = re.search(pat, m.group(2))
+            if f:
+                rec[key] = f.group(1) if key in ("loss", "grad_norm") else float(f.group(1))
+        recs.append(rec)
+    return recs
+
+
+def fast_path_line(text: str) -> str | None:
+    m = re.search(r"^megareshard: fast path: (.*)$", text, re.M)
+    return m.group(1) if m else None
+
+
+def attention_of(text: str) -> dict:
+    """The attention kernel the run's start-up line names (``fast path: attention KERNEL (why); ...``) and whether
+    it was the checkpoint's recorded choice, reused (``as recorded in``)."""
+    line = fast_path_line(text) or ""
+    m = re.search(r"(attention .*?); cross-entropy", line)
+    phrase = m.group(1) if m else None
+    return {"attention": phrase, "attention_kernels": re.findall(r"attention ([^\s,(]+)", phrase or ""),
+            "attention_reused": None if phrase is None else "as recorded in" in phrase}
+
+
+def _failed(rc: int) -> str:
+    return "timed out" if rc == 124 else "failed"
+
+
+def _error_line(text: str) -> str:
+    """The line that says why a run failed: its time-out, else its last line naming an error, else its last line."""
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    if lines and lines[-1].startswith("[timed out after"):
+        return lines[-1]
+    for x in reversed(lines):
+        if "error" in x.lower() or "Error" in x:
+            return x.strip()[:500]
+    return lines[-1].strip()[:500] if lines else "no output"
 
 
 def ceilings(device: str) -> dict:
@@ -139,38 +257,204 @@ def ceilings(device: str) -> dict:
         y.copy_(x)
     torch.cuda.synchronize()
     rec["copy_tb_per_s"] = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e12
+    del a, b, x, y
+    torch.cuda.empty_cache()  # the training processes after this one get the card's memory
     return rec
 
 
-def losses(text: str) -> list[float]:
-    return [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
+# ---- part 1: determinism of the bf16 path ---------------------------------------------------------------
+SMALL_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+               "--vocab-size", "8192", "--micro-batch-size", "4", "--global-batch-size", "8"]
+TINY_SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                    "--vocab-size", "512", "--micro-batch-size", "2", "--global-batch-size", "4"]
+DETERMINISM_ITERS, TINY_DETERMINISM_ITERS = 20, 6
+DETERMINISM_RUNS = ("bf16", "bf16_again", "bf16_first_half", "bf16_resumed", "det", "det_again", "det_first_half",
+                    "det_resumed", "fp32")
 
 
-def bf16_path(out: str) -> dict:
-    """fp32 and bf16 runs of one small GPT on the GPU (mock data: the loss stays near ln(vocab), so this
-    compares the arithmetic, not learning; tests/test_bf16_convergence.py checks learning); bf16
-    interrupted at 10 and resumed must equal the whole run bitwise. The default path on CUDA: compiled."""
-    base = [sys.executable, "pretrain_gpt.py", "--mock-data", "--device", "cuda", "--num-layers", "4",
-            "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512", "--vocab-size", "8192",
-            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-4",
-            "--lr-warmup-iters", "2", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
-    rec: dict = {}
+def small_command(device: str, tiny: bool, iters: int) -> list[str]:
+    """``pretrain_gpt.py`` on the small model as a user runs it: Megatron's default dropout (0.1, no flags),
+    torch.compile by its default (on with CUDA; the tiny CPU variant: off, its CPU default)."""
+    return [sys.executable, "pretrain_gpt.py", "--mock-data", "--device", device,
+            *(TINY_SMALL_MODEL if tiny else SMALL_MODEL), "--train-iters", str(iters), "--lr", "3e-4",
+            "--lr-warmup-iters", "2", "--log-interval", "1"]
+
+
+def _same(a: list[dict], b: list[dict], n: int) -> bool:
+    """Both runs logged iterations 1..n with the same loss and grad norm (as printed, or at full precision)."""
+    def key(recs: list[dict]) -> list:
+        return [(r["iteration"], r.get("loss"), r.get("grad_norm")) for r in sorted(recs, key=lambda r: r["iteration"])]
+    return [r[0] for r in key(a)] == list(range(1, n + 1)) and key(a) == key(b)
+
+
+def _first_difference(a: list[dict], b: list[dict]) -> dict | None:
+    by = {r["iteration"]: r for r in b}
+    for r in sorted(a, key=lambda r: r["iteration"]):
+        o = by.get(r["iteration"])
+        if o is None or (o.get("loss"), o.get("grad_norm")) != (r.get("loss"), r.get("grad_norm")):
+            return {"iteration": r["iteration"], "a": [r.get("loss"), r.get("grad_norm")],
+                    "b": None if o is None else [o.get("loss"), o.get("grad_norm")]}
+    return None
+
+
+def _metrics(path: str) -> list[dict]:
+    """--metrics-file's records: iteration, loss and grad norm at full precision (the floats the trainer holds)."""
+    if not os.path.exists(path):
+        return []
+    recs = [json.loads(line) for line in open(path) if line.strip()]
+    return [{"iteration": r["iteration"], "loss": r.get("loss"), "grad_norm": r.get("grad_norm")} for r in recs]
+
+
+def determinism(out: str, a: argparse.Namespace, until: float, rec: dict, save) -> dict:
+    """Part 1 (see the module docstring): every run recorded (rc, seconds, log, losses and grad norms as printed
+    and at full precision from ``--metrics-file``, the attention kernel), then the booleans; a run that cannot
+    start before ``until`` is recorded as skipped. Every run writes the same --metrics-file path (moved aside
+    after it), so that "the same command twice" is the same command, character for character."""
+    n = TINY_DETERMINISM_ITERS if a.tiny else DETERMINISM_ITERS
+    half = n // 2
+    metrics = os.path.join(out, "determinism_metrics.jsonl")
+    base = small_command(a.device, a.tiny, n) + ["--metrics-file", metrics]
+    wanted = a.determinism_runs.split(",")
+    rec.update(command=shlex.join(base + ["--bf16"]), iterations=n, exit_interval=half, dropout="Megatron's "
+               "default 0.1 (no dropout flags)", compile="torch.compile by its default (on with CUDA)" if not a.tiny
+               else "the CPU default (off)", runs={})
+    need = TINY_MIN_START_S if a.tiny else 15.0
     with tempfile.TemporaryDirectory(prefix="gpu-ckpt-") as tmp:
-        runs = {"fp32": base, "bf16": base + ["--bf16"],
-                "bf16_first_half": base + ["--bf16", "--save", tmp, "--exit-interval", "10"],
-                "bf16_resumed": base + ["--bf16", "--load", tmp]}
-        for name, cmd in runs.items():
-            rc, text, secs = _run(cmd, os.path.join(out, f"bf16_{name}.log"), 300, {"WANDB_MODE": "disabled"})
-            rec[name] = {"rc": rc, "seconds": round(secs, 1), "loss": losses(text)}
-    whole, resumed = rec["bf16"]["loss"], rec["bf16_first_half"]["loss"] + rec["bf16_resumed"]["loss"]
-    rec["resume_bitwise_equal"] = len(whole) == 20 and whole == resumed
-    f32, b16 = rec["fp32"]["loss"], rec["bf16"]["loss"]
-    rec["max_rel_diff_bf16_vs_fp32"] = (max(abs(a - b) / abs(a) for a, b in zip(f32, b16))
-                                        if len(f32) == len(b16) == 20 else None)
+        ck = {"bf16": os.path.join(tmp, "bf16"), "det": os.path.join(tmp, "det")}
+        cmds = {"bf16": base + ["--bf16"], "bf16_again": base + ["--bf16"],
+                "bf16_first_half": base + ["--bf16", "--save", ck["bf16"], "--exit-interval", str(half)],
+                "bf16_resumed": base + ["--bf16", "--load", ck["bf16"]],
+                "det": base + ["--bf16", "--deterministic-mode"],
+                "det_again": base + ["--bf16", "--deterministic-mode"],
+                "det_first_half": base + ["--bf16", "--deterministic-mode", "--save", ck["det"], "--exit-interval",
+                                          str(half)],
+                "det_resumed": base + ["--bf16", "--deterministic-mode", "--load", ck["det"]],
+                "fp32": base}
+        for name in DETERMINISM_RUNS:
+            left = until - time.time()
+            if name not in wanted:
+                rec["runs"][name] = {"status": "skipped", "error": "not asked (--determinism-runs)"}
+                continue
+            if left < need:
+                rec["runs"][name] = {"status": "skipped", "error": f"not started: {max(left, 0):.0f} s left of the "
+                                     "determinism part's budget", "command": shlex.join(cmds[name])}
+                save()
+                continue
+            log = os.path.join(out, f"determinism_{name}.log")
+            if os.path.exists(metrics):
+                os.remove(metrics)
+            rc, text, secs = _run(cmds[name], log, min(left + 30, 400), ENV)
+            its = log_iterations(text)
+            full = _metrics(metrics)
+            if os.path.exists(metrics):
+                os.replace(metrics, os.path.join(out, f"determinism_{name}.metrics.jsonl"))
+            run = {"status": "ok" if rc == 0 else _failed(rc), "rc": rc, "seconds": round(secs, 1), "log": log,
+                   "command": shlex.join(cmds[name]).replace(tmp, "CKPT"),
+                   "loss": [r.get("loss") for r in its], "grad_norm": [r.get("grad_norm") for r in its],
+                   "iterations": [r["iteration"] for r in its], "full_precision": full, **attention_of(text)}
+            if rc != 0:
+                run["error"] = _error_line(text)
+            rec["runs"][name] = run
+            save()
+            print(f"[gpu_checks] determinism {name}: rc {rc}, {len(its)} iterations, {secs:.0f} s, "
+                  f"{run['attention']}", flush=True)
+
+    def its(name: str, full: bool = False) -> list[dict]:
+        r = rec["runs"].get(name, {})
+        if full:
+            return r.get("full_precision", [])
+        return [{"iteration": i, "loss": x, "grad_norm": g} for i, x, g in zip(r.get("iterations", []),
+                                                                                 r.get("loss", []),
+                                                                                 r.get("grad_norm", []))]
+
+    def ran(*names: str) -> bool:
+        return all(rec["runs"].get(x, {}).get("status") == "ok" for x in names)
+
+    def compare(res: dict, key: str, a_: str, b_: list[str]) -> None:
+        """res[key]: the printed fields equal and, where both wrote them, the full-precision ones too."""
+        pa, pb = its(a_), [r for x in b_ for r in its(x)]
+        fa, fb = its(a_, True), [r for x in b_ for r in its(x, True)]
+        printed, full = _same(pa, pb, n), (_same(fa, fb, n) if fa and fb else None)
+        res[key] = printed and full is not False
+        res[f"{key}_printed"], res[f"{key}_full_precision"] = printed, full
+        res[key.replace("bitwise_equal", "first_difference")] = _first_difference(*((fa, fb) if full is not None
+                                                                                   else (pa, pb)))
+
+    for prefix, key in (("bf16", None), ("det", "deterministic_mode")):
+        res: dict = {}
+        if ran(prefix, f"{prefix}_again"):
+            compare(res, "same_command_bitwise_equal", prefix, [f"{prefix}_again"])
+        else:
+            res["same_command_bitwise_equal"] = None  # not measured (a run failed or was skipped)
+        if ran(prefix, f"{prefix}_first_half", f"{prefix}_resumed"):
+            compare(res, "resume_bitwise_equal", prefix, [f"{prefix}_first_half", f"{prefix}_resumed"])
+            res["resumed_attention_reused"] = rec["runs"][f"{prefix}_resumed"]["attention_reused"]
+        else:
+            res["resume_bitwise_equal"] = None
+        if key is None:
+            rec.update(res)
+        else:
+            rec[key] = res
+    f32, b16 = (rec["runs"].get(x, {}).get("loss", []) for x in ("fp32", "bf16"))
+    rec["max_rel_diff_bf16_vs_fp32"] = (max(abs(float(x) - float(y)) / abs(float(x)) for x, y in zip(f32, b16))
+                                        if len(f32) == len(b16) == n else None)
+    save()
     return rec
 
 
-# ---- one model's variants, in a worker process ----------------------------------------------------------
+# ---- part 3: every --torch-compile-mode -----------------------------------------------------------------
+def compile_mode_choices() -> list[str]:
+    """The modes ``pretrain_gpt.py --help`` offers for --torch-compile-mode (megareshard's parser)."""
+    from megareshard.arguments import build_parser
+
+    for action in build_parser()._actions:
+        if "--torch-compile-mode" in action.option_strings:
+            return list(action.choices)
+    raise RuntimeError("megareshard's parser has no --torch-compile-mode")
+
+
+def compile_modes(out: str, a: argparse.Namespace, until: float, rec: dict, save, iters: int = 5) -> dict:
+    """Part 3: the small model of part 1 for ``iters`` iterations under every mode (tiny: aot_eager, which runs
+    only the default mode; the others are then refused for their backend, the CUDA-graph modes for themselves)."""
+    from megareshard.compile_config import CUDA_GRAPH_MODES
+
+    modes = compile_mode_choices()
+    asked = a.compile_modes.split(",") if a.compile_modes else modes
+    base = small_command(a.device, a.tiny, iters) + ["--bf16"]
+    if a.tiny:
+        base += ["--torch-compile", "--torch-compile-backend", a.compile_backend]
+    rec.update(choices=modes, iterations=iters, modes={})
+    # the CUDA-graph modes first: refused at once (under a second), they are on record whatever time is left
+    for mode in sorted(modes, key=lambda m: m not in CUDA_GRAPH_MODES):
+        cmd = base + ["--torch-compile-mode", mode]
+        left = until - time.time()
+        if mode not in asked:
+            rec["modes"][mode] = {"status": "skipped", "error": "not asked (--compile-modes)"}
+            continue
+        if left < (1.0 if mode in CUDA_GRAPH_MODES else TINY_MIN_START_S if a.tiny else 30.0):
+            rec["modes"][mode] = {"status": "skipped", "error": f"not started: {max(left, 0):.0f} s left",
+                                  "command": shlex.join(cmd)}
+            save()
+            continue
+        log = os.path.join(out, f"compile_mode_{mode}.log")
+        rc, text, secs = _run(cmd, log, max(left, 5.0), ENV)
+        loss = [float(r["loss"]) for r in log_iterations(text) if "loss" in r]
+        trained = rc == 0 and len(loss) == iters and all(math.isfinite(x) for x in loss)
+        refused = re.search(r"^pretrain_gpt\.py: error: (.*)$", text, re.M) if rc != 0 else None
+        m = {"status": "trained" if trained else "refused" if refused else _failed(rc), "rc": rc, "trained": trained,
+             "loss": loss, "seconds": round(secs, 1), "log": log, "command": shlex.join(cmd),
+             "fast_path": fast_path_line(text)}
+        if refused:
+            m["line"] = refused.group(0)
+        elif not trained:
+            m["error"] = _error_line(text)
+        rec["modes"][mode] = m
+        save()
+        print(f"[gpu_checks] compile mode {mode}: {m['status']} ({secs:.0f} s)", flush=True)
+    return rec
+
+
+# ---- part 2: one model's variants, in a worker process -----------------------------------------------------
 def _model_config(spec: dict, variant_flags: list[str]):
     """megareshard's Config for this grid point and variant (mock tokens, bf16, dropout 0; data for two variants'
     iterations: megareshard-fast continues megareshard-eager's run)."""
@@ -227,9 +511,9 @@ def _timed(step, spec: dict) -> dict:
 
 
 def _run_megareshard(spec: dict, variant: str, shared: dict) -> dict:
-    """Train with megareshard's Trainer. megareshard-fast after megareshard-eager compiles that run's model in
-    place, with the product's own set-up (``fast_path.set_up_fast_path``) and its config's flags, instead of
-    building and initialising the model a second time (tens of seconds at 1.3B)."""
+    """Train with megareshard's Trainer in this process. megareshard-fast after megareshard-eager compiles that
+    run's model in place, with the product's own set-up (``fast_path.set_up_fast_path``) and its config's flags,
+    instead of building and initialising the model a second time (tens of seconds at 1.3B)."""
     import io
 
     import torch
@@ -257,6 +541,82 @@ def _run_megareshard(spec: dict, variant: str, shared: dict) -> dict:
         shared["eager"] = trainer  # megareshard-fast compiles it next
     else:
         trainer.close()
+    return rec
+
+
+def cli_command(spec: dict, profile_dir: str | None) -> list[str]:
+    """The grid point as a user launches it: ``python pretrain_gpt.py ...`` (torch.compile by its default on CUDA;
+    the tiny CPU variant asks for it, with the tiny backend); Megatron's profiler flags when ``profile_dir``."""
+    n = spec["warmup"] + spec["iters"]
+    cmd = [sys.executable, "pretrain_gpt.py", "--mock-data", "--device", spec["device"], "--bf16",
+           *spec["flags"].split(), "--seq-length", str(spec["seq"]), "--max-position-embeddings", str(spec["seq"]),
+           "--vocab-size", str(spec["vocab"]), "--micro-batch-size", str(spec["mbs"]), "--global-batch-size",
+           str(spec["gbs"]), "--cross-entropy-loss-fusion", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--lr", "3e-4", "--lr-warmup-iters", "1", "--train-iters", str(n + (PROFILED_ITERS if profile_dir else 0)),
+           "--log-interval", "1", "--eval-interval", "0"]
+    if spec["device"] != "cuda":
+        cmd += ["--torch-compile", "--torch-compile-backend", spec["compile_backend"]]
+    if profile_dir:
+        cmd += ["--profile", "--profile-step-start", str(n), "--profile-step-end", str(n + PROFILED_ITERS),
+                "--tensorboard-dir", profile_dir]
+    return cmd
+
+
+def _run_cli(spec: dict) -> dict:
+    """megareshard-cli: ``pretrain_gpt.py`` in its own process; tokens/s as its log lines give them, the median
+    over the timed iterations (after the warm-up ones, before the profiled ones)."""
+    name = spec["model"]
+    profile_dir, why_not = None, None
+    if spec.get("profile"):
+        try:  # --tensorboard-dir writes event files with it
+            importlib.import_module("torch.utils.tensorboard")
+            profile_dir = os.path.join(spec["out"], f"profile_{name}")
+        except Exception as e:  # pragma: no cover - tensorboard missing on the machine
+            why_not = f"not profiled: torch.utils.tensorboard does not import ({type(e).__name__}: {e})"
+    cmd = cli_command(spec, profile_dir)
+    log = os.path.join(spec["out"], f"speed_{name}_cli.log")
+    rc, text, secs = _run(cmd, log, max(spec["deadline"] + 20 - time.time(), 10), {**ENV, "PYTHONPATH": ROOT})
+    its = log_iterations(text)
+    w, n = spec["warmup"], spec["iters"]
+    timed = [r for r in its if w < r["iteration"] <= w + n]
+    rec: dict = {"command": shlex.join(cmd), "log": log, "rc": rc, "process_s": round(secs, 1),
+                 "fast_path": fast_path_line(text), "logged_iterations": len(its),
+                 "iter_s": [round(r["ms"] / 1e3, 4) for r in its if "ms" in r],
+                 "logged_tokens_per_s": [r.get("tokens_per_s") for r in its]}
+    if why_not:
+        rec["profile_trace"], rec["profile_note"] = None, why_not
+    elif profile_dir:
+        trace = os.path.join(profile_dir, "profile_rank0.json")
+        rec["profile_trace"] = trace if os.path.exists(trace) else None
+        rec["profiled_iterations"] = [w + n + 1, w + n + PROFILED_ITERS]
+    if rc != 0 or len(timed) < n or any("tokens_per_s" not in r for r in timed):
+        rec.update(status="failed", error=f"rc {rc}, {len(timed)} of {n} timed iterations logged: {_error_line(text)}")
+        return rec
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    first = its[0]["ms"] / 1e3
+    setup = re.search(r"set-up done in ([0-9.]+) s", text)
+    compiling = re.search(r"torch\.compile: about ([0-9.]+) s of the first iteration was compiling", text)
+    peak = re.search(r"peak memory per pipeline stage \(MiB[^)]*\): stage 0 ([0-9.]+)", text)
+    rec.update(tokens_per_s=tps, seconds_per_iter=spec["gbs"] * spec["seq"] / tps, first_iter_s=first,
+               compile_s=float(compiling.group(1)) if compiling else max(first - spec["gbs"] * spec["seq"] / tps, 0),
+               setup_s=float(setup.group(1)) if setup else None,
+               logged_tflops_per_rank=statistics.median(r.get("tflops_per_rank", 0.0) for r in timed),
+               peak_mem_gib=float(peak.group(1)) / 1024 if peak else None)
+    return rec
+
+
+def _run_lean(spec: dict, variant: str) -> dict:
+    """Our lean single-file peer (lab/bench/lean_peer.py) of the grid point's shapes."""
+    import torch
+
+    from lab.bench import lean_peer
+
+    backend = spec["compile_backend"] if variant == "lean-compile" else None
+    model, step = lean_peer.build(_model_config(spec, []), spec["family"], torch.device(spec["device"]),
+                                  compile_backend=backend)
+    rec = _timed(step, spec)
+    rec["params"] = sum(p.numel() for p in model.parameters())
+    rec["compile"] = f"the whole model, backend {backend}" if backend else None
     return rec
 
 
@@ -343,24 +703,32 @@ def worker(spec_path: str, result_path: str) -> int:
     shared: dict = {}  # the eager run's trainer, for megareshard-fast to compile
     with open(result_path, "a") as out:
         for variant in spec["variants"]:
-            if variant in HF_VARIANTS:
+            if variant not in MEGARESHARD_VARIANTS:
                 shared.clear()
             for c, name, value in configs:
                 setattr(c, name, value)
-            need = MIN_START_S.get(variant, MIN_START_COMPILED_S)
+            need = _min_start(variant, spec["device"] != "cuda")
             if time.time() + need > spec["deadline"]:
                 out.write(json.dumps({"variant": variant, "status": "skipped",
-                                      "error": f"not started: under {need:.0f} s left of this model's share"}) + "\n")
+                                      "error": f"not started: under {need:.0f} s left of the grid's time"}) + "\n")
                 out.flush()
                 continue
             out.write(json.dumps({"variant": variant, "status": "started"}) + "\n")
             out.flush()
             t0, breaks = time.time(), _graph_breaks()
             try:
-                rec = _run_hf(spec, variant) if variant in HF_VARIANTS else _run_megareshard(spec, variant, shared)
-                tps = tokens / rec["seconds_per_iter"]
-                rec.update(status="ok", tokens_per_s=tps, tflops=flops_tok * tps / 1e12,
-                           graph_breaks=_graph_breaks() - breaks)
+                if variant == CLI_VARIANT:
+                    rec = _run_cli(spec)
+                elif variant in LEAN_VARIANTS:
+                    rec = _run_lean(spec, variant)
+                elif variant in HF_VARIANTS:
+                    rec = _run_hf(spec, variant)
+                else:
+                    rec = _run_megareshard(spec, variant, shared)
+                if rec.get("status") != "failed":
+                    tps = rec.get("tokens_per_s") or tokens / rec["seconds_per_iter"]
+                    rec.update(status="ok", tokens_per_s=tps, tflops=flops_tok * tps / 1e12,
+                               graph_breaks=None if variant == CLI_VARIANT else _graph_breaks() - breaks)
             except Exception as e:  # recorded, and the next variant still runs
                 rec = {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
                        if str(e).strip() else type(e).__name__}
@@ -374,7 +742,7 @@ def worker(spec_path: str, result_path: str) -> int:
     return 0
 
 
-# ---- the grid, in the parent ------------------------------------------------------------------------------
+# ---- part 2: the grid, in the parent ------------------------------------------------------------------------
 def _read_results(path: str) -> dict[str, dict]:
     """variant -> its last record (a variant started but never finished stays 'started')."""
     got: dict[str, dict] = {}
@@ -387,86 +755,137 @@ def _read_results(path: str) -> dict[str, dict]:
     return got
 
 
-def speed_grid(out: str, a: argparse.Namespace, ceiling: float | None, recs: list[dict], save) -> None:
-    grid = TINY_GRID if a.tiny else GRID
-    if a.models:
-        grid = [g for g in grid if g[0] in a.models.split(",")]
-    seq, vocab = (TINY_SEQ, TINY_VOCAB) if a.tiny else (SEQ, VOCAB)
-    variants = a.variants.split(",")
-    start = time.time()
-    for i, (name, family, flags, mbs, gbs) in enumerate(grid):
-        share = (start + a.deadline_s - time.time()) / (len(grid) - i)  # an equal share of what is left
-        spec = {"model": name, "family": family, "flags": flags, "mbs": mbs, "gbs": gbs, "seq": seq, "vocab": vocab,
-                "device": a.device, "variants": variants, "warmup": a.warmup, "iters": a.iters,
-                "compile_backend": a.compile_backend, "hf_compile": a.hf_compile, "deadline": time.time() + share}
-        base = {"model": name, "flags": flags, "micro_batch": mbs, "global_batch": gbs, "seq_length": seq,
-                "vocab": vocab}
-        mine = [dict(base, variant=v, status="started") for v in variants]
-        recs.extend(mine)  # every point is on record before it runs
-        save()
-        if share < min(MIN_START_S.get(v, MIN_START_COMPILED_S) for v in variants):
-            for rec in mine:
-                rec.update(status="skipped", error=f"not started: {max(share, 0):.0f} s left for this model")
-            save()
+def ratios(recs: list[dict]) -> None:
+    """Every ok point's tokens/s over its model's lean-compile (``vs_lean``) and hf-compile (``vs_hf_compile``)
+    of the same run, and, for the megareshard points, whether the issue's targets are met."""
+    for rec in recs:
+        if rec.get("status") != "ok":
             continue
-        spec_path, result_path = (os.path.join(out, f"speed_{name}.{ext}") for ext in ("spec.json", "jsonl"))
-        json.dump(spec, open(spec_path, "w"))
-        if os.path.exists(result_path):
-            os.remove(result_path)
-        rc, text, secs = _run([sys.executable, "-m", "lab.bench.gpu_checks", "--worker", spec_path, result_path],
-                              os.path.join(out, f"speed_{name}.log"), max(share, 1.0) + 60,
-                              {"WANDB_MODE": "disabled", "PYTHONPATH": ROOT})
-        got = _read_results(result_path)
-        for rec in mine:
-            r = got.get(rec["variant"])
-            if r is None or r.get("status") == "started":
-                last = text.strip().splitlines()[-1] if text.strip() else "no output"
-                rec.update(status="failed" if r is not None else "not reached",
-                           error=f"worker exit {rc} after {secs:.0f} s: {last[:300]}")
+        for key, peer in (("vs_lean", "lean-compile"), ("vs_hf_compile", "hf-compile")):
+            ref = next((r for r in recs if r["model"] == rec["model"] and r["variant"] == peer
+                        and r.get("status") == "ok"), None)
+            if ref is not None:
+                rec[key] = rec["tokens_per_s"] / ref["tokens_per_s"]
+        if rec["variant"].startswith("megareshard"):
+            want = TARGETS["vs_lean"].get(rec["model"])
+            if want is not None and "vs_lean" in rec:
+                rec["meets_vs_lean_target"] = rec["vs_lean"] >= want
+            want = TARGETS["mfu_vs_peak"].get(rec["model"])
+            if want is not None and rec.get("mfu_vs_peak") is not None:
+                rec["meets_mfu_target"] = rec["mfu_vs_peak"] >= want
+
+
+def speed_grid(out: str, a: argparse.Namespace, until: float, ceiling: float | None, recs: list[dict],
+               save) -> None:
+    """Part 2: round 1 (``--variants``) model by model, then round 2 (``--late-variants``) in the time left; each
+    model's variants of a round in one worker process; every point on record before it runs."""
+    grid = TINY_GRID if a.tiny else GRID
+    names = a.models.split(",") if a.models else [g[0] for g in grid if a.tiny or g[0] in DEFAULT_MODELS]
+    unknown = set(names) - {g[0] for g in grid}
+    if unknown:
+        raise SystemExit(f"unknown model(s) {', '.join(sorted(unknown))}; known: {', '.join(g[0] for g in grid)}")
+    grid = sorted((g for g in grid if g[0] in names), key=lambda g: names.index(g[0]))
+    seq, vocab = (TINY_SEQ, TINY_VOCAB) if a.tiny else (SEQ, VOCAB)
+    rounds = [v for v in (a.variants.split(","), a.late_variants.split(",")) if v != [""]]
+    for variants in rounds:
+        for name, family, flags, mbs, gbs in grid:
+            spec = {"model": name, "family": family, "flags": flags, "mbs": mbs, "gbs": gbs, "seq": seq,
+                    "vocab": vocab, "device": a.device, "variants": variants, "warmup": a.warmup, "iters": a.iters,
+                    "compile_backend": a.compile_backend, "hf_compile": a.hf_compile, "deadline": until, "out": out,
+                    "profile": name in a.profile_model.split(",")}
+            base = {"model": name, "flags": flags, "micro_batch": mbs, "global_batch": gbs, "seq_length": seq,
+                    "vocab": vocab}
+            mine = [dict(base, variant=v, status="started") for v in variants]
+            recs.extend(mine)  # every point is on record before it runs
+            save()
+            left = until - time.time()
+            if left < min(_min_start(v, a.tiny) for v in variants):
+                for rec in mine:
+                    rec.update(status="skipped", error=f"not started: {max(left, 0):.0f} s left of the grid's time")
+                save()
                 continue
-            rec.update(r)
-            if r.get("status") == "ok":
-                rec["mfu_vs_peak"] = r["tflops"] / a.peak_tflops
-                rec["mfu_vs_measured"] = r["tflops"] / ceiling if ceiling else None
-        by = {r["variant"]: r for r in mine}
-        hf = by.get("hf-compile", {})
-        for rec in mine:
-            if rec.get("status") == "ok" and hf.get("status") == "ok":
-                rec["vs_hf_compile"] = rec["tokens_per_s"] / hf["tokens_per_s"]
-        save()
-        print("[gpu_checks] " + name + ": " + ", ".join(
-            f"{r['variant']} " + (f"{r['tokens_per_s']:.0f} tok/s {r['tflops']:.0f} TFLOP/s" if r.get("status") == "ok"
-                                  else r.get("status", "?")) for r in mine), flush=True)
+            tag = "late" if variants is not rounds[0] else "main"
+            spec_path, result_path = (os.path.join(out, f"speed_{name}_{tag}.{ext}") for ext in ("spec.json", "jsonl"))
+            json.dump(spec, open(spec_path, "w"))
+            if os.path.exists(result_path):
+                os.remove(result_path)
+            rc, text, secs = _run([sys.executable, "-m", "lab.bench.gpu_checks", "--worker", spec_path, result_path],
+                                  os.path.join(out, f"speed_{name}_{tag}.log"), max(left, 1.0) + 30,
+                                  {**ENV, "PYTHONPATH": ROOT})
+            got = _read_results(result_path)
+            for rec in mine:
+                r = got.get(rec["variant"])
+                if r is None or r.get("status") == "started":
+                    last = text.strip().splitlines()[-1] if text.strip() else "no output"
+                    rec.update(status="failed" if r is not None else "not reached",
+                               error=f"worker exit {rc} after {secs:.0f} s: {last[:300]}")
+                    continue
+                rec.update(r)
+                if r.get("status") == "ok":
+                    rec["mfu_vs_peak"] = r["tflops"] / a.peak_tflops
+                    rec["mfu_vs_measured"] = r["tflops"] / ceiling if ceiling else None
+            ratios(recs)
+            save()
+            print("[gpu_checks] " + name + ": " + ", ".join(
+                f"{r['variant']} " + (f"{r['tokens_per_s']:.0f} tok/s {r['tflops']:.0f} TFLOP/s"
+                                      if r.get("status") == "ok" else r.get("status", "?")) for r in mine), flush=True)
 
 
 def table(recs: list[dict]) -> str:
     """The grid as a Markdown table (docs/benchmarks.md)."""
-    rows = ["| model | variant | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs HF compile | peak GiB | "
-            "compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | variant | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs lean | vs HF compile | "
+            "peak GiB | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         if r.get("status") != "ok":
-            rows.append(f"| {r['model']} | {r['variant']} | {r.get('status')}: {r.get('error', '')} | | | | | | |")
+            rows.append(f"| {r['model']} | {r['variant']} | {r.get('status')}: {r.get('error', '')} | | | | | | | |")
             continue
+        lean = f"{r['vs_lean']:.2f}×" if r.get("vs_lean") else "-"
         vs = f"{r['vs_hf_compile']:.2f}×" if r.get("vs_hf_compile") else "-"
         meas = f"{100 * r['mfu_vs_measured']:.1f}%" if r.get("mfu_vs_measured") else "-"
+        peak = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
         rows.append(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['tflops']:.0f} | "
-                    f"{100 * r['mfu_vs_peak']:.1f}% | {meas} | {vs} | {r['peak_mem_gib']:.1f} | {r['compile_s']:.0f} |")
+                    f"{100 * r['mfu_vs_peak']:.1f}% | {meas} | {lean} | {vs} | {peak} | {r['compile_s']:.0f} |")
     return "\n".join(rows)
 
 
+def cuda_tests(out: str, until: float) -> dict:
+    rc, text, secs = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "tests/test_gpt_model.py", "tests/test_bf16_convergence.py", "tests/test_mixed_precision.py",
+                           "tests/test_fast_path.py::test_inductor_on_cuda_matches_eager"],
+                          os.path.join(out, "pytest_cuda.log"), max(min(400, until - time.time()), 10), ENV)
+    summary = text.strip().splitlines()[-1] if text.strip() else ""
+    return {"rc": rc, "summary": summary, "seconds": round(secs, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="directory for gpu_checks.json and the logs")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="datasheet dense bf16 peak per device")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: tests,bf16,speed")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma list, run in this order: {', '.join(PARTS)}")
+    p.add_argument("--skip", default="", help="comma list of parts to leave out of --parts (bf16 = determinism)")
     p.add_argument("--tiny", action="store_true", help="tiny models on CPU (aot_eager compiles), to check this "
-                                                       "script without a GPU; implies --skip tests,bf16")
-    p.add_argument("--models", default="", help="comma list of grid models to run (default: all)")
+                                                       "script without a GPU (no tests part)")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="seconds the whole run may take (after the "
+                                                                    "ceilings)")
+    p.add_argument("--determinism-budget-s", type=float, default=240.0, help="seconds the determinism part may take")
+    p.add_argument("--determinism-runs", default=",".join(DETERMINISM_RUNS), help="comma list of the determinism "
+                                                                                  "part's runs, in its order")
+    p.add_argument("--compile-modes-reserve-s", type=float, default=90.0,
+                   help="seconds the speed grid leaves for the compile modes before the deadline")
+    p.add_argument("--compile-modes", default="", help="comma list of the --torch-compile-mode values to run "
+                                                       "(default: every one pretrain_gpt.py --help offers)")
+    p.add_argument("--models", default="", help="comma list of grid models, in order (default: "
+                                                f"{','.join(DEFAULT_MODELS)}; --tiny: all tiny ones)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help=f"comma list, in order, of {', '.join([*MEGARESHARD_VARIANTS, *HF_VARIANTS])}")
+                   help=f"the grid's first round, a comma list in order, of {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--late-variants", default=",".join(DEFAULT_LATE_VARIANTS),
+                   help="the grid's second round over the models, in the time left ('' for none)")
+    p.add_argument("--profile-model", default=None, help="comma list of models whose megareshard-cli point also "
+                                                         "writes a profiler trace (default gpt-125m; --tiny: none)")
     p.add_argument("--hf-compile", default="regional", choices=("regional", "full"),
                    help="hf-compile: every decoder layer compiled (regional) or the whole model (full)")
-    p.add_argument("--deadline-s", type=float, default=480.0, help="seconds the speed grid may take in all")
     p.add_argument("--warmup", type=int, default=2, help="warm-up iterations per variant (the first compiles)")
     p.add_argument("--iters", type=int, default=4, help="timed iterations per variant")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
@@ -475,40 +894,64 @@ def main(argv: list[str] | None = None) -> int:
         return worker(*a.worker)
     if not a.out:
         p.error("--out DIR is required")
-    unknown = set(a.variants.split(",")) - set(MEGARESHARD_VARIANTS) - set(HF_VARIANTS)
+    unknown = (set(a.variants.split(",")) | set(a.late_variants.split(","))) - set(ALL_VARIANTS) - {""}
     if unknown:
         p.error(f"unknown variant(s) {', '.join(sorted(unknown))}")
+    bad = set(a.determinism_runs.split(",")) - set(DETERMINISM_RUNS)
+    if bad:
+        p.error(f"unknown determinism run(s) {', '.join(sorted(bad))}; known: {', '.join(DETERMINISM_RUNS)}")
+    bad = set(a.compile_modes.split(",")) - set(compile_mode_choices()) - {""}
+    if bad:
+        p.error(f"unknown compile mode(s) {', '.join(sorted(bad))}")
+    skip = {"determinism" if s == "bf16" else s for s in a.skip.split(",")} - {""}
+    parts = [x for x in a.parts.split(",") if x and x not in skip and not (a.tiny and x == "tests")]
+    if set(parts) - set(PARTS):
+        p.error(f"unknown part(s) {', '.join(sorted(set(parts) - set(PARTS)))}")
     a.device = "cpu" if a.tiny else "cuda"
     a.compile_backend = "aot_eager" if a.tiny else "inductor"
+    if a.profile_model is None:
+        a.profile_model = "" if a.tiny else "gpt-125m"
     os.makedirs(a.out, exist_ok=True)
-    skip = set(a.skip.split(",")) - {""} | ({"tests", "bf16"} if a.tiny else set())
-    result = {"ceilings": ceilings(a.device), "peak_tflops": a.peak_tflops, "flop_formula": FLOP_FORMULA}
+    result: dict = {"ceilings": ceilings(a.device), "peak_tflops": a.peak_tflops, "flop_formula": FLOP_FORMULA,
+                    "targets": TARGETS, "parts": parts, "argv": sys.argv[1:] if argv is None else list(argv),
+                    "part_seconds": {}}
+    start = time.time()
+    end = start + a.deadline_s
 
-    def save() -> None:  # after every point: a run cut off at its limit keeps what it finished
-        with open(os.path.join(a.out, "gpu_checks.json"), "w") as f:
+    def save() -> None:  # after every run and point: a run cut off at its limit keeps what it finished
+        tmp = os.path.join(a.out, "gpu_checks.json.tmp")
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
+        os.replace(tmp, os.path.join(a.out, "gpu_checks.json"))
 
     print(f"[gpu_checks] {json.dumps(result['ceilings'])}", flush=True)
     save()
-    if "tests" not in skip:
-        rc, text, secs = _run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                               "tests/test_gpt_model.py", "tests/test_bf16_convergence.py", "tests/test_mixed_precision.py",
-                               "tests/test_fast_path.py::test_inductor_on_cuda_matches_eager"],
-                              os.path.join(a.out, "pytest_cuda.log"), 400, {"WANDB_MODE": "disabled"})
-        summary = text.strip().splitlines()[-1] if text.strip() else ""
-        result["cuda_tests"] = {"rc": rc, "summary": summary, "seconds": round(secs, 1)}
-        print(f"[gpu_checks] tests: {summary}", flush=True)
+    for part in parts:
+        t0 = time.time()
+        reserve = a.compile_modes_reserve_s if "compile_modes" in parts[parts.index(part) + 1:] else 0.0
+        if part == "determinism":
+            result["determinism"] = {}
+            determinism(a.out, a, min(t0 + a.determinism_budget_s, end - reserve), result["determinism"], save)
+            d = result["determinism"]
+            print(f"[gpu_checks] determinism: same command bitwise {d['same_command_bitwise_equal']}, resume bitwise "
+                  f"{d['resume_bitwise_equal']}, with --deterministic-mode {d['deterministic_mode']}, max rel diff "
+                  f"vs fp32 {d['max_rel_diff_bf16_vs_fp32']}", flush=True)
+        elif part == "speed":
+            result["speed"] = {"hf_compile": a.hf_compile, "warmup": a.warmup, "iters": a.iters,
+                               "until_s": round(end - reserve - start, 1), "points": []}
+            speed_grid(a.out, a, end - reserve, result["ceilings"].get("bf16_matmul_tflops"),
+                       result["speed"]["points"], save)
+            print(table(result["speed"]["points"]), flush=True)
+        elif part == "compile_modes":
+            result["compile_modes"] = {}
+            compile_modes(a.out, a, max(end, time.time() + 10), result["compile_modes"], save)
+        elif part == "tests":
+            result["cuda_tests"] = cuda_tests(a.out, end)
+            print(f"[gpu_checks] tests: {result['cuda_tests']['summary']}", flush=True)
+        result["part_seconds"][part] = round(time.time() - t0, 1)
         save()
-    if "bf16" not in skip:
-        result["bf16_path"] = bf16_path(a.out)
-        print(f"[gpu_checks] bf16: resume bitwise {result['bf16_path']['resume_bitwise_equal']}, "
-              f"max rel diff vs fp32 {result['bf16_path']['max_rel_diff_bf16_vs_fp32']}", flush=True)
-        save()
-    if "speed" not in skip:
-        result["speed"] = {"hf_compile": a.hf_compile, "warmup": a.warmup, "iters": a.iters,
-                           "deadline_s": a.deadline_s, "points": []}
-        speed_grid(a.out, a, result["ceilings"].get("bf16_matmul_tflops"), result["speed"]["points"], save)
-        print(table(result["speed"]["points"]), flush=True)
+    result["total_s"] = round(time.time() - start, 1)
+    save()
     return 0
 
 

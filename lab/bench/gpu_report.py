@@ -5,9 +5,11 @@
         --plot docs/img/gpu_fast_path.png
 
 One run or several of the same grid (reruns on the same card): the table gives each model and variant, each
-cell the runs in order (tokens/s, TFLOP/s, MFU against the datasheet peak and the measured matrix-product rate, the ratio to
-transformers + torch.compile of the same run, peak memory, compile seconds); the picture plots each variant's
-tokens/s relative to transformers + torch.compile, one marker per run, beside the MFU against the datasheet peak.
+cell the runs in order (tokens/s, TFLOP/s, MFU against the datasheet peak and the measured matrix-product rate, the
+ratios to the lean single-file peer compiled (``vs lean``, issue #53's reference) and to transformers +
+torch.compile of the same run, peak memory, compile seconds); the picture plots each variant's tokens/s relative
+to lean-compile (or, for runs from before the lean peer, to transformers + torch.compile), one marker per run,
+beside the MFU against the datasheet peak and the run's targets.
 """
 from __future__ import annotations
 
@@ -15,7 +17,16 @@ import argparse
 import json
 import os
 
-ORDER = ("megareshard-eager", "megareshard-fast", "hf-compile")
+ORDER = ("megareshard-cli", "megareshard-fast", "megareshard-eager", "megareshard-fast-unfused-ce", "lean-compile",
+         "lean-eager", "hf-compile", "hf-eager")
+#: the MFU targets of the runs from before the JSON carried its own (``targets``)
+OLD_MFU_TARGETS = {"gpt-125m": 0.40, "gpt-1.3b": 0.50, "llama-1.2b": 0.45}
+
+
+def variants(runs: list[dict]) -> list[str]:
+    """The variants the runs hold, in ORDER (any other after them)."""
+    seen = list(dict.fromkeys(p["variant"] for run in runs for p in run["points"]))
+    return [v for v in ORDER if v in seen] + [v for v in seen if v not in ORDER]
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -23,31 +34,32 @@ def load(paths: list[str]) -> list[dict]:
     for path in paths:
         data = json.load(open(path))
         runs.append({"name": os.path.basename(path), "ceilings": data["ceilings"], "peak": data["peak_tflops"],
-                     "points": data["speed"]["points"]})
+                     "points": data["speed"]["points"],
+                     "mfu_targets": data.get("targets", {}).get("mfu_vs_peak", OLD_MFU_TARGETS)})
     return runs
 
 
 def table(runs: list[dict]) -> str:
     """One row per model and variant; with several runs each cell gives them in order, "run 1 / run 2"."""
-    rows = ["| model | variant | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs HF compile | peak GiB | "
-            "compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | variant | tokens/s | TFLOP/s | MFU vs peak | vs measured | vs lean | vs HF compile | peak GiB | "
+            "compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
     models = list(dict.fromkeys(p["model"] for run in runs for p in run["points"]))
-    cell = {"tokens_per_s": "{:.0f}", "tflops": "{:.0f}", "vs_hf_compile": "{:.3f}", "compile_s": "{:.0f}"}
     for model in models:
-        for variant in ORDER:
+        for variant in variants(runs):
             recs = [next((r for r in run["points"] if r["model"] == model and r["variant"] == variant), None)
                     for run in runs]
             if any(r is None or r.get("status") != "ok" for r in recs):
                 why = "; ".join(f"run {i}: {r.get('status')} {r.get('error', '')}".strip() if r else f"run {i}: absent"
                                 for i, r in enumerate(recs, 1) if r is None or r.get("status") != "ok")
-                rows.append(f"| {model} | {variant} | {why} | | | | | | |")
+                rows.append(f"| {model} | {variant} | {why} | | | | | | | |")
                 continue
 
             def both(key: str, fmt: str = "{:.0f}", scale: float = 1.0) -> str:
                 return " / ".join(fmt.format(r[key] * scale) if r.get(key) is not None else "-" for r in recs)
             rows.append(f"| {model} | {variant} | {both('tokens_per_s')} | {both('tflops')} | "
                         f"{both('mfu_vs_peak', '{:.1f}', 100)} % | {both('mfu_vs_measured', '{:.1f}', 100)} % | "
-                        f"{both('vs_hf_compile', '{:.3f}')} | {recs[0]['peak_mem_gib']:.1f} | {both('compile_s')} |")
+                        f"{both('vs_lean', '{:.3f}')} | {both('vs_hf_compile', '{:.3f}')} | "
+                        f"{both('peak_mem_gib', '{:.1f}')} | {both('compile_s')} |")
     return "\n".join(rows)
 
 
@@ -57,35 +69,41 @@ def plot(runs: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(p["model"] for run in runs for p in run["points"]))
-    colors = {"megareshard-eager": "tab:gray", "megareshard-fast": "tab:blue", "hf-compile": "tab:orange"}
+    names = variants(runs)
+    colors = {"megareshard-cli": "tab:blue", "megareshard-fast": "tab:cyan", "megareshard-eager": "tab:gray",
+              "lean-compile": "tab:green", "lean-eager": "tab:olive", "hf-compile": "tab:orange",
+              "hf-eager": "tab:brown"}
+    lean = any("vs_lean" in p for run in runs for p in run["points"])
+    ratio = "vs_lean" if lean else "vs_hf_compile"
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key, label in ((axes[0], "vs_hf_compile", "tokens/s ÷ transformers + torch.compile (same run)"),
+    width = 0.7 / max(len(names), 1)
+    for ax, key, label in ((axes[0], ratio, "tokens/s ÷ " + ("the lean peer, compiled" if lean else
+                                                              "transformers + torch.compile") + " (same run)"),
                            (axes[1], "mfu_vs_peak", "MFU against the datasheet peak (989 TFLOP/s)")):
-        for j, variant in enumerate(ORDER):
+        for j, variant in enumerate(names):
             for k, run in enumerate(runs):
                 xs, ys = [], []
                 for m, model in enumerate(models):
                     for r in run["points"]:
                         if r["model"] == model and r["variant"] == variant and r.get("status") == "ok" \
                                 and r.get(key) is not None:
-                            xs.append(m + (j - 1) * 0.22)
+                            xs.append(m + (j - (len(names) - 1) / 2) * width)
                             ys.append(r[key] * (100 if key == "mfu_vs_peak" else 1))
-                ax.scatter(xs, ys, color=colors[variant], marker="o" if k == 0 else "x", s=28,
+                ax.scatter(xs, ys, color=colors.get(variant, "black"), marker="o" if k == 0 else "x", s=28,
                            label=f"{variant} (run {k + 1})")
         ax.set_xticks(range(len(models)), models, rotation=20)
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].axhline(1.0, color="black", lw=0.8, ls="--")
     axes[1].set_ylim(0, 70)
-    targets = {"gpt-125m": 40, "gpt-1.3b": 50, "llama-1.2b": 45}
+    targets = runs[0]["mfu_targets"]
     for m, model in enumerate(models):
         if model in targets:
-            axes[1].plot([m - 0.4, m + 0.4], [targets[model]] * 2, color="red", lw=1.2)
+            axes[1].plot([m - 0.4, m + 0.4], [100 * targets[model]] * 2, color="red", lw=1.2)
     axes[1].plot([], [], color="red", lw=1.2, label="MFU target")
     axes[1].legend(fontsize=6, loc="lower right", ncol=2)
     dev = runs[0]["ceilings"].get("device", "?")
-    fig.suptitle(f"{dev}, bf16, sequence 2048: megareshard eager / fast path against transformers + torch.compile",
-                 fontsize=9)
+    fig.suptitle(f"{dev}, bf16, sequence 2048: " + ", ".join(names), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
