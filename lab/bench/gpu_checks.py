@@ -562,6 +562,22 @@ def cli_command(spec: dict, profile_dir: str | None) -> list[str]:
     return cmd
 
 
+def _profile_summary(trace: str, stem: str) -> dict:
+    """lab.bench.gpu_profile's summary of the profiled iterations (STEM_summary.json in full, STEM.png drawn); the
+    summary less its timeline goes into the point's record. A failed analysis is recorded, not raised: the
+    point's timing stands without it."""
+    try:
+        from lab.bench import gpu_profile
+
+        summary = gpu_profile.summarize(trace, iterations=PROFILED_ITERS)
+        with open(stem + "_summary.json", "w") as f:
+            json.dump(summary, f)
+        gpu_profile.draw(summary, stem + ".png")
+        return {k: v for k, v in summary.items() if k != "timeline"} | {"png": stem + ".png"}
+    except Exception as e:  # pragma: no cover - recorded with the point
+        return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
+
+
 def _run_cli(spec: dict) -> dict:
     """megareshard-cli: ``pretrain_gpt.py`` in its own process; tokens/s as its log lines give them, the median
     over the timed iterations (after the warm-up ones, before the profiled ones)."""
@@ -589,6 +605,8 @@ def _run_cli(spec: dict) -> dict:
         trace = os.path.join(profile_dir, "profile_rank0.json")
         rec["profile_trace"] = trace if os.path.exists(trace) else None
         rec["profiled_iterations"] = [w + n + 1, w + n + PROFILED_ITERS]
+        if rec["profile_trace"]:
+            rec["profile"] = _profile_summary(trace, os.path.join(spec["out"], f"profile_{name}"))
     if rc != 0 or len(timed) < n or any("tokens_per_s" not in r for r in timed):
         rec.update(status="failed", error=f"rc {rc}, {len(timed)} of {n} timed iterations logged: {_error_line(text)}")
         return rec

@@ -78,6 +78,8 @@ def test_tiny_speed_grid_cli_and_lean_points(tmp_path):
     assert cli["tokens_per_s"] == logged[1]["tokens_per_s"]  # 1 warm-up, 1 timed, then the 2 profiled ones
     assert cli["profiled_iterations"] == [3, 4] and cli["seconds_per_iter"] > 0
     assert "traceEvents" in json.load(open(cli["profile_trace"]))
+    # the trace summarised by lab.bench.gpu_profile (a CPU run: it says there is no GPU activity) and drawn
+    assert cli["profile"]["gpu"]["present"] is False and os.path.getsize(cli["profile"]["png"]) > 0, cli["profile"]
     assert "cross-entropy fused" in cli["fast_path"] and cli["compile_s"] >= 0
     # the lean peer, compiled (aot_eager: the whole model) and eager; one FLOP count for all
     assert lean["params"] == eager["params"] and "whole model" in lean["compile"] and eager["compile"] is None
