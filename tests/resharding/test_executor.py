@@ -1,7 +1,8 @@
 """Resharder on 8 gloo ranks: every destination rank gets exactly global[local_slices(...)].
 
-Start-up is the expensive part on 2 cores, so each `run_ranks` launch checks many cases:
-the worker loops over them and returns per-case failure strings instead of asserting.
+Start-up is the expensive part on 2 cores, so one `run_ranks` launch checks every case (the paper cases,
+the random spec pairs, then the special cases, whose teardown closes the stream threads, and the validation
+errors): the worker loops over them and returns per-case failure strings instead of asserting.
 Every launch runs in NCCL's checking mode (tags forced to 0, per-group operation sequences
 and message pairing checked across ranks, one thread per communicator). Both execution
 orders (`plan`, `concurrent`) are checked; `plan` runs also return their
@@ -121,10 +122,6 @@ def _worker_paper(rank: int, world: int) -> tuple[list[str], list, list]:
     return fails, traces, ctraces
 
 
-@functools.lru_cache(maxsize=1)
-def _paper_results() -> list:
-    """One launch shared by the correctness and the ordering test."""
-    return run_ranks(_worker_paper, WORLD, timeout=180, nccl_check=True)
 
 
 def _random_case(rng: random.Random) -> tuple:
@@ -265,6 +262,23 @@ def _worker_special(rank: int, world: int) -> dict:
     return out
 
 
+def _worker_all(rank: int, world: int) -> dict:
+    """Every 8-rank case in one launch (each one was a launch of its own: ~5 CPU-seconds of start-up apiece on
+    2 cores); the special cases last (their teardown closes this process's stream threads)."""
+    return {"paper": _worker_paper(rank, world), "random": _worker_random(rank, world, 1234, 48),
+            "special": _worker_special(rank, world), "bad_plan": _worker_bad_plan(rank, world)}
+
+
+@functools.lru_cache(maxsize=1)
+def _launch() -> list:
+    """The one launch every multi-rank test reads (per rank: _worker_all's dict)."""
+    return run_ranks(_worker_all, WORLD, timeout=400, nccl_check=True)
+
+
+def _paper_results() -> list:
+    return [r["paper"] for r in _launch()]
+
+
 def test_build_messages_orders() -> None:
     host = {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 0}
     # broadcast: chain 0 -> 1 -> 3 per chunk, fan-out 1->2, 3->4, local 5 fed by the sender
@@ -364,13 +378,13 @@ def test_concurrent_order_trace_records_every_wire_operation_on_both_ends() -> N
 
 @pytest.mark.slow
 def test_random_spec_pairs() -> None:
-    fails = [f for per_rank in run_ranks(_worker_random, WORLD, 1234, 48, timeout=120, nccl_check=True) for f in per_rank]
+    fails = [f for r in _launch() for f in r["random"]]
     assert not fails, "\n".join(fails[:20])
 
 
 @pytest.mark.slow
 def test_overlap_uneven_signal_async_and_validation() -> None:
-    results = run_ranks(_worker_special, WORLD, timeout=120, nccl_check=True)
+    results = [r["special"] for r in _launch()]
     fails = [f for r in results for f in r["fails"]]
     assert not fails, "\n".join(fails[:20])
     assert sum(r["threads_before_close"] for r in results) > 0  # some ranks forward (broadcast, plan order)
@@ -411,6 +425,6 @@ def _worker_bad_plan(rank: int, world: int) -> str:
 
 @pytest.mark.slow
 def test_bad_strategy_and_chunks_rejected_before_communication() -> None:
-    for msg in run_ranks(_worker_bad_plan, 4, timeout=60):
+    for msg in [r["bad_plan"] for r in _launch()]:  # every rank, those outside the plan's meshes too
         assert "unknown resharding strategy 'scatter'" in msg and "broadcast_chunks must be an integer >= 1" in msg
         assert "order must be one of plan, concurrent, got 'fifo'" in msg
