@@ -10,6 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One OpenMP thread per test process (and, inherited, per tool or example a test starts), unless the caller chose:
+# the suite runs two workers on 2 cores, and torch's default of one thread per core then makes every op of an
+# in-process run wait, spinning, for a thread the other worker's processes keep off its core. Measured under
+# the suite's load: tests/pipeline/test_runtime.py's single-process reference (a 4-layer model, 2 iterations)
+# took 10-12 CPU-seconds with 2 threads, 0.2 s with 1; the file's pytest process 18.9 -> 6.8 CPU-s. The ranks
+# of tests/harness.py already ran with 1 thread. Set before the test modules import torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 STDLIB_FILES = [str(STDLIB / f) for f in ("os.py", "argparse.py", "textwrap.py", "string.py", "shutil.py",
                                           "glob.py", "fnmatch.py", "queue.py", "bisect.py", "heapq.py")]
