@@ -2,8 +2,8 @@
 resharding/weight_transfer): a matrix of source × destination layouts delivers every destination box bitwise;
 a filled destination GPTModel equals a checkpoint of the same weights loaded into its layout; Hugging Face pairs
 fill a transformers model exactly like ``export-hf`` of that checkpoint; an MoE model's expert weights move between
-expert layouts (ep, etp) and fill a GPTModel at each exactly as its checkpoint loads there. Few launches, small
-models."""
+expert layouts (ep, etp) and fill a GPTModel at each exactly as its checkpoint loads there. Two launches (6 ranks,
+and 2 ranks for the fills), small models."""
 from __future__ import annotations
 
 import zlib
@@ -183,13 +183,26 @@ def _checkpoint_and_hf(rank: int, world: int, root: str):
     return out
 
 
+def _two(rank: int, world: int, root: str):
+    """Both 2-rank families in one launch (a launch of their own each until now): the dense fills and HF pairs,
+    then the MoE expert layouts, each under its own directory of ``root``."""
+    return _checkpoint_and_hf(rank, world, f"{root}/dense"), _moe_fill(rank, world, f"{root}/moe")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Per rank (_checkpoint_and_hf's result, _moe_fill's result) and the root the launch saved under."""
+    root = tmp_path_factory.mktemp("transfer")
+    return run_ranks(_two, 2, str(root), nccl_check=True, timeout=400), root
+
+
 @pytest.mark.slow
-def test_fill_equals_checkpoint_load_and_hf_pairs_equal_export(tmp_path):
+def test_fill_equals_checkpoint_load_and_hf_pairs_equal_export(two):
     transformers = pytest.importorskip("transformers",
                                        reason="the hf extra installs transformers (tools/ensure_venv.sh)")
     from tests.checkpoint._helpers import load_tool
     tool = load_tool()
-    res = run_ranks(_checkpoint_and_hf, 2, str(tmp_path), nccl_check=True, timeout=240)
+    res, tmp_path = [r[0] for r in two[0]], two[1] / "dense"
     for kind, cls in (("gpt", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")):
         back = tmp_path / f"{kind}-hf"
         assert tool.main(["export-hf", str(tmp_path / kind), str(back)]) == 0
@@ -249,10 +262,10 @@ def _moe_fill(rank: int, world: int, root: str):
 
 
 @pytest.mark.slow
-def test_moe_experts_move_between_expert_layouts_exactly(tmp_path):
+def test_moe_experts_move_between_expert_layouts_exactly(two):
     from megareshard.generation import read_model_weights
     from megareshard.models.hf import state_dict_to_hf
-    res = run_ranks(_moe_fill, 2, str(tmp_path), nccl_check=True, timeout=240)
+    res, tmp_path = [r[1] for r in two[0]], two[1] / "moe"
     assert all(r[0] == 2 * 4 * 3 for r in res)   # 2 layouts × 4 layers × (fc1_gate, fc1_up, fc2)
     _, pairs, refusal = res[0]
     if pairs is None:   # no Mixtral mapping in models/hf.py: one line saying so
