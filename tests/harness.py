@@ -36,10 +36,12 @@ from typing import Any, Callable
 _CTX = None
 # what a rank imports anyway, imported once in the forkserver instead of in every rank: torch._dynamo alone
 # (torch.optim's first optimizer imports it) costs a rank 0.7 s, ~2.5 s of an 8-rank launch on 2 cores
-# (and DCP, which the trainer imports only on its first save or load: 1.2 s per checkpointing rank)
+# (and DCP, which the trainer imports only on its first save or load: 1.2 s per checkpointing rank); pytest, which
+# every rank imports when it unpickles its function from a test module: 0.1 CPU-s a rank (40 ranks: 12.3 -> 8.1
+# CPU-s with it preloaded), and the suite forks hundreds
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "torch.profiler", "numpy.random",
             "megareshard", "megareshard.training", "megareshard.models.gpt", "megareshard.models.utransformer",
-            "megareshard.checkpoint.dcp_io"]
+            "megareshard.checkpoint.dcp_io", "pytest"]
 
 
 def _context():
