@@ -22,6 +22,28 @@ def compiler_failure(e: BaseException) -> bool:
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def check_compile_scope(cfg) -> None:
+    """``--torch-compile-scope model`` compiles the model as one graph: refused in one line where the model is not
+    one graph — several pipeline stages, tensor-parallel collectives between its layers, recomputation's replay,
+    experts' token routing (data-dependent shapes)."""
+    c = cfg.compile
+    if c.torch_compile is False or c.torch_compile_scope != "model":
+        return
+    p, mem = cfg.parallel, cfg.memory
+    why = [what for cond, what in (
+        (p.pipeline_model_parallel_size > 1, f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size} "
+                                             "(each stage is its own module)"),
+        (p.tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {p.tensor_model_parallel_size} (its "
+                                           "collectives split the graph at every layer)"),
+        (mem.recompute_granularity is not None, f"--recompute-granularity {mem.recompute_granularity} (the replay "
+                                                "is its own region)"),
+        (cfg.model.num_experts is not None, f"--num-experts {cfg.model.num_experts} (token routing has "
+                                            "data-dependent shapes)")) if cond]
+    if why:
+        raise ConfigError(f"--torch-compile-scope model compiles the whole model as one graph, which this run cannot "
+                          f"give: {'; '.join(why)}; use --torch-compile-scope layers")
+
+
 def check_compile_config(c: CompileConfig) -> None:
     """The backend must be one torch.compile knows (checked before anything is built; the default, inductor,
     without importing the compiler); a mode that cannot train is refused (issue #53 part 3)."""

@@ -13,7 +13,7 @@ import importlib.util
 import warnings
 
 from . import run_plan
-from .compile_config import check_compile_config
+from .compile_config import check_compile_config, check_compile_scope
 from .config import Config
 from .config.moe import check_moe_config
 from .config_fields import ConfigError
@@ -192,6 +192,7 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
                           f"--profile-step-end {lg.profile_step_end}")
     check_compile_config(cfg.compile)
+    check_compile_scope(cfg)
     cfg.notes += [note for note in fusion_notes(m) if note not in cfg.notes]
     if cfg.checkpoint.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {cfg.checkpoint.ckpt_format} is not supported: megareshard writes one "

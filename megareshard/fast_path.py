@@ -129,8 +129,9 @@ def set_up_fast_path(model: torch.nn.Module, cfg: Any, device: torch.device, mic
     delays = may_delay_wgrad(cfg)
     c = cfg.compile
     regions = compile_regions(CompileOptions(c.torch_compile_backend, c.torch_compile_mode,
-                                             traceable_linears=not delays))
-    lines.append(f"torch.compile (backend {c.torch_compile_backend}, mode {c.torch_compile_mode}) of {len(regions)} "
-                 "regions, compiled at the first iteration; linear layers "
+                                             traceable_linears=not delays, scope=c.torch_compile_scope))
+    what = "the whole model as one region" if c.torch_compile_scope == "model" else f"{len(regions)} regions"
+    lines.append(f"torch.compile (backend {c.torch_compile_backend}, mode {c.torch_compile_mode}) of {what}, "
+                 "compiled at the first iteration; linear layers "
                  + ("outside them (weight gradients may be delayed)" if delays else "inside them"))
     return lines, regions

@@ -33,7 +33,8 @@ finishes, so a run cut off at its limit keeps what it finished; every run's comm
    with this vocabulary; the name is the earlier tables'), GPT 350M (760M only with ``--models``);
    sequence 2048, vocabulary 50304, bf16, the micro and global batch of `GRID`, mock tokens, dropout 0, gradient
    clipping 1.0, AdamW. A first round runs ``--variants`` (default ``megareshard-cli``, then ``lean-compile``)
-   model by model, a second round ``--late-variants`` (default ``hf-compile``) over the models in the time left.
+   model by model, a second round ``--late-variants`` (default ``megareshard-cli-model``, then ``hf-compile``) over
+   the models in the time left.
    The models run by priority: each may use all the time left, a variant that cannot start with
    ``MIN_START_S`` left is recorded as skipped. H200 estimates (start-up and compiling dominate; the timed
    iterations take seconds): megareshard-cli 25-45 s (process start and imports about 10 s, at 1.3B the model's
@@ -63,6 +64,9 @@ finishes, so a run cut off at its limit keeps what it finished; every run's comm
   (GPU default: gpt-125m) two iterations more run under Megatron's ``--profile --profile-step-start
   --profile-step-end --tensorboard-dir`` (after the timed ones, left out of the median): the chrome trace's path
   is ``profile_trace``.
+* ``megareshard-cli-model``: the same launch with ``--torch-compile-scope model`` (the whole GPT as one graph
+  instead of each layer and the loss head: design.md §5b), profiled the same way; whether it beats the default
+  scope, and at which size, is what this point measures.
 * ``lean-compile``: our lean single-file peer (``lab/bench/lean_peer.py``: nanoGPT-style GPT or Llama-style
   decoder, fp32 parameters under bf16 autocast, SDPA causal attention, ``F.cross_entropy``, fused AdamW with
   megareshard's defaults, clipping at 1.0, the whole model under one torch.compile); ``lean-eager`` on request.
@@ -126,6 +130,8 @@ TINY_SEQ, TINY_VOCAB = 64, 512
 TARGETS = {"vs_lean": {"gpt-125m": 1.0, "gpt-350m": 1.0, "gpt-1.3b": 1.0, "llama-1.2b": 1.0},
            "mfu_vs_peak": {"gpt-125m": 0.45, "gpt-1.3b": 0.55}}
 CLI_VARIANT = "megareshard-cli"
+#: megareshard-cli with these flags added: the same launch, another choice a user can make
+CLI_VARIANTS = {CLI_VARIANT: [], "megareshard-cli-model": ["--torch-compile-scope", "model"]}
 MEGARESHARD_VARIANTS = {
     "megareshard-fast": ["--torch-compile", "--cross-entropy-loss-fusion", "--attention-backend", "auto"],
     "megareshard-eager": ["--no-torch-compile"],
@@ -133,9 +139,9 @@ MEGARESHARD_VARIANTS = {
 }
 LEAN_VARIANTS = ("lean-compile", "lean-eager")
 HF_VARIANTS = ("hf-compile", "hf-eager")
-ALL_VARIANTS = (CLI_VARIANT, *LEAN_VARIANTS, *MEGARESHARD_VARIANTS, *HF_VARIANTS)
+ALL_VARIANTS = (*CLI_VARIANTS, *LEAN_VARIANTS, *MEGARESHARD_VARIANTS, *HF_VARIANTS)
 DEFAULT_VARIANTS = (CLI_VARIANT, "lean-compile")
-DEFAULT_LATE_VARIANTS = ("hf-compile",)
+DEFAULT_LATE_VARIANTS = ("megareshard-cli-model", "hf-compile")
 #: seconds a variant needs at least to be worth starting on the GPU (start-up, compile, a few iterations)
 MIN_START_S = {"megareshard-eager": 15.0, "hf-eager": 15.0, "lean-eager": 15.0, "hf-compile": 45.0}
 MIN_START_COMPILED_S = 35.0
@@ -240,16 +246,17 @@ def _run_megareshard(spec: dict, variant: str, shared: dict) -> dict:
     return rec
 
 
-def cli_command(spec: dict, profile_dir: str | None) -> list[str]:
+def cli_command(spec: dict, profile_dir: str | None, variant: str = CLI_VARIANT) -> list[str]:
     """The grid point as a user launches it: ``python pretrain_gpt.py ...`` (torch.compile by its default on CUDA;
-    the tiny CPU variant asks for it, with the tiny backend); Megatron's profiler flags when ``profile_dir``."""
+    the tiny CPU variant asks for it, with the tiny backend), the variant's own flags (`CLI_VARIANTS`); Megatron's
+    profiler flags when ``profile_dir``."""
     n = spec["warmup"] + spec["iters"]
     cmd = [sys.executable, "pretrain_gpt.py", "--mock-data", "--device", spec["device"], "--bf16",
            *spec["flags"].split(), "--seq-length", str(spec["seq"]), "--max-position-embeddings", str(spec["seq"]),
            "--vocab-size", str(spec["vocab"]), "--micro-batch-size", str(spec["mbs"]), "--global-batch-size",
            str(spec["gbs"]), "--cross-entropy-loss-fusion", "--hidden-dropout", "0", "--attention-dropout", "0",
            "--lr", "3e-4", "--lr-warmup-iters", "1", "--train-iters", str(n + (PROFILED_ITERS if profile_dir else 0)),
-           "--log-interval", "1", "--eval-interval", "0"]
+           "--log-interval", "1", "--eval-interval", "0", *CLI_VARIANTS[variant]]
     if spec["device"] != "cuda":
         cmd += ["--torch-compile", "--torch-compile-backend", spec["compile_backend"]]
     if profile_dir:
@@ -274,19 +281,20 @@ def _profile_summary(trace: str, stem: str) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).strip()[:300]}"}
 
 
-def _run_cli(spec: dict) -> dict:
-    """megareshard-cli: ``pretrain_gpt.py`` in its own process; tokens/s as its log lines give them, the median
-    over the timed iterations (after the warm-up ones, before the profiled ones)."""
+def _run_cli(spec: dict, variant: str = CLI_VARIANT) -> dict:
+    """megareshard-cli (and its `CLI_VARIANTS`): ``pretrain_gpt.py`` in its own process; tokens/s as its log lines
+    give them, the median over the timed iterations (after the warm-up ones, before the profiled ones)."""
     name = spec["model"]
+    tag = "" if variant == CLI_VARIANT else variant[len(CLI_VARIANT):]   # e.g. "-model"
     profile_dir, why_not = None, None
     if spec.get("profile"):
         try:  # --tensorboard-dir writes event files with it
             importlib.import_module("torch.utils.tensorboard")
-            profile_dir = os.path.join(spec["out"], f"profile_{name}")
+            profile_dir = os.path.join(spec["out"], f"profile_{name}{tag}")
         except Exception as e:  # pragma: no cover - tensorboard missing on the machine
             why_not = f"not profiled: torch.utils.tensorboard does not import ({type(e).__name__}: {e})"
-    cmd = cli_command(spec, profile_dir)
-    log = os.path.join(spec["out"], f"speed_{name}_cli.log")
+    cmd = cli_command(spec, profile_dir, variant)
+    log = os.path.join(spec["out"], f"speed_{name}_cli{tag}.log")
     rc, text, secs = _run(cmd, log, max(spec["deadline"] + 20 - time.time(), 10), {**ENV, "PYTHONPATH": ROOT})
     its = log_iterations(text)
     w, n = spec["warmup"], spec["iters"]
@@ -302,7 +310,7 @@ def _run_cli(spec: dict) -> dict:
         rec["profile_trace"] = trace if os.path.exists(trace) else None
         rec["profiled_iterations"] = [w + n + 1, w + n + PROFILED_ITERS]
         if rec["profile_trace"]:
-            rec["profile"] = _profile_summary(trace, os.path.join(spec["out"], f"profile_{name}"))
+            rec["profile"] = _profile_summary(trace, os.path.join(spec["out"], f"profile_{name}{tag}"))
     if rc != 0 or len(timed) < n or any("tokens_per_s" not in r for r in timed):
         rec.update(status="failed", error=f"rc {rc}, {len(timed)} of {n} timed iterations logged: {_error_line(text)}")
         return rec
@@ -431,8 +439,8 @@ def worker(spec_path: str, result_path: str) -> int:
             out.flush()
             t0, breaks = time.time(), _graph_breaks()
             try:
-                if variant == CLI_VARIANT:
-                    rec = _run_cli(spec)
+                if variant in CLI_VARIANTS:
+                    rec = _run_cli(spec, variant)
                 elif variant in LEAN_VARIANTS:
                     rec = _run_lean(spec, variant)
                 elif variant in HF_VARIANTS:
@@ -442,7 +450,7 @@ def worker(spec_path: str, result_path: str) -> int:
                 if rec.get("status") != "failed":
                     tps = rec.get("tokens_per_s") or tokens / rec["seconds_per_iter"]
                     rec.update(status="ok", tokens_per_s=tps, tflops=flops_tok * tps / 1e12,
-                               graph_breaks=None if variant == CLI_VARIANT else _graph_breaks() - breaks)
+                               graph_breaks=None if variant in CLI_VARIANTS else _graph_breaks() - breaks)
             except Exception as e:  # recorded, and the next variant still runs
                 rec = {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
                        if str(e).strip() else type(e).__name__}

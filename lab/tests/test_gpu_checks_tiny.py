@@ -63,13 +63,19 @@ def test_tiny_speed_grid_cli_and_lean_points(tmp_path):
     from lab.bench import gpu_checks
 
     res = _gpu_checks(tmp_path / "a", "--parts", "speed", "--models", "gpt-tiny", "--variants",
-                      "megareshard-cli,lean-compile,lean-eager", "--late-variants", "", "--warmup", "1", "--iters", "1",
-                      "--profile-model", "gpt-tiny", "--deadline-s", "300")
+                      "megareshard-cli,lean-compile,lean-eager", "--late-variants", "megareshard-cli-model", "--warmup",
+                      "1", "--iters", "1", "--profile-model", "gpt-tiny", "--deadline-s", "300")
     assert res["ceilings"]["device"] == "cpu" and "Megatron-LM model FLOPs" in res["flop_formula"]
     points = res["speed"]["points"]
     assert [(p["model"], p["variant"], p["status"]) for p in points] == \
-        [("gpt-tiny", v, "ok") for v in ("megareshard-cli", "lean-compile", "lean-eager")], points
-    cli, lean, eager = points
+        [("gpt-tiny", v, "ok") for v in ("megareshard-cli", "lean-compile", "lean-eager", "megareshard-cli-model")], \
+        points
+    cli, lean, eager, whole = points
+    # the late round: the same launch with the whole model as one graph, profiled beside the default scope
+    assert whole["command"].replace(" --torch-compile-scope model", "").replace("profile_gpt-tiny-model",
+                                                                                "profile_gpt-tiny") == cli["command"]
+    assert "of the whole model as one region" in whole["fast_path"] and whole["log"].endswith("_cli-model.log")
+    assert whole["profile_trace"] != cli["profile_trace"] and whole["profile"]["gpu"]["present"] is False
     # the CLI point: pretrain_gpt.py as a user launches it, tokens/s as its log line for the timed iteration says
     assert "pretrain_gpt.py" in cli["command"] and "--cross-entropy-loss-fusion" in cli["command"]
     assert "--torch-compile-backend aot_eager" in cli["command"] and "--eval-interval 0" in cli["command"]
@@ -88,9 +94,10 @@ def test_tiny_speed_grid_cli_and_lean_points(tmp_path):
         assert p["tflops"] / p["tokens_per_s"] == pytest.approx(cli["tflops"] / cli["tokens_per_s"], rel=1e-12)
     assert lean["vs_lean"] == 1.0 and cli["vs_lean"] == pytest.approx(cli["tokens_per_s"] / lean["tokens_per_s"])
     assert "vs_hf_compile" not in cli
-    # no time: every point is on record as skipped, both rounds (tiny grid: 2 models × 2 variants, then hf-compile)
+    # no time: every point is on record as skipped, both rounds (tiny grid: 2 models × 2 variants, then the late two)
     skipped = _gpu_checks(tmp_path / "b", "--parts", "speed", "--deadline-s", "0")["speed"]["points"]
-    assert [p["variant"] for p in skipped] == ["megareshard-cli", "lean-compile"] * 2 + ["hf-compile"] * 2
+    assert [p["variant"] for p in skipped] == ["megareshard-cli", "lean-compile"] * 2 + \
+        ["megareshard-cli-model", "hf-compile"] * 2
     assert all(p["status"] == "skipped" for p in skipped)
 
 

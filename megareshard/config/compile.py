@@ -11,10 +11,12 @@ from typing import Any
 
 from .fields import config_field as _f
 
-__all__ = ["CompileConfig", "CompileOptions", "TorchCompileError", "COMPILE_MODES", "compile_enabled"]
+__all__ = ["CompileConfig", "CompileOptions", "TorchCompileError", "COMPILE_MODES", "COMPILE_SCOPES", "compile_enabled"]
 
 #: torch.compile's modes (None: its default); reduce-overhead adds CUDA graphs
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: what one torch.compile covers: each Transformer layer and the loss head, or the whole model
+COMPILE_SCOPES = ("layers", "model")
 
 
 class TorchCompileError(RuntimeError):
@@ -35,17 +37,25 @@ class CompileConfig:
                                             "configurations, longer to compile; reduce-overhead and max-autotune "
                                             "add CUDA graphs, which cannot train here: refused)",
                                  choices=COMPILE_MODES)
+    torch_compile_scope: str = _f("layers", "what one torch.compile covers: layers (each Transformer layer and the "
+                                            "loss head; layers of one shape share a compiled graph, so depth costs "
+                                            "no compile time) or model (the whole model, embedding to loss, one "
+                                            "graph: fusions across layer boundaries and one call instead of one per "
+                                            "layer, for small models; compile time grows with depth; one pipeline "
+                                            "stage, tp 1, no recomputation, no experts)", choices=COMPILE_SCOPES)
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     """How a model compiles its regions (``model.compile_regions(options)``): torch.compile's ``backend`` (a
-    name or a callable) and ``mode``, and whether the linear layers are traced (False when a weight gradient
-    may be delayed: the delayable linear stays outside the compiled regions)."""
+    name or a callable) and ``mode``, whether the linear layers are traced (False when a weight gradient
+    may be delayed: the delayable linear stays outside the compiled regions), and the ``scope`` of one
+    compilation (``COMPILE_SCOPES``)."""
 
     backend: Any = "inductor"
     mode: str | None = None
     traceable_linears: bool = True
+    scope: str = "layers"
 
     def torch_compile_kwargs(self) -> dict[str, Any]:
         return dict(backend=self.backend, dynamic=False, mode=None if self.mode in (None, "default") else self.mode)

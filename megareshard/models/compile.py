@@ -19,6 +19,12 @@ compiled graph, so compiling 24 layers costs what one does), with three differen
 
 Full-layer recomputation wraps the compiled layer (non-reentrant checkpoint replays the compiled graph);
 selective recomputation runs the attention core eagerly, inside the checkpoint.
+
+``--torch-compile-scope model`` compiles the whole model instead (`compile_module`): one graph from the embedding
+to the loss (the fused cross-entropy's chunks traced into it), fused across layer boundaries and called once
+instead of once per layer; every layer is traced anew, so compile time grows with depth (small models). The same
+graph breaks apply (dropout from the RNG streams splits it); where the model is not one graph it is refused
+(``compile_config.check_compile_scope``).
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from torch import nn
 from ..compile_boundary import prepare_graph_breaks
 from ..compile_config import CompileOptions, TorchCompileError, compiler_failure
 
-__all__ = ["compile_layers", "compile_function", "compiled_cross_entropy_kernels", "mark_linears_traceable",
+__all__ = ["compile_layers", "compile_module", "compile_function", "compiled_cross_entropy_kernels", "mark_linears_traceable",
            "plain_layer_norms", "prepare_compiler", "guarded"]
 
 
@@ -104,6 +110,15 @@ def compile_layers(layers: Mapping[str, nn.Module], opts: CompileOptions) -> lis
                                              name, opts)
         names.append(name)
     return names
+
+
+def compile_module(module: nn.Module, name: str, opts: CompileOptions) -> None:
+    """``--torch-compile-scope model``: ``module`` compiled whole, in place, as region ``name`` (its submodules are
+    traced into the one graph; nothing inside it is compiled on its own)."""
+    prepare_graph_breaks()
+    prepare_compiler()
+    mark_linears_traceable(module, opts.traceable_linears)
+    module._compiled_call_impl = guarded(torch.compile(module._call_impl, **opts.torch_compile_kwargs()), name, opts)
 
 
 def compile_function(fn: Callable, name: str, opts: CompileOptions, modules: Iterable[nn.Module] = ()) -> Callable:

@@ -497,12 +497,17 @@ class GPTModel(nn.Module):
 
     def compile_regions(self, opts) -> list[str]:
         """Compile every Transformer layer and the loss head in place (models/compile.py, ``opts`` a
-        ``CompileOptions``); the fused cross-entropy's chunk kernels too. Returns the regions' names."""
-        from .compile import compile_function, compile_layers, compiled_cross_entropy_kernels, plain_layer_norms
+        ``CompileOptions``); the fused cross-entropy's chunk kernels too; with ``opts.scope`` "model" the whole
+        model as one region instead. Returns the regions' names."""
+        from .compile import (compile_function, compile_layers, compile_module, compiled_cross_entropy_kernels,
+                              plain_layer_norms)
 
         plain_layer_norms(self)
-        names = compile_layers({f"layers.{i}": layer for i, layer in self.layers.items()}, opts)
         self._linears_traced = opts.traceable_linears
+        if opts.scope == "model":   # one graph, embedding to loss (the chunk functions traced into it)
+            compile_module(self, "the whole model", opts)
+            return ["model"]
+        names = compile_layers({f"layers.{i}": layer for i, layer in self.layers.items()}, opts)
         if self.post_process:
             self._head_call = compile_function(self._logits, "the loss head (final norm, output layer)", opts,
                                                [self.output_layer])

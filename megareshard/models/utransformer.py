@@ -381,6 +381,10 @@ class UTransformerModel(nn.Module):
         loss head stay eager (the fused cross-entropy's chunk kernels are compiled)."""
         from .compile import compile_layers, compiled_cross_entropy_kernels, plain_layer_norms
 
+        if opts.scope != "layers":
+            raise ConfigError(f"--torch-compile-scope {opts.scope}: the U-Transformer compiles its Transformer "
+                              "blocks only (its convolutions and resampling stay eager); use --torch-compile-scope "
+                              "layers")
         plain_layer_norms(self)
         names = compile_layers({f"layers.{i}": layer for i, layer in self.layers.items()}, opts)
         self._linears_traced = opts.traceable_linears
