@@ -41,14 +41,16 @@ class Reporting:
             r.aux_loss_scale = scale
             r.tracked = {}
 
-    def _moe_step_losses(self, num_microbatches: int) -> dict[str, float]:
-        """After a step: each router loss as Megatron's tracker reduces it — per layer the sum over the
+    def _moe_step_loss_sums(self, num_microbatches: int) -> torch.Tensor | None:
+        """After the backward: each router loss as Megatron's tracker reduces it — per layer the sum over the
         micro-batches divided by their number, summed over tp (load balancing: each tp rank holds its part) or
         averaged over it (z-loss), averaged over dp, then the mean over the model's MoE layers, those of every
         pipeline stage (a stage sums its layers' values and counts them; the sums and counts are added over pp).
+        Returns the sums then the counts, on the device (the reductions launched, nothing read: the trainer reads
+        them with the iteration's other numbers; `moe_losses` makes the record); None without MoE.
         Collective over tp, dp and pp: every rank of an MoE run calls it, a stage without MoE layers too."""
         if self.cfg.model.num_experts is None:
-            return {}
+            return None
         routers, ctx = self._moe_routers(), self.ctx
         sums = torch.zeros(len(MOE_LOSS_NAMES), dtype=torch.float32, device=self.device)
         counts = torch.zeros(len(MOE_LOSS_NAMES), dtype=torch.float32, device=self.device)
@@ -71,8 +73,14 @@ class Reporting:
                 dist.all_reduce(both)
             else:
                 dist.all_reduce(both, group=ctx.pp_group)
-            sums, counts = both[:len(MOE_LOSS_NAMES)], both[len(MOE_LOSS_NAMES):]
-        return {n: float(s / c) for n, s, c in zip(MOE_LOSS_NAMES, sums.tolist(), counts.tolist()) if c > 0}
+            return both
+        return torch.cat([sums, counts])
+
+    @staticmethod
+    def moe_losses(values: list[float]) -> dict[str, float]:
+        """The router losses of the record from `_moe_step_loss_sums`'s values, read: each sum over its count."""
+        k = len(MOE_LOSS_NAMES)
+        return {n: float(s / c) for n, s, c in zip(MOE_LOSS_NAMES, values[:k], values[k:]) if c > 0}
 
     @staticmethod
     def _with_moe_losses(line: str, rec: dict[str, Any]) -> str:

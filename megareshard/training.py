@@ -375,9 +375,10 @@ class Trainer(Checkpointing, Reporting):
             reads = [self._dp_mean_tensor(local), norm.float().reshape(())]
             if check:
                 reads += [local, nonfinite_anywhere(local).reshape(())]
+            moe = self._moe_step_loss_sums(len(microbatches))   # MoE: the router losses, reduced (None: dense)
             if prefetch is not None:
                 prefetch()
-            values = torch.stack(reads).tolist()
+            values = torch.cat([torch.stack(reads)] + ([moe] if moe is not None else [])).tolist()
             mean_loss, grad_norm = values[0], values[1]
             if check:  # collective when it raises: every rank stops together
                 entries = getattr(self.optimizer, "entries", ())
@@ -397,7 +398,7 @@ class Trainer(Checkpointing, Reporting):
         if not stepped:  # Megatron-LM: the learning-rate schedule advances only with an applied update
             self.scheduler.skipped()
         return StepResult(loss=mean_loss, grad_norm=grad_norm, lr=lr, skipped=not stepped,
-                          moe=self._moe_step_losses(len(microbatches)))
+                          moe=self.moe_losses(values[len(reads):]) if moe is not None else {})
 
     @torch.no_grad()
     def evaluate(self) -> float:

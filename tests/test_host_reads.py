@@ -57,15 +57,25 @@ def _count_reads(monkeypatch, trainer: Trainer) -> list[list[tuple[str, str, int
     return steps
 
 
-@pytest.mark.parametrize("check", [True, False], ids=["nan-check", "no-nan-check"])
-def test_an_iteration_reads_the_device_once(monkeypatch, check):
-    trainer = _trainer([] if check else ["--no-check-for-nan-in-loss-and-grad"])
+@pytest.mark.parametrize("extra", [[], ["--no-check-for-nan-in-loss-and-grad"],
+                                   ["--num-experts", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]],
+                         ids=["nan-check", "no-nan-check", "moe-router-losses"])
+def test_an_iteration_reads_the_device_once(monkeypatch, extra):
+    trainer = _trainer(extra)
     steps = _count_reads(monkeypatch, trainer)
     records = trainer.train()
     assert len(steps) == 4
+    moe_layers = 2 if "--num-experts" in extra else 0
     for reads in steps[1:]:   # the first iteration also measures memory
-        assert [(name, where) for name, where, _ in reads] == [("tolist", "training.py")], reads
+        # dropless MoE: each MoE layer's dispatch reads its experts' token counts (the shapes after it depend on
+        # them), once per micro-batch in the forward; the loop itself reads once (the router losses included)
+        dispatch = [r for r in reads if r[1] == "dispatch.py"]
+        assert len(dispatch) == moe_layers * 2, reads   # 2 micro-batches
+        assert [(name, where) for name, where, _ in reads if where != "dispatch.py"] == [("tolist", "training.py")], \
+            reads
     assert [r["consumed_samples"] for r in records] == [4, 8, 12, 16]  # prefetching does not advance the sampler
+    if "--num-experts" in extra:  # the router losses came with the one read
+        assert all(r["load_balancing_loss"] > 0 and r["z_loss"] > 0 for r in records), records
     trainer.close()
 
 
