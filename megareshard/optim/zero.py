@@ -404,10 +404,6 @@ class ZeroOptimizer:
         self.ctx.sum_over_model_parallel(sq)  # tp × pp (per-stage layouts: once per stage replica)
         return sq.sqrt()
 
-    def grad_norm(self) -> float:
-        """``grad_norm_tensor`` read on the host."""
-        return self.grad_norm_tensor().item()
-
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip the sharded gradients to ``max_norm`` (0 disables) without reading anything on the host; returns
         the norm before clipping (a 0-d fp32 tensor). The gradients are multiplied by
