@@ -15,7 +15,7 @@ import warnings
 from . import run_plan
 from .compile_config import check_compile_config, check_compile_scope
 from .config import Config
-from .config.moe import check_moe_config
+from .config.moe import check_moe_config, grouped_gemm_refusal
 from .config_fields import ConfigError
 from .config.generators import trainer_world_size
 from .input_checks import validate_checkpoint, validate_data, validate_deterministic, validate_schedule
@@ -270,11 +270,13 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
                                                or m.moe_expert_capacity_factor < 0):
         raise ConfigError(f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor: "
                           "without a capacity no token is dropped")
-    if m.moe_grouped_gemm and cfg.training.device == "cpu":
-        raise ConfigError("--moe-grouped-gemm needs a CUDA device (on CPU torch._grouped_mm refuses strides that are not "
-                          "16-byte aligned and its autograd backward fails); "
-                          "this run is on cpu: leave it off for one GEMM per expert")
     for i, (stp, _) in enumerate(stages):
+        if m.moe_grouped_gemm:
+            width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
+            why = grouped_gemm_refusal(m.hidden_size, width // (stp if etp is None else etp),
+                                       2 if cfg.memory.bf16 or cfg.memory.fp16 else 4)
+            if why is not None:
+                raise ConfigError(why)
         try:
             check_moe_config(m, stp, ep, stp if etp is None else etp, p.sequence_parallel and stp > 1)
         except ConfigError as e:

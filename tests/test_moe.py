@@ -3,6 +3,7 @@ hand-computed cases, equality with transformers' Mixtral and Qwen3-MoE blocks, a
 one-line refusals. The expert-parallel layouts: tests/test_moe_parallel.py."""
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -229,11 +230,82 @@ def test_one_line_refusals(kw, tp, ep, etp, sp, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_grouped_gemm_refused_off_cuda():
-    why = grouped_gemm_refusal("cpu")
-    assert why is not None and "\n" not in why and "CUDA" in why
-    with pytest.raises(RuntimeError, match="moe_grouped_gemm needs"):
-        _layer(_cfg(moe_grouped_gemm=True))
+def _run_layer(layer: MoELayer, x: torch.Tensor, store=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    layer.experts.wgrad_store = store
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype))
+    if store is not None:
+        assert store.flush() > 0
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("swiglu, bias", [(True, False), (False, False), (False, True)])
+def test_grouped_gemm_equals_one_gemm_per_expert(swiglu, bias):
+    """``--moe-grouped-gemm`` (one ``torch._grouped_mm`` per matrix) against one GEMM per expert, forward, input
+    and weight gradients, immediate and delayed (a pipeline's W). On CPU torch runs the grouped op as its own loop
+    of ``mm`` over the same row blocks, so without biases the arithmetic is the same: bitwise. With biases the
+    grouped path adds the bias after the product where ``F.linear`` adds it inside, one rounding apart at most
+    per addition (and the bias gradient is an ``index_add`` of the same rows): a tolerance for sums of a few
+    terms. An expert that gets no row (routing below) gives a zero weight gradient either way."""
+    from megareshard.tensor_parallel.layers import WeightGradStore
+
+    kw = dict(hidden_size=16, moe_ffn_hidden_size=24, swiglu=swiglu, disable_bias_linear=not bias, num_experts=4, moe_router_topk=1)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    loop, grouped = _layer(_cfg(**kw)), _layer(_cfg(moe_grouped_gemm=True, **kw))
+    assert grouped.experts.grouped_gemm and not loop.experts.grouped_gemm
+    for store in (None, WeightGradStore()):
+        ref, got = _run_layer(loop, x, store), _run_layer(grouped, x, store)
+        if not bias:
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+            assert all(torch.equal(ref[2][n], got[2][n]) for n in ref[2]), [n for n in ref[2]
+                                                                            if not torch.equal(ref[2][n], got[2][n])]
+        else:
+            for a, b in [(ref[0], got[0]), (ref[1], got[1])] + [(ref[2][n], got[2][n]) for n in ref[2]]:
+                assert torch.allclose(a, b, rtol=0, atol=8 * torch.finfo(a.dtype).eps * max(a.abs().max().item(), 1.0))
+        loop.zero_grad(set_to_none=True)
+        grouped.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("hidden, width, nbytes, says", [
+    (16, 24, 2, None), (12, 20, 4, None),
+    (12, 24, 2, "--hidden-size 12 not a multiple of 8 at 2-byte precision"),
+    (16, 22, 4, "a rank's expert width 22 not a multiple of 4 at 4-byte precision"),
+])
+def test_grouped_gemm_refuses_rows_it_cannot_align(hidden, width, nbytes, says):
+    why = grouped_gemm_refusal(hidden, width, nbytes)
+    assert why is None if says is None else (says in why and "\n" not in why), why
+    if says is not None and nbytes == 4:   # the layer refuses it in the same line
+        with pytest.raises(ConfigError, match="multiple of 16 bytes"):
+            _layer(_cfg(moe_grouped_gemm=True, hidden_size=hidden, moe_ffn_hidden_size=width))
+
+
+def test_training_with_grouped_gemm_is_the_same_run():
+    """``pretrain_gpt.py --bf16 --moe-grouped-gemm`` on CPU trains the same run as one GEMM per expert, bitwise
+    (the same arithmetic: ``test_grouped_gemm_equals_one_gemm_per_expert``) — losses, router losses, gradient
+    norms. The 16-byte rule is 8 elements a row in bf16 (hidden 32 and width 24 meet it) and 4 in fp32: a width
+    that misses it is refused in one line before anything is built."""
+    from megareshard.arguments import parse_args
+    from megareshard.training import Trainer, build_context
+
+    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+            "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2",
+            "--device", "cpu", "--train-iters", "3", "--no-torch-compile", "--num-experts", "4", "--moe-router-topk",
+            "2", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--log-interval", "100"]
+    runs = []
+    for extra in ([], ["--moe-grouped-gemm"]):
+        cfg = parse_args(argv + ["--bf16", "--moe-ffn-hidden-size", "24"] + extra, world_size=1)
+        trainer = Trainer(cfg, build_context(cfg, 1)[0], torch.device("cpu"), out=io.StringIO())
+        assert trainer.model.layers["0"].mlp.experts.grouped_gemm == bool(extra)
+        runs.append([(r["loss"], r["grad_norm"], r["load_balancing_loss"]) for r in trainer.train()])
+        trainer.close()
+    assert runs[0] == runs[1] and len(runs[0]) == 3, runs
+    for precision, width, says in (["--bf16"], 20, "not a multiple of 8 at 2-byte"), ([], 22, "not a multiple of 4 "
+                                                                                            "at 4-byte"):
+        with pytest.raises(ConfigError) as e:
+            parse_args(argv + precision + ["--moe-ffn-hidden-size", str(width), "--moe-grouped-gemm"], world_size=1)
+        assert f"a rank's expert width {width} {says} precision" in str(e.value) and "\n" not in str(e.value)
+    parse_args(argv + ["--moe-ffn-hidden-size", "20", "--moe-grouped-gemm"], world_size=1)   # fp32: 80-byte rows
 
 
 def test_tp_without_sequence_parallelism_is_for_generation_only():

@@ -112,8 +112,8 @@ class ModelConfig:
                                                        "--moe-expert-capacity-factor)")
     moe_token_dispatcher_type: str = _f("allgather", "token dispatch over the expert-parallel ranks: allgather or "
                                                      "alltoall", choices=("allgather", "alltoall"))
-    moe_grouped_gemm: bool = _f(False, "run a rank's experts as one grouped GEMM (torch._grouped_mm, CUDA); off: "
-                                       "one GEMM per expert")
+    moe_grouped_gemm: bool = _f(False, "run a rank's experts as one grouped GEMM per matrix (torch._grouped_mm; "
+                                       "rows of 16-byte multiples); off: one GEMM per expert")
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

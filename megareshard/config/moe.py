@@ -8,7 +8,7 @@ import ast
 
 from .fields import ConfigError
 
-__all__ = ["moe_layer_pattern", "is_moe_layer", "capacity_factor", "check_moe_config"]
+__all__ = ["moe_layer_pattern", "is_moe_layer", "capacity_factor", "check_moe_config", "grouped_gemm_refusal"]
 
 
 def _eval_pattern(node: ast.AST):
@@ -97,3 +97,15 @@ def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequ
         raise ConfigError(f"moe_aux_loss_coeff {cfg.moe_aux_loss_coeff} and moe_z_loss_coeff {cfg.moe_z_loss_coeff} "
                           "must not be negative")
     moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)
+
+
+def grouped_gemm_refusal(hidden: int, ffn_local: int, elem_bytes: int) -> str | None:
+    """Why ``moe_grouped_gemm`` cannot run experts of ``hidden`` × ``ffn_local`` (a rank's width) with operands of
+    ``elem_bytes`` bytes (None when it can): ``torch._grouped_mm`` needs every matrix row a multiple of 16 bytes.
+    (A torch without the op is refused where the layer is built: this floor imports no torch.)"""
+    per = 16 // elem_bytes
+    bad = [f"{name} {n}" for name, n in (("--hidden-size", hidden), ("a rank's expert width", ffn_local)) if n % per]
+    if bad:
+        return (f"--moe-grouped-gemm needs rows of a multiple of 16 bytes (torch._grouped_mm): {' and '.join(bad)} "
+                f"not a multiple of {per} at {elem_bytes}-byte precision; leave it off for one GEMM per expert")
+    return None

@@ -8,8 +8,10 @@ reduce-scatters). Every full ``[E, out, in]`` tensor is drawn from the global na
 
 Megatron's order of operations (experts.py): the routing probability multiplies the activation,
 ``fc2(act(fc1(x)) · p) + b2 · p``, which is ``p · expert(x)``. The rows arrive grouped by local expert
-(``counts[e]`` rows each). On CUDA with ``moe_grouped_gemm`` all experts run as one grouped GEMM per
-matrix (``torch._grouped_mm``); otherwise one GEMM per expert (a loop over experts, never over tokens). Either
+(``counts[e]`` rows each). With ``moe_grouped_gemm`` all experts run as one grouped GEMM per matrix
+(``torch._grouped_mm``: on CUDA one kernel; on CPU torch runs it as its own loop of the same GEMMs, so the CPU
+checks the grouped path's arithmetic bit for bit); otherwise one GEMM per expert (a loop over experts, never over
+tokens). Either
 way a matrix is one ``expert_gemm.expert_linear``, whose weight gradient a pipeline schedule with delayed weight
 gradients runs in W, as the dense linear layers' (the module's ``wgrad_store``).
 
@@ -33,21 +35,9 @@ from ...tensor_parallel import set_tensor_model_parallel_attributes
 from ..components import gelu, swiglu
 from .expert_gemm import expert_linear
 
-__all__ = ["GroupedExperts", "grouped_gemm_refusal"]
+__all__ = ["GroupedExperts"]
 
 InitFn = Callable[[str, float], Callable[[tuple[int, ...]], torch.Tensor]]
-
-
-def grouped_gemm_refusal(device) -> str | None:
-    """Why ``moe_grouped_gemm`` cannot run on ``device`` (None when it can)."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if not hasattr(torch, "_grouped_mm"):
-        return f"moe_grouped_gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
-    if dev.type != "cuda":
-        return (f"moe_grouped_gemm needs a CUDA device (on CPU torch._grouped_mm refuses strides that are not 16-byte "
-                f"aligned and its autograd backward fails); this run "
-                f"is on {dev.type}: leave it off for one GEMM per expert")
-    return None
 
 
 class _ExpertLinear(nn.Module):

@@ -29,12 +29,13 @@ from torch import nn
 
 from ...compile_boundary import outside_compiled_regions
 from ...config.fields import ConfigError
+from ...config.moe import grouped_gemm_refusal
 from ...parallel import ParallelContext
 from ...tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..components import gelu, swiglu
 from .comm import group_size
 from .dispatch import make_dispatcher
-from .experts import GroupedExperts, grouped_gemm_refusal
+from .experts import GroupedExperts
 from .router import TopKRouter, check_moe_config
 
 __all__ = ["MoELayer", "SharedExpertMLP", "expert_parameters", "reduce_expert_grads", "gather_full_expert_tensor",
@@ -82,9 +83,13 @@ class MoELayer(nn.Module):
         check_moe_config(cfg, ctx.tp_size, ctx.ep_size, ctx.etp_size, sp, training=False)
         self.tp_without_sp = ctx.tp_size if ctx.tp_size > 1 and not sp else 0   # inference only (forward)
         if cfg.moe_grouped_gemm:
-            why = grouped_gemm_refusal(device)
+            width = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+            why = grouped_gemm_refusal(cfg.hidden_size, width // ctx.etp_size, 2 if dtype in (torch.bfloat16,
+                                                                                          torch.float16) else 4)
+            if not hasattr(torch, "_grouped_mm"):
+                why = f"--moe-grouped-gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
             if why is not None:
-                raise RuntimeError(why)
+                raise ConfigError(why)
         self.router = TopKRouter(cfg, ctx, prefix, init, sp, device, dtype)
         self.experts = GroupedExperts(cfg, ctx, prefix, init, out_std, device=device, dtype=dtype)
         self.dispatcher = make_dispatcher(cfg.moe_token_dispatcher_type, ctx, cfg.num_experts,
