@@ -54,6 +54,7 @@ from .launch import PeerFailure, Watchdog, is_communication_error
 from .models import GPTModel
 from .models.moe import route_dropless
 from .parallel import ParallelContext
+from .parallel.expert_topology import expert_groups
 from .parallel.topology import Topology
 from .transfer import Destination, WeightTransfer
 
@@ -83,34 +84,51 @@ class GeneratorLaunch:
     rank: int
     store: Any = None                # the launch's rendezvous store (the control messages' announcements)
     controls: int = 0                # control messages so far
+    # this rank's expert groups, if its replica splits an MoE model's experts otherwise than ep 1 · etp tp:
+    # family -> (group or None for one rank, members as replica-local ranks)
+    expert_groups: dict[str, tuple[Any, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
 
     @property
     def replica_index(self) -> int | None:
         return next((i for i, d in enumerate(self.replicas) if self.rank in d.ranks), None)
 
     def name(self, i: int) -> str:
-        tp = self.replicas[i].tp
-        same = [d for d in self.replicas if d.tp == tp]
-        return f"generator tp{tp}" if len(same) == 1 else f"generator {i} tp{tp}"
+        label = _label(self.replicas[i])
+        same = [d for d in self.replicas if _label(d) == label]
+        return f"generator {label}" if len(same) == 1 else f"generator {i} {label}"
+
+
+def _label(d: Destination) -> str:
+    return d.name.split("_", 1)[1]
 
 
 def split_launch(cfg: Config, world: int) -> GeneratorLaunch:
     """Collective over the launch's (default) group: the trainer's group and each replica's tp group, created in
     the same order on every rank."""
-    tps = parse_generator_layouts(cfg.generators.generator_layouts)
-    trainer = world - sum(tps)
+    layouts = parse_generator_layouts(cfg.generators.generator_layouts)
+    trainer = world - sum(lay.tp for lay in layouts)
     if trainer < 1:
-        raise ConfigError(f"--generator-layouts {cfg.generators.generator_layouts} needs {sum(tps)} ranks for the "
-                          f"generators but the launch has {world}")
+        raise ConfigError(f"--generator-layouts {cfg.generators.generator_layouts} needs "
+                          f"{sum(lay.tp for lay in layouts)} ranks for the generators but the launch has {world}")
     replicas, start = [], trainer
-    for i, tp in enumerate(tps):
-        replicas.append(Destination(f"gen{i}_tp{tp}", tuple(range(start, start + tp)), tp=tp))
-        start += tp
+    for i, lay in enumerate(layouts):
+        replicas.append(Destination(f"gen{i}_{lay.label}", tuple(range(start, start + lay.tp)), tp=lay.tp, ep=lay.ep,
+                                    etp=None if lay.expert_tp == lay.tp else lay.expert_tp))
+        start += lay.tp
     world_group = c10d._get_default_group()
     trainer_group = dist.new_group(list(range(trainer)))
     tp_groups = [dist.new_group(list(d.ranks)) if d.tp > 1 else None for d in replicas]
-    return GeneratorLaunch(world, trainer, replicas, world_group, trainer_group, tp_groups, dist.get_rank(),
-                           c10d._get_default_store())
+    rank, mine = dist.get_rank(), {}
+    for d in replicas:   # every rank creates every replica's expert groups, in one order (dist.new_group's rule)
+        if d.ep == 1 and d.expert_tp == d.tp:
+            continue   # the tp group serves: Megatron's default expert layout
+        for fam, groups in expert_groups(Topology(d.tp, tp=d.tp, nproc_per_node=d.tp), d.ep, d.expert_tp).items():
+            for members in groups:
+                handle = dist.new_group([d.ranks[m] for m in members]) if len(members) > 1 else None
+                if rank in (d.ranks[m] for m in members):
+                    mine[fam] = (handle, members)
+    return GeneratorLaunch(world, trainer, replicas, world_group, trainer_group, tp_groups, rank,
+                           c10d._get_default_store(), expert_groups=mine)
 
 
 @contextlib.contextmanager
@@ -182,7 +200,8 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 
 def _replica_context(launch: GeneratorLaunch, i: int) -> ParallelContext:
-    """The replica's ParallelContext (tp only; local ranks 0..tp-1, its tp group the one `split_launch` made)."""
+    """The replica's ParallelContext (local ranks 0..tp-1; its tp group and expert groups the ones `split_launch`
+    made)."""
     d = launch.replicas[i]
     local = d.ranks.index(launch.rank)
     ctx = ParallelContext(topology=Topology(d.tp, tp=d.tp, nproc_per_node=d.tp), rank=local)
@@ -192,6 +211,8 @@ def _replica_context(launch: GeneratorLaunch, i: int) -> ParallelContext:
     for name in ("pp", "dp", "ep", "edp"):
         ctx.groups[name], ctx.group_ranks[name] = None, (local,)
     ctx.groups["embedding"], ctx.group_ranks["embedding"] = None, (local,)
+    for name, (group, members) in launch.expert_groups.items():   # experts split over ep × etp in the tp ranks
+        ctx.groups[name], ctx.group_ranks[name] = group, members
     return ctx
 
 
@@ -342,7 +363,7 @@ def pretrain_with_generators(cfg: Config, out: TextIO, model_spec, device: torch
         side.finish()
         return records
     finally:
-        for g in (launch.trainer_group, *launch.tp_groups):
+        for g in (launch.trainer_group, *launch.tp_groups, *(h for h, _ in launch.expert_groups.values())):
             if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)

@@ -34,8 +34,8 @@ def _rank(rank: int, world: int, argv: list[str]):
     seen = []
 
     def observe(ev):
-        params = {n: (p.detach().clone(), int(getattr(p, "partition_dim", -1))
-                      if getattr(p, "tensor_model_parallel", False) else -1)
+        params = {n: (p.detach().clone(), getattr(p, "expert_box", None) or (int(getattr(p, "partition_dim", -1))
+                      if getattr(p, "tensor_model_parallel", False) else -1))
                   for n, p in ev["model"].named_parameters()}
         seen.append({k: ev[k] for k in ("step", "replica", "tp", "tp_rank", "samples")} | {"params": params})
 
@@ -46,8 +46,13 @@ def _rank(rank: int, world: int, argv: list[str]):
     return records, seen, out.getvalue()
 
 
-def _expected(full: torch.Tensor, shape, dim: int, tp: int, tp_rank: int) -> torch.Tensor:
-    """A full checkpoint tensor cut as a load into tp ``tp`` does: padded rows zero, this rank's slice."""
+def _expected(full: torch.Tensor, shape, dim, tp: int, tp_rank: int) -> torch.Tensor:
+    """A full checkpoint tensor cut as a load into tp ``tp`` does: padded rows zero, this rank's slice; an expert
+    tensor (``dim`` its ``expert_box``: global shape and offset) the box this rank holds."""
+    if isinstance(dim, tuple):
+        gshape, goff = dim
+        assert tuple(full.shape) == tuple(gshape), (full.shape, gshape)
+        return full[tuple(slice(o, o + n) for o, n in zip(goff, shape))]
     if dim < 0:
         return full
     rows = shape[0] * (tp if dim == 0 else 1)
@@ -106,11 +111,29 @@ def test_generators_receive_every_transfer_exactly_and_sample_like_generate(tmp_
     (["--generator-layouts", "tp1", "--transfer-interval", "0"], 2, "--transfer-interval must be at least 1"),
     (["--generator-layouts", "tp2", "--num-experts", "4"], 3, "generator replica 0 (tp2): expert biases with "
                                                                "expert-tensor-parallel size 2 are not supported"),
+    (["--generator-layouts", "tp2ep2"], 3, "generator replica 0 (tp2ep2) sets an expert layout, which needs "
+                                           "--num-experts"),
+    (["--generator-layouts", "tp1,tp2ep2etp2"], 4, "entry 'tp2ep2etp2': expert-parallel size 2 × "
+                                                   "expert-tensor-parallel size 2 does not divide its tensor-parallel "
+                                                   "size 2"),
+    (["--generator-layouts", "tp2ep2", "--num-experts", "3"], 3,
+     "generator replica 0 (tp2ep2): num_experts 3 is not divisible by expert-model-parallel-size 2"),
 ])
 def test_bad_generator_flags_are_one_line(extra, world, says):
     with pytest.raises(ConfigError) as e:
         parse_args(MODEL + ["--train-iters", "2"] + extra, world_size=world)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_expert_layouts_of_a_replica():
+    """``tpN[epM][etpK]``: the experts split inside the replica's tp ranks, etp tp / ep unless given (etp 1 keeps
+    expert biases, which etp > 1 refuses)."""
+    from megareshard.config.generators import ReplicaLayout, parse_generator_layouts
+
+    got = parse_generator_layouts("tp2,TP4EP2,tp4ep2etp1,2,tp2etp1")
+    assert got == [ReplicaLayout(2), ReplicaLayout(4, 2), ReplicaLayout(4, 2, 1), ReplicaLayout(2), ReplicaLayout(2, 1, 1)]
+    assert [g.expert_tp for g in got] == [2, 2, 1, 2, 1] and got[2].label == "tp4ep2etp1"
+    parse_args(MODEL + ["--train-iters", "2", "--num-experts", "4", "--generator-layouts", "tp2etp1"], world_size=3)
 
 
 def test_prompts_must_fit_the_model():
@@ -134,7 +157,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 def test_moe_generators_and_generate_tool_read_any_expert_layout(tmp_path, capsys):
     """MoE (issue #52): a trainer at tp 2 · ep 2 (etp 1, sequence parallel, capacity factor 1: tokens dropped in
     training) pushes to a tp 2 replica (ep 1, etp 2: every expert's half width on each rank; no sequence
-    parallelism, which generation does not need). Its weights equal bitwise the checkpoint of that step cut to its
+    parallelism, which generation does not need) and to a tp 2 · ep 2 one (`tp2ep2`: etp 1, two whole experts on
+    each rank, tokens dispatched between them). Their weights equal bitwise the checkpoint of that step cut to each
     layout, and greedy-with-cache through the MoE layers equals `generate_ids` on it; both route dropless (the
     capacity is a training device: Megatron-Core's inference router drops no token). (A replica holding all experts
     whole is tests/resharding/test_weight_transfer.py's tp 1 destination.) `tools/generate.py` on the tp 2 · ep 2
@@ -150,20 +174,26 @@ def test_moe_generators_and_generate_tool_read_any_expert_layout(tmp_path, capsy
     train = MODEL + MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
                            "2", "--expert-tensor-parallel-size", "1", "--train-iters", "1"]
     new = 6
-    argv = train + ["--save", root, "--save-interval", "1", "--generator-layouts", "tp2", "--generator-max-new-tokens",
-                    str(new), "--generator-prompts", " ".join(map(str, PROMPTS[0]))]
-    res = run_ranks(_rank, 4, argv, nccl_check=True, timeout=240)
-    assert "generator tp2 (step 1): '1 2 3' -> " in res[2][2]
+    argv = train + ["--save", root, "--save-interval", "1", "--generator-layouts", "tp2,tp2ep2",
+                    "--generator-max-new-tokens", str(new), "--generator-prompts", " ".join(map(str, PROMPTS[0]))]
+    res = run_ranks(_rank, 6, argv, nccl_check=True, timeout=240)
+    assert "generator tp2 (step 1): '1 2 3' -> " in res[2][2] and "generator tp2ep2 (step 1): '1 2 3' -> " in res[4][2]
     ckpt = f"{root}/iter_0000001"
     _, weights = read_model_weights(ckpt)
+    model, cfg = load_for_generation(ckpt)
+    boxes = set()
     for _, seen, _ in res[2:]:
         (ev,) = seen
         assert ev["step"] == 1 and any(".experts." in n for n in ev["params"])
         for name, (t, dim) in ev["params"].items():
             assert torch.equal(t, _expected(weights[name], t.shape, dim, ev["tp"], ev["tp_rank"])), name
-    ((ids, full),) = ev["samples"]
-    model, cfg = load_for_generation(ckpt)
-    assert full == generate_ids(model, cfg, ids, max_new_tokens=new)
+            boxes.add((ev["replica"], name, str(dim)))
+        ((ids, full),) = ev["samples"]
+        assert full == generate_ids(model, cfg, ids, max_new_tokens=new), ev["replica"]
+    # the two replicas hold the experts otherwise: ep 1 · etp 2 (width halves) and ep 2 · etp 1 (whole experts)
+    fc2 = "layers.0.mlp.experts.fc2.weight"
+    assert {d for r, n, d in boxes if n == fc2 and r == 0} == {"((4, 32, 16), (0, 0, 0))", "((4, 32, 16), (0, 0, 8))"}
+    assert {d for r, n, d in boxes if n == fc2 and r == 1} == {"((4, 32, 16), (0, 0, 0))", "((4, 32, 16), (2, 0, 0))"}
     # the same weights saved at ep 1 by one process (the tp 2 · ep 2 checkpoint read whole, saved again)
     CheckpointManager(ParallelContext.single_process(), out=None).save(single, 1, model=model)
     printed = []
