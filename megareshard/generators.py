@@ -1,5 +1,6 @@
 """Generator replicas in the same job as the trainer (issue #50): ``--generator-layouts tp2,tp1`` dedicates the
-LAST ranks of the launch to one replica per entry, each at its tp; the trainer keeps the first ranks
+LAST ranks of the launch to one replica per entry, each at its tp (an MoE model's experts split inside those
+ranks over ``epM`` / ``etpK``: `config.generators.ReplicaLayout`); the trainer keeps the first ranks
 (world = trainer ranks + the sum of the generators' tp). After every ``--transfer-interval`` optimizer steps
 (and after the last one) the trainer's weights move to every replica by a planned weight transfer
 (`megareshard.transfer`, planned once and cached); the replicas then continue ``--generator-prompts`` greedily
@@ -7,8 +8,9 @@ with a key/value cache and tensor parallelism (`generation_kv.py`) and print::
 
     generator tp2 (step 3): 'def main(' -> 'self, x):\\n    return'
 
-**Process groups.** Every rank of the launch creates, in one order, the trainer's group (ranks ``[0, T)``) and
-each replica's tp group. On a trainer rank the trainer's group is then the *default* group for the whole run
+**Process groups.** Every rank of the launch creates, in one order, the trainer's group (ranks ``[0, T)``),
+each replica's tp group and, for a replica that splits an MoE model's experts otherwise than Megatron's default
+(``tp4ep2``: ep 2 · etp 2 inside its 4 tp ranks), that replica's expert groups. On a trainer rank the trainer's group is then the *default* group for the whole run
 (``dist.get_world_size()`` is T, every group the trainer creates is made inside it, under its own store prefix),
 so the trainer runs unchanged on its ranks, and the launch's world group carries only this module's traffic:
 
