@@ -115,7 +115,7 @@ def _num(r: dict[str, Any] | None, key: str, fmt) -> str:
 
 def format_grid(grid: dict[str, Any], format_table=None) -> str:
     """Markdown: the per-rate summary (measured and simulated), the target table, the target line, and
-    (with `format_table`, bench_pipeline's) every point's full table."""
+    (with `format_table`, pipeline_output.py's) every point's full table."""
     base, meth = grid["baseline"], grid["method"]
     extra = grid.get("extra") or EXTRA
     head = ["NIC Mbit/s", "run", f"{base} ms", f"{base} of its signal bound", f"{base} of its physical bound",
