@@ -138,7 +138,7 @@ def pack_grads(b: Bucket, D: int, dtype: torch.dtype, device: torch.device) -> t
         g = e.param.grad
         grads.append((g.detach() if g is not None else torch.zeros(e.param.shape, dtype=e.param.dtype,
                                                                      device=device)).reshape(e.rows, e.row_size))
-    if _chunk_cat is not None and D > 1:
+    if _chunk_cat is not None:   # one kernel (dp 1 too: a plain concatenation), not a copy per parameter
         _chunk_cat(grads, 0, D, out=flat.view(D, b.seg))
         return flat
     grid = flat.view(D, b.seg)
