@@ -58,8 +58,6 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
                                            "timers are not"),
     "--log-memory-to-tensorboard": (_FLAG, "memory is printed after the first iteration"),
     "--log-validation-ppl-to-tensorboard": (_FLAG, "validation perplexity is always logged"),
-    "--log-num-zeros-in-grad": (_FLAG, "not logged"),
-    "--log-params-norm": (_FLAG, "not logged"),
     "--timing-log-level": (_INT, "not logged"),
     "--use-cpu-initialization": (_FLAG, "weights are initialised from the seed on their device"),
     "--check-for-nan-in-loss-and-grad": (_FLAG, "the check is on by default (--no-check-for-nan-in-loss-and-grad "

@@ -29,8 +29,12 @@ def format_log_line(rec: dict[str, Any], train_iters: int) -> str:
     if "batch_size" in rec:
         parts.append(f"global batch size: {rec['batch_size']:5d}")
     parts += [f"lm loss: {rec['loss']:.6E}",
-              f"grad norm: {rec['grad_norm']:.3f}",
-              f"tokens/s: {rec['tokens_per_s']:.1f}",
+              f"grad norm: {rec['grad_norm']:.3f}"]
+    if "num_zeros" in rec:     # --log-num-zeros-in-grad, --log-params-norm: Megatron-LM's fields after the norm
+        parts.append(f"num zeros: {rec['num_zeros']:.1f}")
+    if "params_norm" in rec:
+        parts.append(f"params norm: {rec['params_norm']:.3f}")
+    parts += [f"tokens/s: {rec['tokens_per_s']:.1f}",
               f"TFLOP/s per rank: {rec['tflops_per_rank']:.3f}"]
     if rec.get("loss_scale", 1.0) != 1.0:  # fp16 only
         parts.append(f"loss scale: {rec['loss_scale']:.1f}")
@@ -118,6 +122,7 @@ class WandbTracker:
 class TensorBoardWriter:
     """TensorBoard event files (``torch.utils.tensorboard``) under ``--tensorboard-dir``, with Megatron-LM's tags
     and units (its ``training_log``): ``lm loss``, ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``,
+    ``num-zeros`` and ``params-norm`` (when logged),
     each also against consumed samples (``... vs samples``); ``iteration-time`` in seconds and, with
     --log-throughput, ``throughput`` (TFLOP/s per rank), against the iteration only; ``lm loss validation`` and
     ``lm loss validation ppl``, each also ``vs samples``. A no-op without a directory."""
@@ -126,6 +131,7 @@ class TensorBoardWriter:
     TAGS = {"loss": ("lm loss", 1.0, True), "lr": ("learning-rate", 1.0, True),
             "grad_norm": ("grad-norm", 1.0, True), "loss_scale": ("loss-scale", 1.0, True),
             "batch_size": ("batch-size", 1.0, True), "tflops_per_rank": ("throughput", 1.0, False),
+            "num_zeros": ("num-zeros", 1.0, True), "params_norm": ("params-norm", 1.0, True),
             "ms_per_iter": ("iteration-time", 1e-3, False)}  # milliseconds in the record, seconds in Megatron-LM
     VALIDATION = {"eval_loss": "lm loss validation", "eval_ppl": "lm loss validation ppl"}
 

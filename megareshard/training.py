@@ -69,6 +69,8 @@ class StepResult:
     lr: float
     skipped: bool = False
     moe: dict[str, float] = field(default_factory=dict)  # the router losses (MoE runs: train_report.MOE_LOSS_NAMES)
+    num_zeros: float | None = None     # --log-num-zeros-in-grad: zero elements of the clipped gradients
+    params_norm: float | None = None   # --log-params-norm: the parameters' L2 norm after the step
 
 
 @dataclass
@@ -375,10 +377,14 @@ class Trainer(Checkpointing, Reporting):
             reads = [self._dp_mean_tensor(local), norm.float().reshape(())]
             if check:
                 reads += [local, nonfinite_anywhere(local).reshape(())]
+            zeros = len(reads)
+            if self.cfg.logging.log_num_zeros_in_grad:   # an exact count: fp64 (so is the whole read)
+                reads.append(self.optimizer.grad_zeros_tensor())
             moe = self._moe_step_loss_sums(len(microbatches))   # MoE: the router losses, reduced (None: dense)
             if prefetch is not None:
                 prefetch()
-            values = torch.cat([torch.stack(reads)] + ([moe] if moe is not None else [])).tolist()
+            values = torch.cat([torch.stack([r.double().reshape(()) for r in reads])]
+                               + ([moe.double()] if moe is not None else [])).tolist()
             mean_loss, grad_norm = values[0], values[1]
             if check:  # collective when it raises: every rank stops together
                 entries = getattr(self.optimizer, "entries", ())
@@ -397,8 +403,13 @@ class Trainer(Checkpointing, Reporting):
                 self.memory = memory_per_stage(self.ctx, report, self.device)
         if not stepped:  # Megatron-LM: the learning-rate schedule advances only with an applied update
             self.scheduler.skipped()
+        params_norm = None
+        if self.cfg.logging.log_params_norm:   # of the updated parameters: a second read, as Megatron-LM's
+            params_norm = self.optimizer.param_norm_tensor().item()
         return StepResult(loss=mean_loss, grad_norm=grad_norm, lr=lr, skipped=not stepped,
-                          moe=self.moe_losses(values[len(reads):]) if moe is not None else {})
+                          moe=self.moe_losses(values[len(reads):]) if moe is not None else {},
+                          num_zeros=values[zeros] if self.cfg.logging.log_num_zeros_in_grad else None,
+                          params_norm=params_norm)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -450,6 +461,8 @@ class Trainer(Checkpointing, Reporting):
                    "consumed_samples": self.sampler.consumed_samples, "tokens_per_s": tokens_per_iter / elapsed,
                    "ms_per_iter": 1e3 * elapsed, "tflops_per_rank": flops / elapsed / self.world_size / 1e12,
                    "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped, **res.moe}
+            rec.update({k: v for k, v in (("num_zeros", res.num_zeros), ("params_norm", res.params_norm))
+                        if v is not None})
             nan = not res.skipped and not math.isfinite(res.loss)
             skipped, nans = skipped + res.skipped, nans + nan
             totals["skipped"] += res.skipped

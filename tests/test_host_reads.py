@@ -58,8 +58,9 @@ def _count_reads(monkeypatch, trainer: Trainer) -> list[list[tuple[str, str, int
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-check-for-nan-in-loss-and-grad"],
-                                   ["--num-experts", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]],
-                         ids=["nan-check", "no-nan-check", "moe-router-losses"])
+                                   ["--num-experts", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"],
+                                   ["--log-num-zeros-in-grad"]],
+                         ids=["nan-check", "no-nan-check", "moe-router-losses", "num-zeros"])
 def test_an_iteration_reads_the_device_once(monkeypatch, extra):
     trainer = _trainer(extra)
     steps = _count_reads(monkeypatch, trainer)
@@ -74,6 +75,8 @@ def test_an_iteration_reads_the_device_once(monkeypatch, extra):
         assert [(name, where) for name, where, _ in reads if where != "dispatch.py"] == [("tolist", "training.py")], \
             reads
     assert [r["consumed_samples"] for r in records] == [4, 8, 12, 16]  # prefetching does not advance the sampler
+    if "--log-num-zeros-in-grad" in extra:  # the count came with the one read, exact (fp64)
+        assert all(r["num_zeros"] == int(r["num_zeros"]) >= 0 for r in records), records
     if "--num-experts" in extra:  # the router losses came with the one read
         assert all(r["load_balancing_loss"] > 0 and r["z_loss"] > 0 for r in records), records
     trainer.close()

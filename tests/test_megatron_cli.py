@@ -46,7 +46,7 @@ def test_tensorboard_events_and_no_effect_line(tmp_path):
     cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "3", "--tensorboard-dir", tb,
                       "--log-throughput", "--use-flash-attn", "--no-masked-softmax-fusion", "--lr", "1e-3",
                       "--attention-dropout", "0",  # PyTorch's flash kernel for CPU has no dropout
-                      "--lr-warmup-iters", "1"] + TINY, world_size=1)
+                      "--lr-warmup-iters", "1", "--log-params-norm", "--log-num-zeros-in-grad"] + TINY, world_size=1)
     records = pretrain(cfg, out=out)
     log = out.getvalue()
     lines = [ln for ln in log.splitlines() if "flags without effect" in ln]
@@ -54,7 +54,9 @@ def test_tensorboard_events_and_no_effect_line(tmp_path):
     acc = EventAccumulator(tb)
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "throughput", "lm loss vs samples"} <= tags
+    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "throughput", "lm loss vs samples", "params-norm",
+            "num-zeros", "params-norm vs samples"} <= tags
+    assert [e.value for e in acc.Scalars("params-norm")] == pytest.approx([r["params_norm"] for r in records])
     loss = acc.Scalars("lm loss")
     assert [e.step for e in loss] == [1, 2, 3]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in records])

@@ -42,6 +42,7 @@ def test_tp2_pp2_with_eval_metrics_and_wandb(data, tmp_path):
     argv = _args(data, "--tensor-model-parallel-size", "2", "--train-iters", "6", "--pipeline-model-parallel-size", "2",
                  "--pipeline-schedule", "eager-1f1b", "--delay-wgrad-compute", "--zero-stage", "1",
                  "--eval-interval", "3", "--eval-iters", "1", "--log-interval", "2", "--metrics-file", str(metrics),
+                 "--log-params-norm", "--log-num-zeros-in-grad",
                  "--wandb-project", "mr-test", "--wandb-save-dir", str(tmp_path / "wb"))
     log = str(tmp_path / "rank{}.log")
     assert run_pretrain(argv, 4, log, timeout=300, env={"WANDB_MODE": "offline"}) == [0] * 4
@@ -54,7 +55,10 @@ def test_tp2_pp2_with_eval_metrics_and_wandb(data, tmp_path):
     assert "validation at iteration 3" in out and "W&B: run" in out and "offline" in out
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in recs] == list(range(1, 7))
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "ms_per_iter"} <= recs[0].keys()
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "ms_per_iter", "params_norm", "num_zeros"} <= recs[0].keys()
+    # Megatron-LM's fields, after the gradient norm (their values per layout: tests/test_training_equivalence.py)
+    assert re.search(r"grad norm: [\d.]+ \| num zeros: \d+\.\d \| params norm: [\d.]+ \|", out), out[-2000:]
+    assert all(r["params_norm"] > 0 and r["num_zeros"] >= 0 for r in recs)
     assert "eval_loss" in recs[2] and "eval_loss" in recs[5]
     assert any((tmp_path / "wb").rglob("*.wandb")), "the offline W&B run was written where asked"
 

@@ -128,6 +128,11 @@ class LoggingConfig:
     tensorboard_dir: str | None = _f(None, "write TensorBoard event files (loss, learning rate, ...) here")
     tensorboard_log_interval: int = _f(1, "iterations between TensorBoard records")
     log_throughput: bool = _f(False, "also write TFLOP/s per rank to TensorBoard (the log line always shows it)")
+    log_params_norm: bool = _f(False, "log the L2 norm of the model's parameters (the fp32 master weights, each "
+                                      "element once whatever the layout) after every step: one more device read "
+                                      "an iteration, as in Megatron-LM")
+    log_num_zeros_in_grad: bool = _f(False, "log how many elements of the (reduced, clipped) gradients are zero, "
+                                            "each element once whatever the layout (read with the gradient norm)")
     profile: bool = _f(False, "record a PyTorch profiler trace of iterations [--profile-step-start, "
                               "--profile-step-end) into --tensorboard-dir (or the current directory)")
     profile_step_start: int = _f(10, "first profiled iteration")
