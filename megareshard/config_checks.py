@@ -188,6 +188,9 @@ def validate(cfg: Config, world_size: int) -> Config:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
     if lg.tensorboard_log_interval < 1:
         raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")
+    if cfg.training.manual_gc_interval < 0:
+        raise ConfigError(f"--manual-gc-interval must be >= 0 (0: collect only at start-up and around evaluations), "
+                          f"got {cfg.training.manual_gc_interval}")
     if lg.profile and not 0 <= lg.profile_step_start < lg.profile_step_end:
         raise ConfigError(f"--profile needs 0 <= --profile-step-start {lg.profile_step_start} < "
                           f"--profile-step-end {lg.profile_step_end}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
 import signal
@@ -428,6 +429,22 @@ class Trainer(Checkpointing, Reporting):
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> list[dict[str, Any]]:
+        """Train to --train-iters (or an exit condition); returns the records of the iterations run. With
+        --manual-gc, Python's garbage collector is off inside (collected at start, every --manual-gc-interval
+        iterations and around evaluations, as Megatron-LM does, so that no rank stops for a collection while the
+        others wait in a collective) and back as it was afterwards."""
+        t = self.cfg.training
+        was_enabled = gc.isenabled()
+        if t.manual_gc:
+            gc.disable()
+            gc.collect()
+        try:
+            return self._train()
+        finally:
+            if t.manual_gc and was_enabled:
+                gc.enable()
+
+    def _train(self) -> list[dict[str, Any]]:
         cfg, t, lg = self.cfg, self.cfg.training, self.cfg.logging
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         flops = self.model_spec.flops_per_iteration(cfg, t.global_batch_size)
@@ -453,6 +470,8 @@ class Trainer(Checkpointing, Reporting):
             elapsed = time.perf_counter() - start
             self.iteration += 1
             self._report_compile_time(elapsed)
+            if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
+                gc.collect()
             if profiler is not None and self.iteration >= lg.profile_step_end:
                 self._stop_profiler(profiler)
                 profiler = None
@@ -479,7 +498,11 @@ class Trainer(Checkpointing, Reporting):
             rec["peak_mem_mb_per_stage"] = per_stage
             if self.eval_interval and self.iteration % self.eval_interval == 0 and self.valid_data is not None:
                 with self._activity(f"evaluation at iteration {self.iteration}"):
+                    if t.manual_gc and t.manual_gc_eval:
+                        gc.collect()
                     rec["eval_loss"] = self.evaluate()
+                    if t.manual_gc and t.manual_gc_eval:
+                        gc.collect()
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
             for action in self.step_end_actions:
                 action(self, rec)

@@ -6,6 +6,7 @@ import io
 import os
 
 import pytest
+import torch
 
 from megareshard.arguments import parse_args
 from megareshard.training import pretrain
@@ -96,3 +97,34 @@ def test_default_evaluation_is_megatrons_and_skipped_without_validation_data(tmp
                       "--eval-interval", "1"] + TINY, world_size=1)
     with pytest.raises(ConfigError, match="--eval-interval 1 needs validation data"):
         pretrain(cfg, out=io.StringIO())
+
+
+def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch):
+    """--manual-gc (Megatron-LM's, in its Llama-3 script): the collector is off while training (no rank stops for a
+    collection while the others wait in a collective), collects at start-up, every --manual-gc-interval iterations
+    and before and after each evaluation (--no-manual-gc-eval: not there), and is back on afterwards."""
+    import gc
+
+    from megareshard.training import Trainer, build_context
+
+    calls, enabled = [], []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(trainer.iteration) or real(*a))
+    for extra, want in ((["--manual-gc-interval", "3"], [0, 2, 2, 3, 4, 4, 6, 6, 6]),   # start, evals at 2/4/6, 3, 6
+                        (["--manual-gc-interval", "3", "--no-manual-gc-eval"], [0, 3, 6]),
+                        ([], [0, 2, 2, 4, 4, 6, 6])):
+        cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "6", "--eval-interval", "2",
+                          "--eval-iters", "1", "--manual-gc", "--lr", "1e-3"] + extra + TINY, world_size=1)
+        trainer = Trainer(cfg, build_context(cfg, 1)[0], torch.device("cpu"), out=io.StringIO())
+        trainer.step_hooks = (*trainer.step_hooks, lambda tr, it: enabled.append(gc.isenabled()))
+        calls.clear()
+        assert gc.isenabled()
+        trainer.train()
+        trainer.close()
+        assert calls == want and gc.isenabled() and enabled and not any(enabled), (extra, calls)
+        enabled.clear()
+    from megareshard.config_fields import ConfigError
+
+    with pytest.raises(ConfigError, match="--manual-gc-interval must be >= 0"):
+        parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "2", "--manual-gc-interval", "-1"],
+                   world_size=1)

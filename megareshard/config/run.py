@@ -106,6 +106,14 @@ class TrainingConfig:
                                          "not measured: memory-efficient attention on CUDA); refuses --attention-"
                                          "backend flash and fused and the max-autotune compile modes")
     exit_duration_in_mins: float | None = _f(None, "save (with --save) and exit once training has run this long")
+    manual_gc: bool = _f(False, "turn Python's garbage collector off during training and collect at fixed "
+                                "iterations instead (--manual-gc-interval), so that no rank pauses for a collection "
+                                "while the others wait for it in a collective (Megatron-LM's flag)")
+    manual_gc_interval: int = _f(0, "with --manual-gc: collect every N iterations (0: only at start-up and around "
+                                    "evaluations)", metavar="N")
+    manual_gc_eval: bool = _f(True, "with --manual-gc: collect before and after each evaluation; "
+                                    "--no-manual-gc-eval leaves the collector off there too",
+                              flag="--no-manual-gc-eval")
     check_for_nan_in_loss_and_grad: bool = _f(True, "stop at the first non-finite loss or gradient, naming the "
                                                     "iteration, the rank and the parameter (fp16 overflows with a "
                                                     "loss scaler still skip the step); "
