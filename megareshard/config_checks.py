@@ -274,17 +274,17 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
         raise ConfigError(f"--moe-token-drop-policy {m.moe_token_drop_policy} needs --moe-expert-capacity-factor: "
                           "without a capacity no token is dropped")
     for i, (stp, _) in enumerate(stages):
-        if m.moe_grouped_gemm:
+        where = f" (pipeline stage {i}, --stage-layouts entry tp{stp})" if p.stage_layouts else ""
+        try:
+            check_moe_config(m, stp, ep, stp if etp is None else etp, p.sequence_parallel and stp > 1)
+        except ConfigError as e:
+            raise ConfigError(f"--num-experts {E}{where}: {e}") from None
+        if m.moe_grouped_gemm:   # after the width is known to split over etp
             width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
             why = grouped_gemm_refusal(m.hidden_size, width // (stp if etp is None else etp),
                                        2 if cfg.memory.bf16 or cfg.memory.fp16 else 4)
             if why is not None:
-                raise ConfigError(why)
-        try:
-            check_moe_config(m, stp, ep, stp if etp is None else etp, p.sequence_parallel and stp > 1)
-        except ConfigError as e:
-            where = f" (pipeline stage {i}, --stage-layouts entry tp{stp})" if p.stage_layouts else ""
-            raise ConfigError(f"--num-experts {E}{where}: {e}") from None
+                raise ConfigError(f"{why}{where}")
 
 
 #: Megatron-FSDP's --data-parallel-sharding-strategy values and the ZeRO stage each is

@@ -105,8 +105,9 @@ def _label(d: Destination) -> str:
 
 
 def split_launch(cfg: Config, world: int) -> GeneratorLaunch:
-    """Collective over the launch's (default) group: the trainer's group and each replica's tp group, created in
-    the same order on every rank."""
+    """Collective over the launch's (default) group: the trainer's group, each replica's tp group and its expert
+    groups (a replica that splits an MoE model's experts otherwise than ep 1 · etp tp), created in the same order
+    on every rank."""
     layouts = parse_generator_layouts(cfg.generators.generator_layouts)
     trainer = world - sum(lay.tp for lay in layouts)
     if trainer < 1:

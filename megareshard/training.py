@@ -343,7 +343,8 @@ class Trainer(Checkpointing, Reporting):
                    prefetch: Callable[[], None] | None = None) -> StepResult:
         """One iteration: forward and backward over ``microbatches``, gradient reductions, clipping, the non-finite
         check, the optimizer step. Reads the device once (the logged loss and gradient norm, and the check's
-        flags, in one transfer), after calling ``prefetch`` (the loop's: the next batch read meanwhile)."""
+        flags, in one transfer), after calling ``prefetch`` (the loop's: the next batch read meanwhile); once more
+        after the step with --log-params-norm (the updated parameters' norm, as Megatron-LM reads it)."""
         lr = self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         meter = ActivationMeter(exclude=self.model.parameters(), device=self.device,  # ZeRO-3: gathered params
@@ -378,14 +379,15 @@ class Trainer(Checkpointing, Reporting):
             reads = [self._dp_mean_tensor(local), norm.float().reshape(())]
             if check:
                 reads += [local, nonfinite_anywhere(local).reshape(())]
-            zeros = len(reads)
-            if self.cfg.logging.log_num_zeros_in_grad:   # an exact count: fp64 (so is the whole read)
+            zeros, wide = len(reads), self.cfg.logging.log_num_zeros_in_grad
+            if wide:   # an exact count: fp64, and so the whole read (fp32 values widen exactly)
                 reads.append(self.optimizer.grad_zeros_tensor())
+            dtype = torch.float64 if wide else torch.float32   # fp32: no cast kernels
             moe = self._moe_step_loss_sums(len(microbatches))   # MoE: the router losses, reduced (None: dense)
             if prefetch is not None:
                 prefetch()
-            values = torch.cat([torch.stack([r.double().reshape(()) for r in reads])]
-                               + ([moe.double()] if moe is not None else [])).tolist()
+            values = torch.cat([torch.stack([r.to(dtype).reshape(()) for r in reads])]
+                               + ([moe.to(dtype)] if moe is not None else [])).tolist()
             mean_loss, grad_norm = values[0], values[1]
             if check:  # collective when it raises: every rank stops together
                 entries = getattr(self.optimizer, "entries", ())
@@ -409,7 +411,7 @@ class Trainer(Checkpointing, Reporting):
             params_norm = self.optimizer.param_norm_tensor().item()
         return StepResult(loss=mean_loss, grad_norm=grad_norm, lr=lr, skipped=not stepped,
                           moe=self.moe_losses(values[len(reads):]) if moe is not None else {},
-                          num_zeros=values[zeros] if self.cfg.logging.log_num_zeros_in_grad else None,
+                          num_zeros=values[zeros] if wide and stepped else None,
                           params_norm=params_norm)
 
     @torch.no_grad()
@@ -501,8 +503,8 @@ class Trainer(Checkpointing, Reporting):
                     if t.manual_gc and t.manual_gc_eval:
                         gc.collect()
                     rec["eval_loss"] = self.evaluate()
-                    if t.manual_gc and t.manual_gc_eval:
-                        gc.collect()
+                    if t.manual_gc and t.manual_gc_eval:   # what the evaluation made (Megatron-LM's generation 0)
+                        gc.collect(generation=0)
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
             for action in self.step_end_actions:
                 action(self, rec)

@@ -116,6 +116,9 @@ def test_generators_receive_every_transfer_exactly_and_sample_like_generate(tmp_
     (["--generator-layouts", "tp1,tp2ep2etp2"], 4, "entry 'tp2ep2etp2': expert-parallel size 2 × "
                                                    "expert-tensor-parallel size 2 does not divide its tensor-parallel "
                                                    "size 2"),
+    (["--generator-layouts", "tp2", "--num-experts", "4", "--moe-ffn-hidden-size", "4", "--disable-bias-linear",
+      "--moe-grouped-gemm"], 3, "generator replica 0 (tp2): --moe-grouped-gemm needs rows of a multiple of 16 bytes "
+                                "(torch._grouped_mm): a rank's expert width 2 not a multiple of 4"),
     (["--generator-layouts", "tp2ep2", "--num-experts", "3"], 3,
      "generator replica 0 (tp2ep2): num_experts 3 is not divisible by expert-model-parallel-size 2"),
 ])
@@ -157,8 +160,9 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
 def test_moe_generators_and_generate_tool_read_any_expert_layout(tmp_path, capsys):
     """MoE (issue #52): a trainer at tp 2 · ep 2 (etp 1, sequence parallel, capacity factor 1: tokens dropped in
     training) pushes to a tp 2 replica (ep 1, etp 2: every expert's half width on each rank; no sequence
-    parallelism, which generation does not need) and to a tp 2 · ep 2 one (`tp2ep2`: etp 1, two whole experts on
-    each rank, tokens dispatched between them). Their weights equal bitwise the checkpoint of that step cut to each
+    parallelism, which generation does not need), to a tp 2 · ep 2 one (`tp2ep2`: etp 1, two whole experts on
+    each rank, tokens dispatched between them) and to a `tp2etp1` one (every expert whole on both ranks: its two
+    expert-data-parallel copies). Their weights equal bitwise the checkpoint of that step cut to each
     layout, and greedy-with-cache through the MoE layers equals `generate_ids` on it; both route dropless (the
     capacity is a training device: Megatron-Core's inference router drops no token). (A replica holding all experts
     whole is tests/resharding/test_weight_transfer.py's tp 1 destination.) `tools/generate.py` on the tp 2 · ep 2
@@ -174,10 +178,11 @@ def test_moe_generators_and_generate_tool_read_any_expert_layout(tmp_path, capsy
     train = MODEL + MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size",
                            "2", "--expert-tensor-parallel-size", "1", "--train-iters", "1"]
     new = 6
-    argv = train + ["--save", root, "--save-interval", "1", "--generator-layouts", "tp2,tp2ep2",
+    argv = train + ["--save", root, "--save-interval", "1", "--generator-layouts", "tp2,tp2ep2,tp2etp1",
                     "--generator-max-new-tokens", str(new), "--generator-prompts", " ".join(map(str, PROMPTS[0]))]
-    res = run_ranks(_rank, 6, argv, nccl_check=True, timeout=240)
+    res = run_ranks(_rank, 8, argv, nccl_check=True, timeout=240)
     assert "generator tp2 (step 1): '1 2 3' -> " in res[2][2] and "generator tp2ep2 (step 1): '1 2 3' -> " in res[4][2]
+    assert "generator tp2etp1 (step 1): '1 2 3' -> " in res[6][2]
     ckpt = f"{root}/iter_0000001"
     _, weights = read_model_weights(ckpt)
     model, cfg = load_for_generation(ckpt)
@@ -194,6 +199,7 @@ def test_moe_generators_and_generate_tool_read_any_expert_layout(tmp_path, capsy
     fc2 = "layers.0.mlp.experts.fc2.weight"
     assert {d for r, n, d in boxes if n == fc2 and r == 0} == {"((4, 32, 16), (0, 0, 0))", "((4, 32, 16), (0, 0, 8))"}
     assert {d for r, n, d in boxes if n == fc2 and r == 1} == {"((4, 32, 16), (0, 0, 0))", "((4, 32, 16), (2, 0, 0))"}
+    assert {d for r, n, d in boxes if n == fc2 and r == 2} == {"((4, 32, 16), (0, 0, 0))"}   # whole, on both ranks
     # the same weights saved at ep 1 by one process (the tp 2 · ep 2 checkpoint read whole, saved again)
     CheckpointManager(ParallelContext.single_process(), out=None).save(single, 1, model=model)
     printed = []

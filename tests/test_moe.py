@@ -320,3 +320,19 @@ def test_tp_without_sequence_parallelism_is_for_generation_only():
     with pytest.raises(ConfigError) as e:
         layer.train()(torch.zeros(4, 1, 16))
     assert "need sequence parallelism in training" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grouped_gemm_refused_where_this_torch_has_no_kernel(monkeypatch):
+    """torch 2.8 has ``torch._grouped_mm`` but no CPU kernel for it: the layer probes the op once per device type and
+    refuses in one line, instead of failing at the first forward."""
+    from megareshard.models.moe import layer as moe_layer
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::_grouped_mm' with arguments from the 'CPU' backend.\nmore")
+
+    monkeypatch.setattr(torch, "_grouped_mm", no_kernel)
+    monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
+    with pytest.raises(ConfigError) as e:
+        _layer(_cfg(moe_grouped_gemm=True))
+    assert "cannot run torch._grouped_mm on cpu (Could not run 'aten::_grouped_mm'" in str(e.value)
+    assert "\n" not in str(e.value)

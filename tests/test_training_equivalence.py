@@ -40,6 +40,8 @@ def _run(cfg, ctx):
     indices = next(trainer._train_iter)
     first = trainer.train_step(trainer._microbatches(trainer.train_data, indices))
     trainer.iteration = 1
+    if ctx.world_size == 1:   # the logged count is the zero elements of the clipped gradients the step used
+        assert first.num_zeros == sum(int((e.master.grad == 0).sum()) for e in trainer.optimizer.entries)
     trainer.optimizer.materialize_param_grads()  # ZeRO keeps reduced gradients on its shards
     grads = gather_full_state_dict(trainer.model, ctx, grads=True)
     records = trainer.train()

@@ -80,7 +80,7 @@ def trainer_world_size(cfg, world_size: int) -> int:
     took the last ones; checks the generator flags against the model and the launch (one line with the numbers).
     Without --generator-layouts: ``world_size``."""
     from .model import check_model_shape
-    from .moe import check_moe_config
+    from .moe import check_moe_config, grouped_gemm_refusal
 
     g = cfg.generators
     layouts = parse_generator_layouts(g.generator_layouts)
@@ -108,6 +108,12 @@ def trainer_world_size(cfg, world_size: int) -> int:
             check_moe_config(m, tp, lay.ep, lay.expert_tp, training=False)
         except ConfigError as e:
             raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}: {e}") from None
+        if m.num_experts is not None and m.moe_grouped_gemm:   # the replica runs them too, at its own width
+            width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
+            why = grouped_gemm_refusal(m.hidden_size, width // lay.expert_tp,
+                                       2 if cfg.memory.bf16 or cfg.memory.fp16 else 4)
+            if why is not None:
+                raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}: {why}")
     tps = [lay.tp for lay in layouts]
     trainer = world_size - sum(tps)
     need = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size

@@ -70,6 +70,27 @@ class SharedExpertMLP(nn.Module):
         return self.fc2(inner)
 
 
+_GROUPED_MM_RUNS: dict[str, str | None] = {}
+
+
+def _grouped_mm_missing(device: torch.device) -> str | None:
+    """Why this torch cannot run ``torch._grouped_mm`` on ``device``'s type (None when it can): the op is missing,
+    or (torch 2.8 on CPU) has no kernel there. Probed once per device type on two tiny aligned groups."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"--moe-grouped-gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
+    if device.type not in _GROUPED_MM_RUNS:
+        try:
+            torch._grouped_mm(torch.zeros(2, 8, device=device), torch.zeros(2, 8, 8, device=device),
+                              offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
+            _GROUPED_MM_RUNS[device.type] = None
+        except (NotImplementedError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            _GROUPED_MM_RUNS[device.type] = (f"--moe-grouped-gemm: torch {torch.__version__} cannot run "
+                                             f"torch._grouped_mm on {device.type} ({first}); leave it off for one "
+                                             "GEMM per expert")
+    return _GROUPED_MM_RUNS[device.type]
+
+
 class MoELayer(nn.Module):
     """Routed experts (and optional shared experts) in place of the dense MLP of one Transformer layer.
 
@@ -86,8 +107,8 @@ class MoELayer(nn.Module):
             width = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
             why = grouped_gemm_refusal(cfg.hidden_size, width // ctx.etp_size, 2 if dtype in (torch.bfloat16,
                                                                                           torch.float16) else 4)
-            if not hasattr(torch, "_grouped_mm"):
-                why = f"--moe-grouped-gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
+            if why is None:
+                why = _grouped_mm_missing(torch.device(device) if device is not None else torch.device("cpu"))
             if why is not None:
                 raise ConfigError(why)
         self.router = TopKRouter(cfg, ctx, prefix, init, sp, device, dtype)
