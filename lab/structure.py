@@ -149,7 +149,7 @@ FLOORS = [
     ("models and the pipeline", {"model_spec", "models", "pipeline", "memory"}),
     ("plans and checkpoints", {"checkpoint", "planner", "run_plan", "generation", "generation_kv", "transfer"}),
     ("assembly", {"config_checks", "input_checks", "inputs", "components", "run_setup", "train_report", "fast_path",
-                  "generators", "train_checkpoints"}),
+                  "generators", "train_checkpoints", "train_grads"}),
     ("front doors", {"arguments", "training", "cli", "entry"}),
 ]
 

@@ -52,8 +52,8 @@ import torch.distributed as dist
 
 from ..parallel import ParallelContext
 from ..parallel.collectives import all_gather_into, reduce_scatter_into
-from .clip_grads import counts_in_grad_norm
 from .grad_scaler import LossScaler
+from .zero_norms import count_zeros, over_the_model, sum_of_squares
 from .zero_shards import Bucket, ShardEntry, ShardInfo, pack_grads, unpack_rows
 
 __all__ = ["ZeroOptimizer", "ShardInfo", "apex_fused_adam_available", "adamw_kind", "build_zero_optimizer"]
@@ -63,20 +63,6 @@ logger = logging.getLogger("megareshard")
 #: gradient reductions a hook-driven stage (2 with overlap, 3) keeps in flight before it waits for the oldest:
 #: each holds its bucket's packed gradients, which would otherwise pile up over the microbatches
 MAX_INFLIGHT_REDUCTIONS = 2  # planner/costs.py holds the same number
-
-
-def _count_zeros(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """Elements equal to zero in ``tensors`` (fp64: exact to 2**53)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([(t == 0).sum() for t in tensors]).sum().double()
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Σ‖g‖² over ``grads`` (fp32, 0-d, on ``device``; a fresh tensor, safe to all-reduce in place)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
 
 def apex_fused_adam_available() -> bool:
@@ -385,47 +371,19 @@ class ZeroOptimizer:
 
     def grad_norm_tensor(self) -> torch.Tensor:
         """Global L2 norm (fp32, a 0-d tensor on the gradients' device, no host read) of the gradients of the full
-        model, each element counted once (`_over_the_model`). Per-shard norms come from one multi-tensor kernel
+        model, each element counted once (`zero_norms.over_the_model`). Per-shard norms come from one multi-tensor kernel
         (``torch._foreach_norm``, as ``torch.nn.utils.clip_grad_norm_`` computes them), not two kernels a shard."""
-        return self._over_the_model(lambda e: e.master.grad, _sum_of_squares).sqrt()
+        return over_the_model(self, lambda e: e.master.grad, sum_of_squares).sqrt()
 
     def param_norm_tensor(self) -> torch.Tensor:
         """Global L2 norm (fp32, 0-d, no host read) of the model's parameters — the fp32 master weights, each
         element once (Megatron-LM's ``calc_params_l2_norm`` for ``--log-params-norm``)."""
-        return self._over_the_model(lambda e: e.master, _sum_of_squares).sqrt()
+        return over_the_model(self, lambda e: e.master, sum_of_squares).sqrt()
 
     def grad_zeros_tensor(self) -> torch.Tensor:
         """How many elements of the gradients of the full model are exactly zero (fp64, 0-d, no host read), each
         element once (Megatron-LM's ``count_zeros_fp32`` for ``--log-num-zeros-in-grad``)."""
-        return self._over_the_model(lambda e: e.master.grad, _count_zeros)
-
-    def _over_the_model(self, pick, total) -> torch.Tensor:
-        """``total(tensors, device)`` (a 0-d tensor: a sum over elements) of ``pick(entry)`` over the full model,
-        each element counted once: summed over this rank's shards, over dp (stage>=1: shards are disjoint) and over
-        the model-parallel group with the tp rules of ``clip_grads`` (replicated-over-tp params only on tp rank 0,
-        a tied-embedding duplicate never); MoE expert tensors over their edp shards and the stage's expert ranks."""
-        tp_rank = self.ctx.tp_rank()
-        dev = self.entries[0].master.device
-        dense: list[torch.Tensor] = []
-        experts: list[torch.Tensor] = []     # MoE expert weights
-        for e in self.entries:
-            if not e.expert and not counts_in_grad_norm(e.param, tp_rank):
-                continue
-            t = pick(e)
-            if t is not None and t.numel():
-                (experts if e.expert else dense).append(t)
-        sq, esq = total(dense, dev), total(experts, dev)
-        if self.shard_dp > 1:
-            dist.all_reduce(sq, group=self.ctx.dp_group)
-        if self.has_experts:   # every expert element once: over its edp shards, then over the experts of the stage
-            if self.expert_shard_dp > 1:
-                dist.all_reduce(esq, group=self.ctx.edp_group)
-            if self.ctx.etp_ep_size > 1:
-                dist.all_reduce(esq, group=self.ctx.etp_ep_group)
-            if tp_rank == 0:   # the stage's whole expert total, counted on one tp rank of the model-parallel sum
-                sq += esq
-        self.ctx.sum_over_model_parallel(sq)  # tp × pp (per-stage layouts: once per stage replica)
-        return sq
+        return over_the_model(self, lambda e: e.master.grad, count_zeros)
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         """Clip the sharded gradients to ``max_norm`` (0 disables) without reading anything on the host; returns
