@@ -106,7 +106,7 @@ def test_tiny_determinism_and_compile_modes(tmp_path):
     from megareshard.config.compile import COMPILE_MODES
 
     res = _gpu_checks(tmp_path, "--parts", "determinism,compile_modes", "--determinism-runs",
-                      "bf16,bf16_again,bf16_first_half,bf16_resumed", "--compile-modes", "reduce-overhead,max-autotune")
+                      "bf16,bf16_again,bf16_first_half,bf16_resumed", "--compile-modes", "reduce-overhead")
     d = res["determinism"]
     assert d["same_command_bitwise_equal"] is True and d["resume_bitwise_equal"] is True, d
     # as printed and at full precision (--metrics-file: the same path for every run, so the same command)
@@ -129,12 +129,13 @@ def test_tiny_determinism_and_compile_modes(tmp_path):
     assert d["deterministic_mode"]["same_command_bitwise_equal"] is None and d["max_rel_diff_bf16_vs_fp32"] is None
     c = res["compile_modes"]
     assert c["choices"] == list(COMPILE_MODES)  # as pretrain_gpt.py --help offers them
-    for mode in ("reduce-overhead", "max-autotune"):  # the CUDA-graph modes: refused, in one line
-        m = c["modes"][mode]
-        assert m["status"] == "refused" and m["rc"] == 2 and m["trained"] is False
-        assert m["line"].startswith(f"pretrain_gpt.py: error: --torch-compile-mode {mode} cannot train here")
-    assert c["modes"]["default"]["status"] == "skipped" and set(res["part_seconds"]) == {"determinism",
-                                                                                         "compile_modes"}
+    # a CUDA-graph mode: refused, in one line, read from the launch's stderr (max-autotune's refusal is the same
+    # check: tests/test_fast_path.py; one launch of the tool's machinery is enough here)
+    m = c["modes"]["reduce-overhead"]
+    assert m["status"] == "refused" and m["rc"] == 2 and m["trained"] is False
+    assert m["line"].startswith("pretrain_gpt.py: error: --torch-compile-mode reduce-overhead cannot train here")
+    assert c["modes"]["default"]["status"] == c["modes"]["max-autotune"]["status"] == "skipped"
+    assert set(res["part_seconds"]) == {"determinism", "compile_modes"}
 
 
 def test_report_puts_reruns_side_by_side_and_names_what_did_not_run(tmp_path):
