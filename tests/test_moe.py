@@ -324,7 +324,7 @@ def test_tp_without_sequence_parallelism_is_for_generation_only():
 
 def test_grouped_gemm_refused_where_this_torch_has_no_kernel(monkeypatch):
     """torch 2.8 has ``torch._grouped_mm`` but no CPU kernel for it: the layer probes the op once per device type and
-    refuses in one line, instead of failing at the first forward."""
+    dtype (the one its GEMMs run in) and refuses in one line, instead of failing at the first forward."""
     from megareshard.models.moe import layer as moe_layer
 
     def no_kernel(*args, **kwargs):
@@ -334,5 +334,5 @@ def test_grouped_gemm_refused_where_this_torch_has_no_kernel(monkeypatch):
     monkeypatch.setattr(moe_layer, "_GROUPED_MM_RUNS", {})
     with pytest.raises(ConfigError) as e:
         _layer(_cfg(moe_grouped_gemm=True))
-    assert "cannot run torch._grouped_mm on cpu (Could not run 'aten::_grouped_mm'" in str(e.value)
+    assert "cannot run torch._grouped_mm on cpu in float32 (Could not run 'aten::_grouped_mm'" in str(e.value)
     assert "\n" not in str(e.value)

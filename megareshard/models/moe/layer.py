@@ -70,25 +70,28 @@ class SharedExpertMLP(nn.Module):
         return self.fc2(inner)
 
 
-_GROUPED_MM_RUNS: dict[str, str | None] = {}
+_GROUPED_MM_RUNS: dict[tuple[str, torch.dtype], str | None] = {}
 
 
-def _grouped_mm_missing(device: torch.device) -> str | None:
-    """Why this torch cannot run ``torch._grouped_mm`` on ``device``'s type (None when it can): the op is missing,
-    or (torch 2.8 on CPU) has no kernel there. Probed once per device type on two tiny aligned groups."""
+def _grouped_mm_missing(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this torch cannot run ``torch._grouped_mm`` on ``device``'s type in ``dtype`` (None when it can): the op
+    is missing, or has no kernel there (torch 2.8 on CPU; CUDA's needs bf16 on the GPUs of its release notes).
+    Probed once per device type and dtype on two tiny aligned groups."""
     if not hasattr(torch, "_grouped_mm"):
         return f"--moe-grouped-gemm needs torch._grouped_mm, which torch {torch.__version__} does not have"
-    if device.type not in _GROUPED_MM_RUNS:
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_RUNS:
         try:
-            torch._grouped_mm(torch.zeros(2, 8, device=device), torch.zeros(2, 8, 8, device=device),
+            torch._grouped_mm(torch.zeros(2, 8, device=device, dtype=dtype),
+                              torch.zeros(2, 8, 8, device=device, dtype=dtype),
                               offs=torch.tensor([1, 2], dtype=torch.int32, device=device))
-            _GROUPED_MM_RUNS[device.type] = None
+            _GROUPED_MM_RUNS[key] = None
         except (NotImplementedError, RuntimeError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            _GROUPED_MM_RUNS[device.type] = (f"--moe-grouped-gemm: torch {torch.__version__} cannot run "
-                                             f"torch._grouped_mm on {device.type} ({first}); leave it off for one "
-                                             "GEMM per expert")
-    return _GROUPED_MM_RUNS[device.type]
+            _GROUPED_MM_RUNS[key] = (f"--moe-grouped-gemm: torch {torch.__version__} cannot run torch._grouped_mm on "
+                                     f"{device.type} in {str(dtype).replace('torch.', '')} ({first}); leave it off "
+                                     "for one GEMM per expert")
+    return _GROUPED_MM_RUNS[key]
 
 
 class MoELayer(nn.Module):
@@ -108,7 +111,7 @@ class MoELayer(nn.Module):
             why = grouped_gemm_refusal(cfg.hidden_size, width // ctx.etp_size, 2 if dtype in (torch.bfloat16,
                                                                                           torch.float16) else 4)
             if why is None:
-                why = _grouped_mm_missing(torch.device(device) if device is not None else torch.device("cpu"))
+                why = _grouped_mm_missing(torch.device(device) if device is not None else torch.device("cpu"), dtype)
             if why is not None:
                 raise ConfigError(why)
         self.router = TopKRouter(cfg, ctx, prefix, init, sp, device, dtype)
