@@ -15,7 +15,7 @@ import warnings
 from . import run_plan
 from .compile_config import check_compile_config, check_compile_scope
 from .config import Config
-from .config.moe import check_moe_config, grouped_gemm_refusal
+from .config.moe import check_moe_config, expert_width, grouped_gemm_refusal
 from .config_fields import ConfigError
 from .config.generators import trainer_world_size
 from .input_checks import validate_checkpoint, validate_data, validate_deterministic, validate_schedule
@@ -280,8 +280,7 @@ def _validate_moe(cfg: Config, world_size: int, dp: int) -> None:
         except ConfigError as e:
             raise ConfigError(f"--num-experts {E}{where}: {e}") from None
         if m.moe_grouped_gemm:   # after the width is known to split over etp
-            width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
-            why = grouped_gemm_refusal(m.hidden_size, width // (stp if etp is None else etp),
+            why = grouped_gemm_refusal(m.hidden_size, expert_width(m) // (stp if etp is None else etp),
                                        2 if cfg.memory.bf16 or cfg.memory.fp16 else 4)
             if why is not None:
                 raise ConfigError(f"{why}{where}")

@@ -10,7 +10,8 @@ with a key/value cache and tensor parallelism (`generation_kv.py`) and print::
 
 **Process groups.** Every rank of the launch creates, in one order, the trainer's group (ranks ``[0, T)``),
 each replica's tp group and, for a replica that splits an MoE model's experts otherwise than Megatron's default
-(``tp4ep2``: ep 2 · etp 2 inside its 4 tp ranks), that replica's expert groups. On a trainer rank the trainer's group is then the *default* group for the whole run
+(``tp4ep2``: ep 2 · etp 2 inside its 4 tp ranks), that replica's expert groups. On a trainer rank the trainer's
+group is then the *default* group for the whole run
 (``dist.get_world_size()`` is T, every group the trainer creates is made inside it, under its own store prefix),
 so the trainer runs unchanged on its ranks, and the launch's world group carries only this module's traffic:
 

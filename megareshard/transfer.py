@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint.state import _canonical, _cut, _model_box, _param_shards
+from .config.moe import expert_width
 from .models.config import ModelConfig
 from .models.hf import hf_model_type, state_dict_to_hf
 from .resharding.network import NetworkModel
@@ -147,7 +148,7 @@ def _check_destination(d: Destination, cfg: ModelConfig) -> None:
         if ep != 1 or d.etp is not None:
             raise ValueError(f"destination {d.name}: ep {ep} / etp {etp} given but the model has no experts")
         return
-    f = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+    f = expert_width(cfg)
     if d.tp % (ep * etp):
         raise ValueError(f"destination {d.name}: ep {ep} × etp {etp} = {ep * etp} does not divide its tp {d.tp} (the "
                          f"experts are split inside each stage's tp ranks; e.g. ep {ep} with etp {d.tp // ep or 1})")

@@ -80,7 +80,7 @@ def trainer_world_size(cfg, world_size: int) -> int:
     took the last ones; checks the generator flags against the model and the launch (one line with the numbers).
     Without --generator-layouts: ``world_size``."""
     from .model import check_model_shape
-    from .moe import check_moe_config, grouped_gemm_refusal
+    from .moe import check_moe_config, expert_width, grouped_gemm_refusal
 
     g = cfg.generators
     layouts = parse_generator_layouts(g.generator_layouts)
@@ -109,8 +109,7 @@ def trainer_world_size(cfg, world_size: int) -> int:
         except ConfigError as e:
             raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}: {e}") from None
         if m.num_experts is not None and m.moe_grouped_gemm:   # the replica runs them too, at its own width
-            width = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn_hidden_size
-            why = grouped_gemm_refusal(m.hidden_size, width // lay.expert_tp,
+            why = grouped_gemm_refusal(m.hidden_size, expert_width(m) // lay.expert_tp,
                                        2 if cfg.memory.bf16 or cfg.memory.fp16 else 4)
             if why is not None:
                 raise ConfigError(f"--generator-layouts {g.generator_layouts}: {name}: {why}")

@@ -8,7 +8,8 @@ import ast
 
 from .fields import ConfigError
 
-__all__ = ["moe_layer_pattern", "is_moe_layer", "capacity_factor", "check_moe_config", "grouped_gemm_refusal"]
+__all__ = ["moe_layer_pattern", "is_moe_layer", "capacity_factor", "expert_width", "check_moe_config",
+           "grouped_gemm_refusal"]
 
 
 def _eval_pattern(node: ast.AST):
@@ -58,6 +59,11 @@ def capacity_factor(cfg) -> float | None:
     return None if f is None or f < 0 else f
 
 
+def expert_width(cfg) -> int:
+    """An expert's hidden width: ``moe_ffn_hidden_size``, or the dense ``ffn_hidden_size`` when unset (Megatron's)."""
+    return cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+
+
 def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequence_parallel: bool = False, *,
                      training: bool = True) -> None:
     """One line with the numbers for an MoE configuration that cannot be built (nothing without num_experts).
@@ -67,7 +73,7 @@ def check_moe_config(cfg, tp: int = 1, ep: int = 1, etp: int | None = None, sequ
         return
     etp = tp if etp is None else etp
     E, k = cfg.num_experts, cfg.moe_router_topk
-    f = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+    f = expert_width(cfg)
     if E < 1:
         raise ConfigError(f"num_experts must be at least 1, got {E}")
     if not 1 <= k <= E:

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...config.moe import expert_width
 from ...parallel import ParallelContext
 from ...tensor_parallel import set_tensor_model_parallel_attributes
 from ..components import gelu, swiglu
@@ -56,7 +57,7 @@ class GroupedExperts(nn.Module):
                  device=None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         E, h = cfg.num_experts, cfg.hidden_size
-        f = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
+        f = expert_width(cfg)
         ep, etp = ctx.ep_size, ctx.etp_size
         self.num_local_experts = E // ep
         first = ctx.ep_rank() * self.num_local_experts

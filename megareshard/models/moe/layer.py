@@ -29,7 +29,7 @@ from torch import nn
 
 from ...compile_boundary import outside_compiled_regions
 from ...config.fields import ConfigError
-from ...config.moe import grouped_gemm_refusal
+from ...config.moe import expert_width, grouped_gemm_refusal
 from ...parallel import ParallelContext
 from ...tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..components import gelu, swiglu
@@ -107,9 +107,8 @@ class MoELayer(nn.Module):
         check_moe_config(cfg, ctx.tp_size, ctx.ep_size, ctx.etp_size, sp, training=False)
         self.tp_without_sp = ctx.tp_size if ctx.tp_size > 1 and not sp else 0   # inference only (forward)
         if cfg.moe_grouped_gemm:
-            width = cfg.moe_ffn_hidden_size if cfg.moe_ffn_hidden_size is not None else cfg.ffn_hidden_size
-            why = grouped_gemm_refusal(cfg.hidden_size, width // ctx.etp_size, 2 if dtype in (torch.bfloat16,
-                                                                                          torch.float16) else 4)
+            why = grouped_gemm_refusal(cfg.hidden_size, expert_width(cfg) // ctx.etp_size,
+                                       2 if dtype in (torch.bfloat16, torch.float16) else 4)
             if why is None:
                 why = _grouped_mm_missing(torch.device(device) if device is not None else torch.device("cpu"), dtype)
             if why is not None:
