@@ -77,8 +77,14 @@ def _child(rank: int, world_size: int, store_path: str | None, stack_path: str,
         from megareshard.parallel import nccl_check
 
         nccl_check.maybe_install()  # MEGARESHARD_NCCL_CHECK=DIR: record every operation (run_ranks(nccl_check=True))
+        failure = None
         try:
             result = fn(rank, world_size, *args, **kwargs)
+        except BaseException:
+            # reported before leaving: the peers this rank left blocked in a collective never come to leave, and
+            # run_ranks' grace period for them starts at this report, not after _leave_together's 10 s
+            failure = traceback.format_exc()
+            queue.put((rank, False, failure))
         finally:
             nccl_check.dump()
             _leave_together(store, rank, world_size)
@@ -86,7 +92,8 @@ def _child(rank: int, world_size: int, store_path: str | None, stack_path: str,
                 dist.destroy_process_group()
             except Exception:
                 pass
-        queue.put((rank, True, pickle.dumps(result)))
+        if failure is None:
+            queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including DCP's BaseException subclasses
         queue.put((rank, False, traceback.format_exc()))
 
