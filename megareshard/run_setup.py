@@ -108,10 +108,11 @@ def peak_memory_per_stage(ctx: ParallelContext, device: torch.device) -> list[fl
     One MAX all-reduce over the world of a pp-long vector holding this rank's peak in its
     stage's slot (the first stage usually runs out first: it holds the most activations).
     """
+    if not (dist.is_initialized() and ctx.world_size > 1):  # nothing to reduce: host values, no device read
+        return [round(peak_memory_mb(device), 1) if s == ctx.pp_rank() else 0.0 for s in range(ctx.pp_size)]
     vec = torch.zeros(ctx.pp_size, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     vec[ctx.pp_rank()] = peak_memory_mb(device)
-    if dist.is_initialized() and ctx.world_size > 1:
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
     return [round(v, 1) for v in vec.tolist()]
 
 

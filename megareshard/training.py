@@ -380,17 +380,21 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
             print(f" training iterations {self.iteration + 1}-{t.train_iters}; the first one also pays one-time "
                   "costs (allocations, communicator set-up)", file=self.out, flush=True)
         profiler = None
+        # An iteration's time runs from the previous iteration's end to its own (as Megatron-LM's interval timer,
+        # less evaluations and checkpoint saves): on a GPU the optimizer step is still running when train_step
+        # returns, and it is the next iteration's host read that waits for it.
+        mark = time.perf_counter()
         while self.iteration < t.train_iters:
             if lg.profile and self.iteration == lg.profile_step_start:
                 profiler = self._start_profiler()
             indices = next(self._train_iter)
-            start = time.perf_counter()
             ready, self._prefetched = self._prefetched, None
             with self._activity(f"iteration {self.iteration + 1}"):
                 batch = ready[1] if ready is not None and ready[0] == indices else \
                     self._microbatches(self.train_data, indices)
                 res = self.train_step(batch, prefetch=self._prefetch_next_batch)
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
+            elapsed, mark = end - mark, end
             self.iteration += 1
             self._report_compile_time(elapsed)
             if t.manual_gc and t.manual_gc_interval and self.iteration % t.manual_gc_interval == 0:
@@ -416,9 +420,9 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                 rec["memory_per_stage"] = [m.to_dict() for m in self.memory]
                 if self.reporting:
                     print(self._memory_lines(), file=self.out, flush=True)
-            per_stage = peak_memory_per_stage(self.ctx, self.device)
-            rec["peak_mem_mb"] = max(per_stage)
-            rec["peak_mem_mb_per_stage"] = per_stage
+            log_line = self.iteration % lg.log_interval == 0 or self.iteration in (1, t.train_iters)
+            if log_line:  # a collective and, on a GPU, a host read: at log lines only (every rank the same)
+                self._record_peak_memory(rec)
             if self.eval_interval and self.iteration % self.eval_interval == 0 and self.valid_data is not None:
                 with self._activity(f"evaluation at iteration {self.iteration}"):
                     if t.manual_gc and t.manual_gc_eval:
@@ -427,6 +431,7 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                     if t.manual_gc and t.manual_gc_eval:   # what the evaluation made (Megatron-LM's generation 0)
                         gc.collect(generation=0)
                 rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+                mark = time.perf_counter()
             for action in self.step_end_actions:
                 action(self, rec)
             self.records.append(rec)
@@ -437,14 +442,17 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                                      {k: v for k, v in rec.items() if k != "tflops_per_rank"}, step=self.iteration)
                 # the first and the last iteration too: a run shorter than --log-interval (Megatron's 100) still
                 # shows its first loss, time per iteration and ETA, and where it ended
-                if self.iteration % lg.log_interval == 0 or self.iteration in (1, t.train_iters):
+                if log_line:
                     print(self._with_moe_losses(format_log_line(rec, t.train_iters), rec), file=self.out, flush=True)
                     skipped = nans = 0
                 if "eval_loss" in rec:
                     print(f" validation at iteration {self.iteration} | lm loss: {rec['eval_loss']:.6E} | "
                           f"lm loss PPL: {rec['eval_ppl']:.3f}", file=self.out, flush=True)
+            saved = self._last_saved
             if self._checkpoint_and_maybe_exit():
                 break
+            if self._last_saved != saved:
+                mark = time.perf_counter()
         else:
             if self.cfg.checkpoint.save and self._last_saved != self.iteration:
                 self.save_checkpoint()
@@ -452,6 +460,8 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
             self._stop_profiler(profiler)
         if self.reporting and self.iteration > first_iteration:
             self._print_summary(first_iteration, totals)
+        if self.records and "peak_mem_mb_per_stage" not in self.records[-1]:  # stopped between log lines
+            self._record_peak_memory(self.records[-1])
         if self.records and self.reporting:
             kind = "max allocated" if self.device.type == "cuda" else "max RSS"
             per_stage = ", ".join(f"stage {i} {v:.1f}" for i, v in enumerate(self.records[-1]["peak_mem_mb_per_stage"]))
@@ -459,6 +469,10 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                   file=self.out, flush=True)
         self._show_activations()
         return self.records
+
+    def _record_peak_memory(self, rec: dict[str, Any]) -> None:
+        per_stage = peak_memory_per_stage(self.ctx, self.device)
+        rec["peak_mem_mb"], rec["peak_mem_mb_per_stage"] = max(per_stage), per_stage
 
     def _activity(self, what: str, timed: bool = True):
         return self.watchdog.activity(what, timed) if self.watchdog is not None else contextlib.nullcontext()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+from time import monotonic as time_monotonic
 
 import pytest
 import torch
@@ -102,3 +103,62 @@ def test_the_prefetched_batch_is_the_one_trained_on(monkeypatch):
         got.append((res.loss, res.grad_norm))
     plain.close()
     assert [(r["loss"], r["grad_norm"]) for r in records] == got
+
+
+def test_the_loop_reads_the_device_once_an_iteration_between_log_lines(monkeypatch):
+    """Outside train_step too: the peak memory per stage (a collective and, on a GPU, a read) is gathered at log
+    lines only, and on one rank it is a host value; a run that stops between log lines gathers it at the end."""
+    trainer = _trainer(["--train-iters", "6", "--exit-interval", "5"])
+    spans: list[list[tuple[str, str]]] = [[]]   # the reads from one train_step's start to the next's (the loop's)
+
+    def wrap(name, orig):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(PACKAGE):
+                spans[-1].append((name, os.path.basename(caller)))
+            return orig(self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    step = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda *a, **k: spans.append([]) or step(*a, **k))
+    records = trainer.train()
+    trainer.close()
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5]   # --exit-interval 5: stopped between log lines
+    assert len(spans) == 6   # set-up, then the 5 iterations (the last one's span runs to the end of train())
+    for reads in spans[2:]:  # iterations 2-5 whole: train_step's one read, nothing else from the loop
+        assert reads == [("tolist", "training.py")], reads
+    assert "peak_mem_mb_per_stage" in records[0] and all("peak_mem_mb" not in r for r in records[1:4])
+    assert records[-1]["peak_mem_mb_per_stage"] == [records[-1]["peak_mem_mb"]] and records[-1]["peak_mem_mb"] > 0
+
+
+def test_an_iteration_is_timed_from_the_previous_ones_end_less_evaluation_and_saves(monkeypatch, tmp_path):
+    """ms_per_iter runs from one iteration's end to the next's (on a GPU train_step returns with its optimizer step
+    still running, and the next iteration's read waits for it), less evaluations and checkpoint saves, as Megatron-LM
+    stops its interval timer for them. A clock the test moves: train_step takes 10, the work between iterations 3,
+    an evaluation 100, a save 1000."""
+    from megareshard import training
+
+    clock = [0.0]
+    monkeypatch.setattr(training, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0]),
+                                                           "monotonic": staticmethod(time_monotonic)}))
+    trainer = _trainer(["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--save",
+                        str(tmp_path / "ck"), "--save-interval", "3"])
+    step, evaluate, save = trainer.train_step, trainer.evaluate, trainer.save_checkpoint
+
+    def advance(by, fn):
+        def run(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            clock[0] += by
+            return out
+        return run
+    monkeypatch.setattr(trainer, "train_step", advance(10.0, step))
+    monkeypatch.setattr(trainer, "evaluate", advance(100.0, evaluate))
+    monkeypatch.setattr(trainer, "save_checkpoint", advance(1000.0, save))
+    trainer.step_end_actions.append(lambda tr, rec: clock.__setitem__(0, clock[0] + 3.0))
+    records = trainer.train()
+    trainer.close()
+    # 1: its train_step; 2: the 3 after iteration 1 and its own 10; 3: after the evaluation (excluded) the 3 of
+    # iteration 2's end, then 10; 4: iteration 3's save excluded, what followed it (nothing timed) and its 10
+    assert [r["ms_per_iter"] for r in records] == [1e4, 1.3e4, 1.3e4, 1e4], records
