@@ -186,6 +186,9 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"{cfg.launch.comm_timeout} must be positive seconds")
     if (lg.eval_interval is not None and lg.eval_interval < 0) or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
+    if lg.log_memory_to_tensorboard and cfg.training.device == "cpu":  # an unset device is checked once resolved
+        raise ConfigError("--log-memory-to-tensorboard writes CUDA's caching-allocator statistics "
+                          "(torch.cuda.memory_stats); device cpu has none")
     if lg.tensorboard_log_interval < 1:
         raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")
     if cfg.training.manual_gc_interval < 0:

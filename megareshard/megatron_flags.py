@@ -54,7 +54,6 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--tiktoken-pattern": (_STR, "for TikTokenizer only"),
     "--log-timers-to-tensorboard": (_FLAG, "iteration-time (seconds) is always written to TensorBoard; other "
                                            "timers are not"),
-    "--log-memory-to-tensorboard": (_FLAG, "memory is printed after the first iteration"),
     "--log-validation-ppl-to-tensorboard": (_FLAG, "validation perplexity is always logged"),
     "--timing-log-level": (_INT, "not logged"),
     "--use-cpu-initialization": (_FLAG, "weights are initialised from the seed on their device"),

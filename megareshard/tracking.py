@@ -119,10 +119,24 @@ class WandbTracker:
             self.run = None
 
 
+#: --log-memory-to-tensorboard: record key (Megatron-LM's tag, with dashes) -> its ``torch.cuda.memory_stats()`` entry
+CUDA_MEMORY_STATS = {"mem_reserved_bytes": "reserved_bytes.all.current",
+                     "mem_allocated_bytes": "allocated_bytes.all.current",
+                     "mem_max_allocated_bytes": "allocated_bytes.all.peak",
+                     "mem_allocated_count": "allocation.all.current"}
+
+
+def cuda_memory_fields(stats: dict[str, Any]) -> dict[str, int]:
+    """The record's --log-memory-to-tensorboard fields from ``torch.cuda.memory_stats()`` (an allocator that has
+    allocated nothing yet has no entries: 0)."""
+    return {key: int(stats.get(entry, 0)) for key, entry in CUDA_MEMORY_STATS.items()}
+
+
 class TensorBoardWriter:
     """TensorBoard event files (``torch.utils.tensorboard``) under ``--tensorboard-dir``, with Megatron-LM's tags
     and units (its ``training_log``): ``lm loss``, ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``,
-    ``num-zeros`` and ``params-norm`` (when logged),
+    ``num-zeros`` and ``params-norm`` (when logged), the ``mem-...`` allocator statistics (against the iteration
+    only; with --log-memory-to-tensorboard),
     each also against consumed samples (``... vs samples``); ``iteration-time`` in seconds and, with
     --log-throughput, ``throughput`` (TFLOP/s per rank), against the iteration only; ``lm loss validation`` and
     ``lm loss validation ppl``, each also ``vs samples``. A no-op without a directory."""
@@ -132,7 +146,8 @@ class TensorBoardWriter:
             "grad_norm": ("grad-norm", 1.0, True), "loss_scale": ("loss-scale", 1.0, True),
             "batch_size": ("batch-size", 1.0, True), "tflops_per_rank": ("throughput", 1.0, False),
             "num_zeros": ("num-zeros", 1.0, True), "params_norm": ("params-norm", 1.0, True),
-            "ms_per_iter": ("iteration-time", 1e-3, False)}  # milliseconds in the record, seconds in Megatron-LM
+            "ms_per_iter": ("iteration-time", 1e-3, False),  # milliseconds in the record, seconds in Megatron-LM
+            **{key: (key.replace("_", "-"), 1.0, False) for key in CUDA_MEMORY_STATS}}
     VALIDATION = {"eval_loss": "lm loss validation", "eval_ppl": "lm loss validation ppl"}
 
     def __init__(self, log_dir: str | None, interval: int = 1) -> None:

@@ -52,7 +52,7 @@ from .pipeline.chunks import build_chunks
 from .run_setup import (agreed, build_context, build_pipeline, forward_backward,  # noqa: F401 (re-exported)
                         init_distributed, memory_per_stage, peak_memory_mb, peak_memory_per_stage, pick_device)
 from .tensor_parallel import RNGStreams
-from .tracking import format_log_line
+from .tracking import cuda_memory_fields, format_log_line
 from .train_checkpoints import Checkpointing
 from .train_grads import GradientReductions
 from .train_report import Reporting
@@ -104,6 +104,9 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
         # micro batch × (largest dp) samples over each stage's own dp
         self.local_micro_batch_size = plan.local_micro_batch(self.dp)
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
+        if cfg.logging.log_memory_to_tensorboard and self.device.type != "cuda":
+            raise ConfigError(f"--log-memory-to-tensorboard writes CUDA's caching-allocator statistics "
+                              f"(torch.cuda.memory_stats); device {self.device.type} has none")
         if self.model_spec is None:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
         spec = self.model_spec
@@ -409,6 +412,8 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                    "loss_scale": self.optimizer.loss_scale, "skipped": res.skipped, **res.moe}
             rec.update({k: v for k, v in (("num_zeros", res.num_zeros), ("params_norm", res.params_norm))
                         if v is not None})
+            if lg.log_memory_to_tensorboard and self.reporting:   # host counters: no device read
+                rec.update(cuda_memory_fields(torch.cuda.memory_stats(self.device)))
             nan = not res.skipped and not math.isfinite(res.loss)
             skipped, nans = skipped + res.skipped, nans + nan
             totals["skipped"] += res.skipped

@@ -64,6 +64,49 @@ def test_tensorboard_events_and_no_effect_line(tmp_path):
     assert [e.value for e in acc.Scalars("learning-rate")] == pytest.approx([0.0, 1e-3, 5e-4])  # Megatron's warm-up
 
 
+def test_memory_to_tensorboard_writes_megatrons_tags_and_is_refused_on_cpu(tmp_path, capsys):
+    """--log-memory-to-tensorboard: the four allocator statistics under Megatron-LM's tags, against the iteration
+    (a record as the trainer makes it from torch.cuda.memory_stats; where a GPU is at hand, a run on it); on cpu,
+    where there is no caching allocator, one line, before the launch (--device cpu) or once the device is
+    resolved."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megareshard.arguments import ConfigError
+    from megareshard.tracking import TensorBoardWriter, cuda_memory_fields
+
+    stats = {"reserved_bytes.all.current": 6 << 20, "allocated_bytes.all.current": 5 << 20,
+             "allocated_bytes.all.peak": 7 << 20, "allocation.all.current": 42, "num_ooms": 0}
+    fields = cuda_memory_fields(stats)
+    assert fields == {"mem_reserved_bytes": 6 << 20, "mem_allocated_bytes": 5 << 20,
+                      "mem_max_allocated_bytes": 7 << 20, "mem_allocated_count": 42}
+    assert cuda_memory_fields({}) == dict.fromkeys(fields, 0)   # nothing allocated yet
+    tb = TensorBoardWriter(str(tmp_path / "tb"), interval=2)
+    for step in (1, 2, 3):
+        tb.log({"loss": 1.0, "consumed_samples": 4 * step, **fields}, step=step)
+    tb.finish()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes", "mem-allocated-count"} <= tags
+    assert not any(t.startswith("mem-") and t.endswith("vs samples") for t in tags)
+    assert [(e.step, e.value) for e in acc.Scalars("mem-allocated-count")] == [(1, 42), (2, 42)]  # interval 2
+    with pytest.raises(ConfigError, match="device cpu has none"):
+        parse_args(["--mock-data", "--vocab-size", "64", "--log-memory-to-tensorboard"] + TINY, world_size=1)
+    argv = ["--mock-data", "--vocab-size", "64", "--log-memory-to-tensorboard", "--train-iters", "1"] + \
+        [a for a in TINY if a not in ("--device", "cpu")]
+    if not torch.cuda.is_available():   # the device resolved to cpu: refused by the trainer, one line
+        assert pretrain_gpt_main()(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--log-memory-to-tensorboard" in err and "device cpu has none" in err, err
+        return
+    records = pretrain(parse_args(argv + ["--tensorboard-dir", str(tmp_path / "gpu")], world_size=1),
+                       out=io.StringIO())
+    acc = EventAccumulator(str(tmp_path / "gpu"))
+    acc.Reload()
+    peak = acc.Scalars("mem-max-allocated-bytes")
+    assert [e.step for e in peak] == [1] and peak[0].value == records[0]["mem_max_allocated_bytes"] > 0
+
+
 def test_fresh_run_with_load_equal_to_save_starts_from_scratch(tmp_path):
     ck = str(tmp_path / "ck")
     out = io.StringIO()

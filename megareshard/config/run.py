@@ -141,6 +141,10 @@ class LoggingConfig:
                                       "an iteration, as in Megatron-LM")
     log_num_zeros_in_grad: bool = _f(False, "log how many elements of the (reduced, clipped) gradients are zero, "
                                             "each element once whatever the layout (read with the gradient norm)")
+    log_memory_to_tensorboard: bool = _f(False, "write this rank's CUDA caching-allocator statistics to TensorBoard "
+                                                "with each record (Megatron-LM's mem-reserved-bytes, "
+                                                "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count); "
+                                                "a GPU's only: refused on cpu")
     profile: bool = _f(False, "record a PyTorch profiler trace of iterations [--profile-step-start, "
                               "--profile-step-end) into --tensorboard-dir (or the current directory)")
     profile_step_start: int = _f(10, "first profiled iteration")
