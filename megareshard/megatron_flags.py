@@ -41,7 +41,6 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--overlap-param-gather": (_FLAG, "updated parameter shards are all-gathered right after the step"),
     "--grad-reduce-in-bf16": (_FLAG, "gradients are reduced in fp32"),
     "--calculate-per-token-loss": (_FLAG, "the loss is already the mean over every token of the global batch"),
-    "--empty-unused-memory-level": (_INT, "the allocator cache is not emptied"),
     "--num-workers": (_INT, "samples are read in the training process (memory-mapped)"),
     "--exit-signal-handler-for-dataloader": (_FLAG, "there are no data-loader worker processes to signal: samples are "
                                                     "read in the training process, whose --exit-signal-handler "

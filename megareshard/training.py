@@ -292,6 +292,7 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
         elif self._grad_reduce_started:  # R actions started them: wait before the step
             self._grad_reduce_started = False
             self.optimizer.finish_grad_sync()
+        self._empty_unused_memory(1)
         with self._activity(f"stage {self.ctx.pp_rank()} optimizer step (gradient-norm all-reduce over all "
                             f"{self.world_size} ranks, parameter all-gathers over data-parallel ranks "
                             f"{list(self.ctx.group_ranks.get('dp', ()))})"):
@@ -325,6 +326,7 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
             # first iteration: params, gradients and activations now; the optimizer's state after its step
             report = memory_report(self.model, self.optimizer, meter.peak_bytes) if meter is not None else None
             stepped = self.optimizer.step()  # every rank: it agrees on fp16 overflow over the world
+            self._empty_unused_memory(2)
             if report is not None:  # AdamW allocates its moments in its first step (a skipped one: counted ahead)
                 report.optimizer = optimizer_state_bytes(self.optimizer, self.model.parameters())
                 self.memory = memory_per_stage(self.ctx, report, self.device)
@@ -350,6 +352,7 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
         for _, indices in zip(range(lg.eval_iters), sampler):
             total += self.forward_backward_fn(self.model, self._microbatches(self.valid_data, indices),
                                               self.device, backward=False)
+            self._empty_unused_memory(1)
         self.model.train()
         return self._dp_mean(total / max(lg.eval_iters, 1))
 
@@ -474,6 +477,11 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
                   file=self.out, flush=True)
         self._show_activations()
         return self.records
+
+    def _empty_unused_memory(self, level: int) -> None:
+        """--empty-unused-memory-level: where Megatron-LM empties the CUDA cache (a no-op without CUDA)."""
+        if self.cfg.memory.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()
 
     def _record_peak_memory(self, rec: dict[str, Any]) -> None:
         per_stage = peak_memory_per_stage(self.ctx, self.device)

@@ -107,6 +107,19 @@ def test_memory_to_tensorboard_writes_megatrons_tags_and_is_refused_on_cpu(tmp_p
     assert [e.step for e in peak] == [1] and peak[0].value == records[0]["mem_max_allocated_bytes"] > 0
 
 
+@pytest.mark.parametrize("level, per_iteration", [(0, 0), (1, 1), (2, 2)])
+def test_empty_unused_memory_level_empties_where_megatron_does(monkeypatch, level, per_iteration):
+    """--empty-unused-memory-level: the CUDA cache emptied after each forward-backward (1) and each evaluation batch
+    (1), and after each optimizer step too (2); counted here by replacing torch.cuda.empty_cache (a no-op without
+    CUDA) — 3 iterations, one evaluation of 2 batches."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    cfg = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "3", "--eval-interval", "3",
+                      "--eval-iters", "2", "--empty-unused-memory-level", str(level)] + TINY, world_size=1)
+    pretrain(cfg, out=io.StringIO())
+    assert len(calls) == 3 * per_iteration + (2 if level else 0)
+
+
 def test_fresh_run_with_load_equal_to_save_starts_from_scratch(tmp_path):
     ck = str(tmp_path / "ck")
     out = io.StringIO()

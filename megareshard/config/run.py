@@ -63,6 +63,10 @@ class MemoryConfig:
     recompute_num_layers: int | None = _f(None, "layers per stage recomputed with --recompute-granularity full")
     checkpoint_activations: bool = _f(False, "old Megatron-LM name for recomputing every layer "
                                              "(= --recompute-granularity full)")
+    empty_unused_memory_level: int = _f(0, "Megatron-LM's: 1 returns the CUDA caching allocator's unused blocks "
+                                           "to the device after each forward-backward and each evaluation batch, "
+                                           "2 also after the optimizer step (each a host synchronisation: fewer "
+                                           "fragmentation OOMs, a slower step); 0 never", choices=(0, 1, 2))
 
 
 @dataclass
