@@ -60,8 +60,8 @@ def _count_reads(monkeypatch, trainer: Trainer) -> list[list[tuple[str, str, int
 
 @pytest.mark.parametrize("extra", [[], ["--no-check-for-nan-in-loss-and-grad"],
                                    ["--num-experts", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"],
-                                   ["--log-num-zeros-in-grad"]],
-                         ids=["nan-check", "no-nan-check", "moe-router-losses", "num-zeros"])
+                                   ["--log-num-zeros-in-grad"], ["--bf16"]],
+                         ids=["nan-check", "no-nan-check", "moe-router-losses", "num-zeros", "bf16"])
 def test_an_iteration_reads_the_device_once(monkeypatch, extra):
     trainer = _trainer(extra)
     steps = _count_reads(monkeypatch, trainer)
