@@ -149,7 +149,7 @@ def _parse_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) ->
             parts.append(f"not supported by megareshard: {', '.join(refused)}")
         if strange:
             named = " ".join(_with_nearest_flag(name, parser) for name in strange)
-            parts.append(f"unknown flag(s) {named}: neither megareshard's nor Megatron-LM's (see --help)")
+            parts.append(f"unknown flag(s) {named}: neither megareshard's nor one of the Megatron-LM flags it knows (see --help)")
         raise ConfigError("; ".join(parts))
     if unknown:
         raise ConfigError(f"unexpected argument(s) {' '.join(unknown)}")

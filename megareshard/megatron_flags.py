@@ -78,6 +78,12 @@ NOT_BUILT: dict[str, tuple[dict[str, Any], str]] = {
     "--spec": (dict(nargs="*", default=None), "custom layer specs"),
     "--retro-project-dir": (_STR, "Retro"),
     "--tp-comm-overlap-cfg": (_STR, "Transformer Engine communication overlap"),
+    "--eod-mask-loss": (_FLAG, "loss masking at end-of-document tokens"),
+    "--reset-position-ids": (_FLAG, "position ids restarting at document boundaries"),
+    "--reset-attention-mask": (_FLAG, "attention masks restarting at document boundaries"),
+    "--no-save-optim": (_FLAG, "checkpoints without the optimizer state"),
+    "--no-save-rng": (_FLAG, "checkpoints without the RNG state"),
+    "--init-method-xavier-uniform": (_FLAG, "Xavier-uniform initialisation"),
     # model-architecture options: these entries only apply while the model does not define the flag
     "--group-query-attention": (_FLAG, "architecture: grouped-query attention"),
     "--num-query-groups": (_INT, "architecture: grouped-query attention"),
@@ -114,6 +120,8 @@ NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--context-parallel-size": (_INT, 1, "context parallelism"),
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
     "--cross-entropy-fusion-impl": (_STR, "native", "Transformer Engine's cross-entropy"),
+    "--optimizer": (_STR, "adam", "optimizers other than Adam with decoupled weight decay"),
+    "--dataloader-type": (_STR, "single", "the cyclic and external data loaders"),
 }
 
 

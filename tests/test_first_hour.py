@@ -187,8 +187,8 @@ def test_argument_errors_print_once_per_node(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert run_entry_point("pretrain_gpt.py", bad) == 2
     assert capsys.readouterr().err == ("pretrain_gpt.py: error: unknown flag(s) --tensor-model-paralel-size (did you "
-                                       "mean --tensor-model-parallel-size?): neither megareshard's nor Megatron-LM's "
-                                       "(see --help)\n")
+                                       "mean --tensor-model-parallel-size?): neither megareshard's nor one of the "
+                                       "Megatron-LM flags it knows (see --help)\n")
 
 
 @pytest.mark.parametrize("argv, kind, note", [
