@@ -59,6 +59,11 @@ NO_EFFECT: dict[str, tuple[dict[str, Any], str]] = {
     "--check-for-nan-in-loss-and-grad": (_FLAG, "the check is on by default (--no-check-for-nan-in-loss-and-grad "
                                                 "turns it off)"),
     "--accumulate-allreduce-grads-in-fp32": (_FLAG, "gradients are accumulated and reduced in fp32"),
+    "--use-dist-ckpt": (_FLAG, "deprecated in Megatron-LM (see --ckpt-format): checkpoints are torch_dist already"),
+    "--ckpt-fully-parallel-save": (_FLAG, "deprecated in Megatron-LM (its default): every rank writes its own "
+                                          "shards"),
+    "--fp16-lm-cross-entropy": (_FLAG, "the cross-entropy is computed in fp32 (--cross-entropy-loss-fusion chunks "
+                                       "it instead)"),
 }
 
 # flags that name features megareshard does not have: flag -> (argparse kwargs, the feature)
@@ -121,6 +126,7 @@ NOT_BUILT_IF: dict[str, tuple[dict[str, Any], Any, str]] = {
     "--encoder-pipeline-model-parallel-size": (_INT, 0, "encoder pipeline stages"),
     "--cross-entropy-fusion-impl": (_STR, "native", "Transformer Engine's cross-entropy"),
     "--optimizer": (_STR, "adam", "optimizers other than Adam with decoupled weight decay"),
+    "--dist-ckpt-format": (_STR, "torch_dist", "checkpoint formats other than torch_dist"),
     "--dataloader-type": (_STR, "single", "the cyclic and external data loaders"),
 }
 

@@ -100,6 +100,9 @@ def test_no_abbreviations():
 
 @pytest.mark.parametrize("extra, refused", [
     (["--optimizer", "adam", "--dataloader-type", "single"], None),   # Megatron-LM's defaults: what runs here
+    (["--use-dist-ckpt", "--dist-ckpt-format", "torch_dist", "--ckpt-fully-parallel-save"], None),  # deprecated
+    (["--dist-ckpt-format", "torch"], "--dist-ckpt-format torch (checkpoint formats other than torch_dist; only "
+                                      "torch_dist is accepted)"),
     (["--optimizer", "sgd"], "--optimizer sgd (optimizers other than Adam with decoupled weight decay; only adam "
                              "is accepted)"),
     (["--dataloader-type", "cyclic"], "--dataloader-type cyclic (the cyclic and external data loaders; only single"),
