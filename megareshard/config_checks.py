@@ -186,9 +186,7 @@ def validate(cfg: Config, world_size: int) -> Config:
                           f"{cfg.launch.comm_timeout} must be positive seconds")
     if (lg.eval_interval is not None and lg.eval_interval < 0) or lg.eval_iters < 0:
         raise ConfigError(f"--eval-interval {lg.eval_interval} and --eval-iters {lg.eval_iters} must be >= 0")
-    if lg.log_memory_to_tensorboard and cfg.training.device == "cpu":  # an unset device is checked once resolved
-        raise ConfigError("--log-memory-to-tensorboard writes CUDA's caching-allocator statistics "
-                          "(torch.cuda.memory_stats); device cpu has none")
+    check_device_options(cfg, cfg.training.device)  # an unset device: checked again once the trainer resolves it
     if lg.tensorboard_log_interval < 1:
         raise ConfigError(f"--tensorboard-log-interval must be at least 1, got {lg.tensorboard_log_interval}")
     if cfg.training.manual_gc_interval < 0:
@@ -212,6 +210,13 @@ def validate(cfg: Config, world_size: int) -> Config:
                       f"{(pp - 1) / (m + pp - 1):.0%} of the step; raise --global-batch-size to at least "
                       f"{pp * t.micro_batch_size * dp} to fill the pipeline", stacklevel=2)
     return cfg
+
+
+def check_device_options(cfg: Config, device_type: str | None) -> None:
+    """Options that need a CUDA device, against the device's type (None: not resolved yet, nothing to check)."""
+    if cfg.logging.log_memory_to_tensorboard and device_type not in (None, "cuda"):
+        raise ConfigError("--log-memory-to-tensorboard writes CUDA's caching-allocator statistics "
+                          f"(torch.cuda.memory_stats); device {device_type} has none")
 
 
 def _moe_flags_given(cfg: Config) -> list[str]:

@@ -31,7 +31,7 @@ import torch
 
 from . import plugins
 from .config import Config
-from .config_checks import validate
+from .config_checks import check_device_options, validate
 from .config_fields import ConfigError
 from .checkpoint import CheckpointError, LoadResult
 from .checkpoint.detect import KIND_ABSENT, KIND_EMPTY, load_decision
@@ -104,9 +104,7 @@ class Trainer(Checkpointing, GradientReductions, Reporting):
         # micro batch × (largest dp) samples over each stage's own dp
         self.local_micro_batch_size = plan.local_micro_batch(self.dp)
         self.reporting = ctx.is_last_stage() and ctx.tp_rank() == 0 and ctx.dp_rank() == 0
-        if cfg.logging.log_memory_to_tensorboard and self.device.type != "cuda":
-            raise ConfigError(f"--log-memory-to-tensorboard writes CUDA's caching-allocator statistics "
-                              f"(torch.cuda.memory_stats); device {self.device.type} has none")
+        check_device_options(cfg, self.device.type)
         if self.model_spec is None:
             self.model_spec = get_model_spec(DEFAULT_MODEL_SPEC)
         spec = self.model_spec
