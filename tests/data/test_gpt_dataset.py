@@ -119,3 +119,31 @@ def test_mock_dataset():
         assert periodic or len(set(diffs.tolist())) == 1
     with pytest.raises(IndexError):
         a[30]
+
+
+def _fresh_rng_tokens(ds: MockGPTDataset, idx: int) -> np.ndarray:
+    """The mock stream as first published: a new RandomState per sample (runs and checkpoints made since rely on
+    it; the dataset now re-seeds one RandomState a thread, which must draw the same)."""
+    rng = np.random.RandomState([ds.seed & 0xFFFFFFFF, idx & 0xFFFFFFFF, idx >> 32])
+    n, v = ds.seq_length + 1, ds.vocab_size
+    t = np.arange(n, dtype=np.int64)
+    if rng.randint(2) == 0:
+        a, d = rng.randint(v), rng.randint(1, 5)
+        return (a + d * t) % v
+    motif = rng.randint(0, v, size=rng.randint(2, 9)).astype(np.int64)
+    return motif[t % len(motif)]
+
+
+def test_mock_dataset_stream_is_the_published_one_in_any_order_and_thread():
+    import threading
+    a = MockGPTDataset(vocab_size=50304, seq_length=32, num_samples=2 ** 33 + 9, seed=1234)
+    b = MockGPTDataset(vocab_size=97, seq_length=16, num_samples=50, seed=5)
+    idxs = [0, 1, 2, 17, 49, 2 ** 32 + 3, 2 ** 33 + 8]
+    for i in idxs:      # interleaved with another dataset's reads: no state carries from one sample to the next
+        assert np.array_equal(a.tokens(i), _fresh_rng_tokens(a, i))
+        assert np.array_equal(b.tokens(i % 50), _fresh_rng_tokens(b, i % 50))
+    got = {}
+    th = threading.Thread(target=lambda: got.update({i: a.tokens(i) for i in idxs}))
+    th.start()
+    th.join()
+    assert all(np.array_equal(got[i], _fresh_rng_tokens(a, i)) for i in idxs)
