@@ -116,8 +116,12 @@ def set_up_fast_path(model: torch.nn.Module, cfg: Any, device: torch.device, mic
             lines += [f"attention {line}" for line in configure(micro_batch_size)]
         model.kernel_choices = book.record()
     m = cfg.model
-    lines.append("cross-entropy fused, chunked over tokens" if m.cross_entropy_loss_fusion else
-                 "cross-entropy unfused (fp32 logits of the whole vocabulary; --cross-entropy-loss-fusion chunks them)")
+    c = cfg.compile
+    whole = (compile_enabled(c, device.type) and c.torch_compile_backend == "inductor"
+             and c.torch_compile_scope != "model")   # the chunk kernels compiled alone, by inductor
+    lines.append("cross-entropy unfused (fp32 logits of the whole vocabulary; --cross-entropy-loss-fusion chunks them)"
+                 if not m.cross_entropy_loss_fusion else "cross-entropy fused, one chunk a microbatch (inductor's "
+                 "kernels keep its fp32 values)" if whole else "cross-entropy fused, chunked over tokens")
     if not compile_enabled(cfg.compile, device.type):
         off = [flag for flag, field in _FUSION_SWITCHES if not getattr(m, field)]
         lines.append("not compiled (--torch-compile is off" +
@@ -127,7 +131,6 @@ def set_up_fast_path(model: torch.nn.Module, cfg: Any, device: torch.device, mic
     if compile_regions is None:
         raise ConfigError(f"--torch-compile: the {model_name} model has no regions to compile; pass --no-torch-compile")
     delays = may_delay_wgrad(cfg)
-    c = cfg.compile
     regions = compile_regions(CompileOptions(c.torch_compile_backend, c.torch_compile_mode,
                                              traceable_linears=not delays, scope=c.torch_compile_scope))
     what = "the whole model as one region" if c.torch_compile_scope == "model" else f"{len(regions)} regions"

@@ -195,6 +195,44 @@ def test_fused_cross_entropy_compiled_kernels():
     torch.testing.assert_close(g1, g0, rtol=8 * U, atol=8 * U)
 
 
+def test_fused_cross_entropy_fusing_kernels_take_the_whole_input_in_one_call(monkeypatch):
+    """Kernels that keep their fp32 values inside (inductor: ``fuses``) get the whole input as one chunk, and the
+    backward returns their gradient itself; explicit chunk_tokens still chunk; results equal the unfused ones."""
+    from megareshard.tensor_parallel.fused_cross_entropy import CrossEntropyKernels, _grad, _stats
+    calls, outs = [], []
+
+    def stats(rows, *a):
+        calls.append(("stats", rows.size(0)))
+        return _stats(rows, *a)
+
+    def grad(rows, *a):
+        calls.append(("grad", rows.size(0)))
+        g = _grad(rows, *a)
+        outs.append(g.data_ptr())
+        return g
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 3, 70, generator=gen)
+    labels = torch.randint(0, 64, (7, 3), generator=gen)
+    from megareshard.tensor_parallel import fused_cross_entropy as fce
+    monkeypatch.setattr(fce, "chunk_tokens_for", lambda local_vocab: 4)   # as if 4 tokens filled DEFAULT_CHUNK_BYTES
+    _ce_pair(logits, labels, 64, torch.ones(7, 3), kernels=CrossEntropyKernels(stats, grad, "spy"))
+    assert calls == [("stats", 4)] * 5 + [("stats", 1)] + [("grad", 4)] * 5 + [("grad", 1)]
+    calls.clear()
+    kernels = CrossEntropyKernels(stats, grad, "spy", fuses=True)
+    (l0, g0), (l1, g1) = _ce_pair(logits, labels, 64, torch.ones(7, 3), kernels=kernels)
+    assert calls == [("stats", 21), ("grad", 21)]
+    x, arrived = logits.clone().requires_grad_(True), []
+    x.register_hook(lambda g: arrived.append(g.data_ptr()))
+    fused_vocab_parallel_cross_entropy(x, labels, ParallelContext.single_process(), 64, kernels=kernels).sum().backward()
+    assert arrived == [outs[-1]]          # the kernel's gradient itself: no copy into a buffer of the logits' size
+    torch.testing.assert_close(l1, l0, rtol=0, atol=8 * U * (1 + l0.abs().max().item()))
+    torch.testing.assert_close(g1, g0, rtol=8 * U, atol=8 * U)
+    calls.clear()
+    _ce_pair(logits, labels, 64, torch.ones(7, 3), kernels=kernels, chunk_tokens=8)
+    assert calls == [("stats", 8), ("stats", 8), ("stats", 5), ("grad", 8), ("grad", 8), ("grad", 5)]
+    assert compiled_kernels("inductor").fuses and not compiled_kernels("aot_eager").fuses   # compiled lazily
+
+
 def _gpt(extra=(), **model_kw):
     cfg = parse_args(_argv(1, 1, list(extra)), world_size=1)
     return GPTModel(cfg.model, ParallelContext.single_process(), seed=9, **model_kw), cfg

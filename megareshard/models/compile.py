@@ -140,4 +140,4 @@ def compiled_cross_entropy_kernels(opts: CompileOptions):
     # CUDA graphs (reduce-overhead) would copy every chunk, a view at a new address, into its static buffers
     k = compiled_kernels(opts.backend, None if opts.mode == "reduce-overhead" else opts.mode)
     name = "the fused cross-entropy's chunks"
-    return CrossEntropyKernels(guarded(k.stats, name, opts), guarded(k.grad, name, opts), k.name)
+    return CrossEntropyKernels(guarded(k.stats, name, opts), guarded(k.grad, name, opts), k.name, k.fuses)
