@@ -4,7 +4,11 @@
     python -m lab.bench.gpu_report docs/results/gpu_h200_fast_path.json docs/results/gpu_h200_fast_path_rerun.json \
         --plot docs/img/gpu_fast_path.png
 
-One run or several of the same grid (reruns on the same card): the table gives each model and variant, each
+    python -m lab.bench.gpu_report docs/results/gpu_h200_issue53.json docs/results/gpu_h200_issue53_grid.json \
+        --merge --plot docs/img/gpu_issue53.png
+
+One run or several of the same grid (reruns on the same card), or with ``--merge`` the parts of one grid run
+in several launches on one machine (each model once): the table gives each model and variant, each
 cell the runs in order (tokens/s, TFLOP/s, MFU against the datasheet peak and the measured matrix-product rate, the
 ratios to the lean single-file peer compiled (``vs lean``, issue #53's reference) and to transformers +
 torch.compile of the same run, peak memory, compile seconds); the picture plots each variant's tokens/s relative
@@ -29,14 +33,26 @@ def variants(runs: list[dict]) -> list[str]:
     return [v for v in ORDER if v in seen] + [v for v in seen if v not in ORDER]
 
 
-def load(paths: list[str]) -> list[dict]:
+def load(paths: list[str], merge: bool = False) -> list[dict]:
+    """One run per file; ``merge``: the files are parts of one grid (their points joined, a model and variant
+    measured twice refused), one run named after them all, the first file's ceilings."""
     runs = []
     for path in paths:
         data = json.load(open(path))
         runs.append({"name": os.path.basename(path), "ceilings": data["ceilings"], "peak": data["peak_tflops"],
                      "points": data["speed"]["points"],
                      "mfu_targets": data.get("targets", {}).get("mfu_vs_peak", OLD_MFU_TARGETS)})
-    return runs
+    if not merge or len(runs) < 2:
+        return runs
+    seen = [(p["model"], p["variant"]) for run in runs for p in run["points"] if p.get("status") == "ok"]
+    twice = sorted({k for k in seen if seen.count(k) > 1})
+    if twice:
+        raise ValueError(f"--merge: {', '.join(f'{m} {v}' for m, v in twice)} measured in more than one file: "
+                         "reruns, not parts of one grid")
+    points = [p for run in runs for p in run["points"] if p.get("status") == "ok"]
+    points += [p for run in runs for p in run["points"] if p.get("status") != "ok"
+               and (p["model"], p["variant"]) not in seen]
+    return [dict(runs[0], name=" + ".join(r["name"] for r in runs), points=points)]
 
 
 def table(runs: list[dict]) -> str:
@@ -69,7 +85,8 @@ def plot(runs: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(p["model"] for run in runs for p in run["points"]))
-    names = variants(runs)
+    names = [v for v in variants(runs) if any(p["variant"] == v and p.get("status") == "ok"
+                                              for run in runs for p in run["points"])]
     colors = {"megareshard-cli": "tab:blue", "megareshard-fast": "tab:cyan", "megareshard-eager": "tab:gray",
               "lean-compile": "tab:green", "lean-eager": "tab:olive", "hf-compile": "tab:orange",
               "hf-eager": "tab:brown"}
@@ -113,8 +130,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+", help="gpu_checks.json files of the same grid (reruns)")
     p.add_argument("--plot", help="PNG to draw")
+    p.add_argument("--merge", action="store_true", help="the files are parts of one grid (each point once)")
     a = p.parse_args()
-    runs = load(a.json)
+    try:
+        runs = load(a.json, a.merge)
+    except ValueError as e:
+        p.error(str(e))
     print(table(runs))
     if a.plot:
         plot(runs, a.plot)

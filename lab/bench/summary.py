@@ -171,6 +171,45 @@ def gpu_rows() -> list[Row]:
                                              f"{worst['vs_hf_compile']:.3f}×)"))]
 
 
+def issue53_rows() -> list[Row]:
+    """Issue 53 on one GPU: pretrain_gpt.py as a user launches it against the lean single-file peer, MFU, and the
+    same command's determinism (one grid run in two launches on one machine, gpu_h200_issue53*.json)."""
+    first, grid = _load("gpu_h200_issue53.json"), _load("gpu_h200_issue53_grid.json")
+    points = [p for run in (first, grid) for p in run["speed"]["points"]
+              if p["variant"] == "megareshard-cli" and p.get("status") == "ok"]
+    targets = first["targets"]
+    n = sum(p["vs_lean"] >= targets["vs_lean"][p["model"]] for p in points)
+    worst = min(points, key=lambda p: p["vs_lean"])
+    mfu = [(p["model"], p["mfu_vs_peak"], targets["mfu_vs_peak"][p["model"]]) for p in points
+           if p["model"] in targets["mfu_vs_peak"]]
+    short = [(m, v) for m, v, t in mfu if v < t]
+    conditions = (f"one {first['ceilings']['device']}, bf16, sequence 2048, pretrain_gpt.py's logged tokens/s, "
+                  f"{', '.join(p['model'] for p in points)}, 1 run in 2 launches")
+    d = first["determinism"]
+    det = d["deterministic_mode"]
+    both = det["same_command_bitwise_equal"] and det["resume_bitwise_equal"]
+    diff = d["same_command_first_difference"]
+    default = ("bitwise equal" if d["same_command_bitwise_equal"] and d["resume_bitwise_equal"] else
+               f"differ from iteration {diff['iteration']} (gradient norm {diff['a'][1]:.6f} vs {diff['b'][1]:.6f})"
+               if diff else "resume differs")
+    return [
+        Row("megareshard (pretrain_gpt.py as launched) vs a lean single-file peer under whole-model torch.compile: "
+            "tokens/s ratio", _range([p["vs_lean"] for p in points], ".3f"), conditions,
+            "≥ 1.0× at every point: " + ("**holds**" if n == len(points) else
+                                         f"**missed** ({n} of {len(points)}; lowest {worst['model']} "
+                                         f"{worst['vs_lean']:.3f}×)")),
+        Row("MFU against the datasheet's 989 TFLOP/s", ", ".join(f"{m} {100 * v:.1f} %" for m, v, _ in mfu),
+            conditions, ", ".join(f"≥ {100 * t:.0f} % at {m}" for m, _, t in mfu) + ": "
+            + ("**holds**" if not short else "**missed** (" + ", ".join(f"{m} {100 * v:.1f} %" for m, v in short)
+               + ")")),
+        Row("the same command twice, and saved at 10 + resumed vs uninterrupted: bitwise",
+            f"--deterministic-mode: {'bitwise equal, both' if both else 'differ'}; default kernels: {default}",
+            f"GPT 4 layers, h 512, seq 512, bf16, dropout 0.1, torch.compile on, {d['iterations']} iterations, "
+            f"{first['ceilings']['device']}",
+            "bitwise under --deterministic-mode: " + ("**holds**" if both else "**missed**")),
+    ]
+
+
 def zero_rows() -> list[Row]:
     """ZeRO step time against DeepSpeed's, and ZeRO 3's memory against 1/dp."""
     t = _load("bench_memory_zero3_time.json")["time"]
@@ -217,7 +256,7 @@ def weight_transfer_rows() -> list[Row]:
 
 
 def rows() -> list[Row]:
-    return (peers_rows() + pipeline_rows() + resharding_rows() + weight_transfer_rows() + gpu_rows()
+    return (peers_rows() + pipeline_rows() + resharding_rows() + weight_transfer_rows() + gpu_rows() + issue53_rows()
             + zero_rows())
 
 

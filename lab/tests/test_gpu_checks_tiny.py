@@ -159,3 +159,23 @@ def test_report_puts_reruns_side_by_side_and_names_what_did_not_run(tmp_path):
     # a run from before the lean peer: its ratio column is empty, its picture falls back to transformers
     old = gpu_report.load([run(tmp_path / "c.json", 100, lean=False)])
     assert "| - | 1.250 |" in gpu_report.table(old) and old[0]["mfu_targets"] == gpu_report.OLD_MFU_TARGETS
+
+
+def test_report_merges_the_parts_of_one_grid_and_refuses_a_point_measured_twice(tmp_path):
+    from lab.bench import gpu_report
+
+    def part(path, ok, skipped):
+        pts = [{"model": m, "variant": "megareshard-cli", "status": "ok", "tokens_per_s": 10.0, "tflops": 1.0,
+                "mfu_vs_peak": 0.5, "mfu_vs_measured": 0.6, "vs_lean": 1.0, "peak_mem_gib": 1.0, "compile_s": 2.0}
+               for m in ok] + [{"model": m, "variant": "megareshard-cli", "status": "skipped", "error": "no time"}
+                               for m in skipped]
+        path.write_text(json.dumps({"ceilings": {"device": "cpu"}, "peak_tflops": 1.0, "speed": {"points": pts}}))
+        return str(path)
+
+    a, b = part(tmp_path / "a.json", ["m1"], ["m2", "m3"]), part(tmp_path / "b.json", ["m2"], [])
+    (run,) = gpu_report.load([a, b], merge=True)
+    rows = [r for r in gpu_report.table([run]).splitlines() if r.startswith("| m") and "variant" not in r]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["m1", "m2", "m3"]       # m2 from b, m3 still named skipped
+    assert "no time" not in rows[1] and "run 1: skipped no time" in rows[2]
+    with pytest.raises(ValueError, match="m1 megareshard-cli measured in more than one file"):
+        gpu_report.load([a, part(tmp_path / "c.json", ["m1"], [])], merge=True)
