@@ -162,3 +162,34 @@ def test_an_iteration_is_timed_from_the_previous_ones_end_less_evaluation_and_sa
     # 1: its train_step; 2: the 3 after iteration 1 and its own 10; 3: after the evaluation (excluded) the 3 of
     # iteration 2's end, then 10; 4: iteration 3's save excluded, what followed it (nothing timed) and its 10
     assert [r["ms_per_iter"] for r in records] == [1e4, 1.3e4, 1.3e4, 1e4], records
+
+
+def test_the_nan_checks_gradient_norms_cost_the_same_operations_for_any_number_of_gradients():
+    """--check-for-nan-in-loss-and-grad (on by default) keeps every gradient's norm on the device each iteration
+    for its diagnosis; that costs one multi-tensor norm in fp32 and one stack, not a cast per gradient (on a GPU
+    each is a kernel launch: 148 an iteration at GPT 125M in issue 53's profile)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megareshard.optim.numerics import grad_norms
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (3, 30):
+        params = [torch.nn.Parameter(torch.zeros(5 + i, dtype=torch.bfloat16)) for i in range(n)]
+        for i, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.5 + i)
+        with Ops() as mode:
+            norms = grad_norms([(f"p{i}", p) for i, p in enumerate(params)])
+        counts.append(mode.ops)
+        assert norms.norms.dtype == torch.float32 and norms.names == [f"p{i}" for i in range(n)]
+        expect = torch.tensor([(0.5 + i) * (5 + i) ** 0.5 for i in range(n)])
+        torch.testing.assert_close(norms.norms, expect, rtol=2 ** -7, atol=0)   # bf16 inputs, fp32 sums
+    assert counts[0] == counts[1], counts
