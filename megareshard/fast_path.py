@@ -17,6 +17,7 @@ import torch
 from .compile_config import CompileOptions, compile_enabled
 from .config_fields import ConfigError
 from .kernel_record import KernelBook, kernel_book
+from .tensor_parallel.fused_cross_entropy import fusing_backend
 
 __all__ = ["set_up_fast_path", "may_delay_wgrad", "apply_deterministic_mode", "recorded_kernel_choices",
            "NCCL_ALGOS"]
@@ -117,8 +118,8 @@ def set_up_fast_path(model: torch.nn.Module, cfg: Any, device: torch.device, mic
         model.kernel_choices = book.record()
     m = cfg.model
     c = cfg.compile
-    whole = (compile_enabled(c, device.type) and c.torch_compile_backend == "inductor"
-             and c.torch_compile_scope != "model")   # the chunk kernels compiled alone, by inductor
+    whole = (compile_enabled(c, device.type) and fusing_backend(c.torch_compile_backend)
+             and c.torch_compile_scope != "model")   # the chunk kernels compiled on their own, fused
     lines.append("cross-entropy unfused (fp32 logits of the whole vocabulary; --cross-entropy-loss-fusion chunks them)"
                  if not m.cross_entropy_loss_fusion else "cross-entropy fused, one chunk a microbatch (inductor's "
                  "kernels keep its fp32 values)" if whole else "cross-entropy fused, chunked over tokens")

@@ -168,25 +168,15 @@ def test_the_nan_checks_gradient_norms_cost_the_same_operations_for_any_number_o
     """--check-for-nan-in-loss-and-grad (on by default) keeps every gradient's norm on the device each iteration
     for its diagnosis; that costs one multi-tensor norm in fp32 and one stack, not a cast per gradient (on a GPU
     each is a kernel launch: 148 an iteration at GPT 125M in issue 53's profile)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megareshard.optim.numerics import grad_norms
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from tests.dispatched_ops import DispatchedOps
 
     counts = []
     for n in (3, 30):
         params = [torch.nn.Parameter(torch.zeros(5 + i, dtype=torch.bfloat16)) for i in range(n)]
         for i, p in enumerate(params):
             p.grad = torch.full_like(p, 0.5 + i)
-        with Ops() as mode:
+        with DispatchedOps() as mode:
             norms = grad_norms([(f"p{i}", p) for i, p in enumerate(params)])
         counts.append(mode.ops)
         assert norms.norms.dtype == torch.float32 and norms.names == [f"p{i}" for i in range(n)]

@@ -277,18 +277,8 @@ def test_packing_a_buckets_gradients_is_one_kernel_at_any_dp():
     dtype on the way), dp 1 included — not a copy kernel per parameter, which on a GPU is a launch each (issue #53:
     148 at GPT 125M) — and hold exactly what the per-parameter copies wrote: at dp 1 the gradients one after the
     other, at dp 2 each rank's zero-padded rows."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from megareshard.optim.zero_shards import Bucket, ShardEntry, pack_grads
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from tests.dispatched_ops import DispatchedOps
 
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in ((5, 3), (4,), (2, 2, 3))]
@@ -296,10 +286,10 @@ def test_packing_a_buckets_gradients_is_one_kernel_at_any_dp():
         p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
     for dp in (1, 2):
         b = Bucket([ShardEntry(f"p{i}", p, dp, 0, 1, 0, True) for i, p in enumerate(params)])
-        with Ops() as ops:
+        with DispatchedOps() as ops:
             flat = pack_grads(b, dp, torch.float32, torch.device("cpu"))
-        assert [op for op in ops.seen if op not in ("aten.view", "aten._reshape_alias", "aten.detach",
-                                                    "aten.empty")] == ["aten._chunk_cat"], ops.seen
+        assert [op for op in ops.ops if op not in ("aten.view", "aten._reshape_alias", "aten.detach",
+                                                   "aten.empty")] == ["aten._chunk_cat"], ops.ops
         want = []
         for r in range(dp):
             for e in b.entries:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 
 __all__ = ["fused_vocab_parallel_cross_entropy", "CrossEntropyKernels", "eager_kernels", "compiled_kernels",
-           "chunk_tokens_for", "DEFAULT_CHUNK_BYTES"]
+           "fusing_backend", "chunk_tokens_for", "DEFAULT_CHUNK_BYTES"]
 
 #: fp32 bytes one chunk may take (tokens × local vocabulary × 4): bounds the transient memory
 DEFAULT_CHUNK_BYTES = 256 * 2 ** 20
@@ -103,6 +103,11 @@ def eager_kernels() -> CrossEntropyKernels:
 _COMPILED: dict[tuple, CrossEntropyKernels] = {}
 
 
+def fusing_backend(backend) -> bool:
+    """Whether torch.compile's ``backend`` keeps the chunk functions' fp32 values inside its kernels (inductor)."""
+    return backend == "inductor"
+
+
 def compiled_kernels(backend="inductor", mode: str | None = None) -> CrossEntropyKernels:
     """The per-chunk functions compiled with torch.compile (``backend``: a name or a callable; built once per
     backend and mode)."""
@@ -111,7 +116,7 @@ def compiled_kernels(backend="inductor", mode: str | None = None) -> CrossEntrop
         opts = dict(backend=backend, dynamic=False, mode=None if mode in (None, "default") else mode)
         name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
         _COMPILED[key] = CrossEntropyKernels(torch.compile(_stats, **opts), torch.compile(_grad, **opts),
-                                             f"compiled ({name})", fuses=backend == "inductor")
+                                             f"compiled ({name})", fuses=fusing_backend(backend))
     return _COMPILED[key]
 
 
