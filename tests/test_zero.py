@@ -296,3 +296,37 @@ def test_packing_a_buckets_gradients_is_one_kernel_at_any_dp():
                 rows = e.param.grad.float().reshape(e.rows, e.row_size)[r * e.chunk:(r + 1) * e.chunk]
                 want.append(torch.cat((rows.reshape(-1), torch.zeros(e.seg - rows.numel()))))
         assert torch.equal(flat, torch.cat(want))
+
+
+def test_the_step_makes_no_views_an_entry_after_the_first():
+    """After the first step, unpacking a bucket's reduced gradients is one split plus one view an entry (not two
+    slices and two views), and the masters' copy into the bf16 parameters is the multi-tensor copy alone (its views
+    made once): on a GPU these are host work after the iteration's read, while the device waits. The parameters
+    still follow the masters."""
+    from tests.dispatched_ops import DispatchedOps
+
+    ctx = ParallelContext.single_process()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)]).to(torch.bfloat16)
+    opt = ZeroOptimizer(model.named_parameters(), ctx, stage=1, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    unpack, refresh = opt._unpack, opt._refresh_params
+    seen = {}
+
+    def recorded(name, fn):
+        def run(*args):
+            with DispatchedOps() as mode:
+                fn(*args)
+            seen[name] = mode.ops
+        return run
+    opt._unpack, opt._refresh_params = recorded("unpack", unpack), recorded("refresh", refresh)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().pow(2).sum().backward()
+        opt.finish_grad_sync()
+        opt.step()
+    assert seen["refresh"] == ["aten._foreach_copy_"], seen["refresh"]
+    assert sorted(set(seen["unpack"])) == ["aten.split_with_sizes", "aten.view"], seen["unpack"]
+    assert seen["unpack"].count("aten.view") == len(opt.entries) == 10 and len(opt.buckets) == 1
+    for e in opt.entries:   # the cached views still write the parameters
+        assert torch.equal(e.param.detach().reshape(-1), e.master.reshape(-1).to(torch.bfloat16))

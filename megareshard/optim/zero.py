@@ -155,6 +155,7 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer got no trainable parameters")
         self.by_name = {e.name: e for e in self.entries}
         self.sharder = None
+        self._row_copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # _refresh_params's, below stage 3
         if stage == 3:  # units (one per layer): each one gather bucket and one reduce bucket (deferred: below)
             from .zero3 import ParamSharder
 
@@ -313,9 +314,8 @@ class ZeroOptimizer:
             out.div_(self.dp)
         if self.loss_scaler is not None:
             out.mul_(self.loss_scaler.inv_scale)
-        for e, off in zip(b.entries, b.offsets):
-            n = e.stop - e.start
-            piece = out[off:off + e.seg].view(e.chunk, e.row_size)[:n].view(e.master.shape)
+        for e, rows in zip(b.entries, torch.split(out, b.split)[::2]):
+            piece = rows.view(e.master.shape)
             if e.master.grad is None:
                 e.master.grad = piece.to(torch.float32) if piece.dtype != torch.float32 else piece
             else:
@@ -443,9 +443,11 @@ class ZeroOptimizer:
         parameters' shards, which the next use gathers."""
         if self.sharder is not None:
             copies = [(e.shard, e.master) for e in self.entries if not e.master_is_view]
-        else:
-            copies = [(e.param_rows()[e.start:e.stop], e.master.view(e.stop - e.start, e.row_size))
-                      for e in self.entries if not e.master_is_view and e.stop > e.start]
+        else:   # views made once: a parameter's storage stays (an fp32 parameter's master is a view of it too)
+            if self._row_copies is None:
+                self._row_copies = [(e.param_rows()[e.start:e.stop], e.master.view(e.stop - e.start, e.row_size))
+                                    for e in self.entries if not e.master_is_view and e.stop > e.start]
+            copies = self._row_copies
         if copies:  # one multi-tensor copy (fp32 masters into bf16/fp16 rows), not a kernel per parameter
             torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
         if self.sharder is not None:

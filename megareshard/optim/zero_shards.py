@@ -110,7 +110,7 @@ class Bucket:
     """Parameters whose gradients travel in one reduce-scatter (or all-reduce), and whose updated rows in one
     all-gather: ``D`` segments of ``seg`` elements, each entry at its offset inside every segment."""
 
-    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched", "expert")
+    __slots__ = ("entries", "offsets", "seg", "dtype", "ready", "defer", "launched", "expert", "split")
 
     def __init__(self, entries: list[ShardEntry]) -> None:
         self.entries = entries
@@ -119,6 +119,10 @@ class Bucket:
             self.offsets.append(off)
             off += e.seg
         self.seg = off                      # elements per dp rank
+        # one rank's segment cut into each entry's rows and its padding, alternately: one split, not two slices
+        # and two views an entry
+        self.split = [n for e in entries for n in ((e.stop - e.start) * e.row_size,
+                                                   e.seg - (e.stop - e.start) * e.row_size)]
         self.dtype = entries[0].param.dtype
         self.ready: set[int] = set()
         self.defer = any(e.defer for e in entries)
