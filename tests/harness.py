@@ -24,15 +24,15 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
-import random
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from lab import free_port  # noqa: F401 (the tests' port picker, the lab's trials' too)
 
 _CTX = None
 # what a rank imports anyway, imported once in the forkserver instead of in every rank: torch._dynamo alone
@@ -220,42 +220,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     return [outcomes[r].value for r in range(world_size)]
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768   # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (for a rendezvous the ranks make themselves: ``init_group=False``).
-
-    Taken below the kernel's ephemeral range, in a slice of its own per pytest-xdist worker, never the same twice in
-    a process: a port from ``bind(port 0)`` lies in the range every outgoing connection draws from (gloo opens many
-    on loopback, in the other worker too), so it could be taken between this call and the test's listen — one CI run
-    failed so (EADDRINUSE serving a transfer group's rendezvous)."""
-    top = _ephemeral_start()
-    base = max(1024, top - 8192)
-    width = max((top - base) // 8, 1)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    start = base + (int(worker) % 8 if worker.isdigit() else 0) * width
-    rng = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
-    for _ in range(500):
-        port = start + rng.randrange(width)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"free_port: no free port among {width} in {start}..{start + width - 1} after 500 tries")
 
 
 def _pretrain_rank(rank: int, world: int, argv: list[str], log: str) -> int:

@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lab import ROOT
+from lab import ROOT, free_port
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "100",
@@ -174,12 +173,6 @@ class FillDisk(Inject):
 RUN = ["--mock-data", "--vocab-size", "64", "--global-batch-size", "8"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(workdir: str, args: list[str], *, nproc: int = 2, inject: str = "", script: str | None = None,
              timeout: float = 240.0, monitor_interval: float = 1.0) -> dict:
     """One torchrun job of the worker (or ``script``); returns {rc, out, t0, t_end, injected_at, errors}.
@@ -195,7 +188,7 @@ def torchrun(workdir: str, args: list[str], *, nproc: int = 2, inject: str = "",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), CHAOS_INJECT=inject)
     target = [script] if script else ["-m", "lab.chaos.chaos_data", "worker"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_port()), "--max-restarts", "0",
+           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
            "--monitor-interval", str(monitor_interval), *target, *args]
     t0 = time.time()
     try:

@@ -43,7 +43,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from lab import ROOT
+from lab import ROOT, free_port
 KEYS = ("fault", "detected", "how", "detect_s", "recovered", "steps_lost", "data_lost")
 REPORT_RE = re.compile(r"\[watchdog\] rank (\d+): '([^']*)' (failed after|has run for) ([0-9.]+)s")
 
@@ -73,12 +72,6 @@ def model_args(quick: bool, layers: int | None = None) -> list[str]:
 
 def comm_timeout(quick: bool) -> float:
     return 8.0 if quick else 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(workdir: str, **extra: str) -> dict[str, str]:
@@ -201,7 +194,7 @@ def launch_ranks(argv: list[str], world: int, workdir: str, tag: str, env: dict[
                  script: str = "pretrain_gpt.py") -> list[Job]:
     """``world`` processes of ``script`` with torchrun's environment but no torchrun agent: nothing restarts
     or kills them, so each one's own exit (code, time, last words) is observable."""
-    port = _free_port()
+    port = free_port()
     jobs = []
     for r in range(world):
         e = _env(workdir, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
@@ -214,7 +207,7 @@ def launch_ranks(argv: list[str], world: int, workdir: str, tag: str, env: dict[
 def torchrun(argv: list[str], nproc: int, workdir: str, tag: str, env: dict[str, str] | None = None,
              max_restarts: int = 0) -> Job:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+           str(free_port()), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
            "pretrain_gpt.py", *argv]
     return Job.start(tag, cmd, _env(workdir, **(env or {})), os.path.join(workdir, f"{tag}.log"))
 
@@ -393,7 +386,7 @@ def script_env(workdir: str, quick: bool, **extra: str) -> dict[str, str]:
                NUM_LAYERS=layers, HIDDEN_SIZE=h, NUM_HEADS="4", SEQ_LENGTH=seq, MICRO_BATCH="2", GLOBAL_BATCH="8",
                VOCAB_SIZE="100", LR="1e-3", MIN_LR="1e-4", WARMUP="2", LOG_INTERVAL="1", EVAL_INTERVAL="0",
                RUN_DIR=os.path.join(workdir, "run"), CHECKPOINT_PATH=os.path.join(workdir, "ck"),
-               MASTER_PORT=str(_free_port()), PYTHON=sys.executable, COMM_TIMEOUT=str(comm_timeout(quick)),
+               MASTER_PORT=str(free_port()), PYTHON=sys.executable, COMM_TIMEOUT=str(comm_timeout(quick)),
                PREFLIGHT_TIMEOUT="60")
     env.update(extra)
     return env
@@ -546,7 +539,7 @@ def trial_nic_down(workdir: str, quick: bool) -> dict[str, Any]:
     cwd = os.getcwd()
     try:
         os.chdir(ROOT)
-        code = ec.run_cluster(layout, 1, _free_port(), cmd, out=tap,
+        code = ec.run_cluster(layout, 1, free_port(), cmd, out=tap,
                               timeout_s=600)
     except ec.ClusterError as e:
         return {**base, "detected": False, "how": f"skipped: {e}", "detect_s": None, "data_lost": "n/a"}
